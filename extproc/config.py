@@ -1,0 +1,350 @@
+"""The server's configuration: one YAML file, loaded strictly.
+
+Every section is a frozen dataclass whose defaults are the one visible place defaults live.
+The loader walks the dataclass type hints: an unknown key or a wrongly typed value is a
+`ConfigError` naming the key path (``models[0].endpoints[1].adress: unknown key``).
+HTTPRoute annotations (``lb.extproc.io/...``) decode into `RouteSettings` here too, so the
+local YAML ``routes:`` section and Kubernetes annotations share one schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "ANNOTATION_PREFIX",
+    "AccountingConfig",
+    "Config",
+    "ConfigError",
+    "EndpointConfig",
+    "KVEventsConfig",
+    "KubernetesConfig",
+    "KubernetesDiscoveryConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "RouteSettings",
+    "RoutingConfig",
+    "ServerConfig",
+    "TLSConfig",
+    "load_config",
+    "load_config_text",
+    "parse_route_annotations",
+]
+
+ANNOTATION_PREFIX = "lb.extproc.io/"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key path."""
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None  # set to require client certificates (mTLS)
+    reload_interval_s: float = 30.0  # certificate files are re-read when they change
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 9002
+    metrics_port: int = 9090  # Prometheus /metrics and /debug endpoints (HTTP)
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_concurrent_streams: int = 4096  # gRPC streams per connection (Envoy opens few connections)
+    max_pending_requests: int = 2048  # requests between headers and decision; more are shed with 429
+    shutdown_grace_s: float = 10.0
+    allow_explain: bool = False  # honour `x-routing-explain: true` on requests
+    tls: TLSConfig | None = None
+    tokenize_inline_bytes: int = 4096  # shorter prompts tokenize on the event loop (a thread hop costs more)
+    tokenizer_threads: int = 1
+    log_level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    poll_interval_s: float = 0.5
+    timeout_s: float = 1.0
+    stale_after_s: float = 3.0  # a pod whose last good scrape is older leaves the candidate set
+    preset: Literal["vllm", "sglang"] = "vllm"
+    names: dict[str, str] = field(default_factory=dict)  # override single metric names
+    max_response_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class AccountingConfig:
+    inject_include_usage: bool = True  # add stream_options.include_usage when a streaming client did not
+    strip_injected_usage: bool = False  # reserved: Envoy cannot drop the extra chunk in observability mode
+    token_metadata: bool = True  # io.envoy.ai_gateway dynamic metadata (single-filter response mode only)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    default_strategy: str = "least-request"
+    strategy_header: str = "routing-strategy"
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_fallbacks: int = 2  # endpoints after the pick in the destination header, for Envoy retries
+    queue_threshold: float = 128.0  # saturation: waiting requests per pod
+    kv_threshold: float = 0.95  # saturation: KV-cache usage fraction per pod
+    priority_header: str = "x-request-priority"  # < 0 marks a request sheddable
+    session_header: str = "x-session-id"
+    user_header: str = "x-user-id"
+    seed: int | None = None  # fixed seed for reproducible tie-breaks (tests, benchmarks)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    mode: Literal["auto", "exact", "approximate"] = "auto"
+    approx_ttl_s: float = 600.0
+    approx_capacity_blocks: int = 1_000_000
+    exact_capacity_blocks: int = 4_000_000
+    replay_timeout_s: float = 1.0
+    stall_after_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointConfig:
+    address: str
+    metrics_url: str | None = None
+    role: Literal["both", "prefill", "decode"] = "both"
+    kv_events: str | None = None  # tcp://host:port of the engine's ZMQ PUB
+    kv_replay: str | None = None  # tcp://host:port of the engine's ZMQ ROUTER
+
+    def __post_init__(self) -> None:
+        if not _ADDRESS_RE.match(self.address):
+            raise ConfigError(f"address {self.address!r} must be ip:port (IPv6 in brackets)")
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesDiscoveryConfig:
+    namespace: str = "default"
+    selector: dict[str, str] = field(default_factory=dict)
+    inference_pool: str | None = None  # read selector and targetPorts from this InferencePool
+    target_port: int = 8000
+    metrics_port: int | None = None  # defaults to target_port
+    role_label: str | None = "llm-d.ai/role"
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    tokenizer: str | None = None  # directory with tokenizer.json (+ tokenizer_config.json); "bundled:qwen3"
+    block_size: int = 16
+    aliases: list[str] = field(default_factory=list)
+    lora_adapters: list[str] = field(default_factory=list)
+    strategy: str | None = None  # default strategy for this model (else routing.default_strategy)
+    kv_events_mode: Literal["auto", "exact", "approximate"] | None = None
+    endpoints: list[EndpointConfig] = field(default_factory=list)
+    kubernetes: KubernetesDiscoveryConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    watch_httproutes: bool = False
+    namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
+    in_cluster: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSettings:
+    """Per-route routing settings, from HTTPRoute annotations or the YAML ``routes:`` section."""
+
+    strategy: str | None = None
+    profile: str | None = None
+    scorers: str | None = None  # ad hoc weighted profile: "prefix-cache:3,least-request:1"
+    model_map: dict[str, str] = field(default_factory=dict)  # requested model -> served model
+    shed_sheddable: bool = True  # 429 for sheddable requests when every pod is saturated
+    accounting: bool = True  # response token accounting on this route
+    inject_include_usage: bool | None = None  # None: the accounting section decides
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    models: list[ModelConfig] = field(default_factory=list)
+    routes: dict[str, RouteSettings] = field(default_factory=dict)  # key: "<ns>/<name>" or an xDS route name
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, model in enumerate(self.models):
+            for name in (model.name, *model.aliases):
+                if name in seen:
+                    raise ConfigError(f"models[{i}]: model name {name!r} is declared twice")
+                seen.add(name)
+            if not model.endpoints and model.kubernetes is None:
+                raise ConfigError(
+                    f"models[{i}] ({model.name}): needs `endpoints` or `kubernetes` discovery"
+                )
+
+
+_ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict decoding from plain YAML data into the dataclasses above.
+
+
+def _decode(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _decode(arg, value, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{path}: {value!r} is not one of {choices}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return [_decode(args[0], item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {
+            _decode(args[0], k, f"{path}.<key>"): _decode(args[1], v, f"{path}.{k}")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _decode_dataclass(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {tp!r}")  # a schema bug, not a user error
+
+
+def _decode_dataclass(cls: type[Any], value: Any, path: str) -> Any:
+    prefix = f"{path}." if path else ""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(value).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in value:
+            kwargs[name] = _decode(hints[name], value[name], f"{prefix}{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{prefix}{name}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+def load_config_text(text: str) -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config is not valid YAML: {exc}") from None
+    result: Config = _decode_dataclass(Config, data, "")
+    return result
+
+
+def load_config(path: str | Path) -> Config:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    return load_config_text(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTPRoute annotations.
+
+_BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]*$")
+_SCORER_SPEC_RE = re.compile(r"^\s*[a-z0-9\-]+\s*(:\s*[0-9]*\.?[0-9]+\s*)?(,\s*[a-z0-9\-]+\s*(:\s*[0-9]*\.?[0-9]+\s*)?)*$")
+
+
+def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettings, list[str]]:
+    """Decode ``lb.extproc.io/*`` annotations. Invalid values are reported and left at defaults.
+
+    Keys (all optional): strategy, profile, scorers, model-map ("alias=served,..."),
+    shed-sheddable, accounting, inject-include-usage. Unknown keys under the prefix are errors
+    too, since a typo would otherwise be silently ignored.
+    """
+    kwargs: dict[str, Any] = {}
+    errors: list[str] = []
+    for key, raw in annotations.items():
+        if not key.startswith(ANNOTATION_PREFIX):
+            continue
+        name = key[len(ANNOTATION_PREFIX) :]
+        value = raw.strip()
+        if name in ("strategy", "profile"):
+            if _NAME_RE.match(value):
+                kwargs[name] = value
+            else:
+                errors.append(f"{key}: {raw!r} is not a valid {name} name")
+        elif name == "scorers":
+            if _SCORER_SPEC_RE.match(value):
+                kwargs["scorers"] = value.replace(" ", "")
+            else:
+                errors.append(f"{key}: {raw!r} must look like 'prefix-cache:3,least-request:1'")
+        elif name == "model-map":
+            mapping: dict[str, str] = {}
+            for part in filter(None, (p.strip() for p in value.split(","))):
+                src, sep, dst = part.partition("=")
+                if not sep or not src.strip() or not dst.strip():
+                    errors.append(f"{key}: {part!r} must be 'requested=served'")
+                    mapping = {}
+                    break
+                mapping[src.strip()] = dst.strip()
+            if mapping:
+                kwargs["model_map"] = mapping
+        elif name in ("shed-sheddable", "accounting", "inject-include-usage"):
+            flag = _BOOL_WORDS.get(value.lower())
+            if flag is None:
+                errors.append(f"{key}: {raw!r} must be true or false")
+            else:
+                kwargs[name.replace("-", "_")] = flag
+        else:
+            errors.append(f"{key}: unknown annotation (known: strategy, profile, scorers, "
+                          "model-map, shed-sheddable, accounting, inject-include-usage)")
+    return RouteSettings(**kwargs), errors
