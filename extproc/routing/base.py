@@ -88,7 +88,7 @@ class RoutingRequest:
     session_id: str | None = None  # decoded, validated session hint (address), if any
     lora: str | None = None  # adapter name when `model` names a LoRA adapter
     priority: int = 0  # < 0 marks the request sheddable
-    headers: Mapping[str, str] = field(default=EMPTY_LABELS)
+    headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +104,7 @@ class Decision:
 
     ranked: tuple[Endpoint, ...]
     strategy: str
-    scores: Mapping[str, Mapping[str, float]] = field(default=EMPTY_LABELS)  # type: ignore[assignment]
+    scores: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: EMPTY_LABELS)
     reason: str = ""
     prefill: Endpoint | None = None  # set by `pd`: run the prefill here first
     session_id: str | None = None  # set by `session-affinity`: returned to the client
