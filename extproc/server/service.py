@@ -1,0 +1,139 @@
+"""The gRPC server: ExternalProcessor service, health service, TLS, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.director.api import RequestHandler
+from extproc.server.processor import StreamProcessor
+
+__all__ = ["EXT_PROC_SERVICE", "ExtProcServer", "ServerOptions"]
+
+log = logging.getLogger("extproc.server")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS = "liveness"
+READINESS = "readiness"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 9002
+    max_concurrent_streams: int = 4096
+    max_message_bytes: int = 8 * 1024 * 1024  # >= the body limit, so a big body gets our 413
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+
+
+class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, handler: RequestHandler, streams: set[asyncio.Task[Any]]) -> None:
+        self._handler = handler
+        self._streams = streams
+
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # noqa: N802
+        task = asyncio.current_task()
+        if task is not None:
+            self._streams.add(task)
+        proc = StreamProcessor(self._handler)
+        try:
+            while not proc.done:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                for resp in await proc.on_message(msg):
+                    await context.write(resp)
+        except asyncio.CancelledError:
+            # Envoy reset the stream (client went away): settle state, then let it cancel.
+            raise
+        finally:
+            proc.close()
+            if task is not None:
+                self._streams.discard(task)
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+class ExtProcServer:
+    """Owns the grpc.aio server. `start()`, then `stop(grace)` drains in-flight streams."""
+
+    def __init__(self, handler: RequestHandler, options: ServerOptions) -> None:
+        self._options = options
+        self._streams: set[asyncio.Task[Any]] = set()
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_concurrent_streams", options.max_concurrent_streams),
+                ("grpc.max_receive_message_length", options.max_message_bytes),
+                ("grpc.max_send_message_length", options.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ],
+        )
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            _ExternalProcessor(handler, self._streams), self._server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        address = f"{options.host}:{options.port}"
+        if options.tls_cert_file and options.tls_key_file:
+            creds = grpc.ssl_server_credentials(
+                [(_read(options.tls_key_file), _read(options.tls_cert_file))],
+                root_certificates=_read(options.tls_client_ca_file)
+                if options.tls_client_ca_file
+                else None,
+                require_client_auth=options.tls_client_ca_file is not None,
+            )
+            self.port = self._server.add_secure_port(address, creds)
+        else:
+            self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind the gRPC server to {address}")
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        await self._server.start()
+        await self._health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_ready(False)
+        log.info("ext_proc gRPC server listening on %s:%d", self._options.host, self.port)
+
+    async def set_ready(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in (READINESS, EXT_PROC_SERVICE, ""):
+            await self._health.set(service, status)
+
+    async def stop(self, grace: float, *, on_draining: Callable[[], None] | None = None) -> None:
+        """Health goes NOT_SERVING, new streams are refused, in-flight ones get `grace` seconds."""
+        await self.set_ready(False)
+        if on_draining is not None:
+            on_draining()
+        log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
+        await self._server.stop(grace)
+        await self._health.enter_graceful_shutdown()
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+
+# Referenced so the generated module stays imported for message registration.
+_ = ep

@@ -1,0 +1,224 @@
+"""Drive real gRPC streams into the ext_proc server and compare whole response sequences."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+
+from extproc._pb.envoy.config.core.v3 import base_pb2
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.director.api import BodyMode, ImmediateReply
+from extproc.server.service import ExtProcServer, ServerOptions
+from tests.server.fake_handler import FakeHandler
+
+DEST = "10.0.0.1:8000,10.0.0.2:8000"
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def headers_msg(
+    path: str = "/v1/chat/completions",
+    *,
+    eos: bool = False,
+    body_mode: BodyMode = BodyMode.BUFFERED,
+    response_mode: BodyMode = BodyMode.NONE,
+    extra: dict[str, str] | None = None,
+    route_name: str | None = None,
+) -> ep.ProcessingRequest:
+    hdrs = {":method": "POST", ":path": path, "x-request-id": "rid-1", **(extra or {})}
+    msg = ep.ProcessingRequest()
+    msg.request_headers.end_of_stream = eos
+    for k, v in hdrs.items():
+        msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    msg.protocol_config.request_body_mode = int(body_mode)  # type: ignore[assignment]
+    msg.protocol_config.response_body_mode = int(response_mode)  # type: ignore[assignment]
+    if route_name:
+        msg.attributes["envoy.filters.http.ext_proc"].fields["xds.route_name"].string_value = route_name
+    return msg
+
+
+def body_msg(data: bytes, eos: bool = True) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
+
+
+def expected_mutation(headers: dict[str, str]) -> ep.HeaderMutation:
+    return ep.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=OVERWRITE
+            )
+            for k, v in headers.items()
+        ]
+    )
+
+
+def lb_metadata(value: str) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value = value
+    return s
+
+
+@pytest.fixture
+async def server_and_handler() -> AsyncIterator[tuple[int, FakeHandler]]:
+    handler = FakeHandler()
+    server = ExtProcServer(handler, ServerOptions(port=0))
+    await server.start()
+    try:
+        yield server.port, handler
+    finally:
+        await server.stop(0.5)
+
+
+async def exchange(port: int, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        call = stub.Process(iter(messages))
+        return [resp async for resp in call]
+
+
+async def test_buffered_mode_sets_destination_in_body_response(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    body = b'{"model":"m","messages":[]}'
+    got = await exchange(port, [headers_msg(), body_msg(body)])
+    want_body = ep.ProcessingResponse()
+    want_body.request_body.response.header_mutation.CopyFrom(
+        expected_mutation({"x-routing-strategy": "fake", "x-gateway-destination-endpoint": DEST})
+    )
+    want_body.dynamic_metadata.CopyFrom(lb_metadata(DEST))
+    assert got == [ep.ProcessingResponse(request_headers=ep.HeadersResponse()), want_body]
+    assert handler.seen[0][1] == body
+    assert handler.seen[0][0].path == "/v1/chat/completions"
+
+
+async def test_buffered_mode_with_body_rewrite_sets_content_length(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    handler.new_body = b'{"rewritten":true}'
+    got = await exchange(port, [headers_msg(), body_msg(b'{"model":"m"}')])
+    common = got[1].request_body.response
+    assert common.status == ep.CommonResponse.CONTINUE_AND_REPLACE
+    assert common.body_mutation.body == handler.new_body
+    hdrs = {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
+    assert hdrs["content-length"] == str(len(handler.new_body)).encode()
+
+
+async def test_full_duplex_holds_headers_then_echoes_body_in_chunks(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    handler.max_body_bytes = 1 << 20
+    part1, part2 = b"a" * 70_000, b"b" * 10_000
+    got = await exchange(
+        port,
+        [
+            headers_msg(body_mode=BodyMode.FULL_DUPLEX_STREAMED),
+            body_msg(part1, eos=False),
+            body_msg(part2, eos=False),
+            body_msg(b"", eos=True),  # Envoy's separate empty end_of_stream message
+        ],
+    )
+    assert [r.WhichOneof("response") for r in got] == ["request_headers", "request_body", "request_body"]
+    assert got[0].request_headers.response.header_mutation == expected_mutation(
+        {"x-routing-strategy": "fake", "x-gateway-destination-endpoint": DEST}
+    )
+    assert got[0].dynamic_metadata == lb_metadata(DEST)
+    chunks = [r.request_body.response.body_mutation.streamed_response for r in got[1:]]
+    assert b"".join(c.body for c in chunks) == part1 + part2
+    assert [len(c.body) for c in chunks] == [62_000, 18_000]
+    assert [c.end_of_stream for c in chunks] == [False, True]
+    assert handler.seen[0][1] == part1 + part2
+
+
+async def test_bodyless_request_routes_at_headers(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    got = await exchange(port, [headers_msg("/health", eos=True)])
+    assert len(got) == 1
+    assert got[0].request_headers.response.clear_route_cache is True
+    assert handler.seen[0][1] is None and handler.seen[0][0].has_body is False
+
+
+async def test_body_over_limit_is_413(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    got = await exchange(port, [headers_msg(), body_msg(b"x" * 2000)])
+    assert got[-1].immediate_response.status.code == 413
+    assert handler.seen == []
+
+
+async def test_immediate_reply_from_handler(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    handler.reply = ImmediateReply(status=404, body=b'{"error":{}}')
+    got = await exchange(port, [headers_msg(), body_msg(b"{}")])
+    imm = got[-1].immediate_response
+    assert (imm.status.code, imm.body) == (404, b'{"error":{}}')
+    assert {h.header.key for h in imm.headers.set_headers} == {"content-type"}
+
+
+async def test_single_filter_response_accounting_emits_token_metadata(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    resp_headers = ep.ProcessingRequest()
+    resp_headers.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    got = await exchange(
+        port,
+        [
+            headers_msg(response_mode=BodyMode.STREAMED),
+            body_msg(b"{}"),
+            resp_headers,
+            ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=False)),
+            ep.ProcessingRequest(response_body=ep.HttpBody(body=b"", end_of_stream=True)),
+        ],
+    )
+    assert [r.WhichOneof("response") for r in got] == [
+        "request_headers", "request_body", "response_headers", "response_body", "response_body",
+    ]
+    meta = got[-1].dynamic_metadata.fields["io.envoy.ai_gateway"].struct_value.fields
+    assert meta["llm_input_token"].number_value == 3.0
+    obs = handler.observers["rid-1"]
+    assert obs.events == [("headers", 200), ("body", (b"data: x\n\n", False)), ("body", (b"", True))]
+    assert obs.finished is True
+
+
+async def test_observability_stream_gets_no_answers_and_ends_at_eos(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    await exchange(port, [headers_msg(), body_msg(b"{}")])  # routes rid-1
+    first = ep.ProcessingRequest(observability_mode=True)
+    first.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    first.attributes["envoy.filters.http.ext_proc"].fields["request.id"].string_value = "rid-1"
+    msgs = [
+        first,
+        ep.ProcessingRequest(observability_mode=True, response_body=ep.HttpBody(body=b"abc", end_of_stream=True)),
+    ]
+    got = await exchange(port, msgs)
+    assert got == []
+    assert handler.observers["rid-1"].finished is True
+    assert handler.observers["rid-1"].events[-1] == ("body", (b"abc", True))
+
+
+async def test_cancelled_single_filter_stream_finishes_observer_incomplete(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(headers_msg(response_mode=BodyMode.STREAMED))
+        await call.read()
+        await call.write(body_msg(b"{}"))
+        await call.read()
+        call.cancel()
+    for _ in range(100):
+        obs = handler.observers.get("rid-1")
+        if obs is not None and obs.finished is not None:
+            break
+        import asyncio
+
+        await asyncio.sleep(0.01)
+    assert handler.observers["rid-1"].finished is False
+
+
+async def test_route_name_and_subset_hint_reach_the_handler(server_and_handler: tuple[int, FakeHandler]) -> None:
+    port, handler = server_and_handler
+    msg = headers_msg(route_name="httproute/default/llm/rule/0/match/0/*")
+    subset = msg.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+    subset.fields["x-gateway-destination-endpoint-subset"].list_value.values.add().string_value = "10.0.0.2:8000"
+    await exchange(port, [msg, body_msg(b"{}")])
+    head = handler.seen[0][0]
+    assert head.route_name == "httproute/default/llm/rule/0/match/0/*"
+    assert head.subset == ("10.0.0.2:8000",)
