@@ -1,0 +1,455 @@
+"""Cache-, user- and role-aware strategies: prefix-cache, prefix-cache-preble, kv-aware,
+vtc-basic, pd and session-affinity. Rules and defaults follow docs/strategies.md.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extproc.routing import signals
+from extproc.routing.base import Decision, PodState, RoutingRequest, Snapshot
+from extproc.routing.session import encode_session
+from extproc.routing.strategies import decision
+from extproc.types import EndpointRole
+
+__all__ = [
+    "KvAwareParams",
+    "KvAwareStrategy",
+    "PdParams",
+    "PdStrategy",
+    "PrebleParams",
+    "PrebleStrategy",
+    "PrefixCacheParams",
+    "PrefixCacheStrategy",
+    "SessionAffinityStrategy",
+    "VtcParams",
+    "VtcStrategy",
+]
+
+
+def _least_request(pods: Sequence[PodState], rng: random.Random) -> list[PodState]:
+    return signals.rank_by(pods, lambda p: (float(p.in_flight),), rng)
+
+
+def _imbalance_guard(pods: Sequence[PodState], abs_count: int) -> tuple[list[PodState], str | None]:
+    """AIBrix: if the in-flight spread exceeds `abs_count`, only the least-loaded pods are candidates."""
+    loads = [p.in_flight for p in pods]
+    lo, hi = min(loads), max(loads)
+    if hi - lo > abs_count:
+        return [
+            p for p in pods if p.in_flight == lo
+        ], f"load imbalance (spread {hi - lo} > {abs_count}): least-loaded only"
+    return list(pods), None
+
+
+def _match_pct(req: RoutingRequest, p: PodState) -> float:
+    if req.prompt_tokens <= 0:
+        return 0.0
+    return min(100.0, 100.0 * p.prefix_match_tokens / req.prompt_tokens)
+
+
+def _rest(
+    chosen: Sequence[PodState], pods: Sequence[PodState], rng: random.Random
+) -> list[PodState]:
+    taken = {id(p) for p in chosen}
+    return _least_request([p for p in pods if id(p) not in taken], rng)
+
+
+# ---------------------------------------------------------------- prefix-cache (AIBrix)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheParams:
+    imbalance_abs_count: int = 8  # AIBRIX_PREFIX_CACHE_POD_RUNNING_REQUEST_IMBALANCE_ABS_COUNT
+    stddev_factor: float = 1.0  # AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR
+    match_threshold_percent: float = 0.0  # PR #641 used 50; current AIBrix has no threshold
+
+
+class PrefixCacheStrategy:
+    """AIBrix prefix-cache: deepest match whose load is within mean + k*stddev, else least-request."""
+
+    def __init__(self, name: str = "prefix-cache", params: PrefixCacheParams | None = None) -> None:
+        self.name = name
+        self.params = params or PrefixCacheParams()
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        prm = self.params
+        pods = snap.pods
+        notes: list[str] = []
+        cands, note = _imbalance_guard(pods, prm.imbalance_abs_count)
+        if note:
+            notes.append(note)
+        loads = [float(p.in_flight) for p in pods]
+        bound = statistics.fmean(loads) + prm.stddev_factor * statistics.pstdev(loads)
+        scores = {
+            p.address: {"match_pct": round(_match_pct(req, p), 2), "in_flight": float(p.in_flight)}
+            for p in pods
+        }
+        matched = [
+            p
+            for p in cands
+            if p.prefix_match_tokens > 0 and _match_pct(req, p) > prm.match_threshold_percent
+        ]
+        ordered = signals.rank_by(matched, lambda p: (-_match_pct(req, p), float(p.in_flight)), rng)
+        pick = next((p for p in ordered if p.in_flight <= bound), None)
+        if pick is not None:
+            notes.insert(
+                0, f"prefix match {_match_pct(req, pick):.0f}% within load bound {bound:.2f}"
+            )
+            ranked = [pick, *_rest([pick], cands, rng)]
+        else:
+            if req.prompt_tokens <= 0:
+                why = "no prompt tokens"
+            elif not matched:
+                why = "no prefix match"
+            else:
+                why = f"every match over load bound {bound:.2f}"
+            notes.insert(0, f"{why}: least-request")
+            ranked = _least_request(cands, rng)
+        ranked += _rest(ranked, pods, rng)
+        return decision(self.name, ranked, "; ".join(notes), scores)
+
+
+# ---------------------------------------------------------------- prefix-cache-preble (Preble E2)
+
+
+@dataclass(frozen=True, slots=True)
+class PrebleParams:
+    imbalance_abs_count: int = 8
+    exploit_ratio: float = 0.5  # AIBrix hard-codes matched/total > 0.5
+    rebalance_ratio: float = 2.0  # holder "overloaded" at >= ratio * max(least in-flight, 1)
+
+
+class PrebleStrategy:
+    """Preble E2: exploit the longest cached prefix when it outweighs the rest, else explore by cost.
+
+    Exploit: among pods holding the longest match, the one with least outstanding token work.
+    Rebalance: if that holder is overloaded relative to the least-loaded pod, explore instead.
+    Explore: cost = this request's uncached prompt tokens on the pod + the pod's outstanding
+    tokens (in-flight prompt + max_tokens estimates); lowest cost wins.
+    """
+
+    def __init__(
+        self, name: str = "prefix-cache-preble", params: PrebleParams | None = None
+    ) -> None:
+        self.name = name
+        self.params = params or PrebleParams()
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        prm = self.params
+        pods = snap.pods
+        notes: list[str] = []
+        cands, note = _imbalance_guard(pods, prm.imbalance_abs_count)
+        if note:
+            notes.append(note)
+
+        def cost(p: PodState) -> float:
+            return float(max(req.prompt_tokens - p.prefix_match_tokens, 0) + p.in_flight_tokens)
+
+        scores = {
+            p.address: {
+                "match_tokens": float(p.prefix_match_tokens),
+                "cost": cost(p),
+                "in_flight": float(p.in_flight),
+            }
+            for p in pods
+        }
+        longest = max(p.prefix_match_tokens for p in cands)
+        explore_order = signals.rank_by(cands, lambda p: (cost(p), float(p.in_flight)), rng)
+        if req.prompt_tokens > 0 and longest / req.prompt_tokens > prm.exploit_ratio:
+            holders = [p for p in cands if p.prefix_match_tokens == longest]
+            best = signals.rank_by(
+                holders, lambda p: (float(p.in_flight_tokens), float(p.in_flight)), rng
+            )[0]
+            least = min(p.in_flight for p in pods)
+            if best.in_flight >= prm.rebalance_ratio * max(least, 1):
+                notes.insert(
+                    0,
+                    f"rebalance: holder {best.address} overloaded (in_flight {best.in_flight} vs least {least}); explore by cost",
+                )
+                ranked = explore_order
+            else:
+                notes.insert(0, f"exploit: {longest}/{req.prompt_tokens} tokens cached")
+                ranked = [best, *[p for p in explore_order if p is not best]]
+        else:
+            notes.insert(
+                0, f"explore: longest cached {longest}/{req.prompt_tokens} tokens; min cost"
+            )
+            ranked = explore_order
+        ranked += _rest(ranked, pods, rng)
+        return decision(self.name, ranked, "; ".join(notes), scores)
+
+
+# ---------------------------------------------------------------- kv-aware (Dynamo)
+
+
+@dataclass(frozen=True, slots=True)
+class KvAwareParams:
+    overlap_weight: float = 1.0  # DYN_KV_OVERLAP_SCORE_WEIGHT
+    temperature: float = 0.0  # DYN_ROUTER_TEMPERATURE; 0 = argmin
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0 or self.temperature < 0:
+            raise ValueError("overlap_weight and temperature must be >= 0")
+
+
+class KvAwareStrategy:
+    """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
+
+    prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
+    (in-flight tokens / block_size) + this request's new blocks. With temperature T > 0 the order
+    is sampled from softmax(-(cost - min) / ((max - min) * T)); at T = 0 ties go to the pod with
+    the smaller cache (cached_blocks), then random.
+    """
+
+    def __init__(self, name: str = "kv-aware", params: KvAwareParams | None = None) -> None:
+        self.name = name
+        self.params = params or KvAwareParams()
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        prm = self.params
+        bs = max(req.block_size, 1)
+        total_blocks = math.ceil(req.prompt_tokens / bs)
+        costs: dict[int, float] = {}
+        scores: dict[str, dict[str, float]] = {}
+        for p in snap.pods:
+            overlap = min(p.prefix_match_tokens, req.prompt_tokens) // bs
+            prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
+            decode_blocks = math.ceil(p.in_flight_tokens / bs) + (total_blocks - overlap)
+            c = prm.overlap_weight * prefill_blocks + decode_blocks
+            costs[id(p)] = c
+            scores[p.address] = {
+                "overlap_blocks": float(overlap),
+                "prefill_blocks": round(prefill_blocks, 3),
+                "decode_blocks": float(decode_blocks),
+                "cost": round(c, 3),
+            }
+        values = list(costs.values())
+        lo, hi = min(values), max(values)
+        if prm.temperature > 0 and hi > lo:
+            span = (hi - lo) * prm.temperature
+
+            def gumbel_key(p: PodState) -> tuple[float, ...]:
+                u = rng.random() or 1e-300
+                return (-(-(costs[id(p)] - lo) / span - math.log(-math.log(u))),)
+
+            ranked = signals.rank_by(snap.pods, gumbel_key, rng)
+            reason = f"softmax over cost, T={prm.temperature:g}"
+        else:
+            ranked = signals.rank_by(
+                snap.pods, lambda p: (costs[id(p)], float(p.cached_blocks)), rng
+            )
+            reason = "min cost" + (
+                " (all equal: uniform)" if hi == lo and prm.temperature > 0 else ""
+            )
+        if not any(p.prefix_match_tokens for p in snap.pods):
+            reason += "; no cached prefix on any pod: cost is load only"
+        return decision(self.name, ranked, reason, scores)
+
+
+# ---------------------------------------------------------------- vtc-basic (AIBrix)
+
+
+@dataclass(frozen=True, slots=True)
+class VtcParams:
+    max_pod_load: float = 100.0  # AIBRIX_ROUTER_VTC_BASIC_MAX_POD_LOAD
+    fairness_weight: float = 1.0
+    utilization_weight: float = 1.0
+    min_tokens_floor: float = 1000.0
+    max_tokens_floor: float = 8000.0
+
+    def __post_init__(self) -> None:
+        if self.max_pod_load <= 0 or self.min_tokens_floor <= 0:
+            raise ValueError("max_pod_load and min_tokens_floor must be > 0")
+
+
+class VtcStrategy:
+    """AIBrix vtc-basic: score = w_f*|index - min(tokens/bucket, n-1)| + w_u*min(running/max, 1) + U[0, 0.1).
+
+    Lowest wins. The user's counter is lifted to the smallest active counter (VTC counter lift)
+    so a returning idle user gets no banked credit. Pods are indexed in address order so a user's
+    token band maps to a stable pod. Without a user or counters: least-request (AIBrix: random).
+    """
+
+    def __init__(self, name: str = "vtc-basic", params: VtcParams | None = None) -> None:
+        self.name = name
+        self.params = params or VtcParams()
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        prm = self.params
+        if req.user is None or snap.fairness is None:
+            why = "no user on request" if req.user is None else "no fairness counters"
+            return decision(self.name, _least_request(snap.pods, rng), f"{why}: least-request")
+        fair = snap.fairness
+        active_min = fair.active_min()
+        user_tokens = max(fair.tokens(req.user), active_min)
+        min_tokens = max(prm.min_tokens_floor, active_min)
+        bucket = max(prm.min_tokens_floor, (min_tokens + prm.max_tokens_floor) / 2)
+        pods = sorted(snap.pods, key=lambda p: p.address)
+        target = min(user_tokens / bucket, len(pods) - 1)
+        notes = [f"user tokens {user_tokens:.0f} bucket {bucket:.0f} -> target index {target:.2f}"]
+        score: dict[int, float] = {}
+        scores: dict[str, dict[str, float]] = {}
+        missing = []
+        for idx, p in enumerate(pods):
+            run = signals.running(p)
+            if run is None:
+                run = float(p.in_flight)
+                missing.append(p.address)
+            util = min(run / prm.max_pod_load, 1.0)
+            fairness = abs(idx - target)
+            s = (
+                prm.fairness_weight * fairness
+                + prm.utilization_weight * util
+                + rng.uniform(0.0, 0.1)
+            )
+            score[id(p)] = s
+            scores[p.address] = {
+                "fairness": round(fairness, 3),
+                "utilization": round(util, 3),
+                "score": round(s, 3),
+            }
+        if missing:
+            notes.append(f"running unknown on {','.join(missing)}: used gateway in-flight")
+        ranked = sorted(pods, key=lambda p: score[id(p)])
+        return decision(self.name, ranked, "; ".join(notes), scores)
+
+
+# ---------------------------------------------------------------- pd (AIBrix)
+
+
+@dataclass(frozen=True, slots=True)
+class PdParams:
+    stddev_factor: float = 1.0  # prefill pods above mean + k*stddev in-flight are skipped
+
+
+class PdStrategy:
+    """AIBrix pd: a prefill pod (role prefill) and a decode pod (role decode, else both).
+
+    Prefill score (lowest wins) = (100 - match%) * 0.1 + in_flight / max in_flight, skipping pods
+    above mean + k*stddev. Decode score = (running / max running) / (free KV / max free KV).
+    Without a prefill pod the request goes to a decode/both pod whole, and the reason says so.
+    """
+
+    def __init__(self, name: str = "pd", params: PdParams | None = None) -> None:
+        self.name = name
+        self.params = params or PdParams()
+
+    def _decode_order(
+        self, pool: Sequence[PodState], rng: random.Random, scores: dict[str, dict[str, float]]
+    ) -> tuple[list[PodState], str | None]:
+        runs = []
+        missing = []
+        for p in pool:
+            r = signals.running(p)
+            if r is None:
+                r = float(p.in_flight)
+                missing.append(p.address)
+            runs.append(r)
+        frees = [max(1.0 - (signals.kv_usage(p) or 0.0), 0.01) for p in pool]
+        max_run, max_free = max(max(runs), 1.0), max(frees)
+        val: dict[int, float] = {}
+        for p, r, f in zip(pool, runs, frees, strict=True):
+            val[id(p)] = (r / max_run) / (f / max_free)
+            scores.setdefault(p.address, {})["decode_score"] = round(val[id(p)], 4)
+        note = f"running unknown on {','.join(missing)}: used in-flight" if missing else None
+        return signals.rank_by(pool, lambda p: (val[id(p)], float(p.in_flight)), rng), note
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        pods = snap.pods
+        prefill = [p for p in pods if p.endpoint.role is EndpointRole.PREFILL]
+        decode = [p for p in pods if p.endpoint.role is EndpointRole.DECODE]
+        both = [p for p in pods if p.endpoint.role is EndpointRole.BOTH]
+        scores: dict[str, dict[str, float]] = {}
+        notes: list[str] = []
+        pool = decode or both
+        if not pool:
+            ranked = _least_request(pods, rng)
+            return decision(
+                self.name,
+                ranked,
+                "no decode or both pod: whole request on a prefill pod by least-request",
+            )
+        decode_ranked, note = self._decode_order(pool, rng, scores)
+        if note:
+            notes.append(note)
+        pick_prefill: PodState | None = None
+        if prefill:
+            loads = [float(p.in_flight) for p in prefill]
+            bound = statistics.fmean(loads) + self.params.stddev_factor * statistics.pstdev(loads)
+            max_load = max(max(loads), 1.0)
+            ok = [p for p in prefill if p.in_flight <= bound] or prefill
+            val = {id(p): (100.0 - _match_pct(req, p)) * 0.1 + p.in_flight / max_load for p in ok}
+            for p in ok:
+                scores.setdefault(p.address, {})["prefill_score"] = round(val[id(p)], 4)
+            pick_prefill = signals.rank_by(ok, lambda p: (val[id(p)],), rng)[0]
+            notes.insert(
+                0, f"prefill on {pick_prefill.address}, decode on {decode_ranked[0].address}"
+            )
+        else:
+            notes.insert(
+                0,
+                f"no prefill pod: whole request on {'decode' if decode else 'both'} pod {decode_ranked[0].address}",
+            )
+        ranked = decode_ranked + _rest(
+            decode_ranked, [p for p in pods if p.endpoint.role is not EndpointRole.PREFILL], rng
+        )
+        ranked += _rest(ranked, pods, rng)
+        return Decision(
+            ranked=tuple(p.endpoint for p in ranked),
+            strategy=self.name,
+            scores=scores,
+            reason="; ".join(notes),
+            prefill=pick_prefill.endpoint if pick_prefill is not None else None,
+        )
+
+
+# ---------------------------------------------------------------- session-affinity (AIBrix)
+
+SESSION_KEY_HEADER = "x-aibrix-session-key"
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+
+
+def _fnv1a64(data: bytes) -> int:
+    h = _FNV_OFFSET
+    for b in data:
+        h = ((h ^ b) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+class SessionAffinityStrategy:
+    """AIBrix session-affinity: honour `x-session-id` when it names a candidate; else rendezvous
+    hashing on `x-aibrix-session-key`; else least-request. The id is always refreshed to the pick.
+    """
+
+    def __init__(self, name: str = "session-affinity") -> None:
+        self.name = name
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        pods = snap.pods
+        pick = next(
+            (p for p in pods if req.session_id is not None and p.address == req.session_id), None
+        )
+        key = req.headers.get(SESSION_KEY_HEADER)
+        if pick is not None:
+            reason = "session honoured"
+        elif key and len(key) <= 256:
+            pick = max(pods, key=lambda p: _fnv1a64((key + p.address).encode()))
+            reason = "session key: rendezvous hashing"
+        else:
+            pick = _least_request(pods, rng)[0]
+            reason = (
+                "unknown session: least-request" if req.session_id else "no session: least-request"
+            )
+        ranked = [pick, *_rest([pick], pods, rng)]
+        return Decision(
+            ranked=tuple(p.endpoint for p in ranked),
+            strategy=self.name,
+            reason=reason,
+            session_id=encode_session(pick.address),
+        )

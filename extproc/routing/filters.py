@@ -1,0 +1,141 @@
+"""Filter plugins: narrow the candidate set. An emptied set is handled by the profile (kept all)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from extproc.routing import signals
+from extproc.routing.base import PodState, RoutingRequest
+from extproc.routing.framework import EmptyParams
+from extproc.routing.saturation import DEFAULT_KV_THRESHOLD, DEFAULT_QUEUE_THRESHOLD, has_headroom
+from extproc.types import EndpointRole
+
+__all__ = [
+    "LoraAffinityFilter",
+    "LowQueueFilter",
+    "LowQueueParams",
+    "RoleFilter",
+    "RoleParams",
+    "SaturationFilter",
+    "SaturationParams",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationParams:
+    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD
+    kv_threshold: float = DEFAULT_KV_THRESHOLD
+    headroom: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.queue_threshold <= 0 or self.kv_threshold <= 0 or self.headroom < 0:
+            raise ValueError("queue_threshold and kv_threshold must be > 0, headroom >= 0")
+
+
+class SaturationFilter:
+    """GAIE utilization-detector as a filter: keep pods under both queue and KV thresholds."""
+
+    type_name: ClassVar[str] = "saturation"
+    Params: ClassVar[type] = SaturationParams
+
+    def __init__(self, name: str, params: SaturationParams | None = None) -> None:
+        self.name = name
+        self.params = params or SaturationParams()
+
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
+        p = self.params
+        return [
+            pod for pod in pods if has_headroom(pod, p.queue_threshold, p.kv_threshold, p.headroom)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class LowQueueParams:
+    threshold: float = 128.0  # GAIE v0 QUEUING_THRESHOLD_LORA
+
+    def __post_init__(self) -> None:
+        if self.threshold <= 0:
+            raise ValueError("threshold must be > 0")
+
+
+class LowQueueFilter:
+    """Keep pods whose waiting queue is below `threshold`; pods with unknown queue are kept."""
+
+    type_name: ClassVar[str] = "low-queue"
+    Params: ClassVar[type] = LowQueueParams
+
+    def __init__(self, name: str, params: LowQueueParams | None = None) -> None:
+        self.name = name
+        self.threshold = (params or LowQueueParams()).threshold
+
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
+        return self.filter_noted(req, pods)[0]
+
+    def filter_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[PodState], str | None]:
+        kept = []
+        unknown = []
+        for pod in pods:
+            q = signals.waiting(pod)
+            if q is None:
+                unknown.append(pod.address)
+                kept.append(pod)
+            elif q < self.threshold:
+                kept.append(pod)
+        note = f"{self.name}: queue unknown on {','.join(unknown)} (kept)" if unknown else None
+        return kept, note
+
+
+class LoraAffinityFilter:
+    """GAIE v0 LoRA affinity: pods running the adapter; else pods with a free LoRA slot; else all."""
+
+    type_name: ClassVar[str] = "lora-affinity"
+    Params: ClassVar[type] = EmptyParams
+
+    def __init__(self, name: str, params: object = None) -> None:
+        self.name = name
+
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
+        return self.filter_noted(req, pods)[0]
+
+    def filter_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[PodState], str | None]:
+        if req.lora is None:
+            return list(pods), None
+        states = [(p, signals.lora_state(req, p)) for p in pods]
+        active = [p for p, s in states if s == 1.0]
+        if active:
+            return active, None
+        free = [p for p, s in states if s == 0.8]
+        if free:
+            return free, None
+        return list(pods), f"{self.name}: no pod runs {req.lora!r} or has a free slot (kept all)"
+
+
+@dataclass(frozen=True, slots=True)
+class RoleParams:
+    role: str = "decode"
+
+    def __post_init__(self) -> None:
+        if self.role not in {r.value for r in EndpointRole}:
+            raise ValueError(f"role must be one of prefill, decode, both; got {self.role!r}")
+
+
+class RoleFilter:
+    """Keep pods that can act in `role`: the role itself or `both`."""
+
+    type_name: ClassVar[str] = "role"
+    Params: ClassVar[type] = RoleParams
+
+    def __init__(self, name: str, params: RoleParams | None = None) -> None:
+        self.name = name
+        self.role = EndpointRole((params or RoleParams()).role)
+
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
+        if self.role is EndpointRole.BOTH:
+            return [p for p in pods if p.endpoint.role is EndpointRole.BOTH]
+        return [p for p in pods if p.endpoint.role in (self.role, EndpointRole.BOTH)]

@@ -1,0 +1,470 @@
+"""The scoring framework: profiles of filters + weighted scorers + one picker, and plugins by type name.
+
+A `Profile` is a `Strategy`: it runs its filters (an emptied set falls back to the unfiltered
+set, and the reason says so), sums `weight * clamp(score, 0, 1)` per candidate, then lets the
+picker rank every candidate best first. Plugins are small classes with a `type_name`, a frozen
+`Params` dataclass decoded strictly from a mapping, and a constructor `(name, params)`. They are
+registered explicitly in a `PluginRegistry` (see `extproc.routing.builtin.default_plugins`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from types import NoneType, UnionType
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+
+from extproc.routing.base import (
+    Decision,
+    Filter,
+    Picker,
+    PodState,
+    RoutingRequest,
+    Scorer,
+    Snapshot,
+)
+
+__all__ = [
+    "EmptyParams",
+    "MaxScorePicker",
+    "Plugin",
+    "PluginConfigError",
+    "PluginKind",
+    "PluginRegistry",
+    "Profile",
+    "ScoreWithNote",
+    "SoftmaxPicker",
+    "WeightedRandomPicker",
+    "build_profile",
+    "clamp01",
+    "decode_params",
+    "minmax_higher_better",
+    "minmax_lower_better",
+    "parse_weighted_header",
+]
+
+PluginKind = Literal["filter", "scorer", "picker"]
+MAX_HEADER_WEIGHT = 1_000_000.0  # AIBrix accepts integer weights in [0, 1e6]
+
+
+class PluginConfigError(ValueError):
+    """A profile or plugin specification is invalid; the message names the offending key."""
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyParams:
+    """Parameters of a plugin that takes none."""
+
+
+P = TypeVar("P")
+
+
+def _check_value(where: str, key: str, hint: object, value: object) -> object:
+    """Return `value` converted to `hint` or raise naming the key; bool is never an int here."""
+    if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        if value is None and NoneType in args:
+            return None
+        inner = [a for a in args if a is not NoneType]
+        if len(inner) == 1:
+            return _check_value(where, key, inner[0], value)
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        result = float(value)
+        if not math.isfinite(result):
+            raise PluginConfigError(f"{where}: key {key!r} must be a finite number, got {value!r}")
+        return result
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is str and isinstance(value, str):
+        return value
+    if typing.get_origin(hint) is tuple and isinstance(value, list | tuple):
+        (elem,) = typing.get_args(hint)[:1]
+        return tuple(_check_value(where, key, elem, v) for v in value)
+    name = getattr(hint, "__name__", str(hint))
+    raise PluginConfigError(
+        f"{where}: key {key!r} must be {name}, got {type(value).__name__} {value!r}"
+    )
+
+
+def decode_params(params_type: type[P], raw: Mapping[str, object] | None, where: str) -> P:
+    """Decode `raw` into the frozen dataclass `params_type`, strictly (unknown keys are errors)."""
+    if not is_dataclass(params_type):
+        raise TypeError(f"{params_type!r} is not a dataclass")
+    raw = raw or {}
+    if not isinstance(raw, Mapping):
+        raise PluginConfigError(f"{where}: params must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(params_type)
+    known = {f.name: f for f in fields(params_type)}
+    for key in raw:
+        if key not in known:
+            allowed = ", ".join(sorted(known)) or "none"
+            raise PluginConfigError(f"{where}: unknown key {key!r} (allowed: {allowed})")
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        if name in raw:
+            values[name] = _check_value(where, name, hints[name], raw[name])
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise PluginConfigError(f"{where}: missing required key {name!r}")
+    try:
+        return params_type(**values)
+    except ValueError as exc:  # __post_init__ range checks
+        raise PluginConfigError(f"{where}: {exc}") from exc
+
+
+def clamp01(x: float) -> float:
+    if not math.isfinite(x):  # NaN/inf from a bad metric must not poison a sum
+        return 0.0
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+def minmax_lower_better(values: Sequence[float]) -> list[float]:
+    """GAIE queue-scorer shape: (max - v) / (max - min); all equal -> 1.0 each."""
+    if not values:
+        return []
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    return [(hi - v) / (hi - lo) for v in values]
+
+
+def minmax_higher_better(values: Sequence[float]) -> list[float]:
+    if not values:
+        return []
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    return [(v - lo) / (hi - lo) for v in values]
+
+
+@runtime_checkable
+class ScoreWithNote(Protocol):
+    """A scorer that can also say which signal it substituted (for Decision.reason)."""
+
+    name: str
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]: ...
+
+
+@runtime_checkable
+class FilterWithNote(Protocol):
+    name: str
+
+    def filter_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[PodState], str | None]: ...
+
+
+# ---------------------------------------------------------------- pickers
+
+
+@dataclass(frozen=True, slots=True)
+class SoftmaxParams:
+    temperature: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+class MaxScorePicker:
+    """Highest total first; equal totals are ordered at random (GAIE max-score-picker)."""
+
+    type_name: ClassVar[str] = "max-score"
+    Params: ClassVar[type] = EmptyParams
+
+    def __init__(self, name: str = "max-score", params: EmptyParams | None = None) -> None:
+        self.name = name
+
+    def rank(
+        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+    ) -> list[PodState]:
+        keyed = [(-t, rng.random(), i) for i, t in enumerate(totals)]
+        keyed.sort()
+        return [pods[i] for _, _, i in keyed]
+
+
+class SoftmaxPicker:
+    """Samples the order from softmax(total / T) without replacement (Gumbel top-k).
+
+    Against herding: a burst of equal-ish requests spreads instead of all landing on the
+    current best pod before its load signal catches up (llm-d-router PR #2515).
+    """
+
+    type_name: ClassVar[str] = "softmax"
+    Params: ClassVar[type] = SoftmaxParams
+
+    def __init__(self, name: str = "softmax", params: SoftmaxParams | None = None) -> None:
+        self.name = name
+        self.temperature = (params or SoftmaxParams()).temperature
+
+    def rank(
+        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+    ) -> list[PodState]:
+        t = self.temperature
+        keyed = []
+        for i, total in enumerate(totals):
+            u = rng.random() or 1e-300
+            keyed.append((total / t - math.log(-math.log(u)), i))
+        keyed.sort(reverse=True)
+        return [pods[i] for _, i in keyed]
+
+
+class WeightedRandomPicker:
+    """GAIE weighted-random-picker: A-Res keys U^(1/score); zero totals go last, at random."""
+
+    type_name: ClassVar[str] = "weighted-random"
+    Params: ClassVar[type] = EmptyParams
+
+    def __init__(self, name: str = "weighted-random", params: EmptyParams | None = None) -> None:
+        self.name = name
+
+    def rank(
+        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+    ) -> list[PodState]:
+        keyed = []
+        for i, total in enumerate(totals):
+            u = rng.random()
+            key = u ** (1.0 / total) if total > 0 else -1.0 + u  # zero scores after all others
+            keyed.append((key, i))
+        keyed.sort(reverse=True)
+        return [pods[i] for _, i in keyed]
+
+
+# ---------------------------------------------------------------- profile
+
+
+class Profile:
+    """Filters -> weighted scorers -> picker; itself a `Strategy`."""
+
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+    ) -> None:
+        for scorer, weight in scorers:
+            if not math.isfinite(weight) or weight < 0:
+                raise PluginConfigError(
+                    f"scorer {scorer.name!r}: weight must be >= 0, got {weight}"
+                )
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        notes: list[str] = []
+        pods: Sequence[PodState] = snap.pods
+        for flt in self.filters:
+            note: str | None = None
+            if isinstance(flt, FilterWithNote):
+                kept: Sequence[PodState]
+                kept, note = flt.filter_noted(req, pods)
+            else:
+                kept = flt.filter(req, pods)
+            if note:
+                notes.append(note)
+            if not kept:
+                notes.append(f"filter {flt.name} removed every pod; kept all {len(pods)}")
+                continue
+            pods = kept
+        totals = [0.0] * len(pods)
+        per_pod: list[dict[str, float]] = [{} for _ in pods]
+        for scorer, weight in self.scorers:
+            if isinstance(scorer, ScoreWithNote):
+                scores, note = scorer.score_noted(req, pods)
+                if note:
+                    notes.append(note)
+            else:
+                scores = list(scorer.score(req, pods))
+            for i, s in enumerate(scores):
+                c = clamp01(s)
+                per_pod[i][scorer.name] = round(c, 4)
+                totals[i] += weight * c
+        for i, t in enumerate(totals):
+            per_pod[i]["total"] = round(t, 4)
+        ranked = self.picker.rank(pods, totals, rng)
+        # Filtered-out pods are still valid retry fallbacks: they go after the filtered set.
+        chosen = {p.address for p in ranked}
+        rest = [p for p in snap.pods if p.address not in chosen]
+        rest.sort(key=lambda p: (p.in_flight, rng.random()))
+        ranked.extend(rest)
+        scores_by_addr = {p.address: per_pod[i] for i, p in enumerate(pods)}
+        weights = ",".join(f"{s.name}:{w:g}" for s, w in self.scorers)
+        reason = f"profile {self.name} [{weights}] picker {self.picker.name}"
+        if notes:
+            reason += "; " + "; ".join(notes)
+        return Decision(
+            ranked=tuple(p.endpoint for p in ranked),
+            strategy=self.name,
+            scores=scores_by_addr,
+            reason=reason,
+        )
+
+
+# ---------------------------------------------------------------- plugin registry
+
+
+class Plugin(Protocol):
+    type_name: ClassVar[str]
+    Params: ClassVar[type]
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    cls: type
+    params_type: type
+
+
+class PluginRegistry:
+    """Plugin classes by (kind, type name) and aliases, registered explicitly, decoded strictly."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[PluginKind, str], _Entry] = {}
+        self._aliases: dict[tuple[PluginKind, str], str] = {}
+
+    def register(self, kind: PluginKind, cls: type, *aliases: str) -> None:
+        type_name: str = cls.type_name  # type: ignore[attr-defined]
+        params_type: type = cls.Params  # type: ignore[attr-defined]
+        for key in (type_name, *aliases):
+            if (kind, key) in self._entries or (kind, key) in self._aliases:
+                raise ValueError(f"{kind} type {key!r} registered twice")
+        self._entries[(kind, type_name)] = _Entry(cls, params_type)
+        for alias in aliases:
+            self._aliases[(kind, alias)] = type_name
+
+    def type_names(self, kind: PluginKind) -> list[str]:
+        return sorted(name for k, name in self._entries if k == kind)
+
+    def canonical(self, kind: PluginKind, type_name: str) -> str:
+        return self._aliases.get((kind, type_name), type_name)
+
+    def create(
+        self,
+        kind: PluginKind,
+        type_name: str,
+        params: Mapping[str, object] | None = None,
+        name: str | None = None,
+    ) -> Any:
+        canonical = self.canonical(kind, type_name)
+        entry = self._entries.get((kind, canonical))
+        if entry is None:
+            known = ", ".join(self.type_names(kind))
+            raise PluginConfigError(f"unknown {kind} type {type_name!r} (known: {known})")
+        decoded: object = decode_params(entry.params_type, params, f"{kind} {type_name!r}")
+        return entry.cls(name or canonical, decoded)
+
+
+def _require_mapping(value: object, where: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise PluginConfigError(f"{where}: must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _require_list(value: object, where: str) -> list[object]:
+    if not isinstance(value, list | tuple):
+        raise PluginConfigError(f"{where}: must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _plugin_fields(
+    item: Mapping[str, object], where: str, allowed: set[str]
+) -> tuple[str, Mapping[str, object] | None, str | None]:
+    for key in item:
+        if key not in allowed:
+            raise PluginConfigError(
+                f"{where}: unknown key {key!r} (allowed: {', '.join(sorted(allowed))})"
+            )
+    type_name = item.get("type")
+    if not isinstance(type_name, str) or not type_name:
+        raise PluginConfigError(f"{where}: key 'type' must be a non-empty string")
+    params = item.get("params")
+    if params is not None:
+        params = _require_mapping(params, f"{where}.params")
+    name = item.get("name")
+    if name is not None and not isinstance(name, str):
+        raise PluginConfigError(f"{where}: key 'name' must be a string")
+    return type_name, params, name
+
+
+def build_profile(name: str, spec: Mapping[str, object], plugins: PluginRegistry) -> Profile:
+    """Build a profile from `{filters: [{type, params}], scorers: [{type, weight, params}], picker}`."""
+    where = f"profile {name!r}"
+    spec = _require_mapping(spec, where)
+    for key in spec:
+        if key not in ("filters", "scorers", "picker"):
+            raise PluginConfigError(
+                f"{where}: unknown key {key!r} (allowed: filters, picker, scorers)"
+            )
+    filters: list[Filter] = []
+    for i, raw in enumerate(_require_list(spec.get("filters", []), f"{where}.filters")):
+        at = f"{where}.filters[{i}]"
+        t, params, n = _plugin_fields(_require_mapping(raw, at), at, {"type", "params", "name"})
+        filters.append(plugins.create("filter", t, params, n))
+    scorers: list[tuple[Scorer, float]] = []
+    raw_scorers = _require_list(spec.get("scorers", []), f"{where}.scorers")
+    if not raw_scorers:
+        raise PluginConfigError(f"{where}: key 'scorers' must list at least one scorer")
+    for i, raw in enumerate(raw_scorers):
+        at = f"{where}.scorers[{i}]"
+        item = _require_mapping(raw, at)
+        t, params, n = _plugin_fields(item, at, {"type", "params", "name", "weight"})
+        weight = _check_value(at, "weight", float, item.get("weight", 1.0))
+        assert isinstance(weight, float)
+        if weight < 0:
+            raise PluginConfigError(f"{at}: key 'weight' must be >= 0, got {weight}")
+        scorers.append((plugins.create("scorer", t, params, n), weight))
+    picker: Picker = MaxScorePicker()
+    if "picker" in spec:
+        at = f"{where}.picker"
+        t, params, n = _plugin_fields(
+            _require_mapping(spec["picker"], at), at, {"type", "params", "name"}
+        )
+        picker = plugins.create("picker", t, params, n)
+    return Profile(name, filters, scorers, picker)
+
+
+def parse_weighted_header(value: str, plugins: PluginRegistry) -> Profile:
+    """Build an ad hoc profile from AIBrix-style `"prefix-cache:3,least-request:1"`.
+
+    A missing weight means 1 and weight 0 drops the scorer (AIBrix multi-strategy rules).
+    """
+    scorers: list[tuple[Scorer, float]] = []
+    seen: set[str] = set()
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            raise PluginConfigError(f"empty item in routing spec {value!r}")
+        type_name, sep, weight_text = part.partition(":")
+        type_name = type_name.strip()
+        weight = 1.0
+        if sep:
+            try:
+                weight = float(weight_text.strip())
+            except ValueError:
+                raise PluginConfigError(
+                    f"weight of {type_name!r} is not a number: {weight_text!r}"
+                ) from None
+            if not (0.0 <= weight <= MAX_HEADER_WEIGHT):
+                raise PluginConfigError(
+                    f"weight of {type_name!r} must be in [0, 1000000], got {weight_text!r}"
+                )
+        canonical = plugins.canonical("scorer", type_name)
+        if canonical in seen:
+            raise PluginConfigError(f"scorer {type_name!r} listed twice in {value!r}")
+        seen.add(canonical)
+        scorer = plugins.create("scorer", type_name)
+        if weight > 0:
+            scorers.append((scorer, weight))
+    if not scorers:
+        raise PluginConfigError(f"routing spec {value!r} has no scorer with a weight above 0")
+    return Profile(value.replace(" ", ""), [], scorers, MaxScorePicker())

@@ -1,0 +1,201 @@
+"""Scorer plugins: each returns one score in [0, 1] per pod, higher is better.
+
+Where a pod lacks the signal (engine does not export it), it gets the neutral score 0.5 and
+the scorer says so in its note, which the profile copies into Decision.reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from extproc.routing import signals
+from extproc.routing.base import PodState, RoutingRequest
+from extproc.routing.framework import (
+    EmptyParams,
+    clamp01,
+    minmax_lower_better,
+)
+
+__all__ = [
+    "BusyTimeScorer",
+    "KVCacheUtilizationScorer",
+    "LatencyScorer",
+    "LeastRequestScorer",
+    "LoraAffinityScorer",
+    "PrefixScorer",
+    "QueueScorer",
+    "RandomScorer",
+    "SessionAffinityScorer",
+    "ThroughputScorer",
+]
+
+NEUTRAL = 0.5
+
+
+def _with_unknown(
+    name: str,
+    pods: Sequence[PodState],
+    values: list[float | None],
+    normalise: Callable[[Sequence[float]], list[float]],
+    what: str,
+) -> tuple[list[float], str | None]:
+    known = [v for v in values if v is not None]
+    normed = iter(normalise(known))
+    scores = [NEUTRAL if v is None else next(normed) for v in values]
+    missing = [p.address for p, v in zip(pods, values, strict=True) if v is None]
+    if not missing:
+        return scores, None
+    if not known:
+        return scores, f"{name}: {what} unknown on every pod (neutral {NEUTRAL}, no effect)"
+    return scores, f"{name}: {what} unknown on {','.join(missing)} (neutral {NEUTRAL})"
+
+
+class _Base:
+    type_name: ClassVar[str] = ""
+    Params: ClassVar[type] = EmptyParams
+
+    def __init__(self, name: str, params: object = None) -> None:
+        self.name = name
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        raise TypeError("subclass must override score_noted")  # pragma: no cover
+
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[float]:
+        return self.score_noted(req, pods)[0]
+
+
+class QueueScorer(_Base):
+    """GAIE queue-scorer: min-max over waiting requests, fewer is better."""
+
+    type_name = "queue"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        return _with_unknown(
+            self.name, pods, [signals.waiting(p) for p in pods], minmax_lower_better, "waiting"
+        )
+
+
+class KVCacheUtilizationScorer(_Base):
+    """GAIE kv-cache-utilization-scorer: 1 - KV usage."""
+
+    type_name = "kv-cache-utilization"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        return _with_unknown(
+            self.name,
+            pods,
+            [signals.kv_usage(p) for p in pods],
+            lambda vs: [clamp01(1.0 - v) for v in vs],
+            "kv_cache_usage",
+        )
+
+
+class PrefixScorer(_Base):
+    """GAIE prefix-cache-scorer: matched / total prompt tokens (exact or approximate index)."""
+
+    type_name = "prefix"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        if req.prompt_tokens <= 0:
+            return [0.0] * len(pods), f"{self.name}: request has no prompt tokens (0 for all)"
+        return [clamp01(p.prefix_match_tokens / req.prompt_tokens) for p in pods], None
+
+
+class LeastRequestScorer(_Base):
+    """Min-max over the gateway's own in-flight count (always known, unlike engine metrics)."""
+
+    type_name = "least-request"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        return minmax_lower_better([float(p.in_flight) for p in pods]), None
+
+
+class LoraAffinityScorer(_Base):
+    """GAIE lora-affinity-scorer: 1 adapter active, 0.8 free slot, 0.6 adapter waiting, else 0."""
+
+    type_name = "lora-affinity"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        if req.lora is None:
+            return [1.0] * len(pods), None  # base-model request: every pod is equally fit
+        return _with_unknown(
+            self.name, pods, [signals.lora_state(req, p) for p in pods], list, "lora info"
+        )
+
+
+class LatencyScorer(_Base):
+    """Min-max over predicted latency ttft + tpot * expected output tokens."""
+
+    type_name = "latency"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        values = [signals.predicted_latency_s(req, p)[0] for p in pods]
+        return _with_unknown(self.name, pods, values, minmax_lower_better, "latency averages")
+
+
+class ThroughputScorer(_Base):
+    """Min-max over the gateway-measured token throughput: less token work in progress is better."""
+
+    type_name = "throughput"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        return minmax_lower_better([p.stats.throughput_tokens_per_s for p in pods]), None
+
+
+class BusyTimeScorer(_Base):
+    """Min-max over the gateway-measured busy time (AIBrix reads a GPU busy ratio vLLM lacks)."""
+
+    type_name = "busy-time"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        return minmax_lower_better([p.stats.busy_time_s for p in pods]), None
+
+
+class RandomScorer(_Base):
+    """Uniform score per (request, pod), derived from the request id so it needs no shared RNG."""
+
+    type_name = "random"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        out = []
+        for p in pods:
+            digest = hashlib.blake2b(
+                f"{req.request_id}|{p.address}".encode(), digest_size=8
+            ).digest()
+            out.append(int.from_bytes(digest, "big") / 2.0**64)
+        return out, None
+
+
+class SessionAffinityScorer(_Base):
+    """AIBrix multi-strategy session-affinity: the pod named by the session gets 1, others 0."""
+
+    type_name = "session-affinity"
+
+    def score_noted(
+        self, req: RoutingRequest, pods: Sequence[PodState]
+    ) -> tuple[list[float], str | None]:
+        if req.session_id is None:
+            return [0.0] * len(pods), None
+        return [1.0 if p.address == req.session_id else 0.0 for p in pods], None
