@@ -1,0 +1,159 @@
+"""The gateway's own Prometheus metrics, all on one injected CollectorRegistry.
+
+Labels stay bounded: `model` should be a configured model name (callers map anything
+else to "unknown"), `endpoint` an address from discovery (series of removed endpoints
+are dropped by `forget_endpoint`), `status` an HTTP status code, `strategy` a registered
+strategy name, `kind` hf|estimate, `result` one of SCRAPE_RESULTS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from extproc.metrics.poller import SCRAPE_RESULTS
+from extproc.types import Endpoint, TokenUsage
+
+__all__ = ["DECISION_BUCKETS", "GatewayMetrics"]
+
+# Routing decisions take tens of microseconds to a few milliseconds: fine below 1 ms.
+DECISION_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+PREFIX_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
+        self.registry = registry
+        ns = namespace
+        self.prompt_tokens = Counter(
+            "prompt_tokens", "Prompt tokens reported by engines", ["model", "endpoint"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.completion_tokens = Counter(
+            "completion_tokens", "Completion tokens reported or counted", ["model", "endpoint"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "cached_tokens", "Prompt tokens served from the engine's prefix cache",
+            ["model", "endpoint"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.usage_unknown = Counter(
+            "usage_unknown", "Responses whose token usage could not be determined", ["model"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.requests = Counter(
+            "requests", "Requests by final HTTP status and routing strategy",
+            ["model", "status", "strategy"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.decision_seconds = Histogram(
+            "routing_decision_seconds", "Last request byte in to routing answer out",
+            ["strategy"], buckets=DECISION_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.tokenization_seconds = Histogram(
+            "tokenization_seconds", "Prompt tokenization time", ["kind"],
+            buckets=DECISION_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.tokenizer_estimates = Counter(
+            "tokenizer_estimate", "Requests whose prompt tokens were estimated, not tokenized",
+            ["model"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "in_flight_requests", "Requests routed and not yet finished", ["endpoint"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.endpoint_ready = Gauge(
+            "endpoint_ready", "1 when the endpoint is routable (fresh metrics)",
+            ["model", "endpoint"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.scrapes = Counter(
+            "metrics_scrapes", "Engine /metrics scrapes by result", ["endpoint", "result"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.upstream_ttft_seconds = Histogram(
+            "upstream_ttft_seconds", "Routing answer to first response byte", ["model"],
+            buckets=TTFT_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.prefix_match_tokens = Histogram(
+            "prefix_match_tokens", "Cached prefix length on the chosen endpoint",
+            ["model", "exact"], buckets=PREFIX_TOKEN_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.shed = Counter(
+            "shed_requests", "Requests refused with 429 under saturation", ["model"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.pd_fallbacks = Counter(
+            "pd_fallbacks", "pd requests served by a decode pod without a prefill pod",
+            ["model"], namespace=ns, registry=registry,
+        )  # fmt: skip
+
+    def observe_usage(self, model: str, endpoint: str, usage: TokenUsage) -> None:
+        """Count a response's tokens; unknown counts are counted as unknown, never as 0."""
+        if usage.prompt_tokens is not None:
+            self.prompt_tokens.labels(model, endpoint).inc(usage.prompt_tokens)
+        if usage.completion_tokens is not None:
+            self.completion_tokens.labels(model, endpoint).inc(usage.completion_tokens)
+        if usage.cached_tokens is not None:
+            self.cached_tokens.labels(model, endpoint).inc(usage.cached_tokens)
+        if usage.prompt_tokens is None or usage.completion_tokens is None:
+            self.usage_unknown.labels(model).inc()
+
+    def observe_request(self, model: str, status: int, strategy: str) -> None:
+        self.requests.labels(model, str(status), strategy).inc()
+
+    def observe_decision(self, strategy: str, seconds: float) -> None:
+        self.decision_seconds.labels(strategy).observe(seconds)
+
+    def observe_tokenization(self, kind: str, seconds: float) -> None:
+        self.tokenization_seconds.labels(kind).observe(seconds)
+
+    def observe_estimate(self, model: str) -> None:
+        self.tokenizer_estimates.labels(model).inc()
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        self.upstream_ttft_seconds.labels(model).observe(seconds)
+
+    def observe_prefix_match(self, model: str, tokens: int, *, exact: bool) -> None:
+        self.prefix_match_tokens.labels(model, "true" if exact else "false").observe(tokens)
+
+    def observe_shed(self, model: str) -> None:
+        self.shed.labels(model).inc()
+
+    def observe_pd_fallback(self, model: str) -> None:
+        self.pd_fallbacks.labels(model).inc()
+
+    def set_in_flight(self, endpoint: str, count: int) -> None:
+        self.in_flight.labels(endpoint).set(count)
+
+    def set_ready(self, model: str, endpoint: str, ready: bool) -> None:
+        self.endpoint_ready.labels(model, endpoint).set(1 if ready else 0)
+
+    def scrape_result(self, endpoint: Endpoint, result: str) -> None:
+        """`extproc.metrics.ScrapeObserver`: one scrape's outcome."""
+        self.scrapes.labels(endpoint.address, result).inc()
+
+    def forget_endpoint(self, model: str, endpoint: str) -> None:
+        """Drop an endpoint's series after discovery removed it (bounded cardinality)."""
+        for metric in (self.prompt_tokens, self.completion_tokens, self.cached_tokens):
+            _remove(metric, model, endpoint)
+        _remove(self.endpoint_ready, model, endpoint)
+        _remove(self.in_flight, endpoint)
+        for result in SCRAPE_RESULTS:
+            _remove(self.scrapes, endpoint, result)
+
+    def render(self) -> bytes:
+        """The exposition text of the registry (for the metrics HTTP handler)."""
+        data: bytes = generate_latest(self.registry)
+        return data
+
+
+def _remove(metric: Counter | Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # the series was never created
+        metric.remove(*labels)

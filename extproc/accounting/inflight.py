@@ -1,0 +1,139 @@
+"""Requests the gateway has routed and not yet seen finish, per endpoint address.
+
+Keyed by address, not by (model, address): several models served by one server share
+its load. Every count is held by a `Lease` whose `finish()` is idempotent and which is a
+context manager, so a cancelled stream (CancelledError through `async with`/`with`, or a
+`finally`) can never leak a count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from extproc.types import Endpoint, TokenUsage
+
+if TYPE_CHECKING:
+    from extproc.accounting.gateway_metrics import GatewayMetrics
+    from extproc.accounting.podstats import PodStatsTracker
+
+__all__ = ["InflightTracker", "Lease", "Load"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    requests: int = 0
+    tokens: int = 0
+
+
+class Lease:
+    """One routed request's claim on an endpoint. Obtain from `InflightTracker.start`."""
+
+    __slots__ = ("_finished", "_tracker", "endpoint", "first_byte_at", "started_at", "tokens")
+
+    def __init__(self, tracker: InflightTracker, endpoint: Endpoint, tokens: int, now: float):
+        self._tracker = tracker
+        self._finished = False
+        self.endpoint = endpoint
+        self.tokens = tokens
+        self.started_at = now
+        self.first_byte_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def first_byte(self) -> None:
+        """Mark the first response byte (TTFT); later calls are ignored."""
+        if self.first_byte_at is None and not self._finished:
+            self.first_byte_at = self._tracker.now()
+
+    def finish(self, usage: TokenUsage | None = None, *, success: bool = True) -> None:
+        """Release the count. Idempotent: only the first call has any effect."""
+        if self._finished:
+            return
+        self._finished = True
+        self._tracker._release(self, usage, success)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.finish(success=exc_type is None)
+
+
+class InflightTracker:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stats: PodStatsTracker | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self._clock = clock
+        self._stats = stats
+        self._metrics = metrics
+        self._requests: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
+
+    def now(self) -> float:
+        return self._clock()
+
+    def start(self, endpoint: Endpoint, tokens: int = 0) -> Lease:
+        """Count a request routed to `endpoint`; `tokens` = prompt + expected output."""
+        tokens = max(0, tokens)
+        addr = endpoint.address
+        lease = Lease(self, endpoint, tokens, self._clock())
+        count = self._requests.get(addr, 0) + 1
+        self._requests[addr] = count
+        self._tokens[addr] = self._tokens.get(addr, 0) + tokens
+        if self._stats is not None:
+            self._stats.request_started(addr, lease.started_at)
+        if self._metrics is not None:
+            self._metrics.set_in_flight(addr, count)
+        return lease
+
+    def _release(self, lease: Lease, usage: TokenUsage | None, success: bool) -> None:
+        addr = lease.endpoint.address
+        now = self._clock()
+        count = self._requests.get(addr, 0) - 1
+        if count <= 0:
+            self._requests.pop(addr, None)
+            self._tokens.pop(addr, None)
+            count = 0
+        else:
+            self._requests[addr] = count
+            self._tokens[addr] = max(0, self._tokens.get(addr, 0) - lease.tokens)
+        if self._metrics is not None:
+            self._metrics.set_in_flight(addr, count)
+        if self._stats is not None:
+            total = usage.total_tokens if usage is not None else None
+            if total is None and usage is not None:
+                total = usage.completion_tokens
+            self._stats.request_finished(
+                addr,
+                started=lease.started_at,
+                first_byte=lease.first_byte_at,
+                now=now,
+                tokens=total,
+                completion_tokens=usage.completion_tokens if usage is not None else None,
+                success=success,
+            )
+
+    def load(self, address: str) -> Load:
+        return Load(self._requests.get(address, 0), self._tokens.get(address, 0))
+
+    def snapshot(self) -> Mapping[str, Load]:
+        """Every address with requests in flight (a copy)."""
+        return {a: Load(n, self._tokens.get(a, 0)) for a, n in self._requests.items()}
+
+    def total(self) -> int:
+        return sum(self._requests.values())
