@@ -1,0 +1,93 @@
+"""One model's prefix-cache view: exact (KV events), approximate (own decisions), or auto."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+from extproc.kvcache.approx import ApproximateIndex
+from extproc.kvcache.exact import ExactIndex
+
+__all__ = ["IndexMode", "PrefixIndex", "PrefixMatch"]
+
+
+class IndexMode(enum.StrEnum):
+    EXACT = "exact"  # KV events only; a pod without events matches nothing
+    APPROXIMATE = "approximate"  # own routing decisions only
+    AUTO = "auto"  # per pod: exact while its event stream is healthy, approximate otherwise
+
+
+class PrefixMatch(NamedTuple):
+    tokens: int  # longest cached prefix, in tokens (whole blocks)
+    exact: bool  # True when it comes from the pod's KV events
+
+
+class PrefixIndex:
+    """Answers "how much of this prompt does each pod hold" for one model.
+
+    `events_healthy(address)` says whether a pod's KV-event stream is flowing (the
+    KVEventManager's `is_healthy`); in AUTO mode that picks the source per pod.
+    `record()` always feeds the approximate index so a pod whose events stall falls back
+    to a warm approximation rather than an empty one.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: IndexMode,
+        block_size: int,
+        exact: ExactIndex | None,
+        approximate: ApproximateIndex | None,
+        events_healthy: Callable[[str], bool] | None = None,
+    ) -> None:
+        if mode is not IndexMode.APPROXIMATE and exact is None:
+            raise ValueError(f"mode {mode} needs an ExactIndex")
+        if mode is not IndexMode.EXACT and approximate is None:
+            raise ValueError(f"mode {mode} needs an ApproximateIndex")
+        if exact is not None and exact.block_size != block_size:
+            raise ValueError("the ExactIndex block size differs from the model's")
+        self.mode = mode
+        self.block_size = block_size
+        self._exact = exact
+        self._approx = approximate
+        self._healthy = events_healthy or (lambda _address: True)
+
+    def match(
+        self, pods: Iterable[str], block_hashes: Sequence[int], now: float
+    ) -> dict[str, PrefixMatch]:
+        """Address -> (matched tokens, exact?) for every pod in `pods` (0 tokens included)."""
+        addresses = list(pods)
+        bs = self.block_size
+        if self.mode is IndexMode.EXACT:
+            assert self._exact is not None
+            found = self._exact.longest_prefix(block_hashes, addresses)
+            return {a: PrefixMatch(found.get(a, 0) * bs, True) for a in addresses}
+        if self.mode is IndexMode.APPROXIMATE:
+            assert self._approx is not None
+            found = self._approx.longest_prefix(block_hashes, now, addresses)
+            return {a: PrefixMatch(found.get(a, 0) * bs, False) for a in addresses}
+        assert self._exact is not None and self._approx is not None
+        healthy = [self._healthy(a) for a in addresses]
+        exact_pods = [a for a, ok in zip(addresses, healthy, strict=True) if ok]
+        approx_pods = [a for a, ok in zip(addresses, healthy, strict=True) if not ok]
+        result: dict[str, PrefixMatch] = {}
+        if exact_pods:
+            found = self._exact.longest_prefix(block_hashes, exact_pods)
+            for a in exact_pods:
+                result[a] = PrefixMatch(found.get(a, 0) * bs, True)
+        if approx_pods:
+            found = self._approx.longest_prefix(block_hashes, now, approx_pods)
+            for a in approx_pods:
+                result[a] = PrefixMatch(found.get(a, 0) * bs, False)
+        return {a: result[a] for a in addresses}
+
+    def record(self, pod: str, block_hashes: Iterable[int], now: float) -> None:
+        """Feed a routing decision to the approximate side (no-op in EXACT mode)."""
+        if self._approx is not None and self.mode is not IndexMode.EXACT:
+            self._approx.record(pod, block_hashes, now)
+
+    def drop_pod(self, pod: str) -> None:
+        """Forget a removed pod's approximate entries (its exact ones follow its subscriber)."""
+        if self._approx is not None:
+            self._approx.drop_pod(pod)
