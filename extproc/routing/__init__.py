@@ -1,0 +1,59 @@
+"""Routing: a pure function (RoutingRequest, Snapshot, Random) -> Decision. See docs/strategies.md."""
+
+from __future__ import annotations
+
+from extproc.routing.base import (
+    Decision,
+    FairnessView,
+    Filter,
+    Picker,
+    PodState,
+    PodStats,
+    RoutingRequest,
+    Scorer,
+    Snapshot,
+    Strategy,
+)
+from extproc.routing.builtin import builtin_strategies, default_plugins, default_registry
+from extproc.routing.framework import (
+    MaxScorePicker,
+    PluginConfigError,
+    PluginRegistry,
+    Profile,
+    SoftmaxPicker,
+    WeightedRandomPicker,
+    build_profile,
+    parse_weighted_header,
+)
+from extproc.routing.registry import StrategyRegistry
+from extproc.routing.saturation import is_saturated, saturation
+from extproc.routing.session import decode_session, encode_session
+
+__all__ = [
+    "Decision",
+    "FairnessView",
+    "Filter",
+    "MaxScorePicker",
+    "Picker",
+    "PluginConfigError",
+    "PluginRegistry",
+    "PodState",
+    "PodStats",
+    "Profile",
+    "RoutingRequest",
+    "Scorer",
+    "Snapshot",
+    "SoftmaxPicker",
+    "Strategy",
+    "StrategyRegistry",
+    "WeightedRandomPicker",
+    "build_profile",
+    "builtin_strategies",
+    "decode_session",
+    "default_plugins",
+    "default_registry",
+    "encode_session",
+    "is_saturated",
+    "parse_weighted_header",
+    "saturation",
+]
