@@ -1,0 +1,432 @@
+"""The simulated engine core: continuous batching over a block-level prefix cache.
+
+Each step schedules running requests first (decodes and unfinished prefill chunks), then
+admits waiting requests while `max_num_seqs` and the token budget (`max_num_batched_tokens`,
+chunked prefill) allow, exactly as vLLM's V1 scheduler does. The step then "runs" for the
+time the `StepTimeModel` gives, after which every scheduled request has its tokens computed,
+its newly full blocks cached (BlockStored) and, when it has caught up, one more output token.
+A request that cannot get a KV block preempts the latest running request (recompute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from extproc.kvcache.vllm_hash import VllmBlockHasher, block_extra_keys
+from extproc.sim.cache import BlockPool
+from extproc.sim.config import SimConfig, StepTimeModel
+from extproc.sim.kvevents import KVEvent
+
+__all__ = ["Engine", "EngineStats", "Finished", "RequestStats", "SimRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Last item on a request's output queue."""
+
+    reason: str  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """Simulated accounting of one finished request (seconds are model time, unscaled)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_computed_tokens: int
+    output_tokens: int
+    sim_ttft_s: float
+    sim_e2e_s: float
+    finish_reason: str
+    lora_name: str | None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    sim_time_s: float = 0.0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    prefill_computed_tokens: int = 0  # tokens actually run through prefill
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=256))
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    request_id: str
+    prompt_ids: list[int]
+    lora_name: str | None
+    lora_id: int | None
+    target_output: int  # tokens to generate
+    natural_finish: str  # finish reason once target_output is reached
+    output_vocab: Sequence[int]
+    rng: random.Random
+    external_prefill: bool = False  # P/D decode: the prompt's KV arrives from a prefill pod
+    output_ids: list[int] = field(default_factory=list)
+    queue: asyncio.Queue[int | Finished] = field(default_factory=asyncio.Queue)
+    token_hashes: list[bytes] = field(default_factory=list)  # full blocks of all tokens
+    held_hashes: list[bytes] = field(default_factory=list)  # cached blocks referenced
+    held_uncached: int = 0
+    num_computed: int = 0
+    cached_tokens: int = -1  # local prefix hit at first admission; -1 = not yet admitted
+    prefill_computed: int = 0
+    arrival_sim: float = 0.0
+    arrival_wall: float = 0.0
+    first_token_sim: float | None = None
+    first_token_wall: float | None = None
+    last_token_wall: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+# Called with (request, reason) when a request leaves the engine; used for metrics.
+FinishHook = Callable[[SimRequest, RequestStats], None]
+# Called once per step with that step's events (before any request is told it finished).
+EventSink = Callable[[list[KVEvent]], None]
+# Called for every output token: (request, wall seconds since its previous token or None).
+TokenHook = Callable[[SimRequest, float | None], None]
+
+
+class Engine:
+    """One engine core. Create inside a running loop; `start()` runs the step loop."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        event_sink: EventSink | None = None,
+        on_finish: FinishHook | None = None,
+        on_token: TokenHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.step_model: StepTimeModel = config.step
+        self.block_size = config.block_size
+        self.pool = BlockPool(num_blocks=config.num_gpu_blocks, block_size=config.block_size)
+        self.hasher = VllmBlockHasher(block_size=config.block_size)
+        self.stats = EngineStats()
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._transferring = 0
+        self._event_sink = event_sink
+        self._on_finish = on_finish
+        self._on_token = on_token
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_adapters)}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in [*self.running, *self.waiting]:
+            self._finish(req, "abort")
+
+    # -- requests --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + self._transferring
+
+    def new_request(
+        self,
+        prompt_ids: list[int],
+        *,
+        output_vocab: Sequence[int],
+        lora_name: str | None = None,
+        max_tokens: int | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        external_prefill: bool = False,
+        request_id: str | None = None,
+    ) -> SimRequest:
+        """Build a request with a deterministic output (same prompt -> same tokens)."""
+        digest = hashlib.sha256(repr((lora_name, prompt_ids)).encode()).digest()
+        rng = random.Random(int.from_bytes(digest[:8], "big") ^ self.config.seed)
+        limit = self.config.max_model_len - len(prompt_ids)
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        mean = max(1, self.config.output_len_mean)
+        natural = max(1, rng.randint(max(1, mean // 2), max(1, (3 * mean) // 2)))
+        natural = max(natural, min_tokens)
+        if ignore_eos or natural >= limit:
+            target, reason = limit, "length"
+        else:
+            target, reason = natural, "stop"
+        return SimRequest(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=prompt_ids,
+            lora_name=lora_name,
+            lora_id=self._lora_ids.get(lora_name) if lora_name else None,
+            target_output=max(1, target),
+            natural_finish=reason,
+            output_vocab=output_vocab,
+            rng=rng,
+            external_prefill=external_prefill,
+        )
+
+    async def submit(self, req: SimRequest) -> None:
+        """Queue `req`; for a remote prefill, first wait out the simulated KV transfer."""
+        req.arrival_sim = self.stats.sim_time_s
+        req.arrival_wall = self._clock()
+        if req.external_prefill:
+            self._transferring += 1
+            try:
+                delay = self.step_model.transfer_seconds(len(req.prompt_ids))
+                await asyncio.sleep(delay * self.step_model.time_scale)
+                req.arrival_sim -= delay  # charged to this request's TTFT
+            finally:
+                self._transferring -= 1
+            if req.finish_reason is not None:
+                return
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        if req.finish_reason is not None:
+            return
+        if req in self.running or req in self.waiting:
+            self._finish(req, "abort")
+        else:
+            req.finish_reason = "abort"  # still transferring its KV: never queued
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset()
+        self._flush_events()
+        return ok
+
+    # -- the step loop ---------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            scheduled = self._schedule()
+            if not scheduled:
+                # Nothing fits even in an empty engine (prompt larger than the whole cache).
+                if not self.running and self.waiting:
+                    self._finish(self.waiting[0], "error")
+                self._flush_events()
+                await asyncio.sleep(0)
+                continue
+            # A sequence that only computes its newest sampled token is decoding; every other
+            # scheduled token (prompt chunks, recompute after preemption) is prefill work.
+            prefill = sum(
+                n - 1 if r.output_ids and r.num_computed + n == r.num_tokens else n
+                for r, n in scheduled
+            )
+            context = sum(r.num_computed + n for r, n in scheduled)
+            dt = self.step_model.step_seconds(prefill, context)
+            await asyncio.sleep(dt * self.step_model.time_scale)
+            self.stats.steps += 1
+            self.stats.sim_time_s += dt
+            self._apply(scheduled)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _ensure_hashes(self, req: SimRequest, upto_tokens: int) -> None:
+        """Extend req.token_hashes to cover the full blocks among the first `upto_tokens`."""
+        want = upto_tokens // self.block_size
+        have = len(req.token_hashes)
+        if want <= have:
+            return
+        bs = self.block_size
+        tokens = [req.token(i) for i in range(have * bs, want * bs)]
+        parent = req.token_hashes[-1] if have else None
+        extra = block_extra_keys(req.lora_name)
+        for k in range(want - have):
+            parent = self.hasher.hash_block(parent, tokens[k * bs : (k + 1) * bs], extra)
+            req.token_hashes.append(parent)
+
+    def _held_blocks(self, req: SimRequest) -> int:
+        return len(req.held_hashes) + req.held_uncached
+
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        need = self._blocks_for(tokens) - self._held_blocks(req)
+        if not self.pool.allocate(need):
+            return False
+        req.held_uncached += max(0, need)
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def _release(self, req: SimRequest) -> None:
+        self.pool.release(req.held_hashes)
+        self.pool.free_uncached(req.held_uncached)
+        req.held_hashes = []
+        req.held_uncached = 0
+
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = self.running[-1]
+                scheduled = [(r, k) for r, k in scheduled if r is not victim]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: nothing further can fit
+        # Tokens of already scheduled requests were counted against the budget; recompute
+        # the budget in case a preemption removed some of them.
+        budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            if not self._admit(req, budget, scheduled):
+                break
+            budget -= scheduled[-1][1]
+        return scheduled
+
+    def _admit(self, req: SimRequest, budget: int, scheduled: list[tuple[SimRequest, int]]) -> bool:
+        total = req.num_tokens
+        # The last token is always recomputed to get logits: at most total-1 tokens hit.
+        self._ensure_hashes(req, total - 1)
+        candidates = req.token_hashes[: (total - 1) // self.block_size]
+        hit = self.pool.cached_prefix(candidates)
+        self.pool.acquire(candidates[:hit])
+        req.held_hashes = list(candidates[:hit])
+        computed = hit * self.block_size
+        if req.external_prefill and req.cached_tokens < 0:
+            # Remote KV covers the prompt except the last token, computed here for logits.
+            start = max(computed, len(req.prompt_ids) - 1)
+        else:
+            start = computed
+        n = min(total - start, budget)
+        if not self._grow(req, start + n):
+            self._release(req)
+            return False
+        self.waiting.popleft()
+        if req.cached_tokens < 0:
+            req.cached_tokens = computed
+            self.stats.prompt_tokens += len(req.prompt_ids)
+        self.stats.prefix_cache_queries += total
+        self.stats.prefix_cache_hits += computed
+        req.num_computed = start
+        self.running.append(req)
+        scheduled.append((req, n))
+        return True
+
+    def _apply(self, scheduled: list[tuple[SimRequest, int]]) -> None:
+        now = self._clock()
+        done: list[tuple[SimRequest, str]] = []
+        for req, n in scheduled:
+            if req.finish_reason is not None:
+                continue  # aborted while the step ran
+            prompt_part = max(0, min(len(req.prompt_ids), req.num_computed + n) - req.num_computed)
+            req.prefill_computed += prompt_part
+            self.stats.prefill_computed_tokens += prompt_part
+            req.num_computed += n
+            self._commit_full_blocks(req)
+            if req.num_computed < req.num_tokens:
+                continue  # still prefilling (chunked)
+            tok = req.output_vocab[req.rng.randrange(len(req.output_vocab))]
+            req.output_ids.append(tok)
+            self.stats.generation_tokens += 1
+            gap = None if req.last_token_wall is None else now - req.last_token_wall
+            if req.first_token_wall is None:
+                req.first_token_wall = now
+                req.first_token_sim = self.stats.sim_time_s
+            req.last_token_wall = now
+            if self._on_token is not None:
+                self._on_token(req, gap)
+            req.queue.put_nowait(tok)
+            if len(req.output_ids) >= req.target_output:
+                done.append((req, req.natural_finish))
+        self._flush_events()
+        for req, reason in done:
+            self._finish(req, reason)
+        if done:
+            self._flush_events()
+
+    def _commit_full_blocks(self, req: SimRequest) -> None:
+        self._ensure_hashes(req, req.num_computed)
+        first = len(req.held_hashes)
+        last = req.num_computed // self.block_size
+        if last <= first:
+            return
+        bs = self.block_size
+        blocks = [
+            (req.token_hashes[k], tuple(req.token(i) for i in range(k * bs, (k + 1) * bs)))
+            for k in range(first, last)
+        ]
+        parent = req.held_hashes[-1] if first else None
+        self.pool.commit(blocks, parent=parent, lora_name=req.lora_name, lora_id=req.lora_id)
+        req.held_hashes.extend(h for h, _ in blocks)
+        req.held_uncached -= last - first
+
+    def _flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events and self._event_sink is not None:
+            self._event_sink(events)
+
+    def _finish(self, req: SimRequest, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.finish_reason = reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        first = req.first_token_sim
+        stats = RequestStats(
+            request_id=req.request_id,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=max(0, req.cached_tokens),
+            prefill_computed_tokens=req.prefill_computed,
+            output_tokens=len(req.output_ids),
+            sim_ttft_s=(first - req.arrival_sim) if first is not None else -1.0,
+            sim_e2e_s=self.stats.sim_time_s - req.arrival_sim,
+            finish_reason=reason,
+            lora_name=req.lora_name,
+        )
+        self.stats.recent.append(stats)
+        if self._on_finish is not None:
+            self._on_finish(req, stats)
+        req.queue.put_nowait(Finished(reason))
