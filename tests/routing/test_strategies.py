@@ -29,59 +29,231 @@ def route(registry: StrategyRegistry, name: str, r: RoutingRequest, s: Snapshot,
 
 # (strategy, pods, request, expected pick, substring expected in reason)
 CASES: list[tuple[str, list[PodState], RoutingRequest, str, str]] = [
-    ("least-request", [pod(A, in_flight=3), pod(B, in_flight=1), pod(C, in_flight=2)], req(), B, "min in_flight"),
-    ("least-kv-cache", [pod(A, kv=0.5), pod(B, kv=0.9), pod(C, kv=0.2)], req(), C, "kv_cache_usage"),
-    ("least-kv-cache", [pod(A, kv=0.5), pod(B, kv=None), pod(C, kv=0.7)], req(), A, "unknown on 10.0.0.2"),
-    ("least-kv-cache", [pod(A, no_metrics=True, in_flight=2), pod(B, no_metrics=True, in_flight=0)], req(), B,
-     "unknown on every pod; used least-request"),
-    ("least-busy-time", [pod(A, stats=PodStats(requests_total=5, busy_time_s=4.0)),
-                         pod(B, stats=PodStats(requests_total=5, busy_time_s=1.0))], req(), B, "busy_time"),
-    ("least-busy-time", [pod(A, in_flight=1), pod(B, in_flight=0)], req(), B, "no request finished yet"),
-    ("throughput", [pod(A, stats=PodStats(requests_total=9, throughput_tokens_per_s=900.0)),
-                    pod(B, stats=PodStats(requests_total=9, throughput_tokens_per_s=300.0))], req(), B, "throughput"),
-    ("least-latency", [pod(A, ttft=0.5, itl=0.01), pod(B, ttft=0.1, itl=0.05)], req(max_tokens=10), B, "latency"),
-    ("least-latency", [pod(A, ttft=0.5, itl=0.01), pod(B, ttft=0.1, itl=0.05)], req(max_tokens=1000), A, "latency"),
+    (
+        "least-request",
+        [pod(A, in_flight=3), pod(B, in_flight=1), pod(C, in_flight=2)],
+        req(),
+        B,
+        "min in_flight",
+    ),
+    (
+        "least-kv-cache",
+        [pod(A, kv=0.5), pod(B, kv=0.9), pod(C, kv=0.2)],
+        req(),
+        C,
+        "kv_cache_usage",
+    ),
+    (
+        "least-kv-cache",
+        [pod(A, kv=0.5), pod(B, kv=None), pod(C, kv=0.7)],
+        req(),
+        A,
+        "unknown on 10.0.0.2",
+    ),
+    (
+        "least-kv-cache",
+        [pod(A, no_metrics=True, in_flight=2), pod(B, no_metrics=True, in_flight=0)],
+        req(),
+        B,
+        "unknown on every pod; used least-request",
+    ),
+    (
+        "least-busy-time",
+        [
+            pod(A, stats=PodStats(requests_total=5, busy_time_s=4.0)),
+            pod(B, stats=PodStats(requests_total=5, busy_time_s=1.0)),
+        ],
+        req(),
+        B,
+        "busy_time",
+    ),
+    (
+        "least-busy-time",
+        [pod(A, in_flight=1), pod(B, in_flight=0)],
+        req(),
+        B,
+        "no request finished yet",
+    ),
+    (
+        "throughput",
+        [
+            pod(A, stats=PodStats(requests_total=9, throughput_tokens_per_s=900.0)),
+            pod(B, stats=PodStats(requests_total=9, throughput_tokens_per_s=300.0)),
+        ],
+        req(),
+        B,
+        "throughput",
+    ),
+    (
+        "least-latency",
+        [pod(A, ttft=0.5, itl=0.01), pod(B, ttft=0.1, itl=0.05)],
+        req(max_tokens=10),
+        B,
+        "latency",
+    ),
+    (
+        "least-latency",
+        [pod(A, ttft=0.5, itl=0.01), pod(B, ttft=0.1, itl=0.05)],
+        req(max_tokens=1000),
+        A,
+        "latency",
+    ),
     # gateway EWMAs win over engine lifetime means
-    ("least-latency", [pod(A, ttft=0.1, itl=0.01, stats=PodStats(ttft_avg_s=2.0, tpot_avg_s=0.1)),
-                       pod(B, ttft=0.5, itl=0.05)], req(max_tokens=10), B, "latency"),
+    (
+        "least-latency",
+        [
+            pod(A, ttft=0.1, itl=0.01, stats=PodStats(ttft_avg_s=2.0, tpot_avg_s=0.1)),
+            pod(B, ttft=0.5, itl=0.05),
+        ],
+        req(max_tokens=10),
+        B,
+        "latency",
+    ),
     ("least-latency", [pod(A, in_flight=4), pod(B, in_flight=1)], req(), B, "unknown on every pod"),
     # prefix-cache: deepest match within load bound
-    ("prefix-cache", [pod(A, match=64, in_flight=1), pod(B, match=32, in_flight=0), pod(C, in_flight=1)],
-     req(prompt_tokens=128), A, "prefix match 50%"),
-    ("prefix-cache", [pod(A), pod(B, in_flight=2), pod(C, in_flight=1)], req(prompt_tokens=128), A, "no prefix match"),
-    ("prefix-cache", [pod(A, match=128, in_flight=5)], req(prompt_tokens=128), A, "prefix match 100%"),
+    (
+        "prefix-cache",
+        [pod(A, match=64, in_flight=1), pod(B, match=32, in_flight=0), pod(C, in_flight=1)],
+        req(prompt_tokens=128),
+        A,
+        "prefix match 50%",
+    ),
+    (
+        "prefix-cache",
+        [pod(A), pod(B, in_flight=2), pod(C, in_flight=1)],
+        req(prompt_tokens=128),
+        A,
+        "no prefix match",
+    ),
+    (
+        "prefix-cache",
+        [pod(A, match=128, in_flight=5)],
+        req(prompt_tokens=128),
+        A,
+        "prefix match 100%",
+    ),
     # prefix-cache-preble
-    ("prefix-cache-preble", [pod(A, match=100, in_flight=1, in_flight_tokens=500), pod(B, in_flight=0)],
-     req(prompt_tokens=128), A, "exploit"),
-    ("prefix-cache-preble", [pod(A, match=32, in_flight_tokens=50), pod(B, in_flight_tokens=0)],
-     req(prompt_tokens=128), B, "explore"),
-    ("prefix-cache-preble", [pod(A, match=32, in_flight_tokens=0), pod(B, in_flight_tokens=60)],
-     req(prompt_tokens=128), A, "explore"),
-    ("prefix-cache-preble", [pod(A, match=120, in_flight=6, in_flight_tokens=6000), pod(B, in_flight=1, in_flight_tokens=100)],
-     req(prompt_tokens=128), B, "rebalance"),
+    (
+        "prefix-cache-preble",
+        [pod(A, match=100, in_flight=1, in_flight_tokens=500), pod(B, in_flight=0)],
+        req(prompt_tokens=128),
+        A,
+        "exploit",
+    ),
+    (
+        "prefix-cache-preble",
+        [pod(A, match=32, in_flight_tokens=50), pod(B, in_flight_tokens=0)],
+        req(prompt_tokens=128),
+        B,
+        "explore",
+    ),
+    (
+        "prefix-cache-preble",
+        [pod(A, match=32, in_flight_tokens=0), pod(B, in_flight_tokens=60)],
+        req(prompt_tokens=128),
+        A,
+        "explore",
+    ),
+    (
+        "prefix-cache-preble",
+        [
+            pod(A, match=120, in_flight=6, in_flight_tokens=6000),
+            pod(B, in_flight=1, in_flight_tokens=100),
+        ],
+        req(prompt_tokens=128),
+        B,
+        "rebalance",
+    ),
     # kv-aware: cost = prefill blocks + decode blocks
-    ("kv-aware", [pod(A, match=96, in_flight_tokens=320), pod(B, match=0, in_flight_tokens=0), pod(C, match=64, in_flight_tokens=32)],
-     req(prompt_tokens=128), C, "min cost"),
-    ("kv-aware", [pod(A, in_flight_tokens=64), pod(B, in_flight_tokens=16)], req(prompt_tokens=32), B,
-     "no cached prefix on any pod"),
+    (
+        "kv-aware",
+        [
+            pod(A, match=96, in_flight_tokens=320),
+            pod(B, match=0, in_flight_tokens=0),
+            pod(C, match=64, in_flight_tokens=32),
+        ],
+        req(prompt_tokens=128),
+        C,
+        "min cost",
+    ),
+    (
+        "kv-aware",
+        [pod(A, in_flight_tokens=64), pod(B, in_flight_tokens=16)],
+        req(prompt_tokens=32),
+        B,
+        "no cached prefix on any pod",
+    ),
     # higress-gpu (GAIE v0 tree)
-    ("higress-gpu", [pod(A, waiting=3, kv=0.2), pod(B, waiting=0, kv=0.9), pod(C, waiting=0, kv=0.1)], req(), C, "low-queue"),
-    ("higress-gpu", [pod(A, waiting=80, kv=0.2), pod(B, waiting=60, kv=0.5)], req(), B, "least-queue branch"),
-    ("higress-gpu", [pod(A, waiting=0, kv=0.1, loras=()), pod(B, waiting=1, kv=0.5, loras=("ad",), max_lora=1)],
-     req(lora="ad"), B, "low-queue"),
-    ("higress-gpu", [pod(A, no_metrics=True, in_flight=3), pod(B, no_metrics=True)], req(), B, "unknown on every pod"),
+    (
+        "higress-gpu",
+        [pod(A, waiting=3, kv=0.2), pod(B, waiting=0, kv=0.9), pod(C, waiting=0, kv=0.1)],
+        req(),
+        C,
+        "low-queue",
+    ),
+    (
+        "higress-gpu",
+        [pod(A, waiting=80, kv=0.2), pod(B, waiting=60, kv=0.5)],
+        req(),
+        B,
+        "least-queue branch",
+    ),
+    (
+        "higress-gpu",
+        [pod(A, waiting=0, kv=0.1, loras=()), pod(B, waiting=1, kv=0.5, loras=("ad",), max_lora=1)],
+        req(lora="ad"),
+        B,
+        "low-queue",
+    ),
+    (
+        "higress-gpu",
+        [pod(A, no_metrics=True, in_flight=3), pod(B, no_metrics=True)],
+        req(),
+        B,
+        "unknown on every pod",
+    ),
     # gaie profile: queue 2, kv 2, prefix 3
-    ("gaie", [pod(A, waiting=0, kv=0.1), pod(B, waiting=0, kv=0.1, match=128)], req(prompt_tokens=128), B, "prefix:3"),
-    ("gaie", [pod(A, waiting=10, kv=0.9, match=128), pod(B, waiting=0, kv=0.1, match=0)], req(prompt_tokens=128), B, "queue:2"),
+    (
+        "gaie",
+        [pod(A, waiting=0, kv=0.1), pod(B, waiting=0, kv=0.1, match=128)],
+        req(prompt_tokens=128),
+        B,
+        "prefix:3",
+    ),
+    (
+        "gaie",
+        [pod(A, waiting=10, kv=0.9, match=128), pod(B, waiting=0, kv=0.1, match=0)],
+        req(prompt_tokens=128),
+        B,
+        "queue:2",
+    ),
     # lora-affinity: active > free slot > waiting > none
-    ("lora-affinity", [pod(A, loras=("x",), max_lora=1), pod(B, loras=("ad",), max_lora=2, waiting=5)],
-     req(lora="ad"), B, "lora-affinity"),
-    ("lora-affinity", [pod(A, loras=("x",), max_lora=1), pod(B, loras=("y",), max_lora=2)], req(lora="ad"), B, "lora-affinity"),
+    (
+        "lora-affinity",
+        [pod(A, loras=("x",), max_lora=1), pod(B, loras=("ad",), max_lora=2, waiting=5)],
+        req(lora="ad"),
+        B,
+        "lora-affinity",
+    ),
+    (
+        "lora-affinity",
+        [pod(A, loras=("x",), max_lora=1), pod(B, loras=("y",), max_lora=2)],
+        req(lora="ad"),
+        B,
+        "lora-affinity",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "pods", "r", "want", "why"), CASES)
-def test_strategy_table(registry: StrategyRegistry, name: str, pods: list[PodState], r: RoutingRequest, want: str, why: str) -> None:
+def test_strategy_table(
+    registry: StrategyRegistry,
+    name: str,
+    pods: list[PodState],
+    r: RoutingRequest,
+    want: str,
+    why: str,
+) -> None:
     d = route(registry, name, r, snap(*pods))
     assert d.endpoint.address == want, d.reason
     assert why in d.reason
@@ -93,14 +265,24 @@ SHAPES = {
     "single": [pod(A)],
     "no-metrics": [pod(A, no_metrics=True), pod(B, no_metrics=True), pod(C, no_metrics=True)],
     "none-fields": [pod(A), pod(B), pod(C)],
-    "mixed-stale": [pod(A, waiting=1, kv=0.3, running=2), pod(B, no_metrics=True, in_flight=4), pod(C, kv=0.1)],
-    "pd-roles": [pod(A, role=EndpointRole.PREFILL), pod(B, role=EndpointRole.DECODE), pod(C, role=EndpointRole.BOTH)],
+    "mixed-stale": [
+        pod(A, waiting=1, kv=0.3, running=2),
+        pod(B, no_metrics=True, in_flight=4),
+        pod(C, kv=0.1),
+    ],
+    "pd-roles": [
+        pod(A, role=EndpointRole.PREFILL),
+        pod(B, role=EndpointRole.DECODE),
+        pod(C, role=EndpointRole.BOTH),
+    ],
 }
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("name", ALL_STRATEGIES)
-def test_every_strategy_ranks_all_candidates_once(registry: StrategyRegistry, name: str, shape: str) -> None:
+def test_every_strategy_ranks_all_candidates_once(
+    registry: StrategyRegistry, name: str, shape: str
+) -> None:
     pods = SHAPES[shape]
     r = req(prompt_tokens=64, user="u", request_id="abc")
     d = route(registry, name, r, snap(*pods, fairness=FakeFairness({"u": 10.0})))
@@ -115,17 +297,40 @@ def test_seeded_rng_is_deterministic(name: str) -> None:
     pods = [pod(a, in_flight=1, kv=0.5, waiting=1, running=1) for a in (A, B, C, D)]
     r = req(prompt_tokens=64, user="u")
     s = snap(*pods, fairness=FakeFairness({"u": 5000.0}))
-    first = [default_registry().resolve(name).route(r, s, random.Random(seed)).ranked for seed in range(20)]
-    again = [default_registry().resolve(name).route(r, s, random.Random(seed)).ranked for seed in range(20)]
+    first = [
+        default_registry().resolve(name).route(r, s, random.Random(seed)).ranked
+        for seed in range(20)
+    ]
+    again = [
+        default_registry().resolve(name).route(r, s, random.Random(seed)).ranked
+        for seed in range(20)
+    ]
     assert first == again
 
 
-@pytest.mark.parametrize("name", ["random", "least-request", "least-kv-cache", "power-of-two", "prefix-cache",
-                                  "kv-aware", "higress-gpu", "gaie", "least-busy-time", "throughput",
-                                  "prefix-cache-preble", "session-affinity"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "random",
+        "least-request",
+        "least-kv-cache",
+        "power-of-two",
+        "prefix-cache",
+        "kv-aware",
+        "higress-gpu",
+        "gaie",
+        "least-busy-time",
+        "throughput",
+        "prefix-cache-preble",
+        "session-affinity",
+    ],
+)
 def test_ties_are_broken_at_random(registry: StrategyRegistry, name: str) -> None:
     pods = [pod(a, kv=0.3, waiting=0, running=0) for a in (A, B, C, D)]
-    counts = Counter(route(registry, name, req(prompt_tokens=32), snap(*pods), seed).endpoint.address for seed in range(400))
+    counts = Counter(
+        route(registry, name, req(prompt_tokens=32), snap(*pods), seed).endpoint.address
+        for seed in range(400)
+    )
     assert set(counts) == {A, B, C, D}
     assert min(counts.values()) > 40  # uniform would be 100 each
 
@@ -139,7 +344,10 @@ def test_round_robin_cycles_in_address_order(registry: StrategyRegistry) -> None
 
 def test_power_of_two_picks_less_loaded_of_sample(registry: StrategyRegistry) -> None:
     pods = [pod(A, in_flight=9), pod(B, in_flight=0), pod(C, in_flight=9)]
-    picks = Counter(route(registry, "power-of-two", req(), snap(*pods), seed).endpoint.address for seed in range(300))
+    picks = Counter(
+        route(registry, "power-of-two", req(), snap(*pods), seed).endpoint.address
+        for seed in range(300)
+    )
     # B wins whenever it is sampled (2 of 3 pairs); A or C only when the pair is (A, C).
     assert picks[B] > 150
     assert picks[A] + picks[C] > 30
@@ -147,7 +355,12 @@ def test_power_of_two_picks_less_loaded_of_sample(registry: StrategyRegistry) ->
 
 def test_prefix_cache_load_guard_stops_hot_prefix_pinning(registry: StrategyRegistry) -> None:
     # A holds the whole prefix but is far above mean + 1 stddev of in-flight requests.
-    pods = [pod(A, match=128, in_flight=8), pod(B, in_flight=1), pod(C, in_flight=0), pod(D, in_flight=1)]
+    pods = [
+        pod(A, match=128, in_flight=8),
+        pod(B, in_flight=1),
+        pod(C, in_flight=0),
+        pod(D, in_flight=1),
+    ]
     d = route(registry, "prefix-cache", req(prompt_tokens=128), snap(*pods))
     assert d.endpoint.address == C
     assert "every match over load bound" in d.reason
@@ -173,8 +386,12 @@ def test_kv_aware_temperature_spreads_but_zero_does_not() -> None:
     cold = default_registry().resolve("kv-aware")
     hot = default_registry(params={"kv-aware": {"temperature": 1.0}}).resolve("kv-aware")
     r = req(prompt_tokens=32)
-    cold_picks = Counter(cold.route(r, snap(*pods), random.Random(s)).endpoint.address for s in range(300))
-    hot_picks = Counter(hot.route(r, snap(*pods), random.Random(s)).endpoint.address for s in range(300))
+    cold_picks = Counter(
+        cold.route(r, snap(*pods), random.Random(s)).endpoint.address for s in range(300)
+    )
+    hot_picks = Counter(
+        hot.route(r, snap(*pods), random.Random(s)).endpoint.address for s in range(300)
+    )
     assert cold_picks == Counter({A: 300})
     assert set(hot_picks) == {A, B, C}
     assert hot_picks[A] > hot_picks[C]  # still prefers the cheap pod
@@ -186,8 +403,15 @@ def test_kv_aware_tie_prefers_smaller_cache(registry: StrategyRegistry) -> None:
 
 
 def test_kv_aware_records_cost_terms(registry: StrategyRegistry) -> None:
-    d = route(registry, "kv-aware", req(prompt_tokens=128), snap(pod(A, match=64, in_flight_tokens=32)))
-    assert d.scores[A] == {"overlap_blocks": 4.0, "prefill_blocks": 4.0, "decode_blocks": 6.0, "cost": 10.0}
+    d = route(
+        registry, "kv-aware", req(prompt_tokens=128), snap(pod(A, match=64, in_flight_tokens=32))
+    )
+    assert d.scores[A] == {
+        "overlap_blocks": 4.0,
+        "prefill_blocks": 4.0,
+        "decode_blocks": 6.0,
+        "cost": 10.0,
+    }
 
 
 def test_vtc_maps_heavy_users_to_later_pods(registry: StrategyRegistry) -> None:
@@ -209,7 +433,12 @@ def test_vtc_counter_lift_for_returning_user(registry: StrategyRegistry) -> None
 
 def test_vtc_utilization_and_missing_user(registry: StrategyRegistry) -> None:
     fair = FakeFairness({"u": 0.0})
-    busy = route(registry, "vtc-basic", req(user="u"), snap(pod(A, running=100), pod(B, running=0), fairness=fair))
+    busy = route(
+        registry,
+        "vtc-basic",
+        req(user="u"),
+        snap(pod(A, running=100), pod(B, running=0), fairness=fair),
+    )
     # A is the fairness target (+0), but saturated (+1); B is one index away (+1) and idle: tie within noise
     assert busy.scores[A]["utilization"] == 1.0
     anon = route(registry, "vtc-basic", req(), snap(pod(A, in_flight=2), pod(B), fairness=fair))
@@ -231,7 +460,12 @@ def test_pd_splits_prefill_and_decode(registry: StrategyRegistry) -> None:
 
 
 def test_pd_without_prefill_pod_says_so(registry: StrategyRegistry) -> None:
-    d = route(registry, "pd", req(), snap(pod(C, role=EndpointRole.DECODE), pod(D, role=EndpointRole.BOTH)))
+    d = route(
+        registry,
+        "pd",
+        req(),
+        snap(pod(C, role=EndpointRole.DECODE), pod(D, role=EndpointRole.BOTH)),
+    )
     assert d.prefill is None
     assert d.endpoint.address == C
     assert "no prefill pod" in d.reason
@@ -255,20 +489,43 @@ def test_session_affinity_honours_known_and_replaces_unknown(registry: StrategyR
 
 def test_session_key_uses_rendezvous_hashing(registry: StrategyRegistry) -> None:
     pods = [pod(a) for a in (A, B, C, D)]
-    picks = {route(registry, "session-affinity", req(headers={"x-aibrix-session-key": f"k{i}"}), snap(*pods), i).endpoint.address
-             for i in range(40)}
+    picks = {
+        route(
+            registry,
+            "session-affinity",
+            req(headers={"x-aibrix-session-key": f"k{i}"}),
+            snap(*pods),
+            i,
+        ).endpoint.address
+        for i in range(40)
+    }
     assert len(picks) > 1  # keys spread
-    same = {route(registry, "session-affinity", req(headers={"x-aibrix-session-key": "k1"}), snap(*pods), s).endpoint.address
-            for s in range(10)}
+    same = {
+        route(
+            registry,
+            "session-affinity",
+            req(headers={"x-aibrix-session-key": "k1"}),
+            snap(*pods),
+            s,
+        ).endpoint.address
+        for s in range(10)
+    }
     assert len(same) == 1  # one key is stable regardless of rng
     # removing another pod does not move the key (rendezvous property)
     (home,) = same
     others = [p for p in pods if p.address != home][:2]
-    d = route(registry, "session-affinity", req(headers={"x-aibrix-session-key": "k1"}), snap(pod(home), *others))
+    d = route(
+        registry,
+        "session-affinity",
+        req(headers={"x-aibrix-session-key": "k1"}),
+        snap(pod(home), *others),
+    )
     assert d.endpoint.address == home
 
 
 def test_single_pod_every_strategy(registry: StrategyRegistry) -> None:
     for name in ALL_STRATEGIES:
-        d = route(registry, name, req(prompt_tokens=16, user="u"), snap(pod(A), fairness=FakeFairness()))
+        d = route(
+            registry, name, req(prompt_tokens=16, user="u"), snap(pod(A), fairness=FakeFairness())
+        )
         assert d.endpoint.address == A, name

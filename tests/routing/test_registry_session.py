@@ -1,0 +1,160 @@
+"""StrategyRegistry resolution, session id encoding, saturation and admission helpers."""
+
+from __future__ import annotations
+
+import base64
+import random
+
+import pytest
+
+from extproc.routing.builtin import default_registry
+from extproc.routing.framework import PluginConfigError, Profile
+from extproc.routing.saturation import is_saturated, saturation
+from extproc.routing.session import decode_session, encode_session
+from extproc.types import BadRequest
+from tests.routing._builders import pod, req, snap
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+
+NAMES = [
+    "random",
+    "least-request",
+    "throughput",
+    "prefix-cache",
+    "least-busy-time",
+    "least-kv-cache",
+    "least-latency",
+    "prefix-cache-preble",
+    "vtc-basic",
+    "pd",
+    "session-affinity",
+    "round-robin",
+    "power-of-two",
+    "lora-affinity",
+    "kv-aware",
+    "gaie",
+    "higress-gpu",
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_known_name_resolves(name: str) -> None:
+    reg = default_registry()
+    assert reg.resolve(f"  {name} ").name == name
+
+
+@pytest.mark.parametrize(
+    "value", ["least_request", "LEAST-REQUEST", "", "prefix-cache:2,nope:1", "queue:abc"]
+)
+def test_unknown_or_bad_is_400_on_routing_strategy(value: str) -> None:
+    with pytest.raises(BadRequest) as exc:
+        default_registry().resolve(value)
+    assert exc.value.status == 400
+    assert exc.value.param == "routing-strategy"
+
+
+def test_weighted_spec_builds_and_caches_profile() -> None:
+    reg = default_registry()
+    p1 = reg.resolve("prefix-cache:3,least-request:1")
+    assert isinstance(p1, Profile)
+    assert reg.resolve("prefix-cache:3,least-request:1") is p1
+    d = p1.route(
+        req(prompt_tokens=100), snap(pod(A, match=100, in_flight=1), pod(B)), random.Random(0)
+    )
+    assert d.endpoint.address == A
+
+
+def test_pd_is_exclusive_in_a_spec() -> None:
+    reg = default_registry()
+    assert reg.resolve("prefix-cache:2,pd:1") is reg.resolve("pd")
+
+
+def test_config_profiles_are_named_strategies() -> None:
+    reg = default_registry(profiles={"cache-heavy": {"scorers": [{"type": "prefix", "weight": 5}]}})
+    assert "cache-heavy" in reg.names()
+    assert reg.resolve("cache-heavy").name == "cache-heavy"
+
+
+@pytest.mark.parametrize(
+    ("profiles", "needle"),
+    [
+        ({"gaie": {"scorers": [{"type": "queue"}]}}, "already used"),
+        ({"a,b": {"scorers": [{"type": "queue"}]}}, "must not"),
+        ({"x": {"scorers": [{"type": "queue", "params": {"depth": 1}}]}}, "'depth'"),
+    ],
+)
+def test_bad_config_profiles(profiles: dict[str, dict[str, object]], needle: str) -> None:
+    with pytest.raises(PluginConfigError, match=needle):
+        default_registry(profiles=profiles)
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"prefix-cache": {"imbalance": 3}}, "'imbalance'"),
+        ({"kv-aware": {"temperature": -1.0}}, "temperature"),
+        ({"random": {}}, "'random'"),
+        ({"vtc-basic": {"max_pod_load": "lots"}}, "'max_pod_load'"),
+    ],
+)
+def test_bad_strategy_params(params: dict[str, dict[str, object]], needle: str) -> None:
+    with pytest.raises(PluginConfigError, match=needle):
+        default_registry(params=params)
+
+
+@pytest.mark.parametrize(
+    "address", ["10.0.0.1:8000", "127.0.0.1:1", "[::1]:9000", "[2001:db8::5]:65535"]
+)
+def test_session_round_trip(address: str) -> None:
+    assert decode_session(encode_session(address)) == address
+
+
+def _b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        "not base64!!",
+        "MTAuMC4wLjE6ODAwMA",  # missing padding
+        _b64("10.0.0.1"),  # no port
+        _b64("10.0.0.1:0"),
+        _b64("10.0.0.1:70000"),
+        _b64("10.0.0.1:80a"),
+        _b64("evil.example.com:80"),  # hostnames never allowed
+        _b64("http://10.0.0.1:80"),
+        _b64("10.0.0.1:80/x"),
+        _b64("::1:80"),  # IPv6 must be bracketed
+        _b64("999.0.0.1:80"),
+        base64.b64encode("10.0.0.1:80é".encode()).decode(),
+        _b64("1" * 200),
+        "A" * 500,
+    ],
+)
+def test_decode_session_rejects_garbage(value: str | None) -> None:
+    assert decode_session(value) is None
+
+
+def test_saturation_all_over_thresholds() -> None:
+    over = [pod(A, waiting=5, kv=0.1), pod(B, waiting=0, kv=0.85)]
+    assert is_saturated(over)
+    assert not is_saturated([*over, pod("10.0.0.3:8000", waiting=4, kv=0.79)])
+    assert is_saturated(
+        [pod(A, no_metrics=True), pod(B, waiting=None, kv=0.1)]
+    )  # unknown counts as full
+    assert is_saturated([])
+    assert not is_saturated(over, queue_threshold=10, kv_threshold=0.9)
+
+
+def test_saturation_level_is_gaie_mean() -> None:
+    level = saturation(
+        [
+            pod(A, waiting=5, kv=0.4),
+            pod(B, waiting=0, kv=0.2),
+            pod("10.0.0.3:8000", no_metrics=True),
+        ]
+    )
+    assert level == pytest.approx((1.0 + 0.25 + 1.0) / 3)
