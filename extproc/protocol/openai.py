@@ -1,0 +1,250 @@
+"""OpenAI request bodies -> InferenceRequest, and the few rewrites the gateway makes.
+
+Pure functions over bytes: no I/O. Every rejection is a BadRequest (or PayloadTooLarge)
+whose message names the field and whose `param` is the JSON path, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from extproc.types import BadRequest, InferenceRequest, PayloadTooLarge, RequestKind
+
+__all__ = ["kind_for_path", "parse_request", "rewrite_body", "set_include_usage", "set_model"]
+
+_KINDS = {
+    "/v1/chat/completions": RequestKind.CHAT,
+    "/v1/completions": RequestKind.COMPLETION,
+    "/v1/embeddings": RequestKind.EMBEDDINGS,
+}
+
+
+def kind_for_path(path: str) -> RequestKind:
+    """The request kind of an HTTP :path (query string and trailing slash ignored)."""
+    bare = path.split("?", 1)[0].split("#", 1)[0]
+    if len(bare) > 1:
+        bare = bare.rstrip("/")
+    return _KINDS.get(bare, RequestKind.OTHER)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson also rejects invalid UTF-8, lone surrogates and nesting deeper than 1024.
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _check_content(content: object, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string, a list of content parts or null", param=where)
+    for j, part in enumerate(content):
+        p = f"{where}[{j}]"
+        if isinstance(part, str):
+            continue
+        if not isinstance(part, dict):
+            raise BadRequest(f"{p} must be an object", param=p)
+        kind = part.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise BadRequest(f"{p}.type must be a string", param=f"{p}.type")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise BadRequest(f"{p}.text must be a string", param=f"{p}.text")
+
+
+def _messages(data: Mapping[str, Any]) -> tuple[Mapping[str, object], ...]:
+    msgs = data.get("messages")
+    if msgs is None:
+        raise BadRequest("messages is required", param="messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object", param=where)
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"{where}.role must be a string", param=f"{where}.role")
+        _check_content(m.get("content"), f"{where}.content")
+    return tuple(msgs)
+
+
+def _prompt(data: Mapping[str, Any], field: str) -> tuple[str | None, tuple[int, ...] | None]:
+    """A prompt (completions) or input (embeddings): text, texts, ids or lists of ids.
+
+    Batches route by their first element: that is the prefix the engine caches first.
+    """
+    if field not in data:
+        raise BadRequest(f"{field} is required", param=field)
+    value = data[field]
+    bad = BadRequest(
+        f"{field} must be a string, a list of strings, or a list of token ids (or lists of them)",
+        param=field,
+    )
+    if isinstance(value, str):
+        return value, None
+    if not isinstance(value, list) or not value:
+        raise bad
+    if all(isinstance(v, str) for v in value):
+        return value[0], None
+    if all(_is_int(v) for v in value):
+        return None, tuple(value)
+    if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+        return None, tuple(value[0])
+    raise bad
+
+
+def _optional_positive_int(data: Mapping[str, Any], field: str) -> int | None:
+    v = data.get(field)
+    if v is None:
+        return None
+    if not _is_int(v) or v < 1:
+        raise BadRequest(f"{field} must be a positive integer", param=field)
+    return int(v)
+
+
+def parse_request(path: str, body: bytes, *, max_body_bytes: int) -> InferenceRequest:
+    """Parse and validate an OpenAI request body for routing.
+
+    Unknown paths give RequestKind.OTHER and are never rejected for their body.
+    """
+    if len(body) > max_body_bytes:
+        raise PayloadTooLarge(
+            f"request body is {len(body)} bytes, over the limit of {max_body_bytes}"
+        )
+    kind = kind_for_path(path)
+    if kind is RequestKind.OTHER:
+        other_model = ""
+        if body.strip():
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                data = None
+            if isinstance(data, dict) and isinstance(data.get("model"), str):
+                other_model = data["model"]
+        return InferenceRequest(kind=kind, model=other_model, body={})
+    if not body.strip():
+        raise BadRequest("request body is empty; a JSON object is required")
+    data = _load_object(body)
+
+    model = data.get("model")
+    if model is None:
+        raise BadRequest("model is required", param="model")
+    if not isinstance(model, str) or not model.strip():
+        raise BadRequest("model must be a non-empty string", param="model")
+
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean", param="stream")
+
+    include_usage = False
+    opts = data.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise BadRequest("stream_options must be an object", param="stream_options")
+        iu = opts.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise BadRequest(
+                "stream_options.include_usage must be a boolean",
+                param="stream_options.include_usage",
+            )
+        include_usage = bool(iu)
+
+    max_tokens = _optional_positive_int(data, "max_tokens")
+    if kind is RequestKind.CHAT:
+        mct = _optional_positive_int(data, "max_completion_tokens")
+        max_tokens = mct if mct is not None else max_tokens
+
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("user must be a string", param="user")
+
+    messages: tuple[Mapping[str, object], ...] | None = None
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    if kind is RequestKind.CHAT:
+        messages = _messages(data)
+        tools = data.get("tools")
+        if tools is not None and (
+            not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+        ):
+            raise BadRequest("tools must be a list of objects", param="tools")
+        ctk = data.get("chat_template_kwargs")
+        if ctk is not None and not isinstance(ctk, dict):
+            raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    elif kind is RequestKind.COMPLETION:
+        prompt, prompt_ids = _prompt(data, "prompt")
+    else:
+        prompt, prompt_ids = _prompt(data, "input")
+
+    return InferenceRequest(
+        kind=kind,
+        model=model,
+        body=data,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        user=user,
+        messages=messages,
+        prompt=prompt,
+        prompt_token_ids=prompt_ids,
+    )
+
+
+def rewrite_body(
+    body: Mapping[str, object], *, include_usage: bool = False, model: str | None = None
+) -> bytes | None:
+    """Serialized body with the requested changes, or None when nothing would change.
+
+    include_usage only applies to streaming requests: vLLM rejects stream_options when
+    stream is false. Other fields and their values are kept (key order preserved).
+    """
+    changed = False
+    out = dict(body)
+    if include_usage and out.get("stream") is True:
+        opts = out.get("stream_options")
+        opts_d = dict(opts) if isinstance(opts, Mapping) else {}
+        if opts_d.get("include_usage") is not True:
+            opts_d["include_usage"] = True
+            out["stream_options"] = opts_d
+            changed = True
+    if model is not None and out.get("model") != model:
+        out["model"] = model
+        changed = True
+    return orjson.dumps(out) if changed else None
+
+
+def set_include_usage(body: bytes) -> bytes:
+    """`stream_options.include_usage=true` on a streaming JSON body; other bodies unchanged."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(data, dict):
+        return body
+    new = rewrite_body(data, include_usage=True)
+    return body if new is None else new
+
+
+def set_model(body: bytes, model: str) -> bytes:
+    """The body with `model` replaced (model-name mapping); non-object bodies unchanged."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(data, dict):
+        return body
+    new = rewrite_body(data, model=model)
+    return body if new is None else new
