@@ -24,6 +24,7 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+from google.protobuf import json_format
 
 from extproc._pb.envoy.config.core.v3 import base_pb2 as core
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -67,12 +68,27 @@ class PickingExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def __init__(self) -> None:
         self.seen_destination: list[str | None] = []
+        self.observed: list[tuple[bool, dict[str, object], int]] = []
 
     async def Process(
         self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
+        observed_attributes: dict[str, object] = {}
+        observed_bytes = 0
         async for req in requests:
-            if req.WhichOneof("request") != "request_headers":
+            kind = req.WhichOneof("request")
+            if req.observability_mode:
+                # Never answer; end the RPC at the response end_of_stream (extproc-perf.md B4).
+                if req.attributes:
+                    attrs = req.attributes["envoy.filters.http.ext_proc"]
+                    observed_attributes = json_format.MessageToDict(attrs)
+                if kind == "response_body":
+                    observed_bytes += len(req.response_body.body)
+                    if req.response_body.end_of_stream:
+                        self.observed.append((True, observed_attributes, observed_bytes))
+                        return
+                continue
+            if kind != "request_headers":
                 continue
             headers = {h.key: h.raw_value.decode() for h in req.request_headers.headers.headers}
             self.seen_destination.append(headers.get(DESTINATION_HEADER))
@@ -162,8 +178,8 @@ async def _wait_ready(admin_port: int, proc: subprocess.Popen[bytes], log: Path)
     raise AssertionError(f"envoy not ready: {_read(log)}")
 
 
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def _run_stack(tmp_path: Path, accounting: ResponseAccounting) -> AsyncIterator[Stack]:
     alive, other, outside = Backend("alive"), Backend("other"), Backend("outside")
     extproc = PickingExtProc()
     async with contextlib.AsyncExitStack() as exits:
@@ -182,7 +198,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
             admin=HostPort("127.0.0.1", admin),
             extproc=(HostPort("127.0.0.1", grpc_port),),
             endpoints=(dead, HostPort("127.0.0.1", alive.port), HostPort("127.0.0.1", other.port)),
-            response_accounting=ResponseAccounting.NONE,
+            response_accounting=accounting,
         )
         config = tmp_path / "envoy.yaml"
         config.write_text(render_yaml(opts))
@@ -190,6 +206,12 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         with _envoy(config, admin, log) as proc:
             await _wait_ready(admin, proc, log)
             yield Stack(f"http://127.0.0.1:{listener}", alive, other, outside, dead, extproc)
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    async with _run_stack(tmp_path, ResponseAccounting.NONE) as running:
+        yield running
 
 
 async def _get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], str]:
@@ -245,3 +267,22 @@ async def test_request_headers_are_echoed_on_the_response_only_when_present(stac
     assert with_session.get("x-routing-explain") == "test-pick"
     _, without, _ = await _get(stack.url, {})
     assert "x-session-id" not in {k.lower() for k in without}
+
+
+async def test_observability_filter_streams_responses_to_its_own_rpc(tmp_path: Path) -> None:
+    async with _run_stack(tmp_path, ResponseAccounting.OBSERVABILITY) as running:
+        pick = f"127.0.0.1:{running.alive.port}"
+        for _ in range(3):
+            status, _, served_by = await _get(running.url, {PICK_HEADER: pick})
+            assert (status, served_by) == (200, "alive")
+        for _ in range(100):  # observability streams run after the response; wait for them
+            if len(running.extproc.observed) == 3:
+                break
+            await asyncio.sleep(0.02)
+    assert len(running.extproc.observed) == 3
+    body_len = len(b'{"served_by": "alive"}')
+    for is_obs, attributes, seen_bytes in running.extproc.observed:
+        assert is_obs
+        assert seen_bytes == body_len
+        assert attributes.get("upstream.address") == pick
+        assert attributes.get("request.id")
