@@ -244,7 +244,8 @@ class HigressGpuStrategy:
             for p in snap.pods
             if signals.waiting(p) is not None and signals.kv_usage(p) is not None
         ]
-        unknown = [p for p in snap.pods if p not in known]
+        known_ids = {id(p) for p in known}
+        unknown = [p for p in snap.pods if id(p) not in known_ids]
         if not known:
             ranked = _least_request_order(snap.pods, rng)
             return decision(
@@ -280,7 +281,10 @@ class HigressGpuStrategy:
             notes.insert(0, "all queues high: least-queue branch")
         head = list(chosen)
         rng.shuffle(head)
-        rest = signals.rank_by([p for p in known if p not in chosen], lambda p: (q(p), kv(p)), rng)
+        chosen_ids = {id(p) for p in chosen}
+        rest = signals.rank_by(
+            [p for p in known if id(p) not in chosen_ids], lambda p: (q(p), kv(p)), rng
+        )
         rest += _least_request_order(unknown, rng)
         if unknown:
             notes.append(f"metrics unknown on {signals.addresses(unknown)} (ranked last)")
