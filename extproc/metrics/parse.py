@@ -21,11 +21,12 @@ __all__ = ["ParseResult", "Sample", "parse"]
 
 # Metric names may contain ':' (vLLM's "vllm:..." namespace); label names may not.
 _LINE = re.compile(
-    r"([a-zA-Z_:][a-zA-Z0-9_:]*)[ \t]*(?:\{(.*)\})?[ \t]*(\S+)(?:[ \t]+(\S+))?[ \t]*"
+    r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:[ \t]*\{(.*)\}[ \t]*|[ \t]+)(\S+)(?:[ \t]+(\S+))?[ \t]*"
 )
 _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(,|$)')
 _UNESCAPE = re.compile(r"\\(.)")
 _NAME_END = re.compile(r"[{ \t]")
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _SPECIAL_VALUES = {"+Inf": math.inf, "Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}
 
 
@@ -43,6 +44,7 @@ class ParseResult:
     samples: tuple[Sample, ...]
     errors: int  # lines that were neither comments, blank, nor valid samples
     lines: int  # sample lines seen (valid or not), including those filtered out by name
+    skipped: int = 0  # lines with a valid metric name not in `wanted` (not parsed further)
 
 
 def _unescape(value: str) -> str:
@@ -84,6 +86,7 @@ def parse(text: str, wanted: Collection[str] | None = None) -> ParseResult:
     samples: list[Sample] = []
     errors = 0
     lines = 0
+    skipped = 0
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line[0] == "#":
@@ -93,6 +96,11 @@ def parse(text: str, wanted: Collection[str] | None = None) -> ParseResult:
             cut = _NAME_END.search(line)
             name = line[: cut.start()] if cut else line
             if name not in wanted:
+                # Only a name check: enough to tell an exposition from an error page.
+                if _NAME.fullmatch(name):
+                    skipped += 1
+                else:
+                    errors += 1
                 continue
         m = _LINE.fullmatch(line)
         if m is None:
@@ -111,4 +119,4 @@ def parse(text: str, wanted: Collection[str] | None = None) -> ParseResult:
             errors += 1
             continue
         samples.append(Sample(name, labels, value))
-    return ParseResult(tuple(samples), errors, lines)
+    return ParseResult(tuple(samples), errors, lines, skipped)

@@ -131,7 +131,9 @@ class MetricsPoller:
                         text = await self._fetch(ep)
                     names = self.names_for(ep)
                     result = parse(text, self._wanted_names(names))
-                    if not result.samples and (result.errors or result.lines == 0):
+                    # Any well-formed line (even of metrics we do not read) makes a
+                    # partial scrape, which beats none; nothing well-formed is garbage.
+                    if not result.samples and not result.skipped:
                         raise _ScrapeFailed(
                             "garbage",
                             f"no valid Prometheus sample ({result.errors} bad lines)",

@@ -1,0 +1,144 @@
+"""The Prometheus text parser: table-driven line cases, real exposition, and a fuzz property."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.metrics.parse import parse
+from tests.metrics.expositions import SGLANG, VLLM_DP2
+
+# (line, expected (name, labels, value) or None for an error line)
+LINE_CASES: list[tuple[str, tuple[str, dict[str, str], float] | None]] = [
+    ("up 1", ("up", {}, 1.0)),
+    ("vllm:num_requests_running 3.0", ("vllm:num_requests_running", {}, 3.0)),
+    ('m{a="x"} 2', ("m", {"a": "x"}, 2.0)),
+    ('m{a="x",b="y",} 2', ("m", {"a": "x", "b": "y"}, 2.0)),  # trailing comma is legal
+    ('m{ a = "x" , b="y"} 2', ("m", {"a": "x", "b": "y"}, 2.0)),
+    ("m{} 2", ("m", {}, 2.0)),
+    ('m{a="q\\"uo}te"} 1', ("m", {"a": 'q"uo}te'}, 1.0)),  # escaped quote, brace in value
+    ('m{a="back\\\\slash\\nnl"} 1', ("m", {"a": "back\\slash\nnl"}, 1.0)),
+    ('m{a=""} 1e-3', ("m", {"a": ""}, 0.001)),
+    ("m 1.7959e+09 1700000000000", ("m", {}, 1.7959e09)),  # with a timestamp
+    ("m +Inf", ("m", {}, math.inf)),
+    ("m -Inf", ("m", {}, -math.inf)),
+    ("m\t4", ("m", {}, 4.0)),
+    ("  m 4  ", ("m", {}, 4.0)),
+    ("m", None),  # no value
+    ("m abc", None),  # bad value
+    ("m 1 notatimestamp", None),
+    ('m{a="x"', None),  # unterminated labels
+    ("m{a=x} 1", None),  # unquoted label value
+    ('m{9a="x"} 1', None),  # bad label name
+    ('m{a="x" b="y"} 1', None),  # missing comma
+    ("<html><body>502 Bad Gateway</body></html>", None),
+    ("9m 1", None),  # bad metric name
+    ("m 1 2 3", None),
+    ("m+Inf", None),  # no separator between name and value (found by hypothesis)
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), LINE_CASES)
+def test_line(line: str, expected: tuple[str, dict[str, str], float] | None) -> None:
+    result = parse(line)
+    if expected is None:
+        assert result.samples == ()
+        assert result.errors == 1
+        return
+    assert result.errors == 0
+    (sample,) = result.samples
+    name, labels, value = expected
+    assert sample.name == name
+    assert dict(sample.labels) == labels
+    assert sample.value == value
+
+
+def test_nan_value() -> None:
+    (sample,) = parse("m NaN").samples
+    assert math.isnan(sample.value)
+
+
+def test_comments_and_blank_lines_are_not_errors() -> None:
+    result = parse("# HELP m help text\n# TYPE m gauge\n\n   \n#\nm 1\n")
+    assert result.errors == 0
+    assert result.lines == 1
+    assert [s.name for s in result.samples] == ["m"]
+
+
+def test_garbage_lines_do_not_hide_good_ones() -> None:
+    text = 'm 1\n}}}{{{ junk\nn{a="b"} 2\nunterminated{a="\n'
+    result = parse(text)
+    assert [(s.name, s.value) for s in result.samples] == [("m", 1.0), ("n", 2.0)]
+    assert result.errors == 2
+
+
+def test_crlf_line_endings() -> None:
+    assert [s.value for s in parse("a 1\r\nb 2\r\n").samples] == [1.0, 2.0]
+
+
+def test_wanted_filters_before_label_parsing() -> None:
+    # The broken labels of an unwanted metric are never parsed, so they are not errors.
+    text = 'keep{a="1"} 1\ndrop{broken 2\nkeep{a="2"} 3\n'
+    result = parse(text, wanted={"keep"})
+    assert [s.value for s in result.samples] == [1.0, 3.0]
+    assert result.errors == 0
+    assert result.lines == 3
+
+
+@pytest.mark.parametrize("text", [VLLM_DP2, SGLANG])
+def test_real_expositions_parse_cleanly(text: str) -> None:
+    result = parse(text)
+    sample_lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert result.errors == 0
+    assert len(result.samples) == len(sample_lines)
+
+
+def test_vllm_label_values() -> None:
+    result = parse(VLLM_DP2, wanted={"vllm:cache_config_info"})
+    assert len(result.samples) == 2
+    labels = result.samples[1].labels
+    assert labels["engine"] == "1"
+    assert labels["num_gpu_blocks"] == "27000"
+    assert labels["num_cpu_blocks"] == "None"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_never_raises_on_arbitrary_text(text: str) -> None:
+    result = parse(text)
+    assert result.errors >= 0
+    assert len(result.samples) + result.errors <= result.lines
+
+
+_line_atoms = st.sampled_from(
+    [
+        "m",
+        "vllm:x",
+        "{",
+        "}",
+        '"',
+        "\\",
+        "=",
+        ",",
+        " ",
+        "\t",
+        "1",
+        "NaN",
+        "+Inf",
+        "e",
+        "a",
+        "\n",
+        "#",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_line_atoms, max_size=40).map("".join))
+def test_never_raises_on_exposition_like_text(text: str) -> None:
+    result = parse(text)
+    assert len(result.samples) + result.errors <= result.lines
+    assert parse(text, wanted={"m"}).errors <= result.errors
