@@ -93,6 +93,7 @@ class RoutingConfig:
     default_strategy: str = "least-request"
     strategy_header: str = "routing-strategy"
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    strategy_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. {prefix-cache: {...}}
     max_fallbacks: int = 2  # endpoints after the pick in the destination header, for Envoy retries
     queue_threshold: float = 128.0  # saturation: waiting requests per pod
     kv_threshold: float = 0.95  # saturation: KV-cache usage fraction per pod
@@ -155,6 +156,7 @@ class KubernetesConfig:
     watch_httproutes: bool = False
     namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
     in_cluster: bool = True
+    kubeconfig: str | None = None  # used when in_cluster is false (local development)
 
 
 @dataclass(frozen=True, slots=True)

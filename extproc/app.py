@@ -1,0 +1,406 @@
+"""The composition root: builds every component from the config and runs them.
+
+No singletons and no module-level state: everything is created here and handed down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+
+from extproc.accounting.fairness import FairnessCounters
+from extproc.accounting.gateway_metrics import GatewayMetrics
+from extproc.accounting.inflight import InflightTracker
+from extproc.accounting.podstats import PodStatsTracker
+from extproc.config import Config, ConfigError, ModelConfig, RouteSettings, load_config
+from extproc.director.api import RequestHead
+from extproc.director.director import Director, ModelRuntime
+from extproc.director.prefill import PrefillClient
+from extproc.kvcache.approx import ApproximateIndex
+from extproc.kvcache.exact import ExactIndex
+from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.metrics.names import preset as metric_preset
+from extproc.metrics.poller import MetricsPoller
+from extproc.metrics.store import EndpointStore
+from extproc.routing.builtin import default_registry
+from extproc.server.service import ExtProcServer, ServerOptions
+from extproc.tokenization import (
+    CharEstimateTokenizer,
+    TokenizerLoadError,
+    TokenizerPool,
+    bundled_qwen_dir,
+    load_tokenizer,
+)
+from extproc.tokenization.base import Tokenizer
+from extproc.types import Endpoint, EndpointRole, GatewayError
+
+__all__ = ["App", "build_endpoints", "load_model_tokenizer"]
+
+log = logging.getLogger("extproc.app")
+
+BUNDLED_PREFIX = "bundled:"
+REQUEST_MAX_AGE_S = 900.0  # a routed request with no response end after this is settled as failed
+
+
+def load_model_tokenizer(model: ModelConfig) -> Tokenizer:
+    """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
+    spec = model.tokenizer
+    if spec is None:
+        log.warning("model %s: no tokenizer configured; token counts are ESTIMATED (chars/4)", model.name)
+        return CharEstimateTokenizer()
+    if spec.startswith(BUNDLED_PREFIX):
+        if spec != "bundled:qwen3":
+            raise ConfigError(f"models[{model.name}].tokenizer: unknown bundled tokenizer {spec!r}")
+        path = bundled_qwen_dir()
+        if path is None:
+            log.error("model %s: bundled Qwen3 tokenizer not installed; token counts are ESTIMATED", model.name)
+            return CharEstimateTokenizer()
+    else:
+        path = Path(spec)
+    try:
+        return load_tokenizer(path)
+    except TokenizerLoadError as exc:
+        log.error("model %s: %s; token counts are ESTIMATED until the file is fixed", model.name, exc)
+        return CharEstimateTokenizer()
+
+
+def build_endpoints(model: ModelConfig) -> tuple[Endpoint, ...]:
+    return tuple(
+        Endpoint(
+            address=e.address,
+            model=model.name,
+            metrics_url=e.metrics_url,
+            role=EndpointRole(e.role),
+            kv_events_endpoint=e.kv_events,
+            kv_replay_endpoint=e.kv_replay,
+        )
+        for e in model.endpoints
+    )
+
+
+@dataclass
+class _Runtime:
+    config: Config
+    director: Director
+    tokenizers: dict[str, TokenizerPool]
+
+
+class App:
+    """Runs the ext_proc server with its metrics poller, admin HTTP server and config reload."""
+
+    def __init__(self, config: Config, *, config_path: Path | None = None) -> None:
+        self._config_path = config_path
+        self._config_mtime = _mtime(config_path)
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry)
+        self.config_reloads = Counter(
+            "config_reloads", "Config file reloads by result", ["result"],
+            namespace="extproc", registry=self.registry,
+        )  # fmt: skip
+        self.store = EndpointStore(stale_after=config.metrics.stale_after_s)
+        self.podstats = PodStatsTracker()
+        self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
+        self.fairness = FairnessCounters()
+        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
+        self._exact: dict[str, ExactIndex] = {}
+        self._approx: dict[str, ApproximateIndex] = {}
+        self._route_settings: dict[str, RouteSettings] = {}
+        self._kv_healthy: Callable[[str], bool] = lambda _address: False
+        self._rt = self._build(config)
+        self.poller = MetricsPoller(
+            self.store,
+            self._http,
+            interval=config.metrics.poll_interval_s,
+            timeout=config.metrics.timeout_s,
+            max_bytes=config.metrics.max_response_bytes,
+            names=metric_preset(config.metrics.preset, config.metrics.names),
+            observer=self.metrics,
+        )
+        self.server = ExtProcServer(
+            _HandlerRef(self),
+            ServerOptions(
+                host=config.server.host,
+                port=config.server.grpc_port,
+                max_concurrent_streams=config.server.max_concurrent_streams,
+                max_message_bytes=config.server.max_body_bytes + 1024 * 1024,
+                tls_cert_file=config.server.tls.cert_file if config.server.tls else None,
+                tls_key_file=config.server.tls.key_file if config.server.tls else None,
+                tls_client_ca_file=config.server.tls.client_ca_file if config.server.tls else None,
+            ),
+        )
+        self._admin: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+
+    @property
+    def config(self) -> Config:
+        return self._rt.config
+
+    @property
+    def director(self) -> Director:
+        return self._rt.director
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _build(self, config: Config, previous: _Runtime | None = None) -> _Runtime:
+        registry = default_registry(config.routing.profiles, config.routing.strategy_params)
+        registry.resolve(config.routing.default_strategy)  # fail fast on a bad default
+        runtimes: dict[str, ModelRuntime] = {}
+        tokenizers: dict[str, TokenizerPool] = {}
+        for model in config.models:
+            old = previous.tokenizers.get(_tok_key(model)) if previous else None
+            pool = old or TokenizerPool(
+                load_model_tokenizer(model),
+                max_workers=config.server.tokenizer_threads,
+                inline_threshold_chars=config.server.tokenize_inline_bytes,
+            )
+            tokenizers[_tok_key(model)] = pool
+            mode = IndexMode(model.kv_events_mode or config.kv_events.mode)
+            exact = self._exact.get(model.name)
+            if exact is None or exact.block_size != model.block_size:
+                exact = self._exact[model.name] = ExactIndex(
+                    block_size=model.block_size, max_blocks=config.kv_events.exact_capacity_blocks
+                )
+            approx = self._approx.setdefault(
+                model.name,
+                ApproximateIndex(
+                    ttl_s=config.kv_events.approx_ttl_s, max_blocks=config.kv_events.approx_capacity_blocks
+                ),
+            )
+            if model.strategy is not None:
+                registry.resolve(model.strategy)
+            runtimes[model.name] = ModelRuntime(
+                name=model.name,
+                tokenizer=pool,
+                prefix=PrefixIndex(
+                    mode=mode,
+                    block_size=model.block_size,
+                    exact=exact,
+                    approximate=approx,
+                    events_healthy=lambda address: self._kv_healthy(address),
+                ),
+                block_size=model.block_size,
+                default_strategy=model.strategy,
+                lora_adapters=frozenset(model.lora_adapters),
+                aliases=tuple(model.aliases),
+            )
+        self.store.set_endpoints({m.name: build_endpoints(m) for m in config.models if m.endpoints})
+        self._route_settings = dict(config.routes)
+        director = Director(
+            config=config,
+            models=runtimes,
+            store=self.store,
+            registry=registry,
+            inflight=self.inflight,
+            podstats=self.podstats,
+            fairness=self.fairness,
+            metrics=self.metrics,
+            route_settings=self.route_settings_for,
+            prefill=PrefillClient(self._http),
+        )
+        if previous is not None:
+            director.adopt_pending(previous.director)
+        return _Runtime(config, director, tokenizers)
+
+    def route_settings_for(self, route_name: str | None) -> RouteSettings | None:
+        """Settings of the route Envoy matched: exact route name first, then `<ns>/<name>`."""
+        if not route_name:
+            return self._route_settings.get("default")
+        found = self._route_settings.get(route_name)
+        if found is not None:
+            return found
+        parts = route_name.split("/")
+        if len(parts) >= 3 and parts[0] == "httproute":
+            return self._route_settings.get(f"{parts[1]}/{parts[2]}")
+        return self._route_settings.get("default")
+
+    def set_route_settings(self, settings: Mapping[str, RouteSettings]) -> None:
+        """Replace per-route settings (from the HTTPRoute watcher), keeping config-file routes."""
+        self._route_settings = {**self._rt.config.routes, **settings}
+
+    # -- running -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.poller.start()
+        await self._start_admin()
+        self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
+        self._tasks.append(asyncio.create_task(self._sweep_loop(), name="sweep"))
+        if self._config_path is not None:
+            self._tasks.append(asyncio.create_task(self._reload_loop(), name="config-reload"))
+
+    async def stop(self) -> None:
+        grace = self.config.server.shutdown_grace_s
+        await self.server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.poller.stop()
+        if self._admin is not None:
+            await self._admin.cleanup()
+        await self._http.aclose()
+        for pool in self._rt.tokenizers.values():
+            pool.close()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self.start()
+        await self._stopping.wait()
+        log.info("shutting down: health NOT_SERVING, draining streams")
+        await self.stop()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    def is_ready(self) -> bool:
+        return bool(self.config.models) and self.store.any_ready()
+
+    async def _readiness_loop(self) -> None:
+        ready: bool | None = None
+        while True:
+            now_ready = self.is_ready()
+            if now_ready != ready:
+                ready = now_ready
+                await self.server.set_ready(ready)
+                log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING (no endpoint with fresh metrics)")
+            await asyncio.sleep(0.2)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(10.0)
+            n = self.director.sweep(REQUEST_MAX_AGE_S)
+            if n:
+                log.warning("settled %d requests whose response end was never observed", n)
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            mtime = _mtime(self._config_path)
+            if mtime == self._config_mtime:
+                continue
+            self._config_mtime = mtime
+            assert self._config_path is not None
+            try:
+                new = load_config(self._config_path)
+                self._rt = self._build(new, previous=self._rt)
+            except (ConfigError, GatewayError, ValueError) as exc:
+                log.error("config reload failed, keeping the running config: %s", exc)
+                self.config_reloads.labels("error").inc()
+                continue
+            self.config_reloads.labels("ok").inc()
+            log.info("config reloaded from %s", self._config_path)
+
+    # -- admin HTTP (metrics, probes, explain) -------------------------------------------------
+
+    async def _start_admin(self) -> None:
+        app = web.Application(client_max_size=self.config.server.max_body_bytes)
+        app.router.add_get("/metrics", self._h_metrics)
+        app.router.add_get("/healthz", self._h_healthz)
+        app.router.add_get("/readyz", self._h_readyz)
+        app.router.add_get("/debug/endpoints", self._h_endpoints)
+        app.router.add_post("/debug/explain", self._h_explain)
+        self._admin = web.AppRunner(app, access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, self.config.server.host, self.config.server.metrics_port)
+        await site.start()
+
+    async def _h_metrics(self, _request: web.Request) -> web.Response:
+        body = self.metrics.render()
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _h_healthz(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _h_readyz(self, _request: web.Request) -> web.Response:
+        if self.is_ready():
+            return web.Response(text="ready")
+        return web.Response(status=503, text="not ready: no endpoint with fresh metrics")
+
+    async def _h_endpoints(self, _request: web.Request) -> web.Response:
+        now = time.monotonic()
+        out: list[dict[str, Any]] = []
+        for model in self.store.models():
+            for ep in self.store.endpoints(model):
+                state = self.store.state(ep)
+                load = self.inflight.load(ep.address)
+                out.append(
+                    {
+                        "model": model,
+                        "address": ep.address,
+                        "role": str(ep.role),
+                        "ready": state is not None and self.store.is_ready(state, now),
+                        "metrics_age_s": state.age(now) if state else None,
+                        "last_error": state.last_error if state else None,
+                        "in_flight": load.requests,
+                        "kv_events_healthy": self._kv_healthy(ep.address),
+                    }
+                )
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _h_explain(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        head = RequestHead(
+            request_id="explain",
+            method="POST",
+            path=request.query.get("path", "/v1/chat/completions"),
+            headers=headers,
+            route_name=request.query.get("route"),
+        )
+        try:
+            result = await self.director.explain(head, body)
+        except GatewayError as err:
+            reply = Director.error_reply(err)
+            return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+        return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+
+class _HandlerRef:
+    """The server's handler: always the current director (swapped on config reload)."""
+
+    def __init__(self, app: App) -> None:
+        self._app = app
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self._app.director.max_body_bytes
+
+    async def route(self, head: RequestHead, body: bytes | None) -> Any:
+        return await self._app.director.route(head, body)
+
+    def reject(self, head: RequestHead | None, status: int, message: str) -> Any:
+        return self._app.director.reject(head, status, message)
+
+    def observer_for(self, request_id: str) -> Any:
+        return self._app.director.observer_for(request_id)
+
+
+def _tok_key(model: ModelConfig) -> str:
+    return f"{model.name}\x00{model.tokenizer}"
+
+
+def _mtime(path: Path | None) -> float | None:
+    if path is None:
+        return None
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None

@@ -1,0 +1,469 @@
+"""The request lifecycle: parse -> resolve model and strategy -> tokenize -> candidates ->
+admit -> decide -> prepare (body rewrite, prefill for P/D) -> account the response.
+
+The server calls `route()` once per request and `observer_for()` for response-only streams.
+Everything that becomes an HTTP error is a GatewayError mapped to a reply in `_error_reply`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from extproc.accounting.fairness import FairnessCounters
+from extproc.accounting.gateway_metrics import GatewayMetrics
+from extproc.accounting.inflight import InflightTracker, Lease
+from extproc.accounting.podstats import PodStatsTracker
+from extproc.config import Config, RouteSettings
+from extproc.director.api import ImmediateReply, RequestHead, RouteResult
+from extproc.director.explain import explain_header, explain_json
+from extproc.director.prefill import PrefillClient, PrefillError
+from extproc.director.response import ResponseAccounting
+from extproc.kvcache.hashing import block_hashes, lora_extra_key
+from extproc.kvcache.prefix import PrefixIndex
+from extproc.metrics.store import EndpointStore
+from extproc.protocol.errors import error_json
+from extproc.protocol.openai import parse_request
+from extproc.routing.base import Decision, PodState, RoutingRequest, Snapshot
+from extproc.routing.registry import StrategyRegistry
+from extproc.routing.saturation import is_saturated
+from extproc.routing.session import decode_session, encode_session
+from extproc.tokenization import TokenizerPool
+from extproc.types import (
+    BadRequest,
+    Endpoint,
+    EndpointRole,
+    GatewayError,
+    InferenceRequest,
+    NotFound,
+    RequestKind,
+    ServiceUnavailable,
+    TooManyRequests,
+)
+
+__all__ = ["Director", "ModelRuntime", "RouteSettingsLookup"]
+
+log = logging.getLogger("extproc.director")
+
+SENSITIVE_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"})
+EXPLAIN_HEADER = "x-routing-explain"
+DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
+
+
+@dataclass
+class ModelRuntime:
+    """Everything the lifecycle needs for one served model."""
+
+    name: str
+    tokenizer: TokenizerPool
+    prefix: PrefixIndex
+    block_size: int = 16
+    default_strategy: str | None = None
+    lora_adapters: frozenset[str] = frozenset()
+    aliases: tuple[str, ...] = ()
+
+
+RouteSettingsLookup = Callable[[str | None], RouteSettings | None]
+
+
+@dataclass
+class _Prepared:
+    """Everything decided about a request before a strategy runs."""
+
+    req: InferenceRequest
+    runtime: ModelRuntime
+    served_model: str
+    lora: str | None
+    settings: RouteSettings
+    strategy_name: str
+    routing: RoutingRequest
+    pods: tuple[PodState, ...]
+    tokenize_s: float
+    estimated: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def redact(headers: Mapping[str, str]) -> dict[str, str]:
+    """Headers safe to log: credentials replaced."""
+    return {k: ("<redacted>" if k in SENSITIVE_HEADERS else v) for k, v in headers.items()}
+
+
+class Director:
+    """Implements `extproc.director.api.RequestHandler`."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        models: Mapping[str, ModelRuntime],
+        store: EndpointStore,
+        registry: StrategyRegistry,
+        inflight: InflightTracker,
+        podstats: PodStatsTracker,
+        fairness: FairnessCounters,
+        metrics: GatewayMetrics,
+        route_settings: RouteSettingsLookup | None = None,
+        prefill: PrefillClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._models = dict(models)
+        self._by_name: dict[str, tuple[ModelRuntime, str | None]] = {}
+        for runtime in self._models.values():
+            for name in (runtime.name, *runtime.aliases):
+                self._by_name[name] = (runtime, None)
+            for adapter in runtime.lora_adapters:
+                self._by_name.setdefault(adapter, (runtime, adapter))
+        self._store = store
+        self._registry = registry
+        self._inflight = inflight
+        self._podstats = podstats
+        self._fairness = fairness
+        self._metrics = metrics
+        self._route_settings = route_settings or (lambda _name: None)
+        self._prefill = prefill
+        self._clock = clock
+        self._rng = rng or random.Random(config.routing.seed)
+        self._pending: dict[str, ResponseAccounting] = {}
+
+    # -- RequestHandler ---------------------------------------------------------------------
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self._config.server.max_body_bytes
+
+    def reject(self, head: RequestHead | None, status: int, message: str) -> ImmediateReply:
+        err = GatewayError(message)
+        err.status = status
+        err.error_type = "invalid_request_error" if status < 500 else "internal_error"
+        if status == 413:
+            err.code = "request_too_large"
+        self._metrics.observe_request("", status, "")
+        return self.error_reply(err)
+
+    def observer_for(self, request_id: str) -> ResponseAccounting | None:
+        return self._pending.get(request_id)
+
+    async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
+        started = time.perf_counter()
+        try:
+            return await self._route(head, body, started)
+        except GatewayError as err:
+            self._metrics.observe_request("", err.status, "")
+            log.info(
+                "request %s %s rejected with %d: %s", head.request_id, head.path, err.status, err.message
+            )
+            return self.error_reply(err)
+        except Exception:  # a bug must never crash the stream: answer 500 and log it
+            log.exception("unexpected error routing request %s", head.request_id)
+            self._metrics.observe_request("", 500, "")
+            return self.error_reply(GatewayError("internal error while routing the request"))
+
+    # -- the lifecycle ------------------------------------------------------------------------
+
+    async def _route(self, head: RequestHead, body: bytes | None, started: float) -> RouteResult | ImmediateReply:
+        path = head.path.split("?", 1)[0]
+        if body is None or not head.has_body:
+            if head.method == "GET" and path in ("/v1/models", "/models"):
+                return self.models_reply()
+            return self._route_bodyless(head)
+        prep = await self.prepare(head, body)
+        decision = self._decide(prep)
+        result = await self._commit(head, prep, decision, body)
+        self._metrics.observe_decision(prep.strategy_name, time.perf_counter() - started)
+        return result
+
+    async def prepare(self, head: RequestHead, body: bytes) -> _Prepared:
+        """Parse, resolve, tokenize and collect candidates (shared with `explain`)."""
+        path = head.path.split("?", 1)[0]
+        req = parse_request(path, body, max_body_bytes=self.max_body_bytes)
+        settings = self._route_settings(head.route_name) or RouteSettings()
+        served = settings.model_map.get(req.model, req.model)
+        found = self._by_name.get(served)
+        if found is None:
+            raise NotFound(f"The model `{req.model}` does not exist.", param="model")
+        runtime, lora = found
+        strategy_name = self._strategy_name(head, settings, runtime)
+        ids, tokenize_s, estimated = await self._tokenize(runtime, req)
+        self._metrics.observe_tokenization("estimate" if estimated else "hf", tokenize_s)
+        if estimated:
+            self._metrics.observe_estimate(runtime.name)
+        hashes = block_hashes(ids, runtime.block_size, lora_extra_key(lora)) if ids else ()
+        candidates = self._candidates(runtime, head)
+        now = self._clock()
+        matches = runtime.prefix.match((e.address for e, _ in candidates), hashes, now)
+        pods = tuple(
+            PodState(
+                endpoint=ep,
+                metrics=metrics,
+                in_flight=(load := self._inflight.load(ep.address)).requests,
+                in_flight_tokens=load.tokens,
+                prefix_match_tokens=matches[ep.address].tokens,
+                prefix_exact=matches[ep.address].exact,
+                stats=self._podstats.stats(ep.address, now),
+            )
+            for ep, metrics in candidates
+        )
+        user = head.headers.get(self._config.routing.user_header) or req.user
+        session = decode_session(head.headers.get(self._config.routing.session_header))
+        if session is not None and session not in {p.address for p in pods}:
+            session = None  # only a ready endpoint of this model may be chosen by a session id
+        routing = RoutingRequest(
+            request_id=head.request_id or uuid.uuid4().hex,
+            model=runtime.name,
+            kind=req.kind,
+            prompt_tokens=len(ids),
+            tokens_estimated=estimated,
+            token_ids=ids,
+            block_hashes=hashes,
+            block_size=runtime.block_size,
+            max_tokens=req.max_tokens,
+            user=user,
+            session_id=session,
+            lora=lora,
+            priority=self._priority(head),
+            headers=head.headers,
+        )
+        return _Prepared(
+            req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
+            strategy_name=strategy_name, routing=routing, pods=pods, tokenize_s=tokenize_s,
+            estimated=estimated,
+        )  # fmt: skip
+
+    def _strategy_name(self, head: RequestHead, settings: RouteSettings, runtime: ModelRuntime) -> str:
+        header = head.headers.get(self._config.routing.strategy_header)
+        if header is not None and header.strip():
+            return header.strip()
+        return (
+            settings.scorers
+            or settings.profile
+            or settings.strategy
+            or runtime.default_strategy
+            or self._config.routing.default_strategy
+        )
+
+    async def _tokenize(self, runtime: ModelRuntime, req: InferenceRequest) -> tuple[list[int], float, bool]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids), 0.0, False
+        pool = runtime.tokenizer
+        if req.kind == RequestKind.CHAT and req.messages is not None:
+            tools = req.body.get("tools")
+            kwargs = req.body.get("chat_template_kwargs")
+            try:
+                res = await pool.encode_chat(
+                    req.messages,
+                    tools=tools if isinstance(tools, list) else None,
+                    add_generation_prompt=bool(req.body.get("add_generation_prompt", True)),
+                    chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+                )
+            except GatewayError:
+                raise
+            except Exception as exc:  # a template error is the client's request, not our crash
+                raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+            return res.ids, res.seconds, res.estimated
+        if req.prompt is not None:
+            res = await pool.encode_text(req.prompt)
+            return res.ids, res.seconds, res.estimated
+        return [], 0.0, bool(pool.tokenizer.estimated)
+
+    def _candidates(self, runtime: ModelRuntime, head: RequestHead) -> tuple[tuple[Endpoint, Any], ...]:
+        ready = self._store.ready(runtime.name)
+        if head.subset is not None:
+            allowed = set(head.subset)
+            ready = tuple(r for r in ready if r[0].address in allowed)
+            if not ready:
+                raise ServiceUnavailable(
+                    f"no ready endpoint of model {runtime.name!r} in the gateway's subset hint"
+                )
+        if not ready:
+            raise ServiceUnavailable(f"no ready endpoint for model {runtime.name!r}")
+        return ready
+
+    def _priority(self, head: RequestHead) -> int:
+        raw = head.headers.get(self._config.routing.priority_header)
+        if raw is None:
+            return 0
+        try:
+            return int(raw)
+        except ValueError:
+            raise BadRequest(
+                f"{self._config.routing.priority_header} must be an integer", param="priority"
+            ) from None
+
+    def _decide(self, prep: _Prepared) -> Decision:
+        strategy = self._registry.resolve(prep.strategy_name)
+        cfg = self._config.routing
+        if prep.routing.priority < 0 and prep.settings.shed_sheddable and is_saturated(
+            prep.pods, cfg.queue_threshold, cfg.kv_threshold
+        ):
+            self._metrics.observe_shed(prep.runtime.name)
+            raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
+        snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness)
+        decision = strategy.route(prep.routing, snap, self._rng)
+        if not decision.ranked:
+            raise ServiceUnavailable(f"strategy {strategy.name!r} found no endpoint")
+        return decision
+
+    async def _commit(self, head: RequestHead, prep: _Prepared, decision: Decision, body: bytes) -> RouteResult:
+        req, runtime = prep.req, prep.runtime
+        endpoint = decision.endpoint
+        now = self._clock()
+        runtime.prefix.record(endpoint.address, prep.routing.block_hashes, now)
+        max_out = req.max_tokens if req.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
+        lease = self._inflight.start(endpoint, prep.routing.prompt_tokens + max_out)
+        user = prep.routing.user
+        if user:
+            self._fairness.request_started(user, prep.routing.prompt_tokens)
+        for pod in prep.pods:
+            if pod.address == endpoint.address:
+                self._metrics.observe_prefix_match(runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact)
+        accounting = prep.settings.accounting
+        inject = (
+            prep.settings.inject_include_usage
+            if prep.settings.inject_include_usage is not None
+            else self._config.accounting.inject_include_usage
+        )
+        changes: dict[str, Any] = {}
+        if prep.served_model != req.model:
+            changes["model"] = prep.served_model
+        injected = accounting and inject and req.stream and not req.include_usage
+        if injected:
+            changes["stream_options"] = {**_dict(req.body.get("stream_options")), "include_usage": True}
+        if decision.prefill is not None:
+            params = await self._run_prefill(head, prep, decision.prefill, body)
+            if params is not None:
+                changes["kv_transfer_params"] = params
+        new_body = orjson.dumps({**req.body, **changes}) if changes else None
+        observer = ResponseAccounting(
+            request_id=prep.routing.request_id,
+            model=runtime.name,
+            endpoint=endpoint.address,
+            strategy=decision.strategy,
+            stream=req.stream,
+            lease=lease,
+            user=user,
+            prompt_tokens_estimate=prep.routing.prompt_tokens,
+            metrics=self._metrics,
+            fairness=self._fairness,
+            on_done=self._forget,
+            clock=self._clock,
+        )
+        self._pending[prep.routing.request_id] = observer
+        set_headers: dict[str, str] = {}
+        response_headers: dict[str, str] = {}
+        if decision.session_id is not None or prep.routing.session_id is not None:
+            sid = decision.session_id or encode_session(endpoint.address)
+            set_headers[self._config.routing.session_header] = sid
+            response_headers[self._config.routing.session_header] = sid
+        if self._config.server.allow_explain and head.headers.get(EXPLAIN_HEADER, "").lower() == "true":
+            text = explain_header(decision, prep.pods)
+            set_headers[EXPLAIN_HEADER] = text
+            response_headers[EXPLAIN_HEADER] = text
+            log.debug("routing explain %s: %s", prep.routing.request_id, text)
+        destinations = self._destinations(decision)
+        log.debug(
+            "routed %s model=%s strategy=%s -> %s (prompt %d tokens%s)",
+            prep.routing.request_id, runtime.name, decision.strategy, ",".join(destinations),
+            prep.routing.prompt_tokens, ", estimated" if prep.estimated else "",
+        )  # fmt: skip
+        return RouteResult(
+            destinations=destinations,
+            set_headers=set_headers,
+            body=new_body,
+            observer=observer,
+            response_headers=response_headers,
+        )
+
+    def _destinations(self, decision: Decision) -> tuple[str, ...]:
+        seen: list[str] = []
+        for ep in decision.ranked:
+            if ep.address not in seen:
+                seen.append(ep.address)
+            if len(seen) > self._config.routing.max_fallbacks:
+                break
+        return tuple(seen)
+
+    async def _run_prefill(
+        self, head: RequestHead, prep: _Prepared, prefill: Endpoint, body: bytes
+    ) -> dict[str, Any] | None:
+        if self._prefill is None:
+            self._metrics.observe_pd_fallback(prep.runtime.name)
+            return None
+        try:
+            return await self._prefill.prefill(prefill, head.path, prep.req.body, head.headers)
+        except PrefillError as exc:
+            log.warning("prefill on %s failed (%s); decoding without remote KV", prefill.address, exc)
+            self._metrics.observe_pd_fallback(prep.runtime.name)
+            return None
+
+    def _route_bodyless(self, head: RequestHead) -> RouteResult:
+        """GET /health, /metrics etc.: any ready endpoint, least loaded first."""
+        ready = [ep for model in self._store.models() for ep, _ in self._store.ready(model)]
+        if head.subset is not None:
+            ready = [ep for ep in ready if ep.address in set(head.subset)]
+        if not ready:
+            raise ServiceUnavailable("no ready endpoint")
+        self._rng.shuffle(ready)
+        ready.sort(key=lambda ep: self._inflight.load(ep.address).requests)
+        return RouteResult(destinations=self._destinations(Decision(ranked=tuple(ready), strategy="bodyless")))
+
+    def models_reply(self) -> ImmediateReply:
+        created = 0
+        data = []
+        for runtime in self._models.values():
+            for name in (runtime.name, *runtime.aliases):
+                data.append({"id": name, "object": "model", "created": created, "owned_by": "extproc", "root": runtime.name, "parent": None})
+            for adapter in sorted(runtime.lora_adapters):
+                data.append({"id": adapter, "object": "model", "created": created, "owned_by": "extproc", "root": adapter, "parent": runtime.name})
+        return ImmediateReply(status=200, body=orjson.dumps({"object": "list", "data": data}))
+
+    def _forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def sweep(self, max_age_s: float) -> int:
+        """Finish observers whose response never came (no observability stream); returns count."""
+        now = self._clock()
+        stale = [o for o in self._pending.values() if now - o.started_at > max_age_s]
+        for obs in stale:
+            obs.finish(complete=False)
+        return len(stale)
+
+    def adopt_pending(self, previous: Director) -> None:
+        """Keep observing responses of requests routed before a config reload."""
+        self._pending.update(previous._pending)
+        for obs in previous._pending.values():
+            obs.rebind(self._forget)
+        previous._pending.clear()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def explain(self, head: RequestHead, body: bytes) -> dict[str, Any]:
+        """What `route` would decide, without routing (no lease, no index update)."""
+        prep = await self.prepare(head, body)
+        decision = self._decide(prep)
+        return explain_json(decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated)
+
+    @staticmethod
+    def error_reply(err: GatewayError) -> ImmediateReply:
+        return ImmediateReply(status=err.status, body=error_json(err), details=f"extproc_{err.status}")
+
+    def lease_count(self) -> int:
+        return self._inflight.total()
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return dict(value) if isinstance(value, dict) else {}
+
+
+# Types re-exported for the app's wiring.
+_ = (Lease, EndpointRole, Sequence)

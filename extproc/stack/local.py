@@ -1,0 +1,290 @@
+"""The local stack: simulated engines + ext_proc server(s) + Envoy, supervised by one parent.
+
+`extproc up` (and `make run`) use it interactively; end-to-end tests and benchmarks use it
+programmatically. Envoy from the wheel exits when the process that launched it exits, so the
+parent stays alive for the whole life of the stack and tears everything down on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import yaml
+
+from extproc.stack.envoy_config import (
+    EnvoyOptions,
+    HostPort,
+    RequestBodyMode,
+    ResponseAccounting,
+    envoy_binary,
+    render_yaml,
+)
+
+__all__ = ["LocalStack", "StackError", "StackOptions"]
+
+log = logging.getLogger("extproc.stack")
+
+
+class StackError(RuntimeError):
+    """A component of the local stack failed to start or died."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    host: str = "127.0.0.1"
+    sims: int = 4
+    sim_base_port: int = 8001
+    kv_base_port: int = 5557  # sim i publishes on kv_base_port + 2i, replays on + 2i + 1
+    listen_port: int = 8080
+    admin_port: int = 9901
+    grpc_port: int = 9002
+    metrics_port: int = 9090
+    extproc_processes: int = 1  # > 1: separate ports behind Envoy's LEAST_REQUEST cluster
+    model: str = "qwen3"
+    tokenizer_dir: str | None = None  # None: the bundled Qwen3 tokenizer
+    strategy: str = "least-request"
+    body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
+    response_accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY
+    fail_open: bool = False
+    kv_events: bool = True
+    sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
+    sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
+    server_config: dict[str, Any] = field(default_factory=dict)  # deep-merged into the generated config
+    workdir: Path = Path(".run")
+    baseline: bool = False  # Envoy alone (round robin), no ext_proc: for benchmarks
+    envoy_concurrency: int = 1
+    log_level: str = "warning"
+
+    def sim_port(self, i: int) -> int:
+        return self.sim_base_port + i
+
+    def sim_address(self, i: int) -> str:
+        return f"{self.host}:{self.sim_port(i)}"
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@dataclass
+class _Proc:
+    name: str
+    args: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = None
+
+
+class LocalStack:
+    """Start with `start()`, stop with `stop()` (or use it as a context manager)."""
+
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.workdir = options.workdir.resolve()
+        self._procs: dict[str, _Proc] = {}
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.listen_port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "config.yaml"
+
+    def server_config(self) -> dict[str, Any]:
+        o = self.options
+        endpoints = []
+        for i in range(o.sims):
+            ep: dict[str, Any] = {
+                "address": o.sim_address(i),
+                "metrics_url": f"http://{o.sim_address(i)}/metrics",
+            }
+            if o.kv_events:
+                ep["kv_events"] = f"tcp://{o.host}:{o.kv_base_port + 2 * i}"
+                ep["kv_replay"] = f"tcp://{o.host}:{o.kv_base_port + 2 * i + 1}"
+            if i < len(o.sim_roles):
+                ep["role"] = o.sim_roles[i]
+            endpoints.append(ep)
+        model: dict[str, Any] = {"name": o.model, "endpoints": endpoints}
+        model["tokenizer"] = o.tokenizer_dir or "bundled:qwen3"
+        cfg: dict[str, Any] = {
+            "server": {
+                "host": o.host,
+                "grpc_port": o.grpc_port,
+                "metrics_port": o.metrics_port,
+                "allow_explain": True,
+                "log_level": o.log_level,
+            },
+            "routing": {"default_strategy": o.strategy},
+            "metrics": {"poll_interval_s": 0.5},
+            "models": [model],
+        }
+        return _merge(cfg, o.server_config)
+
+    def envoy_options(self) -> EnvoyOptions:
+        o = self.options
+        return EnvoyOptions(
+            listener=HostPort(o.host, o.listen_port),
+            admin=HostPort(o.host, o.admin_port),
+            extproc=tuple(HostPort(o.host, o.grpc_port + i) for i in range(o.extproc_processes)),
+            endpoints=tuple(HostPort(o.host, o.sim_port(i)) for i in range(o.sims)),
+            request_body_mode=o.body_mode,
+            response_accounting=o.response_accounting,
+            failure_mode_allow=o.fail_open,
+            baseline=o.baseline,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 90.0) -> None:
+        o = self.options
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in range(o.sims):
+                self._spawn(f"sim-{i}", self._sim_args(i))
+            if not o.baseline:
+                cfg = self.server_config()
+                for i in range(o.extproc_processes):
+                    if i:
+                        cfg = _merge(
+                            cfg,
+                            {"server": {"grpc_port": o.grpc_port + i, "metrics_port": o.metrics_port + i}},
+                        )
+                    path = self.workdir / (f"config-{i}.yaml" if i else "config.yaml")
+                    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                    self._spawn(f"extproc-{i}", [sys.executable, "-m", "extproc", "serve", "--config", str(path)])
+            envoy_yaml = self.workdir / "envoy.yaml"
+            envoy_yaml.write_text(render_yaml(self.envoy_options()))
+            base_id = str(o.admin_port)  # distinct shared-memory id per stack on one machine
+            self._spawn(
+                "envoy",
+                [
+                    envoy_binary(), "-c", str(envoy_yaml), "--concurrency", str(o.envoy_concurrency),
+                    "--log-level", "warning", "--base-id", base_id, "--drain-time-s", "1",
+                ],
+            )
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _sim_args(self, i: int) -> list[str]:
+        o = self.options
+        args = [
+            sys.executable, "-m", "extproc", "sim", "--host", o.host, "--port", str(o.sim_port(i)),
+            "--model", o.model,
+        ]
+        if o.tokenizer_dir:
+            args += ["--tokenizer", o.tokenizer_dir]
+        if o.kv_events:
+            args += [
+                "--kv-events-endpoint", f"tcp://{o.host}:{o.kv_base_port + 2 * i}",
+                "--kv-replay-endpoint", f"tcp://{o.host}:{o.kv_base_port + 2 * i + 1}",
+            ]
+        if i < len(o.sim_roles):
+            args += ["--role", o.sim_roles[i]]
+        return args + list(o.sim_args)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        proc = _Proc(name, args, self.workdir / f"{name}.log")
+        proc.log_file = proc.log_path.open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc.popen = subprocess.Popen(
+            args, stdout=proc.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        self._procs[name] = proc
+
+    def _check_alive(self) -> None:
+        for proc in self._procs.values():
+            if proc.popen is not None and proc.popen.poll() is not None:
+                tail = proc.log_path.read_text(errors="replace")[-2000:]
+                raise StackError(f"{proc.name} exited with {proc.popen.returncode}; log tail:\n{tail}")
+
+    def _wait_ready(self, timeout: float) -> None:
+        o = self.options
+        deadline = time.monotonic() + timeout
+        checks = [f"http://{o.sim_address(i)}/health" for i in range(o.sims)]
+        if not o.baseline:
+            checks += [f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(o.extproc_processes)]
+        checks.append(f"http://{o.host}:{o.admin_port}/ready")
+        with httpx.Client(timeout=1.0) as client:
+            for url in checks:
+                while True:
+                    self._check_alive()
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(url).status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        raise StackError(f"timed out waiting for {url}")
+                    time.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in reversed(list(self._procs.values())):
+            self._terminate(proc)
+        self._procs.clear()
+
+    @staticmethod
+    def _terminate(proc: _Proc, timeout: float = 10.0) -> None:
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        if proc.log_file is not None:
+            proc.log_file.close()
+
+    # -- fault injection for tests and benchmarks -------------------------------------------
+
+    def alive(self, name: str) -> bool:
+        popen = self._procs[name].popen
+        return popen is not None and popen.poll() is None
+
+    def pid(self, name: str) -> int:
+        popen = self._procs[name].popen
+        assert popen is not None
+        return popen.pid
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self._procs[name]
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.send_signal(sig)
+            proc.popen.wait(10)
+
+    def restart(self, name: str) -> None:
+        proc = self._procs.pop(name)
+        self._terminate(proc)
+        self._spawn(name, proc.args)
+
+    def log_tail(self, name: str, size: int = 4000) -> str:
+        return self._procs[name].log_path.read_text(errors="replace")[-size:]
+
+    def names(self) -> Sequence[str]:
+        return list(self._procs)
+
+    def with_options(self, **changes: Any) -> LocalStack:
+        return LocalStack(replace(self.options, **changes))
