@@ -1,0 +1,126 @@
+"""In-flight leases: counts per address, idempotent finish, no leak under cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.accounting import GatewayMetrics, InflightTracker, Load, PodStatsTracker
+from extproc.types import Endpoint, TokenUsage
+
+A = Endpoint("10.0.0.1:8000", "m")
+A_OTHER_MODEL = Endpoint("10.0.0.1:8000", "lora")  # same server, another model
+B = Endpoint("10.0.0.2:8000", "m")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_counts_and_tokens_per_address() -> None:
+    t = InflightTracker()
+    l1 = t.start(A, 100)
+    l2 = t.start(A_OTHER_MODEL, 50)
+    l3 = t.start(B, 7)
+    assert t.load(A.address) == Load(2, 150)
+    assert t.load(B.address) == Load(1, 7)
+    assert t.total() == 3
+    l1.finish()
+    assert t.load(A.address) == Load(1, 50)
+    l2.finish()
+    l3.finish()
+    assert t.snapshot() == {}
+    assert t.load(A.address) == Load(0, 0)
+
+
+def test_finish_is_idempotent() -> None:
+    t = InflightTracker()
+    lease = t.start(A, 10)
+    other = t.start(A, 5)
+    for _ in range(3):
+        lease.finish()
+    assert lease.finished
+    assert t.load(A.address) == Load(1, 5)
+    other.finish()
+    other.finish()
+    assert t.total() == 0
+
+
+def test_negative_tokens_are_clamped() -> None:
+    t = InflightTracker()
+    t.start(A, -5)
+    assert t.load(A.address) == Load(1, 0)
+
+
+async def test_cancelled_streams_never_leak(no_leaked_tasks: None) -> None:
+    t = InflightTracker()
+    started = asyncio.Event()
+
+    async def stream(ep: Endpoint) -> None:
+        with t.start(ep, 10) as lease:
+            lease.first_byte()
+            started.set()
+            await asyncio.sleep(3600)  # a response that never ends
+
+    tasks = [asyncio.create_task(stream(ep)) for ep in (A, A, B)]
+    await started.wait()
+    await asyncio.sleep(0)
+    assert t.total() == 3
+    for task in tasks:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert t.total() == 0
+    assert t.snapshot() == {}
+
+
+async def test_finish_before_context_exit_counts_once() -> None:
+    t = InflightTracker()
+    with t.start(A, 1) as lease:
+        lease.finish(TokenUsage(prompt_tokens=1, completion_tokens=1))
+        assert t.total() == 0
+    assert t.total() == 0
+
+
+def test_feeds_pod_stats_and_gauge() -> None:
+    clock = FakeClock()
+    stats = PodStatsTracker(tau=10.0, alpha=0.5)
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    t = InflightTracker(clock=clock, stats=stats, metrics=metrics)
+    lease = t.start(A, 10)
+    gauge = "extproc_in_flight_requests"
+    assert registry.get_sample_value(gauge, {"endpoint": A.address}) == 1.0
+    clock.now += 0.2
+    lease.first_byte()
+    clock.now += 0.1
+    lease.first_byte()  # ignored: the first byte was already seen
+    clock.now += 0.7
+    lease.finish(TokenUsage(prompt_tokens=100, completion_tokens=11))
+    assert registry.get_sample_value(gauge, {"endpoint": A.address}) == 0.0
+    s = stats.stats(A.address, clock.now)
+    assert s.requests_total == 1
+    assert s.ttft_avg_s == pytest.approx(0.2)
+    assert s.latency_avg_s == pytest.approx(1.0)
+    assert s.tpot_avg_s == pytest.approx(0.8 / 10)
+    assert s.throughput_tokens_per_s == pytest.approx(111 / 10.0)
+
+
+def test_failed_request_releases_but_records_no_latency() -> None:
+    clock = FakeClock()
+    stats = PodStatsTracker(tau=10.0)
+    t = InflightTracker(clock=clock, stats=stats)
+    with pytest.raises(RuntimeError), t.start(A, 10):
+        clock.now += 5.0
+        raise RuntimeError("upstream reset")
+    s = stats.stats(A.address, clock.now)
+    assert t.total() == 0
+    assert s.requests_total == 0
+    assert s.latency_avg_s is None
+    assert s.busy_time_s > 0  # it was busy while the request was in flight

@@ -1,0 +1,137 @@
+"""PodStatsTracker maths: continuous-time decay of busy time and throughput, sample EWMAs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from extproc.accounting import PodStatsTracker
+from extproc.routing.base import PodStats
+
+ADDR = "10.0.0.1:8000"
+
+
+def finish(
+    t: PodStatsTracker,
+    *,
+    started: float,
+    now: float,
+    first_byte: float | None = None,
+    tokens: int | None = None,
+    completion: int | None = None,
+    success: bool = True,
+) -> None:
+    t.request_finished(
+        ADDR,
+        started=started,
+        first_byte=first_byte,
+        now=now,
+        tokens=tokens,
+        completion_tokens=completion,
+        success=success,
+    )
+
+
+def test_unknown_pod_has_empty_stats() -> None:
+    assert PodStatsTracker().stats(ADDR, 5.0) == PodStats()
+
+
+@pytest.mark.parametrize("duration", [0.5, 5.0, 30.0, 300.0])
+def test_busy_time_of_one_long_request(duration: float) -> None:
+    tau = 10.0
+    t = PodStatsTracker(tau=tau)
+    t.request_started(ADDR, 0.0)
+    # Integral of exp(-(T-s)/tau) over [0, T] = tau (1 - exp(-T/tau)).
+    expected = tau * (1 - math.exp(-duration / tau))
+    assert t.stats(ADDR, duration).busy_time_s == pytest.approx(expected)
+    finish(t, started=0.0, now=duration)
+    # Idle afterwards: only decay.
+    after = t.stats(ADDR, duration + tau).busy_time_s
+    assert after == pytest.approx(expected * math.exp(-1))
+
+
+def test_busy_time_counts_overlap_once() -> None:
+    one = PodStatsTracker(tau=10.0)
+    one.request_started(ADDR, 0.0)
+    two = PodStatsTracker(tau=10.0)
+    two.request_started(ADDR, 0.0)
+    two.request_started(ADDR, 1.0)  # overlapping: the pod is busy, not twice as busy
+    assert two.stats(ADDR, 4.0).busy_time_s == pytest.approx(one.stats(ADDR, 4.0).busy_time_s)
+
+
+def test_busy_time_is_path_independent_of_sampling() -> None:
+    a = PodStatsTracker(tau=7.0)
+    b = PodStatsTracker(tau=7.0)
+    a.request_started(ADDR, 0.0)
+    b.request_started(ADDR, 0.0)
+    for k in range(1, 40):  # reading often must not change the result
+        b.stats(ADDR, k * 0.1)
+    assert a.stats(ADDR, 4.0).busy_time_s == pytest.approx(b.stats(ADDR, 4.0).busy_time_s)
+
+
+def test_throughput_is_a_decayed_rate() -> None:
+    tau = 10.0
+    t = PodStatsTracker(tau=tau)
+    # A steady 100 tokens every 0.1 s (1000 tokens/s) for a long time converges to the rate.
+    now = 0.0
+    for _ in range(2000):
+        t.request_started(ADDR, now)
+        now += 0.1
+        finish(t, started=now - 0.1, now=now, tokens=100)
+    rate = t.stats(ADDR, now).throughput_tokens_per_s
+    assert rate == pytest.approx(1000.0, rel=0.01)
+    assert t.stats(ADDR, now + tau).throughput_tokens_per_s == pytest.approx(rate / math.e)
+
+
+def test_sample_ewmas() -> None:
+    t = PodStatsTracker(alpha=0.25)
+    samples = [(1.0, 0.1, 11), (3.0, 0.5, 21), (2.0, 0.3, 2)]
+    ttft = latency = tpot = None
+    start = 0.0
+    for lat, ttfb, completion in samples:
+        t.request_started(ADDR, start)
+        finish(
+            t,
+            started=start,
+            now=start + lat,
+            first_byte=start + ttfb,
+            tokens=completion,
+            completion=completion,
+        )
+        sample_tpot = (lat - ttfb) / (completion - 1)
+        ttft = ttfb if ttft is None else ttft + 0.25 * (ttfb - ttft)
+        latency = lat if latency is None else latency + 0.25 * (lat - latency)
+        tpot = sample_tpot if tpot is None else tpot + 0.25 * (sample_tpot - tpot)
+        start += 10.0
+    s = t.stats(ADDR, start)
+    assert s.requests_total == 3
+    assert s.ttft_avg_s == pytest.approx(ttft)
+    assert s.latency_avg_s == pytest.approx(latency)
+    assert s.tpot_avg_s == pytest.approx(tpot)
+
+
+def test_single_token_response_gives_no_tpot() -> None:
+    t = PodStatsTracker()
+    t.request_started(ADDR, 0.0)
+    finish(t, started=0.0, now=1.0, first_byte=0.5, tokens=5, completion=1)
+    s = t.stats(ADDR, 1.0)
+    assert s.tpot_avg_s is None and s.ttft_avg_s == pytest.approx(0.5)
+
+
+def test_time_never_runs_backwards() -> None:
+    t = PodStatsTracker(tau=10.0)
+    t.request_started(ADDR, 5.0)
+    busy = t.stats(ADDR, 8.0).busy_time_s
+    assert t.stats(ADDR, 6.0).busy_time_s == busy  # an older `now` changes nothing
+
+
+def test_forget_and_bad_params() -> None:
+    t = PodStatsTracker()
+    t.request_started(ADDR, 0.0)
+    t.forget(ADDR)
+    assert t.stats(ADDR, 1.0) == PodStats()
+    with pytest.raises(ValueError):
+        PodStatsTracker(tau=0)
+    with pytest.raises(ValueError):
+        PodStatsTracker(alpha=0)
