@@ -392,6 +392,9 @@ class _HandlerRef:
     def observer_for(self, request_id: str) -> Any:
         return self._app.director.observer_for(request_id)
 
+    def request_closed(self, request_id: str) -> None:
+        self._app.director.request_closed(request_id)
+
 
 def _tok_key(model: ModelConfig) -> str:
     return f"{model.name}\x00{model.tokenizer}"

@@ -96,3 +96,8 @@ class RequestHandler(Protocol):
     def observer_for(self, request_id: str) -> ResponseObserver | None:
         """The observer of a routed request, for a response-only (observability) stream."""
         ...
+
+    def request_closed(self, request_id: str) -> None:
+        """The routing stream of a request ended. Envoy keeps it open until the HTTP request
+        is over, so an observer no response stream has claimed by then was cancelled early."""
+        ...

@@ -7,6 +7,7 @@ Everything that becomes an HTTP error is a GatewayError mapped to a reply in `_e
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -54,6 +55,7 @@ log = logging.getLogger("extproc.director")
 
 SENSITIVE_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"})
 EXPLAIN_HEADER = "x-routing-explain"
+CLOSE_GRACE_S = 2.0  # wait for a response stream before settling a closed request
 DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
 
 
@@ -150,7 +152,25 @@ class Director:
         return self.error_reply(err)
 
     def observer_for(self, request_id: str) -> ResponseAccounting | None:
-        return self._pending.get(request_id)
+        obs = self._pending.get(request_id)
+        if obs is not None:
+            obs.attached = True
+        return obs
+
+    def request_closed(self, request_id: str) -> None:
+        obs = self._pending.get(request_id)
+        if obs is None or obs.attached:
+            return  # finished already, or the response stream settles it
+        # The response stream may still be starting (both end together): settle a moment later.
+        asyncio.get_running_loop().call_later(
+            CLOSE_GRACE_S, self._settle_unclaimed, request_id
+        )
+
+    def _settle_unclaimed(self, request_id: str) -> None:
+        obs = self._pending.get(request_id)
+        if obs is not None and not obs.attached:
+            log.info("request %s ended before its response started (client cancelled?)", request_id)
+            obs.finish(complete=False)
 
     async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
         started = time.perf_counter()

@@ -54,6 +54,7 @@ class ResponseAccounting:
         self._body = StreamUsageAccumulator(clock=clock, max_json_bytes=MAX_JSON_BYTES)
         self._first_byte_seen = False
         self.usage: TokenUsage | None = None
+        self.attached = False  # a response (observability) stream has claimed this request
 
     def rebind(self, on_done: Callable[[str], None]) -> None:
         self._on_done = on_done

@@ -104,7 +104,7 @@ class Decision:
 
     ranked: tuple[Endpoint, ...]
     strategy: str
-    scores: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: EMPTY_LABELS)
+    scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     reason: str = ""
     prefill: Endpoint | None = None  # set by `pd`: run the prefill here first
     session_id: str | None = None  # set by `session-affinity`: returned to the client

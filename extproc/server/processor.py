@@ -173,6 +173,8 @@ class StreamProcessor:
         """The stream ended (EOF, cancel or error): settle what this stream owns."""
         if self._observer is not None and self._owns_observer and not self._response_done:
             self._observer.finish(complete=False)
+        elif self._routed and not self._owns_observer and self._head is not None:
+            self._handler.request_closed(self._head.request_id)
         self._observer = None
 
     # -- configuration -----------------------------------------------------------------------

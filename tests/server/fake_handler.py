@@ -50,5 +50,10 @@ class FakeHandler:
     def reject(self, head: RequestHead | None, status: int, message: str) -> ImmediateReply:
         return ImmediateReply(status=status, body=message.encode())
 
+    closed: list[str] = field(default_factory=list)
+
     def observer_for(self, request_id: str) -> RecordingObserver | None:
         return self.observers.get(request_id)
+
+    def request_closed(self, request_id: str) -> None:
+        self.closed.append(request_id)
