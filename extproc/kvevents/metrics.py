@@ -1,0 +1,104 @@
+"""Prometheus metrics of KV-event ingestion, registered on an injected registry."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["EVENT_KINDS", "REPLAY_OUTCOMES", "RESET_REASONS", "KVEventMetrics"]
+
+EVENT_KINDS = ("stored_blocks", "removed_blocks", "cleared", "skipped", "unknown")
+REPLAY_OUTCOMES = ("complete", "partial", "failed")
+RESET_REASONS = ("gap", "restart", "join")
+
+
+class KVEventMetrics:
+    """Per-pod ingestion counters. One instance per registry (names are registered once)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "extproc") -> None:
+        p = prefix
+        self.events = Counter(
+            f"{p}_kv_events",
+            "KV events applied per pod (blocks for stored/removed)",
+            ["pod", "kind"],
+            registry=registry,
+        )
+        self.batches = Counter(
+            f"{p}_kv_event_batches", "KV-event batches received", ["pod"], registry=registry
+        )
+        self.lag = Gauge(
+            f"{p}_kv_events_lag_seconds",
+            "Receive time minus the batch's publish timestamp, last batch",
+            ["pod"],
+            registry=registry,
+        )
+        self.gaps = Counter(
+            f"{p}_kv_events_gaps", "Sequence gaps detected", ["pod"], registry=registry
+        )
+        self.replays = Counter(
+            f"{p}_kv_events_replays",
+            "Replay requests by outcome",
+            ["pod", "outcome"],
+            registry=registry,
+        )
+        self.resets = Counter(
+            f"{p}_kv_events_resets",
+            "Times a pod's entries were dropped and rebuilt from live events",
+            ["pod", "reason"],
+            registry=registry,
+        )
+        self.decode_errors = Counter(
+            f"{p}_kv_events_decode_errors",
+            "Malformed KV-event messages skipped",
+            ["pod"],
+            registry=registry,
+        )
+        self.orphans = Counter(
+            f"{p}_kv_events_orphan_blocks",
+            "Stored blocks dropped because their parent block was unknown",
+            ["pod"],
+            registry=registry,
+        )
+        self.index_blocks = Gauge(
+            f"{p}_kv_index_pod_blocks",
+            "Blocks the exact index holds for the pod",
+            ["pod"],
+            registry=registry,
+        )
+        self.healthy = Gauge(
+            f"{p}_kv_events_healthy",
+            "1 while the pod's KV-event stream is flowing (exact mode usable)",
+            ["pod"],
+            registry=registry,
+        )
+
+    def watch(self, pod: str, blocks: Callable[[], int], healthy: Callable[[], bool]) -> None:
+        """Gauges read at scrape time, so the hot path never updates them."""
+        self.index_blocks.labels(pod).set_function(lambda: float(blocks()))
+        self.healthy.labels(pod).set_function(lambda: 1.0 if healthy() else 0.0)
+
+    def forget(self, pod: str) -> None:
+        """Remove a departed pod's series (and the closures the gauges hold)."""
+        for metric in (
+            self.batches,
+            self.lag,
+            self.gaps,
+            self.decode_errors,
+            self.orphans,
+            self.index_blocks,
+            self.healthy,
+        ):
+            _remove(metric, pod)
+        for kind in EVENT_KINDS:
+            _remove(self.events, pod, kind)
+        for outcome in REPLAY_OUTCOMES:
+            _remove(self.replays, pod, outcome)
+        for reason in RESET_REASONS:
+            _remove(self.resets, pod, reason)
+
+
+def _remove(metric: Counter | Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # that series was never created
+        metric.remove(*labels)

@@ -1,0 +1,434 @@
+"""ZMQ subscribers that keep an ExactIndex in step with each pod's KV events.
+
+One `KVEventSubscriber` per pod: a SUB socket connected to the pod's PUB (all topics), and,
+when a sequence gap shows lost messages, a short-lived DEALER to the pod's replay ROUTER
+(reference/engine.md §3.3). What cannot be replayed is handled by dropping the pod's
+entries and rebuilding from live events; a sequence that goes backwards means the publisher
+restarted (its cache is empty), so the pod is cleared. Everything runs on the event loop
+and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved.
+
+`KVEventManager` follows the endpoint set and answers `is_healthy(address)` for the
+`auto` index mode: a pod is healthy once events arrived and while they keep arriving
+when we send it traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from extproc.config import KVEventsConfig
+from extproc.kvcache.exact import ExactIndex
+from extproc.kvevents.decode import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EventBatch,
+    decode_message,
+)
+from extproc.kvevents.encode import REPLAY_END_SEQ
+from extproc.kvevents.metrics import KVEventMetrics
+from extproc.types import Endpoint
+
+__all__ = ["KVEventManager", "KVEventSubscriber", "SubscriberSettings", "SubscriberStats"]
+
+_log = logging.getLogger(__name__)
+
+# Tiers the prefix index models: the GPU cache (vLLM reports "GPU", older builds None).
+_INDEXED_MEDIA = (None, "GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberSettings:
+    replay_timeout_s: float = 1.0  # wait for each replay reply before giving up
+    stall_after_s: float = 10.0  # traffic this long after the last event => not healthy
+    max_blocks_per_wake: int = 256  # yield to the event loop after this many block events
+    rcvhwm: int = 100_000
+
+    @classmethod
+    def from_config(cls, cfg: KVEventsConfig) -> SubscriberSettings:
+        return cls(replay_timeout_s=cfg.replay_timeout_s, stall_after_s=cfg.stall_after_s)
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    skipped_events: int = 0  # other tiers (CPU, disk) or KV-cache groups other than 0
+    unknown_events: int = 0
+    decode_errors: int = 0
+    duplicates: int = 0  # batches seen twice (live after replay)
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0  # replay unavailable, timed out, or not covering the gap
+    resets: int = 0  # entries dropped and rebuilt from live events
+    restarts: int = 0  # publisher sequence went backwards
+    orphans: int = 0
+    last_seq: int | None = None
+    last_ts: float | None = None
+    lag_s: float | None = None
+
+
+class KVEventSubscriber:
+    """Feeds one pod's KV events into an ExactIndex."""
+
+    def __init__(
+        self,
+        *,
+        pod: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        index: ExactIndex,
+        context: zmq.asyncio.Context,
+        settings: SubscriberSettings | None = None,
+        metrics: KVEventMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pod = pod
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.index = index
+        self._ctx = context
+        self._settings = settings or SubscriberSettings()
+        self._metrics = metrics
+        self._clock = clock
+        self._wall = wall_clock
+        self._stats = SubscriberStats()
+        self._live_high: int | None = None  # highest seq seen on the live socket
+        self._last_msg_at: float | None = None
+        self._traffic_at: float | None = None
+        self._budget = self._settings.max_blocks_per_wake
+        self._sub: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Connect and start consuming (ZMQ reconnects by itself if the pod goes away)."""
+        if self._task is not None:
+            return
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._settings.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(sub), name=f"kv-events:{self.pod}"
+        )
+        if self._metrics is not None:
+            self._metrics.watch(
+                self.pod, lambda: self.index.pod_block_count(self.pod), self.healthy
+            )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def stats(self) -> SubscriberStats:
+        return replace(self._stats)
+
+    def note_traffic(self, now: float | None = None) -> None:
+        """The router sent this pod a request (events are expected to follow)."""
+        self._traffic_at = self._clock() if now is None else now
+
+    def healthy(self) -> bool:
+        """Events have arrived, and have not stopped while the pod kept getting traffic."""
+        if self._task is None or self._task.done() or self._last_msg_at is None:
+            return False
+        traffic = self._traffic_at
+        return traffic is None or traffic - self._last_msg_at <= self._settings.stall_after_s
+
+    # ----------------------------------------------------------------- loop
+
+    async def _run(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sub.recv_multipart(copy=True)
+            try:
+                await self._on_live(frames)
+            except Exception:  # a bug must not end the subscription silently forever
+                _log.exception("kv-events %s: failed to apply a batch", self.pod)
+                self._reset("gap")
+            if self._budget <= 0:
+                await asyncio.sleep(0)
+                self._budget = self._settings.max_blocks_per_wake
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        self._last_msg_at = self._clock()
+        try:
+            batch = decode_message(frames)
+        except DecodeError as exc:
+            self._decode_error(exc)
+            self._skip_undecodable(frames)
+            return
+        seq = batch.seq
+        if self._live_high is not None and seq <= self._live_high:
+            # A publisher's seq only grows; going back means a new process with an empty cache.
+            _log.info(
+                "kv-events %s: seq %d after %d, publisher restarted", self.pod, seq, self._live_high
+            )
+            self._stats.restarts += 1
+            self._reset("restart")
+            self._stats.last_seq = None
+        self._live_high = seq
+        last = self._stats.last_seq
+        expected = 0 if last is None else last + 1
+        if seq < expected:
+            self._stats.duplicates += 1  # already applied from a replay
+            return
+        if seq > expected:
+            if last is not None:
+                self._stats.gaps += 1
+                if self._metrics is not None:
+                    self._metrics.gaps.labels(self.pod).inc()
+            await self._replay(expected)
+            last = self._stats.last_seq
+            expected = 0 if last is None else last + 1
+            if seq < expected:
+                self._stats.duplicates += 1
+                return
+            if seq > expected:
+                self._reset("gap" if last is not None else "join")
+        self._apply(batch)
+
+    def _skip_undecodable(self, frames: list[bytes]) -> None:
+        """Step past a batch we cannot read: replaying it would return the same bytes."""
+        if len(frames) == 3 and len(frames[1]) == 8:
+            seq = int.from_bytes(frames[1], "big")
+            last = self._stats.last_seq
+            if last is None or seq == last + 1:
+                self._stats.last_seq = seq
+            self._live_high = seq if self._live_high is None else max(seq, self._live_high)
+
+    async def _replay(self, start: int) -> None:
+        """Apply buffered batches from `start`; reset the pod if they do not connect."""
+        if self.replay_endpoint is None:
+            self._replay_outcome("failed")
+            return
+        self._stats.replays += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A fresh socket per replay, so late replies to an abandoned one cannot leak in.
+        sock.connect(self.replay_endpoint)
+        contiguous = True
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                frames = await asyncio.wait_for(
+                    sock.recv_multipart(), self._settings.replay_timeout_s
+                )
+                if frames and frames[0] == b"":
+                    frames = frames[1:]  # the DEALER keeps the ROUTER's empty delimiter
+                if len(frames) == 2:  # older replies: [seq, payload], no topic
+                    frames = [b"", *frames]
+                if len(frames) != 3:
+                    self._decode_error(DecodeError(f"replay reply has {len(frames)} frames"))
+                    continue
+                if frames[1] == REPLAY_END_SEQ:
+                    break
+                try:
+                    batch = decode_message(frames)
+                except DecodeError as exc:
+                    self._decode_error(exc)
+                    continue  # its seq stays missing: the next batch will not connect
+                last = self._stats.last_seq
+                expected = 0 if last is None else last + 1
+                if batch.seq < expected:
+                    continue
+                if batch.seq > expected:
+                    # The buffer starts after what we need (or lost one): rebuild from here.
+                    contiguous = False
+                    self._reset("gap" if last is not None else "join")
+                self._apply(batch)
+                if self._budget <= 0:
+                    await asyncio.sleep(0)
+                    self._budget = self._settings.max_blocks_per_wake
+        except TimeoutError:
+            _log.warning("kv-events %s: replay from seq %d timed out", self.pod, start)
+            self._replay_outcome("failed")
+            return
+        finally:
+            sock.close(linger=0)
+        self._replay_outcome("complete" if contiguous else "partial")
+
+    # ----------------------------------------------------------------- applying
+
+    def _apply(self, batch: EventBatch) -> None:
+        st = self._stats
+        pod = self.pod
+        index = self.index
+        stored = removed = cleared = skipped = orphans = 0
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if event.medium not in _INDEXED_MEDIA or event.group_idx:
+                    skipped += 1
+                    continue
+                result = index.stored(
+                    pod,
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    block_size=event.block_size,
+                    lora_name=event.lora_name,
+                    extra_keys=event.extra_keys,
+                )
+                stored += len(event.block_hashes)
+                orphans += result.orphans
+            elif isinstance(event, BlockRemoved):
+                if event.medium not in _INDEXED_MEDIA or event.group_idx:
+                    skipped += 1
+                    continue
+                index.removed(pod, event.block_hashes)
+                removed += len(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                index.cleared(pod)
+                cleared += 1
+        st.batches += 1
+        st.stored_blocks += stored
+        st.removed_blocks += removed
+        st.cleared += cleared
+        st.skipped_events += skipped
+        st.unknown_events += batch.unknown_events
+        st.orphans += orphans
+        st.last_seq = batch.seq
+        st.last_ts = batch.ts
+        st.lag_s = self._wall() - batch.ts
+        self._budget -= stored + removed + 1
+        m = self._metrics
+        if m is not None:
+            m.batches.labels(pod).inc()
+            m.lag.labels(pod).set(st.lag_s)
+            for kind, n in (
+                ("stored_blocks", stored),
+                ("removed_blocks", removed),
+                ("cleared", cleared),
+                ("skipped", skipped),
+                ("unknown", batch.unknown_events),
+            ):
+                if n:
+                    m.events.labels(pod, kind).inc(n)
+            if orphans:
+                m.orphans.labels(pod).inc(orphans)
+
+    def _reset(self, reason: str) -> None:
+        self.index.cleared(self.pod)
+        self._stats.resets += 1
+        if self._metrics is not None:
+            self._metrics.resets.labels(self.pod, reason).inc()
+
+    def _replay_outcome(self, outcome: str) -> None:
+        if outcome != "complete":
+            self._stats.replay_failures += 1
+        if self._metrics is not None:
+            self._metrics.replays.labels(self.pod, outcome).inc()
+
+    def _decode_error(self, exc: DecodeError) -> None:
+        self._stats.decode_errors += 1
+        _log.debug("kv-events %s: skipped a malformed message: %s", self.pod, exc.reason)
+        if self._metrics is not None:
+            self._metrics.decode_errors.labels(self.pod).inc()
+
+
+class KVEventManager:
+    """Keeps one subscriber per pod that publishes KV events, following the endpoint set.
+
+    `indexes` maps a model name to its ExactIndex; endpoints of other models, or without a
+    `kv_events_endpoint`, get no subscriber (their pods stay on the approximate index).
+    """
+
+    def __init__(
+        self,
+        *,
+        indexes: Mapping[str, ExactIndex],
+        settings: SubscriberSettings | None = None,
+        context: zmq.asyncio.Context | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._indexes = dict(indexes)
+        self._settings = settings or SubscriberSettings()
+        self._own_context = context is None
+        self._ctx = zmq.asyncio.Context() if context is None else context
+        self._metrics = KVEventMetrics(registry) if registry is not None else None
+        self._clock = clock
+        self._wall = wall_clock
+        self._subs: dict[str, KVEventSubscriber] = {}
+        self._keys: dict[str, tuple[str, str, str | None]] = {}  # address -> (model, pub, replay)
+
+    async def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Start subscribers for new pods, stop (and forget) removed or changed ones."""
+        wanted: dict[str, tuple[str, str, str | None]] = {}
+        for ep in endpoints:
+            if ep.kv_events_endpoint and ep.model in self._indexes:
+                wanted[ep.address] = (ep.model, ep.kv_events_endpoint, ep.kv_replay_endpoint)
+        for address in [a for a in self._subs if self._keys.get(a) != wanted.get(a)]:
+            await self._remove(address)
+        for address, key in wanted.items():
+            if address in self._subs:
+                continue
+            model, pub, replay = key
+            sub = KVEventSubscriber(
+                pod=address,
+                endpoint=pub,
+                replay_endpoint=replay,
+                index=self._indexes[model],
+                context=self._ctx,
+                settings=self._settings,
+                metrics=self._metrics,
+                clock=self._clock,
+                wall_clock=self._wall,
+            )
+            self._subs[address] = sub
+            self._keys[address] = key
+            sub.start()
+
+    def is_healthy(self, address: str) -> bool:
+        sub = self._subs.get(address)
+        return sub is not None and sub.healthy()
+
+    def note_traffic(self, address: str, now: float | None = None) -> None:
+        sub = self._subs.get(address)
+        if sub is not None:
+            sub.note_traffic(now)
+
+    def subscriber(self, address: str) -> KVEventSubscriber | None:
+        return self._subs.get(address)
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        return {address: sub.stats for address, sub in self._subs.items()}
+
+    async def close(self) -> None:
+        for address in list(self._subs):
+            await self._remove(address)
+        if self._own_context:
+            self._ctx.term()
+
+    async def _remove(self, address: str) -> None:
+        sub = self._subs.pop(address)
+        model, _, _ = self._keys.pop(address)
+        await sub.stop()
+        self._indexes[model].drop_pod(address)
+        if self._metrics is not None:
+            self._metrics.forget(address)
