@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from extproc.kvcache.vllm_hash import to_published
 from extproc.sim.config import SimConfig, SimRole
 from extproc.sim.engine import Engine, Finished, RequestStats, SimRequest
 from extproc.sim.kvevents import KVEvent, KVEventPublisher
@@ -182,9 +183,6 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None) -> int |
 
 def _sse(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-Handler = Callable[[web.Request], Any]
 
 
 def _guard(fn: Callable[[SimServer, web.Request], Any]) -> Callable[[SimServer, web.Request], Any]:
@@ -757,8 +755,6 @@ class SimServer:
 
     # -- test hooks and failure injection --------------------------------------------------
     async def _debug_cache(self, request: web.Request) -> web.Response:
-        from extproc.kvcache.vllm_hash import to_published
-
         blocks = [
             {
                 "block_hash": to_published(b.block_hash),
