@@ -73,8 +73,9 @@ class MetricsPoller:
         self._observer = observer
         self._clock = clock
         self._log = logger
-        self._scrapes: dict[Endpoint, asyncio.Task[None]] = {}
-        self._last_result: dict[Endpoint, str] = {}
+        self._groups: dict[str, list[Endpoint]] = {}  # metrics URL -> endpoints, per tick
+        self._scrapes: dict[str, asyncio.Task[None]] = {}  # by metrics URL
+        self._last_result: dict[str, str] = {}
         self._loop_task: asyncio.Task[None] | None = None
 
     def names_for(self, endpoint: Endpoint) -> MetricNames:
@@ -107,53 +108,65 @@ class MetricsPoller:
             await asyncio.sleep(next_tick - now)
 
     def tick(self) -> None:
-        """Start a scrape for every endpoint with a metrics URL and none in flight."""
-        current = {ep for ep in self._store.endpoints() if ep.metrics_url is not None}
-        for ep in list(self._scrapes):
-            if ep not in current:  # removed by discovery: stop scraping it
-                self._scrapes.pop(ep).cancel()
-                self._last_result.pop(ep, None)
-        for ep in current:
-            task = self._scrapes.get(ep)
+        """Start a scrape for every metrics URL that has none in flight.
+
+        Endpoints sharing a URL (several models, or LoRA adapters, on one server) share
+        one fetch; each gets its own extraction, filtered by its model.
+        """
+        groups: dict[str, list[Endpoint]] = {}
+        for ep in self._store.endpoints():
+            if ep.metrics_url is not None:
+                groups.setdefault(ep.metrics_url, []).append(ep)
+        self._groups = groups
+        for url in list(self._scrapes):
+            if url not in groups:  # removed by discovery: stop scraping it
+                self._scrapes.pop(url).cancel()
+                self._last_result.pop(url, None)
+        for url in groups:
+            task = self._scrapes.get(url)
             if task is None or task.done():
-                self._scrapes[ep] = asyncio.create_task(self._scrape_guarded(ep))
+                self._scrapes[url] = asyncio.create_task(self._scrape_guarded(url))
 
     async def poll_once(self) -> None:
         """Scrape every endpoint once and wait for all results (start-up, tests)."""
         self.tick()
         await asyncio.gather(*self._scrapes.values(), return_exceptions=True)
 
-    async def _scrape_guarded(self, ep: Endpoint) -> None:
+    async def _scrape_guarded(self, url: str) -> None:
         try:
             async with self._semaphore:
                 try:
                     async with asyncio.timeout(self._timeout):
-                        text = await self._fetch(ep)
-                    names = self.names_for(ep)
-                    result = parse(text, self._wanted_names(names))
-                    # Any well-formed line (even of metrics we do not read) makes a
-                    # partial scrape, which beats none; nothing well-formed is garbage.
-                    if not result.samples and not result.skipped:
-                        raise _ScrapeFailed(
-                            "garbage",
-                            f"no valid Prometheus sample ({result.errors} bad lines)",
-                        )
-                    metrics = extract(result.samples, names, ep.model, self._clock())
+                        text = await self._fetch(url)
+                    self._ingest(url, text)
                 except TimeoutError:
-                    self._fail(ep, "timeout", f"no answer within {self._timeout:g}s")
+                    self._fail(url, "timeout", f"no answer within {self._timeout:g}s")
                 except _ScrapeFailed as exc:
-                    self._fail(ep, exc.result, exc.detail)
+                    self._fail(url, exc.result, exc.detail)
                 except httpx.ConnectError as exc:
-                    self._fail(ep, "unreachable", str(exc) or type(exc).__name__)
+                    self._fail(url, "unreachable", str(exc) or type(exc).__name__)
                 except httpx.HTTPError as exc:
-                    self._fail(ep, "error", f"{type(exc).__name__}: {exc}")
-                else:
-                    self._store.record_success(ep, metrics)
-                    self._report(ep, "ok", "")
+                    self._fail(url, "error", f"{type(exc).__name__}: {exc}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a scrape must never kill the poller
-            self._fail(ep, "error", f"{type(exc).__name__}: {exc}")
+            self._fail(url, "error", f"{type(exc).__name__}: {exc}")
+
+    def _ingest(self, url: str, text: str) -> None:
+        eps = self._groups.get(url, [])
+        names_of = [self.names_for(ep) for ep in eps]
+        wanted = frozenset().union(*(self._wanted_names(n) for n in set(names_of)))
+        result = parse(text, wanted)
+        # Any well-formed line (even of metrics we do not read) makes a partial scrape,
+        # which beats none; nothing well-formed at all is garbage (an error page).
+        if not result.samples and not result.skipped:
+            raise _ScrapeFailed(
+                "garbage", f"no valid Prometheus sample ({result.errors} bad lines)"
+            )
+        now = self._clock()
+        for ep, names in zip(eps, names_of, strict=True):
+            self._store.record_success(ep, extract(result.samples, names, ep.model, now))
+        self._report(url, "ok", "")
 
     def _wanted_names(self, names: MetricNames) -> frozenset[str]:
         wanted = self._wanted.get(names)
@@ -161,9 +174,8 @@ class MetricsPoller:
             wanted = self._wanted[names] = names.wanted()
         return wanted
 
-    async def _fetch(self, ep: Endpoint) -> str:
-        assert ep.metrics_url is not None
-        async with self._client.stream("GET", ep.metrics_url) as resp:
+    async def _fetch(self, url: str) -> str:
+        async with self._client.stream("GET", url) as resp:
             if resp.status_code != 200:
                 raise _ScrapeFailed("http_error", f"HTTP {resp.status_code}")
             declared = resp.headers.get("content-length")
@@ -178,21 +190,24 @@ class MetricsPoller:
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
 
-    def _fail(self, ep: Endpoint, result: str, detail: str) -> None:
-        self._store.record_failure(ep, result, unreachable=result == "unreachable")
-        self._report(ep, result, detail)
+    def _fail(self, url: str, result: str, detail: str) -> None:
+        for ep in self._groups.get(url, ()):
+            self._store.record_failure(ep, result, unreachable=result == "unreachable")
+        self._report(url, result, detail)
 
-    def _report(self, ep: Endpoint, result: str, detail: str) -> None:
-        if self._observer is not None:
-            self._observer.scrape_result(ep, result)
-        previous = self._last_result.get(ep)
-        self._last_result[ep] = result
+    def _report(self, url: str, result: str, detail: str) -> None:
+        eps = self._groups.get(url)
+        if not eps:
+            return
+        if self._observer is not None:  # once per fetch, under the first endpoint's address
+            self._observer.scrape_result(eps[0], result)
+        previous = self._last_result.get(url)
+        self._last_result[url] = result
         if previous == result:  # log state changes only, not every poll
             return
+        who = ", ".join(sorted({f"{ep.address} ({ep.model})" for ep in eps}))
         if result == "ok":
             if previous is not None:
-                self._log.info("metrics of %s (%s) recovered", ep.address, ep.model)
+                self._log.info("metrics of %s recovered", who)
         else:
-            self._log.warning(
-                "metrics of %s (%s) failing: %s: %s", ep.address, ep.model, result, detail
-            )
+            self._log.warning("metrics of %s failing: %s: %s", who, result, detail)

@@ -16,7 +16,7 @@ from extproc.metrics.names import VLLM
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
 from extproc.types import Endpoint
-from tests.metrics.expositions import SGLANG, VLLM_DP2
+from tests.metrics.expositions import SGLANG, VLLM_DP2, VLLM_TWO_MODELS
 
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 
@@ -294,3 +294,25 @@ def test_rejects_bad_options() -> None:
     store = EndpointStore(stale_after=1.0)
     with pytest.raises(ValueError):
         MetricsPoller(store, httpx.AsyncClient(), interval=0)
+
+
+async def test_models_sharing_a_server_share_one_fetch() -> None:
+    fetches = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal fetches
+        fetches += 1
+        return httpx.Response(200, text=VLLM_TWO_MODELS)
+
+    url = "http://10.0.0.1:8000/metrics"
+    a = Endpoint("10.0.0.1:8000", "a", metrics_url=url)
+    b = Endpoint("10.0.0.1:8000", "b", metrics_url=url)
+    store = EndpointStore(stale_after=10.0)
+    store.set_endpoints({"a": [a], "b": [b]})
+    rec = Recorder()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        await MetricsPoller(store, c, observer=rec).poll_once()
+    assert fetches == 1
+    assert rec.results == [("10.0.0.1:8000", "ok")]
+    assert [m.running for _, m in store.ready("a")] == [1.0]
+    assert [m.running for _, m in store.ready("b")] == [7.0]
