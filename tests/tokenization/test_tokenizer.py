@@ -52,7 +52,7 @@ def test_encode_text_matches_published_ids(qwen: HFTokenizer) -> None:
 
 
 def test_qwen3_template_text_for_small_conversation(qwen: HFTokenizer) -> None:
-    messages = [
+    messages: list[dict[str, object]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "<think>\nplan\n</think>\n\nHello!"},
@@ -78,7 +78,7 @@ def test_qwen3_template_text_for_small_conversation(qwen: HFTokenizer) -> None:
 
 def test_template_tools_and_tool_call_arguments(qwen: HFTokenizer) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    messages = [
+    messages: list[dict[str, object]] = [
         {"role": "user", "content": "Weather?"},
         {
             "role": "assistant",
@@ -263,7 +263,7 @@ def test_openai_content_format_for_list_iterating_template(tmp_path: Path) -> No
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = load_tokenizer(d)
     assert tok.chat_template is not None and tok.chat_template.content_format == "openai"
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+    msgs: list[dict[str, object]] = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
             {"role": "user", "content": "b"}]  # fmt: skip
     assert tok.render_chat(msgs) == "<a><b>"
 
