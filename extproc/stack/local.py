@@ -61,6 +61,7 @@ class StackOptions:
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
     server_config: dict[str, Any] = field(default_factory=dict)  # deep-merged into the generated config
+    extra_models: tuple[dict[str, Any], ...] = ()  # more `models:` entries (e.g. pointing elsewhere)
     workdir: Path = Path(".run")
     baseline: bool = False  # Envoy alone (round robin), no ext_proc: for benchmarks
     envoy_concurrency: int = 1
@@ -133,7 +134,7 @@ class LocalStack:
             },
             "routing": {"default_strategy": o.strategy},
             "metrics": {"poll_interval_s": 0.5},
-            "models": [model],
+            "models": [model, *o.extra_models],
         }
         return _merge(cfg, o.server_config)
 
