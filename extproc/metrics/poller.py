@@ -159,7 +159,7 @@ class MetricsPoller:
         result = parse(text, wanted)
         # Any well-formed line (even of metrics we do not read) makes a partial scrape,
         # which beats none; nothing well-formed at all is garbage (an error page).
-        if not result.samples and not result.skipped:
+        if not result.samples and not result.other_metrics:
             raise _ScrapeFailed(
                 "garbage", f"no valid Prometheus sample ({result.errors} bad lines)"
             )

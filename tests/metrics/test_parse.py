@@ -79,13 +79,38 @@ def test_crlf_line_endings() -> None:
     assert [s.value for s in parse("a 1\r\nb 2\r\n").samples] == [1.0, 2.0]
 
 
-def test_wanted_filters_before_label_parsing() -> None:
+def test_wanted_skips_other_lines_unparsed() -> None:
     # The broken labels of an unwanted metric are never parsed, so they are not errors.
-    text = 'keep{a="1"} 1\ndrop{broken 2\nkeep{a="2"} 3\n'
+    text = 'keep{a="1"} 1\ndrop{broken 2\nkeep{a="2"} 3\nkeep{bad 4\nkeeper 5\n'
     result = parse(text, wanted={"keep"})
     assert [s.value for s in result.samples] == [1.0, 3.0]
-    assert result.errors == 0
+    assert result.errors == 1
     assert result.lines == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "other"),
+    [
+        ("other 1\n", True),
+        ('other{a="b"} 1\n# TYPE x gauge\n', True),
+        ("<html>502</html>\n", False),
+        ("other{broken 1\n", False),
+        ("# only comments\n", False),
+        ("", False),
+    ],
+)
+def test_other_metrics_tells_an_exposition_from_an_error_page(text: str, other: bool) -> None:
+    result = parse(text, wanted={"keep"})
+    assert result.samples == ()
+    assert result.other_metrics is other
+
+
+def test_wanted_on_real_exposition_matches_unfiltered() -> None:
+    wanted = {"vllm:num_requests_running", "vllm:time_to_first_token_seconds_sum"}
+    filtered = parse(VLLM_DP2, wanted)
+    assert filtered.samples == tuple(s for s in parse(VLLM_DP2).samples if s.name in wanted)
+    assert len(filtered.samples) == 4
+    assert parse(VLLM_DP2, set()).samples == ()
 
 
 @pytest.mark.parametrize("text", [VLLM_DP2, SGLANG])
@@ -111,6 +136,7 @@ def test_never_raises_on_arbitrary_text(text: str) -> None:
     result = parse(text)
     assert result.errors >= 0
     assert len(result.samples) + result.errors <= result.lines
+    parse(text, wanted={"m", text[:5]})
 
 
 _line_atoms = st.sampled_from(
@@ -132,6 +158,8 @@ _line_atoms = st.sampled_from(
         "a",
         "\n",
         "#",
+        "\r",
+        "\x0b",
     ]
 )
 
@@ -141,4 +169,7 @@ _line_atoms = st.sampled_from(
 def test_never_raises_on_exposition_like_text(text: str) -> None:
     result = parse(text)
     assert len(result.samples) + result.errors <= result.lines
-    assert parse(text, wanted={"m"}).errors <= result.errors
+    filtered = parse(text, wanted={"m", "vllm:x"})
+    # Filtering changes speed, never results: the same samples an unfiltered parse gives.
+    assert filtered.samples == tuple(s for s in result.samples if s.name in {"m", "vllm:x"})
+    assert filtered.errors <= result.errors
