@@ -13,6 +13,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from extproc.metrics.poller import SCRAPE_RESULTS
+from extproc.metrics.store import EndpointStore
 from extproc.types import Endpoint, TokenUsage
 
 __all__ = ["DECISION_BUCKETS", "GatewayMetrics"]
@@ -134,6 +135,13 @@ class GatewayMetrics:
 
     def set_ready(self, model: str, endpoint: str, ready: bool) -> None:
         self.endpoint_ready.labels(model, endpoint).set(1 if ready else 0)
+
+    def refresh_ready(self, store: EndpointStore, now: float) -> None:
+        """Set the ready gauge of every endpoint in `store` (call after each poll)."""
+        for model in store.models():
+            ready = {ep.address for ep, _ in store.ready(model, now)}
+            for ep in store.endpoints(model):
+                self.set_ready(model, ep.address, ep.address in ready)
 
     def scrape_result(self, endpoint: Endpoint, result: str) -> None:
         """`extproc.metrics.ScrapeObserver`: one scrape's outcome."""

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.accounting import DECISION_BUCKETS, GatewayMetrics
 from extproc.metrics import EndpointStore, MetricsPoller
-from extproc.types import Endpoint, TokenUsage
+from extproc.types import Endpoint, EngineMetrics, TokenUsage
 
 EP = "10.0.0.1:8000"
 
@@ -129,3 +129,16 @@ async def test_is_the_pollers_scrape_observer(
         value(registry, "extproc_metrics_scrapes_total", endpoint=bad.address, result="http_error")
         == 2
     )
+
+
+def test_refresh_ready(registry: CollectorRegistry, gm: GatewayMetrics) -> None:
+    fresh = Endpoint("10.0.0.1:8000", "m", metrics_url="http://10.0.0.1:8000/metrics")
+    never = Endpoint("10.0.0.2:8000", "m", metrics_url="http://10.0.0.2:8000/metrics")
+    store = EndpointStore(stale_after=5.0, clock=lambda: 10.0)
+    store.set_endpoints({"m": [fresh, never]})
+    store.record_success(fresh, EngineMetrics(updated_at=10.0))
+    gm.refresh_ready(store, 10.0)
+    assert value(registry, "extproc_endpoint_ready", model="m", endpoint=fresh.address) == 1
+    assert value(registry, "extproc_endpoint_ready", model="m", endpoint=never.address) == 0
+    gm.refresh_ready(store, 20.0)  # fresh went stale
+    assert value(registry, "extproc_endpoint_ready", model="m", endpoint=fresh.address) == 0
