@@ -59,21 +59,28 @@ def load_model_tokenizer(model: ModelConfig) -> Tokenizer:
     """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
     spec = model.tokenizer
     if spec is None:
-        log.warning("model %s: no tokenizer configured; token counts are ESTIMATED (chars/4)", model.name)
+        log.warning(
+            "model %s: no tokenizer configured; token counts are ESTIMATED (chars/4)", model.name
+        )
         return CharEstimateTokenizer()
     if spec.startswith(BUNDLED_PREFIX):
         if spec != "bundled:qwen3":
             raise ConfigError(f"models[{model.name}].tokenizer: unknown bundled tokenizer {spec!r}")
         path = bundled_qwen_dir()
         if path is None:
-            log.error("model %s: bundled Qwen3 tokenizer not installed; token counts are ESTIMATED", model.name)
+            log.error(
+                "model %s: bundled Qwen3 tokenizer not installed; token counts are ESTIMATED",
+                model.name,
+            )
             return CharEstimateTokenizer()
     else:
         path = Path(spec)
     try:
         return load_tokenizer(path)
     except TokenizerLoadError as exc:
-        log.error("model %s: %s; token counts are ESTIMATED until the file is fixed", model.name, exc)
+        log.error(
+            "model %s: %s; token counts are ESTIMATED until the file is fixed", model.name, exc
+        )
         return CharEstimateTokenizer()
 
 
@@ -177,7 +184,8 @@ class App:
             approx = self._approx.setdefault(
                 model.name,
                 ApproximateIndex(
-                    ttl_s=config.kv_events.approx_ttl_s, max_blocks=config.kv_events.approx_capacity_blocks
+                    ttl_s=config.kv_events.approx_ttl_s,
+                    max_blocks=config.kv_events.approx_capacity_blocks,
                 ),
             )
             if model.strategy is not None:
@@ -276,11 +284,15 @@ class App:
     async def _readiness_loop(self) -> None:
         ready: bool | None = None
         while True:
+            self.metrics.refresh_ready(self.store, time.monotonic())
             now_ready = self.is_ready()
             if now_ready != ready:
                 ready = now_ready
                 await self.server.set_ready(ready)
-                log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING (no endpoint with fresh metrics)")
+                log.info(
+                    "readiness: %s",
+                    "SERVING" if ready else "NOT_SERVING (no endpoint with fresh metrics)",
+                )
             await asyncio.sleep(0.2)
 
     async def _sweep_loop(self) -> None:
@@ -369,7 +381,9 @@ class App:
             result = await self.director.explain(head, body)
         except GatewayError as err:
             reply = Director.error_reply(err)
-            return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+            return web.Response(
+                status=reply.status, body=reply.body, content_type="application/json"
+            )
         return web.Response(body=orjson.dumps(result), content_type="application/json")
 
 

@@ -88,14 +88,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _sim(argv[1:])
     if argv and argv[0] == "envoy-config":
         return _envoy_config(argv[1:])
-    parser = argparse.ArgumentParser(prog="extproc", description="LLM inference load balancer (Envoy ext_proc)")
+    parser = argparse.ArgumentParser(
+        prog="extproc", description="LLM inference load balancer (Envoy ext_proc)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the ext_proc gRPC server")
     p.add_argument("--config", required=True, help="YAML config file (hot-reloaded)")
     p.add_argument("--log-level", default=None)
     p.set_defaults(func=_serve)
     sub.add_parser("sim", help="run a simulated vLLM engine (see `extproc sim --help`)")
-    sub.add_parser("envoy-config", help="render a local Envoy bootstrap (see `extproc envoy-config --help`)")
+    sub.add_parser(
+        "envoy-config", help="render a local Envoy bootstrap (see `extproc envoy-config --help`)"
+    )
     from extproc.stack.cli import add_up_arguments
 
     up = sub.add_parser("up", help="start simulators, the ext_proc server and Envoy locally")
@@ -103,10 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.set_defaults(func=_up)
     e = sub.add_parser("explain", help="ask a running server why it would route a request body")
     e.add_argument("body", help="request body file, or - for stdin")
-    e.add_argument("--server", default="http://127.0.0.1:9090", help="the server's metrics/admin URL")
+    e.add_argument(
+        "--server", default="http://127.0.0.1:9090", help="the server's metrics/admin URL"
+    )
     e.add_argument("--path", default="/v1/chat/completions")
     e.add_argument("--strategy", default=None)
-    e.add_argument("--route", default=None, help="an xDS route name, to apply that route's settings")
+    e.add_argument(
+        "--route", default=None, help="an xDS route name, to apply that route's settings"
+    )
     e.set_defaults(func=_explain)
     args = parser.parse_args(argv)
     result: int = args.func(args)

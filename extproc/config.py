@@ -62,11 +62,15 @@ class ServerConfig:
     metrics_port: int = 9090  # Prometheus /metrics and /debug endpoints (HTTP)
     max_body_bytes: int = 4 * 1024 * 1024
     max_concurrent_streams: int = 4096  # gRPC streams per connection (Envoy opens few connections)
-    max_pending_requests: int = 2048  # requests between headers and decision; more are shed with 429
+    max_pending_requests: int = (
+        2048  # requests between headers and decision; more are shed with 429
+    )
     shutdown_grace_s: float = 10.0
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
     tls: TLSConfig | None = None
-    tokenize_inline_bytes: int = 4096  # shorter prompts tokenize on the event loop (a thread hop costs more)
+    tokenize_inline_bytes: int = (
+        4096  # shorter prompts tokenize on the event loop (a thread hop costs more)
+    )
     tokenizer_threads: int = 1
     log_level: str = "info"
 
@@ -83,9 +87,15 @@ class MetricsConfig:
 
 @dataclass(frozen=True, slots=True)
 class AccountingConfig:
-    inject_include_usage: bool = True  # add stream_options.include_usage when a streaming client did not
-    strip_injected_usage: bool = False  # reserved: Envoy cannot drop the extra chunk in observability mode
-    token_metadata: bool = True  # io.envoy.ai_gateway dynamic metadata (single-filter response mode only)
+    inject_include_usage: bool = (
+        True  # add stream_options.include_usage when a streaming client did not
+    )
+    strip_injected_usage: bool = (
+        False  # reserved: Envoy cannot drop the extra chunk in observability mode
+    )
+    token_metadata: bool = (
+        True  # io.envoy.ai_gateway dynamic metadata (single-filter response mode only)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +103,9 @@ class RoutingConfig:
     default_strategy: str = "least-request"
     strategy_header: str = "routing-strategy"
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
-    strategy_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. {prefix-cache: {...}}
+    strategy_params: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # e.g. {prefix-cache: {...}}
     max_fallbacks: int = 2  # endpoints after the pick in the destination header, for Envoy retries
     queue_threshold: float = 128.0  # saturation: waiting requests per pod
     kv_threshold: float = 0.95  # saturation: KV-cache usage fraction per pod
@@ -141,7 +153,9 @@ class KubernetesDiscoveryConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
-    tokenizer: str | None = None  # directory with tokenizer.json (+ tokenizer_config.json); "bundled:qwen3"
+    tokenizer: str | None = (
+        None  # directory with tokenizer.json (+ tokenizer_config.json); "bundled:qwen3"
+    )
     block_size: int = 16
     aliases: list[str] = field(default_factory=list)
     lora_adapters: list[str] = field(default_factory=list)
@@ -181,7 +195,9 @@ class Config:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     models: list[ModelConfig] = field(default_factory=list)
-    routes: dict[str, RouteSettings] = field(default_factory=dict)  # key: "<ns>/<name>" or an xDS route name
+    routes: dict[str, RouteSettings] = field(
+        default_factory=dict
+    )  # key: "<ns>/<name>" or an xDS route name
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -302,7 +318,9 @@ def load_config(path: str | Path) -> Config:
 
 _BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]*$")
-_SCORER_SPEC_RE = re.compile(r"^\s*[a-z0-9\-]+\s*(:\s*[0-9]*\.?[0-9]+\s*)?(,\s*[a-z0-9\-]+\s*(:\s*[0-9]*\.?[0-9]+\s*)?)*$")
+_SCORER_SPEC_RE = re.compile(
+    r"^\s*[a-z0-9\-]+\s*(:\s*[0-9]*\.?[0-9]+\s*)?(,\s*[a-z0-9\-]+\s*(:\s*[0-9]*\.?[0-9]+\s*)?)*$"
+)
 
 
 def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettings, list[str]]:
@@ -347,6 +365,8 @@ def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettin
             else:
                 kwargs[name.replace("-", "_")] = flag
         else:
-            errors.append(f"{key}: unknown annotation (known: strategy, profile, scorers, "
-                          "model-map, shed-sheddable, accounting, inject-include-usage)")
+            errors.append(
+                f"{key}: unknown annotation (known: strategy, profile, scorers, "
+                "model-map, shed-sheddable, accounting, inject-include-usage)"
+            )
     return RouteSettings(**kwargs), errors

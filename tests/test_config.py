@@ -26,7 +26,9 @@ def test_good_config_decodes_every_section() -> None:
     assert cfg.models[0].aliases == ["qwen"]
     assert cfg.models[0].endpoints[0].role == "prefill"
     assert cfg.models[0].endpoints[1].address == "[::1]:8002"
-    assert cfg.routes["default/chat"] == RouteSettings(strategy="kv-aware", model_map={"gpt-4o": "qwen3"})
+    assert cfg.routes["default/chat"] == RouteSettings(
+        strategy="kv-aware", model_map={"gpt-4o": "qwen3"}
+    )
     # untouched sections keep their defaults
     assert cfg.metrics.poll_interval_s == 0.5
 
@@ -39,9 +41,18 @@ def test_good_config_decodes_every_section() -> None:
         ("server: {allow_explain: 1}", "server.allow_explain: expected true or false"),
         ("metrics: {preset: foo}", "metrics.preset: 'foo' is not one of"),
         ("models: [{name: a}]", "needs `endpoints` or `kubernetes`"),
-        ("models: [{endpoints: [{address: '1.2.3.4:5'}]}]", "models[0].name: required key is missing"),
-        ("models: [{name: a, endpoints: [{address: nope}]}]", "models[0].endpoints[0]: address 'nope'"),
-        ("models: [{name: a, endpoints: [{address: '1.2.3.4:5', role: boss}]}]", "models[0].endpoints[0].role"),
+        (
+            "models: [{endpoints: [{address: '1.2.3.4:5'}]}]",
+            "models[0].name: required key is missing",
+        ),
+        (
+            "models: [{name: a, endpoints: [{address: nope}]}]",
+            "models[0].endpoints[0]: address 'nope'",
+        ),
+        (
+            "models: [{name: a, endpoints: [{address: '1.2.3.4:5', role: boss}]}]",
+            "models[0].endpoints[0].role",
+        ),
         (
             "models: [{name: a, endpoints: [{address: '1.1.1.1:1'}]}, {name: a, endpoints: [{address: '1.1.1.1:2'}]}]",
             "declared twice",
@@ -61,8 +72,16 @@ def test_bad_config_names_the_key(text: str, message: str) -> None:
     [
         ({}, RouteSettings(), 0),
         ({"lb.extproc.io/strategy": "prefix-cache"}, RouteSettings(strategy="prefix-cache"), 0),
-        ({"lb.extproc.io/scorers": "prefix-cache:3, least-request:1"}, RouteSettings(scorers="prefix-cache:3,least-request:1"), 0),
-        ({"lb.extproc.io/model-map": "gpt-4o=qwen3,small=qwen3"}, RouteSettings(model_map={"gpt-4o": "qwen3", "small": "qwen3"}), 0),
+        (
+            {"lb.extproc.io/scorers": "prefix-cache:3, least-request:1"},
+            RouteSettings(scorers="prefix-cache:3,least-request:1"),
+            0,
+        ),
+        (
+            {"lb.extproc.io/model-map": "gpt-4o=qwen3,small=qwen3"},
+            RouteSettings(model_map={"gpt-4o": "qwen3", "small": "qwen3"}),
+            0,
+        ),
         ({"lb.extproc.io/accounting": "off"}, RouteSettings(accounting=False), 0),
         ({"lb.extproc.io/accounting": "maybe"}, RouteSettings(), 1),
         ({"lb.extproc.io/strategy": "Bad Name!"}, RouteSettings(), 1),
@@ -72,7 +91,9 @@ def test_bad_config_names_the_key(text: str, message: str) -> None:
         ({"kubectl.kubernetes.io/last-applied-configuration": "{}"}, RouteSettings(), 0),
     ],
 )
-def test_route_annotations(annotations: dict[str, str], expected: RouteSettings, n_errors: int) -> None:
+def test_route_annotations(
+    annotations: dict[str, str], expected: RouteSettings, n_errors: int
+) -> None:
     settings, errors = parse_route_annotations(annotations)
     assert settings == expected
     assert len(errors) == n_errors

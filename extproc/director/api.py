@@ -76,7 +76,9 @@ class RouteResult:
     set_headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
     body: bytes | None = None  # replacement body (None = unchanged)
     observer: ResponseObserver | None = None
-    response_headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)  # where the mode allows it
+    response_headers: Mapping[str, str] = field(
+        default_factory=lambda: EMPTY_LABELS
+    )  # where the mode allows it
 
 
 class RequestHandler(Protocol):

@@ -53,7 +53,9 @@ __all__ = ["Director", "ModelRuntime", "RouteSettingsLookup"]
 
 log = logging.getLogger("extproc.director")
 
-SENSITIVE_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"})
+SENSITIVE_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"}
+)
 EXPLAIN_HEADER = "x-routing-explain"
 CLOSE_GRACE_S = 2.0  # wait for a response stream before settling a closed request
 DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
@@ -135,6 +137,7 @@ class Director:
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
         self._pending: dict[str, ResponseAccounting] = {}
+        self._deciding = 0  # requests inside route(): parsed, tokenizing or prefilling
 
     # -- RequestHandler ---------------------------------------------------------------------
 
@@ -162,9 +165,7 @@ class Director:
         if obs is None or obs.attached:
             return  # finished already, or the response stream settles it
         # The response stream may still be starting (both end together): settle a moment later.
-        asyncio.get_running_loop().call_later(
-            CLOSE_GRACE_S, self._settle_unclaimed, request_id
-        )
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._settle_unclaimed, request_id)
 
     def _settle_unclaimed(self, request_id: str) -> None:
         obs = self._pending.get(request_id)
@@ -174,22 +175,41 @@ class Director:
 
     async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
         started = time.perf_counter()
+        # Bound the work waiting for a decision (tokenizer queue, prefill calls): past the limit
+        # shed at once with 429 instead of queueing bodies and growing memory.
+        limit = self._config.server.max_pending_requests
+        if self._deciding >= limit:
+            self._metrics.observe_shed("")
+            self._metrics.observe_request("", 429, "")
+            log.info("request %s shed: %d requests already awaiting a decision", head.request_id, limit)
+            return self.error_reply(
+                TooManyRequests(f"the gateway is overloaded ({limit} requests awaiting a routing decision)")
+            )
+        self._deciding += 1
         try:
             return await self._route(head, body, started)
         except GatewayError as err:
             self._metrics.observe_request("", err.status, "")
             log.info(
-                "request %s %s rejected with %d: %s", head.request_id, head.path, err.status, err.message
+                "request %s %s rejected with %d: %s",
+                head.request_id,
+                head.path,
+                err.status,
+                err.message,
             )
             return self.error_reply(err)
         except Exception:  # a bug must never crash the stream: answer 500 and log it
             log.exception("unexpected error routing request %s", head.request_id)
             self._metrics.observe_request("", 500, "")
             return self.error_reply(GatewayError("internal error while routing the request"))
+        finally:
+            self._deciding -= 1
 
     # -- the lifecycle ------------------------------------------------------------------------
 
-    async def _route(self, head: RequestHead, body: bytes | None, started: float) -> RouteResult | ImmediateReply:
+    async def _route(
+        self, head: RequestHead, body: bytes | None, started: float
+    ) -> RouteResult | ImmediateReply:
         path = head.path.split("?", 1)[0]
         if body is None or not head.has_body:
             if head.method == "GET" and path in ("/v1/models", "/models"):
@@ -258,7 +278,9 @@ class Director:
             estimated=estimated,
         )  # fmt: skip
 
-    def _strategy_name(self, head: RequestHead, settings: RouteSettings, runtime: ModelRuntime) -> str:
+    def _strategy_name(
+        self, head: RequestHead, settings: RouteSettings, runtime: ModelRuntime
+    ) -> str:
         header = head.headers.get(self._config.routing.strategy_header)
         if header is not None and header.strip():
             return header.strip()
@@ -270,7 +292,9 @@ class Director:
             or self._config.routing.default_strategy
         )
 
-    async def _tokenize(self, runtime: ModelRuntime, req: InferenceRequest) -> tuple[list[int], float, bool]:
+    async def _tokenize(
+        self, runtime: ModelRuntime, req: InferenceRequest
+    ) -> tuple[list[int], float, bool]:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), 0.0, False
         pool = runtime.tokenizer
@@ -287,14 +311,18 @@ class Director:
             except GatewayError:
                 raise
             except Exception as exc:  # a template error is the client's request, not our crash
-                raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+                raise BadRequest(
+                    f"cannot apply the chat template: {exc}", param="messages"
+                ) from None
             return res.ids, res.seconds, res.estimated
         if req.prompt is not None:
             res = await pool.encode_text(req.prompt)
             return res.ids, res.seconds, res.estimated
         return [], 0.0, bool(pool.tokenizer.estimated)
 
-    def _candidates(self, runtime: ModelRuntime, head: RequestHead) -> tuple[tuple[Endpoint, Any], ...]:
+    def _candidates(
+        self, runtime: ModelRuntime, head: RequestHead
+    ) -> tuple[tuple[Endpoint, Any], ...]:
         ready = self._store.ready(runtime.name)
         if head.subset is not None:
             allowed = set(head.subset)
@@ -321,8 +349,10 @@ class Director:
     def _decide(self, prep: _Prepared) -> Decision:
         strategy = self._registry.resolve(prep.strategy_name)
         cfg = self._config.routing
-        if prep.routing.priority < 0 and prep.settings.shed_sheddable and is_saturated(
-            prep.pods, cfg.queue_threshold, cfg.kv_threshold
+        if (
+            prep.routing.priority < 0
+            and prep.settings.shed_sheddable
+            and is_saturated(prep.pods, cfg.queue_threshold, cfg.kv_threshold)
         ):
             self._metrics.observe_shed(prep.runtime.name)
             raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
@@ -332,7 +362,9 @@ class Director:
             raise ServiceUnavailable(f"strategy {strategy.name!r} found no endpoint")
         return decision
 
-    async def _commit(self, head: RequestHead, prep: _Prepared, decision: Decision, body: bytes) -> RouteResult:
+    async def _commit(
+        self, head: RequestHead, prep: _Prepared, decision: Decision, body: bytes
+    ) -> RouteResult:
         req, runtime = prep.req, prep.runtime
         endpoint = decision.endpoint
         now = self._clock()
@@ -344,7 +376,9 @@ class Director:
             self._fairness.request_started(user, prep.routing.prompt_tokens)
         for pod in prep.pods:
             if pod.address == endpoint.address:
-                self._metrics.observe_prefix_match(runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact)
+                self._metrics.observe_prefix_match(
+                    runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
+                )
         accounting = prep.settings.accounting
         inject = (
             prep.settings.inject_include_usage
@@ -356,7 +390,10 @@ class Director:
             changes["model"] = prep.served_model
         injected = accounting and inject and req.stream and not req.include_usage
         if injected:
-            changes["stream_options"] = {**_dict(req.body.get("stream_options")), "include_usage": True}
+            changes["stream_options"] = {
+                **_dict(req.body.get("stream_options")),
+                "include_usage": True,
+            }
         if decision.prefill is not None:
             params = await self._run_prefill(head, prep, decision.prefill, body)
             if params is not None:
@@ -383,7 +420,10 @@ class Director:
             sid = decision.session_id or encode_session(endpoint.address)
             set_headers[self._config.routing.session_header] = sid
             response_headers[self._config.routing.session_header] = sid
-        if self._config.server.allow_explain and head.headers.get(EXPLAIN_HEADER, "").lower() == "true":
+        if (
+            self._config.server.allow_explain
+            and head.headers.get(EXPLAIN_HEADER, "").lower() == "true"
+        ):
             text = explain_header(decision, prep.pods)
             set_headers[EXPLAIN_HEADER] = text
             response_headers[EXPLAIN_HEADER] = text
@@ -420,7 +460,9 @@ class Director:
         try:
             return await self._prefill.prefill(prefill, head.path, prep.req.body, head.headers)
         except PrefillError as exc:
-            log.warning("prefill on %s failed (%s); decoding without remote KV", prefill.address, exc)
+            log.warning(
+                "prefill on %s failed (%s); decoding without remote KV", prefill.address, exc
+            )
             self._metrics.observe_pd_fallback(prep.runtime.name)
             return None
 
@@ -433,16 +475,36 @@ class Director:
             raise ServiceUnavailable("no ready endpoint")
         self._rng.shuffle(ready)
         ready.sort(key=lambda ep: self._inflight.load(ep.address).requests)
-        return RouteResult(destinations=self._destinations(Decision(ranked=tuple(ready), strategy="bodyless")))
+        return RouteResult(
+            destinations=self._destinations(Decision(ranked=tuple(ready), strategy="bodyless"))
+        )
 
     def models_reply(self) -> ImmediateReply:
         created = 0
         data = []
         for runtime in self._models.values():
             for name in (runtime.name, *runtime.aliases):
-                data.append({"id": name, "object": "model", "created": created, "owned_by": "extproc", "root": runtime.name, "parent": None})
+                data.append(
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "extproc",
+                        "root": runtime.name,
+                        "parent": None,
+                    }
+                )
             for adapter in sorted(runtime.lora_adapters):
-                data.append({"id": adapter, "object": "model", "created": created, "owned_by": "extproc", "root": adapter, "parent": runtime.name})
+                data.append(
+                    {
+                        "id": adapter,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "extproc",
+                        "root": adapter,
+                        "parent": runtime.name,
+                    }
+                )
         return ImmediateReply(status=200, body=orjson.dumps({"object": "list", "data": data}))
 
     def _forget(self, request_id: str) -> None:
@@ -467,15 +529,24 @@ class Director:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def deciding(self) -> int:
+        """Requests between arrival and routing decision (bounded by server.max_pending_requests)."""
+        return self._deciding
+
     async def explain(self, head: RequestHead, body: bytes) -> dict[str, Any]:
         """What `route` would decide, without routing (no lease, no index update)."""
         prep = await self.prepare(head, body)
         decision = self._decide(prep)
-        return explain_json(decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated)
+        return explain_json(
+            decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated
+        )
 
     @staticmethod
     def error_reply(err: GatewayError) -> ImmediateReply:
-        return ImmediateReply(status=err.status, body=error_json(err), details=f"extproc_{err.status}")
+        return ImmediateReply(
+            status=err.status, body=error_json(err), details=f"extproc_{err.status}"
+        )
 
     def lease_count(self) -> int:
         return self._inflight.total()

@@ -20,7 +20,9 @@ def explain_header(decision: Decision, pods: Sequence[PodState]) -> str:
     for pod in pods:
         scores = decision.scores.get(pod.address, {})
         detail = "+".join(f"{k}:{v:.3g}" for k, v in scores.items())
-        parts.append(f"{pod.address}={detail or '-'}|inflight:{pod.in_flight}|prefix:{pod.prefix_match_tokens}")
+        parts.append(
+            f"{pod.address}={detail or '-'}|inflight:{pod.in_flight}|prefix:{pod.prefix_match_tokens}"
+        )
     if decision.reason:
         parts.append(f"reason={decision.reason}")
     text = "; ".join(parts).replace("\r", " ").replace("\n", " ")

@@ -52,7 +52,9 @@ class PrefillClient:
         fwd["content-type"] = "application/json"
         url = f"http://{endpoint.address}{path.split('?', 1)[0]}"
         try:
-            resp = await self._client.post(url, content=orjson.dumps(payload), headers=fwd, timeout=self._timeout)
+            resp = await self._client.post(
+                url, content=orjson.dumps(payload), headers=fwd, timeout=self._timeout
+            )
         except httpx.HTTPError as exc:
             raise PrefillError(f"{type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:

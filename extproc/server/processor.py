@@ -114,7 +114,9 @@ def _subset_hint(msg: ep.ProcessingRequest) -> tuple[str, ...] | None:
 
 
 def _destination_metadata(resp: ep.ProcessingResponse, value: str) -> None:
-    resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
+    resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[
+        DESTINATION_HEADER
+    ].string_value = value
 
 
 def _token_metadata(resp: ep.ProcessingResponse, values: Mapping[str, float]) -> None:
@@ -379,9 +381,9 @@ def _status(headers: Mapping[str, str]) -> int:
 
 def _streamed_chunks(body: bytes, *, end: bool) -> list[ep.ProcessingResponse]:
     out: list[ep.ProcessingResponse] = []
-    chunks = [body[i : i + MAX_STREAMED_CHUNK] for i in range(0, len(body), MAX_STREAMED_CHUNK)] or [
-        b""
-    ]
+    chunks = [
+        body[i : i + MAX_STREAMED_CHUNK] for i in range(0, len(body), MAX_STREAMED_CHUNK)
+    ] or [b""]
     for i, chunk in enumerate(chunks):
         resp = ep.ProcessingResponse()
         sr = resp.request_body.response.body_mutation.streamed_response

@@ -37,12 +37,12 @@ class ServerOptions:
     tls_client_ca_file: str | None = None
 
 
-class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, handler: RequestHandler, streams: set[asyncio.Task[Any]]) -> None:
         self._handler = handler
         self._streams = streams
 
-    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # noqa: N802
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         task = asyncio.current_task()
         if task is not None:
             self._streams.add(task)

@@ -21,20 +21,32 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen-port", type=int, default=d.listen_port, help="Envoy's client port")
     p.add_argument("--admin-port", type=int, default=d.admin_port, help="Envoy admin port")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="ext_proc gRPC port")
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="ext_proc metrics/admin port")
+    p.add_argument(
+        "--metrics-port", type=int, default=d.metrics_port, help="ext_proc metrics/admin port"
+    )
     p.add_argument("--kv-base-port", type=int, default=d.kv_base_port)
-    p.add_argument("--processes", type=int, default=d.extproc_processes, help="ext_proc server processes")
+    p.add_argument(
+        "--processes", type=int, default=d.extproc_processes, help="ext_proc server processes"
+    )
     p.add_argument("--model", default=d.model)
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: bundled Qwen3)")
     p.add_argument("--strategy", default=d.strategy, help="default routing strategy")
-    p.add_argument("--body-mode", choices=[m.value for m in RequestBodyMode], default=d.body_mode.value)
     p.add_argument(
-        "--response-mode", choices=[m.value for m in ResponseAccounting], default=d.response_accounting.value
+        "--body-mode", choices=[m.value for m in RequestBodyMode], default=d.body_mode.value
     )
-    p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving if ext_proc is down")
+    p.add_argument(
+        "--response-mode",
+        choices=[m.value for m in ResponseAccounting],
+        default=d.response_accounting.value,
+    )
+    p.add_argument(
+        "--fail-open", action="store_true", help="Envoy keeps serving if ext_proc is down"
+    )
     p.add_argument("--no-kv-events", action="store_true")
     p.add_argument("--workdir", default=str(d.workdir), help="where configs and logs go")
-    p.add_argument("--sim-arg", action="append", default=[], help="extra simulator argument (repeat)")
+    p.add_argument(
+        "--sim-arg", action="append", default=[], help="extra simulator argument (repeat)"
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -67,7 +79,9 @@ def run_stack(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"starting {opts.sims} simulated engines, the ext_proc server and Envoy (logs in {stack.workdir}) ...")
+    print(
+        f"starting {opts.sims} simulated engines, the ext_proc server and Envoy (logs in {stack.workdir}) ..."
+    )
     try:
         stack.start()
     except StackError as exc:
@@ -78,15 +92,18 @@ def run_stack(args: argparse.Namespace) -> int:
         f"READY: gateway on {base}/v1 (model {opts.model!r}, strategy {opts.strategy}); "
         f"metrics http://127.0.0.1:{opts.metrics_port}/metrics; Ctrl-C stops everything.\n"
         f"  try: curl -s {base}/v1/chat/completions -H 'content-type: application/json' "
-        f"-d '{{\"model\":\"{opts.model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],"
-        f"\"max_tokens\":16}}'",
+        f'-d \'{{"model":"{opts.model}","messages":[{{"role":"user","content":"Hello!"}}],'
+        f'"max_tokens":16}}\'',
         flush=True,
     )
     try:
         while not stop.wait(1.0):
             for name in stack.names():
                 if not stack.alive(name):
-                    print(f"extproc up: {name} exited; log tail:\n{stack.log_tail(name)}", file=sys.stderr)
+                    print(
+                        f"extproc up: {name} exited; log tail:\n{stack.log_tail(name)}",
+                        file=sys.stderr,
+                    )
                     return 1
     finally:
         print("stopping ...", flush=True)

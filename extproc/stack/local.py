@@ -60,8 +60,12 @@ class StackOptions:
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
-    server_config: dict[str, Any] = field(default_factory=dict)  # deep-merged into the generated config
-    extra_models: tuple[dict[str, Any], ...] = ()  # more `models:` entries (e.g. pointing elsewhere)
+    server_config: dict[str, Any] = field(
+        default_factory=dict
+    )  # deep-merged into the generated config
+    extra_models: tuple[
+        dict[str, Any], ...
+    ] = ()  # more `models:` entries (e.g. pointing elsewhere)
     workdir: Path = Path(".run")
     baseline: bool = False  # Envoy alone (round robin), no ext_proc: for benchmarks
     envoy_concurrency: int = 1
@@ -172,19 +176,36 @@ class LocalStack:
                     if i:
                         cfg = _merge(
                             cfg,
-                            {"server": {"grpc_port": o.grpc_port + i, "metrics_port": o.metrics_port + i}},
+                            {
+                                "server": {
+                                    "grpc_port": o.grpc_port + i,
+                                    "metrics_port": o.metrics_port + i,
+                                }
+                            },
                         )
                     path = self.workdir / (f"config-{i}.yaml" if i else "config.yaml")
                     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-                    self._spawn(f"extproc-{i}", [sys.executable, "-m", "extproc", "serve", "--config", str(path)])
+                    self._spawn(
+                        f"extproc-{i}",
+                        [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
+                    )
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(render_yaml(self.envoy_options()))
             base_id = str(o.admin_port)  # distinct shared-memory id per stack on one machine
             self._spawn(
                 "envoy",
                 [
-                    envoy_binary(), "-c", str(envoy_yaml), "--concurrency", str(o.envoy_concurrency),
-                    "--log-level", "warning", "--base-id", base_id, "--drain-time-s", "1",
+                    envoy_binary(),
+                    "-c",
+                    str(envoy_yaml),
+                    "--concurrency",
+                    str(o.envoy_concurrency),
+                    "--log-level",
+                    "warning",
+                    "--base-id",
+                    base_id,
+                    "--drain-time-s",
+                    "1",
                 ],
             )
             self._wait_ready(timeout)
@@ -195,15 +216,25 @@ class LocalStack:
     def _sim_args(self, i: int) -> list[str]:
         o = self.options
         args = [
-            sys.executable, "-m", "extproc", "sim", "--host", o.host, "--port", str(o.sim_port(i)),
-            "--model", o.model,
+            sys.executable,
+            "-m",
+            "extproc",
+            "sim",
+            "--host",
+            o.host,
+            "--port",
+            str(o.sim_port(i)),
+            "--model",
+            o.model,
         ]
         if o.tokenizer_dir:
             args += ["--tokenizer", o.tokenizer_dir]
         if o.kv_events:
             args += [
-                "--kv-events-endpoint", f"tcp://{o.host}:{o.kv_base_port + 2 * i}",
-                "--kv-replay-endpoint", f"tcp://{o.host}:{o.kv_base_port + 2 * i + 1}",
+                "--kv-events-endpoint",
+                f"tcp://{o.host}:{o.kv_base_port + 2 * i}",
+                "--kv-replay-endpoint",
+                f"tcp://{o.host}:{o.kv_base_port + 2 * i + 1}",
             ]
         if i < len(o.sim_roles):
             args += ["--role", o.sim_roles[i]]
@@ -222,14 +253,18 @@ class LocalStack:
         for proc in self._procs.values():
             if proc.popen is not None and proc.popen.poll() is not None:
                 tail = proc.log_path.read_text(errors="replace")[-2000:]
-                raise StackError(f"{proc.name} exited with {proc.popen.returncode}; log tail:\n{tail}")
+                raise StackError(
+                    f"{proc.name} exited with {proc.popen.returncode}; log tail:\n{tail}"
+                )
 
     def _wait_ready(self, timeout: float) -> None:
         o = self.options
         deadline = time.monotonic() + timeout
         checks = [f"http://{o.sim_address(i)}/health" for i in range(o.sims)]
         if not o.baseline:
-            checks += [f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(o.extproc_processes)]
+            checks += [
+                f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(o.extproc_processes)
+            ]
         checks.append(f"http://{o.host}:{o.admin_port}/ready")
         with httpx.Client(timeout=1.0) as client:
             for url in checks:

@@ -24,30 +24,49 @@ from tests.e2e.harness import (
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "qwen3", "messages": [{"role": "user", "content": "Tell me about load balancers."}], "max_tokens": 12}
+CHAT = {
+    "model": "qwen3",
+    "messages": [{"role": "user", "content": "Tell me about load balancers."}],
+    "max_tokens": 12,
+}
 
 
-@pytest.fixture(scope="module", params=[RequestBodyMode.BUFFERED, RequestBodyMode.FULL_DUPLEX_STREAMED])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+@pytest.fixture(
+    scope="module", params=[RequestBodyMode.BUFFERED, RequestBodyMode.FULL_DUPLEX_STREAMED]
+)
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalStack]:
     opts = stack_options(
         tmp_path_factory.mktemp("stack"),
         body_mode=request.param,
         server_config={"server": {"max_body_bytes": 256 * 1024}},
-        extra_models=({"name": "ghost", "endpoints": [{"address": "127.0.0.1:1", "metrics_url": "http://127.0.0.1:1/metrics"}]},),
+        extra_models=(
+            {
+                "name": "ghost",
+                "endpoints": [
+                    {"address": "127.0.0.1:1", "metrics_url": "http://127.0.0.1:1/metrics"}
+                ],
+            },
+        ),
     )
     with running_stack(opts) as s:
         yield s
 
 
 def client(stack: LocalStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-test-not-logged", max_retries=0)
+    return openai.OpenAI(
+        base_url=f"{stack.base_url}/v1", api_key="sk-test-not-logged", max_retries=0
+    )
 
 
 def server_metrics(stack: LocalStack) -> dict:
     return metric_samples(f"http://127.0.0.1:{stack.options.metrics_port}/metrics")
 
 
-def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(stack: LocalStack) -> None:
+def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(
+    stack: LocalStack,
+) -> None:
     before = server_metrics(stack)
     stream = client(stack).chat.completions.create(
         model="qwen3",
@@ -67,18 +86,33 @@ def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(stac
     # The router's own tokenization of the same body equals the engine's prompt count.
     explained = httpx.post(
         f"http://127.0.0.1:{stack.options.metrics_port}/debug/explain",
-        json={"model": "qwen3", "messages": [{"role": "user", "content": "Hello there, how are you today?"}]},
+        json={
+            "model": "qwen3",
+            "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
+        },
     ).json()
     assert explained["prompt_tokens"] == usage.prompt_tokens
     assert explained["tokens_estimated"] is False
-    assert wait_for(lambda: metric_sum(server_metrics(stack), "extproc_completion_tokens_total") - metric_sum(before, "extproc_completion_tokens_total") == 9)
+    assert wait_for(
+        lambda: (
+            metric_sum(server_metrics(stack), "extproc_completion_tokens_total")
+            - metric_sum(before, "extproc_completion_tokens_total")
+            == 9
+        )
+    )
     after = server_metrics(stack)
-    assert metric_sum(after, "extproc_prompt_tokens_total") - metric_sum(before, "extproc_prompt_tokens_total") == usage.prompt_tokens
+    assert (
+        metric_sum(after, "extproc_prompt_tokens_total")
+        - metric_sum(before, "extproc_prompt_tokens_total")
+        == usage.prompt_tokens
+    )
 
 
 def test_streaming_without_include_usage_is_still_accounted(stack: LocalStack) -> None:
     before = server_metrics(stack)
-    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+    ) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -87,21 +121,42 @@ def test_streaming_without_include_usage_is_still_accounted(stack: LocalStack) -
     assert usage_chunks and usage_chunks[-1]["choices"] == []
     reported = usage_chunks[-1]["usage"]["completion_tokens"]
     assert reported == 12
-    assert wait_for(lambda: metric_sum(server_metrics(stack), "extproc_completion_tokens_total") - metric_sum(before, "extproc_completion_tokens_total") == 12)
+    assert wait_for(
+        lambda: (
+            metric_sum(server_metrics(stack), "extproc_completion_tokens_total")
+            - metric_sum(before, "extproc_completion_tokens_total")
+            == 12
+        )
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_endpoint(stack: LocalStack, stream: bool) -> None:
-    body = {"model": "qwen3", "prompt": "The capital of France is", "max_tokens": 5, "stream": stream}
+    body = {
+        "model": "qwen3",
+        "prompt": "The capital of France is",
+        "max_tokens": 5,
+        "stream": stream,
+    }
     before = server_metrics(stack)
     r = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 200
     if stream:
-        usage = [json.loads(l[6:]) for l in r.text.splitlines() if l.startswith("data: {") and '"usage"' in l][-1]["usage"]
+        usage = [
+            json.loads(line[6:])
+            for line in r.text.splitlines()
+            if line.startswith("data: {") and '"usage"' in line
+        ][-1]["usage"]
     else:
         usage = r.json()["usage"]
     assert usage["completion_tokens"] == 5
-    assert wait_for(lambda: metric_sum(server_metrics(stack), "extproc_prompt_tokens_total") - metric_sum(before, "extproc_prompt_tokens_total") == usage["prompt_tokens"])
+    assert wait_for(
+        lambda: (
+            metric_sum(server_metrics(stack), "extproc_prompt_tokens_total")
+            - metric_sum(before, "extproc_prompt_tokens_total")
+            == usage["prompt_tokens"]
+        )
+    )
 
 
 def test_non_streaming_chat_usage_matches_gateway_accounting(stack: LocalStack) -> None:
@@ -110,7 +165,13 @@ def test_non_streaming_chat_usage_matches_gateway_accounting(stack: LocalStack) 
     assert r.status_code == 200
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == 12
-    assert wait_for(lambda: metric_sum(server_metrics(stack), "extproc_completion_tokens_total") - metric_sum(before, "extproc_completion_tokens_total") == 12)
+    assert wait_for(
+        lambda: (
+            metric_sum(server_metrics(stack), "extproc_completion_tokens_total")
+            - metric_sum(before, "extproc_completion_tokens_total")
+            == 12
+        )
+    )
 
 
 def test_models_and_health_work_without_a_body(stack: LocalStack) -> None:
@@ -125,14 +186,31 @@ def test_models_and_health_work_without_a_body(stack: LocalStack) -> None:
     [
         (b"{not json", {}, 400, None),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), {}, 400, "model"),
-        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(), {}, 404, "model"),
+        (
+            json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            {},
+            404,
+            "model",
+        ),
         (json.dumps({**CHAT, "messages": "x" * (300 * 1024)}).encode(), {}, 413, None),
-        (json.dumps(CHAT).encode(), {"routing-strategy": "no-such-strategy"}, 400, "routing-strategy"),
+        (
+            json.dumps(CHAT).encode(),
+            {"routing-strategy": "no-such-strategy"},
+            400,
+            "routing-strategy",
+        ),
         (json.dumps({**CHAT, "model": "ghost"}).encode(), {}, 503, None),
     ],
 )
-def test_bad_input_gets_openai_errors(stack: LocalStack, body: bytes, headers: dict[str, str], status: int, param: str | None) -> None:
-    r = httpx.post(f"{stack.base_url}/v1/chat/completions", content=body, headers={"content-type": "application/json", **headers}, timeout=30)
+def test_bad_input_gets_openai_errors(
+    stack: LocalStack, body: bytes, headers: dict[str, str], status: int, param: str | None
+) -> None:
+    r = httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json", **headers},
+        timeout=30,
+    )
     assert r.status_code == status
     err = r.json()["error"]
     assert err["message"] and err["type"]
@@ -159,7 +237,12 @@ def test_client_destination_header_is_ignored(stack: LocalStack) -> None:
 
 def test_explain_header_names_the_serving_pod(stack: LocalStack) -> None:
     before = served_counts(stack)
-    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=CHAT, headers={"x-routing-explain": "true", "routing-strategy": "least-request"}, timeout=30)
+    r = httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json=CHAT,
+        headers={"x-routing-explain": "true", "routing-strategy": "least-request"},
+        timeout=30,
+    )
     assert r.status_code == 200
     explain = r.headers["x-routing-explain"]
     pick = explain.split(";")[0].removeprefix("pick=")
@@ -178,10 +261,31 @@ def test_cancelled_stream_leaves_no_in_flight_state(stack: LocalStack) -> None:
 
 
 def test_every_strategy_is_selectable_by_header(stack: LocalStack) -> None:
-    for name in ["random", "round-robin", "least-request", "least-kv-cache", "prefix-cache", "kv-aware",
-                 "least-busy-time", "least-latency", "throughput", "power-of-two", "prefix-cache-preble",
-                 "vtc-basic", "session-affinity", "gaie", "higress-gpu", "lora-affinity", "prefix-cache:3,least-request:1"]:
-        r = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**CHAT, "max_tokens": 2}, headers={"routing-strategy": name}, timeout=30)
+    for name in [
+        "random",
+        "round-robin",
+        "least-request",
+        "least-kv-cache",
+        "prefix-cache",
+        "kv-aware",
+        "least-busy-time",
+        "least-latency",
+        "throughput",
+        "power-of-two",
+        "prefix-cache-preble",
+        "vtc-basic",
+        "session-affinity",
+        "gaie",
+        "higress-gpu",
+        "lora-affinity",
+        "prefix-cache:3,least-request:1",
+    ]:
+        r = httpx.post(
+            f"{stack.base_url}/v1/chat/completions",
+            json={**CHAT, "max_tokens": 2},
+            headers={"routing-strategy": name},
+            timeout=30,
+        )
         assert r.status_code == 200, (name, r.text)
 
 
@@ -210,20 +314,33 @@ def test_killed_engine_is_excluded_and_traffic_keeps_flowing(tmp_path: Path) -> 
     with running_stack(opts) as stack:
         dead = opts.sim_address(2)
         stack.kill("sim-2")
+
         # Excluded within one poll interval (0.5 s): the next scrape is refused.
         def excluded() -> bool:
-            eps = httpx.get(f"http://127.0.0.1:{opts.metrics_port}/debug/endpoints", timeout=5).json()
+            eps = httpx.get(
+                f"http://127.0.0.1:{opts.metrics_port}/debug/endpoints", timeout=5
+            ).json()
             return not next(e for e in eps if e["address"] == dead)["ready"]
+
         assert wait_for(excluded, timeout=2.0)
         for _ in range(12):
-            r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=CHAT, headers={"routing-strategy": "round-robin"}, timeout=30)
+            r = httpx.post(
+                f"{stack.base_url}/v1/chat/completions",
+                json=CHAT,
+                headers={"routing-strategy": "round-robin"},
+                timeout=30,
+            )
             assert r.status_code == 200
 
 
 def test_single_filter_response_mode_accounts_tokens(tmp_path: Path) -> None:
     opts = stack_options(tmp_path, sims=2, response_accounting=ResponseAccounting.STREAMED)
     with running_stack(opts) as stack:
-        r = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30)
+        r = httpx.post(
+            f"{stack.base_url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+        )
         assert r.status_code == 200
-        assert wait_for(lambda: metric_sum(server_metrics(stack), "extproc_completion_tokens_total") == 12)
+        assert wait_for(
+            lambda: metric_sum(server_metrics(stack), "extproc_completion_tokens_total") == 12
+        )
         assert wait_for(lambda: in_flight(stack) == 0)

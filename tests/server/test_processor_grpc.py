@@ -36,7 +36,9 @@ def headers_msg(
     msg.protocol_config.request_body_mode = int(body_mode)  # type: ignore[assignment]
     msg.protocol_config.response_body_mode = int(response_mode)  # type: ignore[assignment]
     if route_name:
-        msg.attributes["envoy.filters.http.ext_proc"].fields["xds.route_name"].string_value = route_name
+        msg.attributes["envoy.filters.http.ext_proc"].fields[
+            "xds.route_name"
+        ].string_value = route_name
     return msg
 
 
@@ -79,7 +81,9 @@ async def exchange(port: int, messages: list[ep.ProcessingRequest]) -> list[ep.P
         return [resp async for resp in call]
 
 
-async def test_buffered_mode_sets_destination_in_body_response(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_buffered_mode_sets_destination_in_body_response(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     body = b'{"model":"m","messages":[]}'
     got = await exchange(port, [headers_msg(), body_msg(body)])
@@ -93,7 +97,9 @@ async def test_buffered_mode_sets_destination_in_body_response(server_and_handle
     assert handler.seen[0][0].path == "/v1/chat/completions"
 
 
-async def test_buffered_mode_with_body_rewrite_sets_content_length(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_buffered_mode_with_body_rewrite_sets_content_length(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     handler.new_body = b'{"rewritten":true}'
     got = await exchange(port, [headers_msg(), body_msg(b'{"model":"m"}')])
@@ -104,7 +110,9 @@ async def test_buffered_mode_with_body_rewrite_sets_content_length(server_and_ha
     assert hdrs["content-length"] == str(len(handler.new_body)).encode()
 
 
-async def test_full_duplex_holds_headers_then_echoes_body_in_chunks(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_full_duplex_holds_headers_then_echoes_body_in_chunks(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     handler.max_body_bytes = 1 << 20
     part1, part2 = b"a" * 70_000, b"b" * 10_000
@@ -117,7 +125,11 @@ async def test_full_duplex_holds_headers_then_echoes_body_in_chunks(server_and_h
             body_msg(b"", eos=True),  # Envoy's separate empty end_of_stream message
         ],
     )
-    assert [r.WhichOneof("response") for r in got] == ["request_headers", "request_body", "request_body"]
+    assert [r.WhichOneof("response") for r in got] == [
+        "request_headers",
+        "request_body",
+        "request_body",
+    ]
     assert got[0].request_headers.response.header_mutation == expected_mutation(
         {"x-routing-strategy": "fake", "x-gateway-destination-endpoint": DEST}
     )
@@ -129,7 +141,9 @@ async def test_full_duplex_holds_headers_then_echoes_body_in_chunks(server_and_h
     assert handler.seen[0][1] == part1 + part2
 
 
-async def test_bodyless_request_routes_at_headers(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_bodyless_request_routes_at_headers(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     got = await exchange(port, [headers_msg("/health", eos=True)])
     assert len(got) == 1
@@ -153,7 +167,9 @@ async def test_immediate_reply_from_handler(server_and_handler: tuple[int, FakeH
     assert {h.header.key for h in imm.headers.set_headers} == {"content-type"}
 
 
-async def test_single_filter_response_accounting_emits_token_metadata(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_single_filter_response_accounting_emits_token_metadata(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     resp_headers = ep.ProcessingRequest()
     resp_headers.response_headers.headers.headers.add(key=":status", raw_value=b"200")
@@ -163,21 +179,33 @@ async def test_single_filter_response_accounting_emits_token_metadata(server_and
             headers_msg(response_mode=BodyMode.STREAMED),
             body_msg(b"{}"),
             resp_headers,
-            ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=False)),
+            ep.ProcessingRequest(
+                response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=False)
+            ),
             ep.ProcessingRequest(response_body=ep.HttpBody(body=b"", end_of_stream=True)),
         ],
     )
     assert [r.WhichOneof("response") for r in got] == [
-        "request_headers", "request_body", "response_headers", "response_body", "response_body",
+        "request_headers",
+        "request_body",
+        "response_headers",
+        "response_body",
+        "response_body",
     ]
     meta = got[-1].dynamic_metadata.fields["io.envoy.ai_gateway"].struct_value.fields
     assert meta["llm_input_token"].number_value == 3.0
     obs = handler.observers["rid-1"]
-    assert obs.events == [("headers", 200), ("body", (b"data: x\n\n", False)), ("body", (b"", True))]
+    assert obs.events == [
+        ("headers", 200),
+        ("body", (b"data: x\n\n", False)),
+        ("body", (b"", True)),
+    ]
     assert obs.finished is True
 
 
-async def test_observability_stream_gets_no_answers_and_ends_at_eos(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_observability_stream_gets_no_answers_and_ends_at_eos(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     await exchange(port, [headers_msg(), body_msg(b"{}")])  # routes rid-1
     first = ep.ProcessingRequest(observability_mode=True)
@@ -185,7 +213,9 @@ async def test_observability_stream_gets_no_answers_and_ends_at_eos(server_and_h
     first.attributes["envoy.filters.http.ext_proc"].fields["request.id"].string_value = "rid-1"
     msgs = [
         first,
-        ep.ProcessingRequest(observability_mode=True, response_body=ep.HttpBody(body=b"abc", end_of_stream=True)),
+        ep.ProcessingRequest(
+            observability_mode=True, response_body=ep.HttpBody(body=b"abc", end_of_stream=True)
+        ),
     ]
     got = await exchange(port, msgs)
     assert got == []
@@ -193,7 +223,9 @@ async def test_observability_stream_gets_no_answers_and_ends_at_eos(server_and_h
     assert handler.observers["rid-1"].events[-1] == ("body", (b"abc", True))
 
 
-async def test_cancelled_single_filter_stream_finishes_observer_incomplete(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_cancelled_single_filter_stream_finishes_observer_incomplete(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
@@ -213,11 +245,15 @@ async def test_cancelled_single_filter_stream_finishes_observer_incomplete(serve
     assert handler.observers["rid-1"].finished is False
 
 
-async def test_route_name_and_subset_hint_reach_the_handler(server_and_handler: tuple[int, FakeHandler]) -> None:
+async def test_route_name_and_subset_hint_reach_the_handler(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
     port, handler = server_and_handler
     msg = headers_msg(route_name="httproute/default/llm/rule/0/match/0/*")
     subset = msg.metadata_context.filter_metadata["envoy.lb.subset_hint"]
-    subset.fields["x-gateway-destination-endpoint-subset"].list_value.values.add().string_value = "10.0.0.2:8000"
+    subset.fields[
+        "x-gateway-destination-endpoint-subset"
+    ].list_value.values.add().string_value = "10.0.0.2:8000"
     await exchange(port, [msg, body_msg(b"{}")])
     head = handler.seen[0][0]
     assert head.route_name == "httproute/default/llm/rule/0/match/0/*"
