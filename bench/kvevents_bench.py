@@ -40,7 +40,7 @@ from extproc.kvevents import (
     encode_message,
     encode_payload,
 )
-from extproc.kvevents.subscriber import SubscriberStats
+from extproc.kvevents.subscriber import SubscriberStats, apply_events
 
 BS = 16
 POD = "10.0.0.1:8000"
@@ -88,27 +88,12 @@ def make_stream(
     return messages, block_events
 
 
-def apply_batch(index: ExactIndex, frames: list[bytes]) -> None:
-    for event in decode_message(frames).events:
-        if isinstance(event, BlockStored):
-            index.stored(
-                POD,
-                event.block_hashes,
-                event.parent_block_hash,
-                event.token_ids,
-                block_size=event.block_size,
-                lora_name=event.lora_name,
-            )
-        elif isinstance(event, BlockRemoved):
-            index.removed(POD, event.block_hashes)
-
-
 def bench_ingestion_direct(messages: list[list[bytes]], block_events: int) -> dict[str, float]:
     index = ExactIndex(block_size=BS)
     gc.collect()
     t0 = time.process_time()
     for frames in messages:
-        apply_batch(index, frames)
+        apply_events(index, POD, decode_message(frames).events)
     cpu = time.process_time() - t0
     stats = index.stats()
     return {

@@ -15,14 +15,17 @@ from extproc.kvevents.decode import (
 from extproc.kvevents.encode import EventEncoding, encode_message, encode_payload
 from extproc.kvevents.metrics import KVEventMetrics
 from extproc.kvevents.subscriber import (
+    ApplyCounts,
     KVEventManager,
     KVEventSubscriber,
     SubscriberSettings,
     SubscriberStats,
+    apply_events,
 )
 
 __all__ = [
     "AllBlocksCleared",
+    "ApplyCounts",
     "BlockRemoved",
     "BlockStored",
     "DecodeError",
@@ -34,6 +37,7 @@ __all__ = [
     "KVEventSubscriber",
     "SubscriberSettings",
     "SubscriberStats",
+    "apply_events",
     "decode_message",
     "decode_payload",
     "encode_message",

@@ -33,13 +33,21 @@ from extproc.kvevents.decode import (
     BlockStored,
     DecodeError,
     EventBatch,
+    KVEvent,
     decode_message,
 )
 from extproc.kvevents.encode import REPLAY_END_SEQ
 from extproc.kvevents.metrics import KVEventMetrics
 from extproc.types import Endpoint
 
-__all__ = ["KVEventManager", "KVEventSubscriber", "SubscriberSettings", "SubscriberStats"]
+__all__ = [
+    "ApplyCounts",
+    "KVEventManager",
+    "KVEventSubscriber",
+    "SubscriberSettings",
+    "SubscriberStats",
+    "apply_events",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -277,59 +285,33 @@ class KVEventSubscriber:
     def _apply(self, batch: EventBatch) -> None:
         st = self._stats
         pod = self.pod
-        index = self.index
-        stored = removed = cleared = skipped = orphans = 0
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                if event.medium not in _INDEXED_MEDIA or event.group_idx:
-                    skipped += 1
-                    continue
-                result = index.stored(
-                    pod,
-                    event.block_hashes,
-                    event.parent_block_hash,
-                    event.token_ids,
-                    block_size=event.block_size,
-                    lora_name=event.lora_name,
-                    extra_keys=event.extra_keys,
-                )
-                stored += len(event.block_hashes)
-                orphans += result.orphans
-            elif isinstance(event, BlockRemoved):
-                if event.medium not in _INDEXED_MEDIA or event.group_idx:
-                    skipped += 1
-                    continue
-                index.removed(pod, event.block_hashes)
-                removed += len(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                index.cleared(pod)
-                cleared += 1
+        counts = apply_events(self.index, pod, batch.events)
         st.batches += 1
-        st.stored_blocks += stored
-        st.removed_blocks += removed
-        st.cleared += cleared
-        st.skipped_events += skipped
+        st.stored_blocks += counts.stored_blocks
+        st.removed_blocks += counts.removed_blocks
+        st.cleared += counts.cleared
+        st.skipped_events += counts.skipped
         st.unknown_events += batch.unknown_events
-        st.orphans += orphans
+        st.orphans += counts.orphans
         st.last_seq = batch.seq
         st.last_ts = batch.ts
         st.lag_s = self._wall() - batch.ts
-        self._budget -= stored + removed + 1
+        self._budget -= counts.stored_blocks + counts.removed_blocks + 1
         m = self._metrics
         if m is not None:
             m.batches.labels(pod).inc()
             m.lag.labels(pod).set(st.lag_s)
             for kind, n in (
-                ("stored_blocks", stored),
-                ("removed_blocks", removed),
-                ("cleared", cleared),
-                ("skipped", skipped),
+                ("stored_blocks", counts.stored_blocks),
+                ("removed_blocks", counts.removed_blocks),
+                ("cleared", counts.cleared),
+                ("skipped", counts.skipped),
                 ("unknown", batch.unknown_events),
             ):
                 if n:
                     m.events.labels(pod, kind).inc(n)
-            if orphans:
-                m.orphans.labels(pod).inc(orphans)
+            if counts.orphans:
+                m.orphans.labels(pod).inc(counts.orphans)
 
     def _reset(self, reason: str) -> None:
         self.index.cleared(self.pod)
@@ -348,6 +330,50 @@ class KVEventSubscriber:
         _log.debug("kv-events %s: skipped a malformed message: %s", self.pod, exc.reason)
         if self._metrics is not None:
             self._metrics.decode_errors.labels(self.pod).inc()
+
+
+@dataclass(slots=True)
+class ApplyCounts:
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    skipped: int = 0  # events for other tiers or KV-cache groups
+    orphans: int = 0
+
+
+def apply_events(index: ExactIndex, pod: str, events: Iterable[KVEvent]) -> ApplyCounts:
+    """Apply one batch's events for `pod` to `index`.
+
+    Only the GPU tier and KV-cache group 0 are indexed: CPU/disk copies and the extra groups
+    of hybrid models would otherwise count as GPU prefix hits.
+    """
+    counts = ApplyCounts()
+    for event in events:
+        if isinstance(event, BlockStored):
+            if event.medium not in _INDEXED_MEDIA or event.group_idx:
+                counts.skipped += 1
+                continue
+            result = index.stored(
+                pod,
+                event.block_hashes,
+                event.parent_block_hash,
+                event.token_ids,
+                block_size=event.block_size,
+                lora_name=event.lora_name,
+                extra_keys=event.extra_keys,
+            )
+            counts.stored_blocks += len(event.block_hashes)
+            counts.orphans += result.orphans
+        elif isinstance(event, BlockRemoved):
+            if event.medium not in _INDEXED_MEDIA or event.group_idx:
+                counts.skipped += 1
+                continue
+            index.removed(pod, event.block_hashes)
+            counts.removed_blocks += len(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            index.cleared(pod)
+            counts.cleared += 1
+    return counts
 
 
 class KVEventManager:
