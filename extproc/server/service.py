@@ -6,7 +6,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +15,7 @@ from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.director.api import RequestHandler
 from extproc.server.processor import StreamProcessor
+from extproc.server.tls import CertificateFiles
 
 __all__ = ["EXT_PROC_SERVICE", "ExtProcServer", "ServerOptions"]
 
@@ -35,6 +35,7 @@ class ServerOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    tls_reload_interval_s: float = 30.0
 
 
 class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -63,10 +64,6 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
                 self._streams.discard(task)
 
 
-def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
-
-
 class ExtProcServer:
     """Owns the grpc.aio server. `start()`, then `stop(grace)` drains in-flight streams."""
 
@@ -89,15 +86,16 @@ class ExtProcServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         address = f"{options.host}:{options.port}"
+        self.tls: CertificateFiles | None = None
         if options.tls_cert_file and options.tls_key_file:
-            creds = grpc.ssl_server_credentials(
-                [(_read(options.tls_key_file), _read(options.tls_cert_file))],
-                root_certificates=_read(options.tls_client_ca_file)
-                if options.tls_client_ca_file
-                else None,
-                require_client_auth=options.tls_client_ca_file is not None,
+            # Files are re-read on change (certificate rotation) at most every reload interval.
+            self.tls = CertificateFiles(
+                options.tls_cert_file,
+                options.tls_key_file,
+                options.tls_client_ca_file,
+                check_interval_s=options.tls_reload_interval_s,
             )
-            self.port = self._server.add_secure_port(address, creds)
+            self.port = self._server.add_secure_port(address, self.tls.credentials())
         else:
             self.port = self._server.add_insecure_port(address)
         if self.port == 0:
