@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ from extproc.director.prefill import PrefillClient
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
@@ -127,6 +129,7 @@ class App:
         self._route_settings: dict[str, RouteSettings] = {}
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
         self._rt = self._build(config)
+        self.kv = self._kv_manager(config)
         self.poller = MetricsPoller(
             self.store,
             self._http,
@@ -218,10 +221,27 @@ class App:
             metrics=self.metrics,
             route_settings=self.route_settings_for,
             prefill=PrefillClient(self._http),
+            on_routed=lambda address: self.kv.note_traffic(address),
         )
         if previous is not None:
             director.adopt_pending(previous.director)
         return _Runtime(config, director, tokenizers)
+
+    def _kv_manager(self, config: Config) -> KVEventManager:
+        manager = KVEventManager(
+            indexes=self._exact,
+            settings=SubscriberSettings.from_config(config.kv_events),
+            registry=self._kv_registry(),
+        )
+        self._kv_healthy = manager.is_healthy
+        return manager
+
+    def _kv_registry(self) -> CollectorRegistry | None:
+        # KV-event metrics register once per process registry; a rebuilt manager reuses them.
+        if getattr(self, "_kv_metrics_registered", False):
+            return None
+        self._kv_metrics_registered = True
+        return self.registry
 
     def route_settings_for(self, route_name: str | None) -> RouteSettings | None:
         """Settings of the route Envoy matched: exact route name first, then `<ns>/<name>`."""
@@ -244,6 +264,7 @@ class App:
     async def start(self) -> None:
         await self.server.start()
         self.poller.start()
+        await self.kv.set_endpoints(self.store.endpoints())
         await self._start_admin()
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="sweep"))
@@ -260,6 +281,7 @@ class App:
                 await task
         self._tasks.clear()
         await self.poller.stop()
+        await self.kv.close()
         if self._admin is not None:
             await self._admin.cleanup()
         await self._http.aclose()
@@ -312,7 +334,12 @@ class App:
             assert self._config_path is not None
             try:
                 new = load_config(self._config_path)
+                models_before = set(self._exact)
                 self._rt = self._build(new, previous=self._rt)
+                if set(self._exact) != models_before:
+                    await self.kv.close()
+                    self.kv = self._kv_manager(new)
+                await self.kv.set_endpoints(self.store.endpoints())
             except (ConfigError, GatewayError, ValueError) as exc:
                 log.error("config reload failed, keeping the running config: %s", exc)
                 self.config_reloads.labels("error").inc()
@@ -329,6 +356,7 @@ class App:
         app.router.add_get("/readyz", self._h_readyz)
         app.router.add_get("/debug/endpoints", self._h_endpoints)
         app.router.add_post("/debug/explain", self._h_explain)
+        app.router.add_get("/debug/kv", self._h_kv)
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, self.config.server.host, self.config.server.metrics_port)
@@ -365,6 +393,18 @@ class App:
                         "kv_events_healthy": self._kv_healthy(ep.address),
                     }
                 )
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _h_kv(self, request: web.Request) -> web.Response:
+        """The exact KV index: per pod health, event stats, and (with ?pod=) its engine hashes."""
+        pod = request.query.get("pod")
+        out: dict[str, Any] = {}
+        for address, st in self.kv.stats().items():
+            out[address] = {"healthy": self.kv.is_healthy(address), **_plain(st)}
+        for model, index in self._exact.items():
+            out.setdefault("_index", {})[model] = _plain(index.stats())
+            if pod is not None:
+                out.setdefault("_blocks", {})[model] = sorted(index.blocks_of(pod))
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     async def _h_explain(self, request: web.Request) -> web.Response:
@@ -408,6 +448,16 @@ class _HandlerRef:
 
     def request_closed(self, request_id: str) -> None:
         self._app.director.request_closed(request_id)
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            k: v
+            for k, v in dataclasses.asdict(obj).items()
+            if isinstance(v, int | float | str | bool | None)
+        }
+    return {}
 
 
 def _tok_key(model: ModelConfig) -> str:

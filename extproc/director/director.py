@@ -115,6 +115,7 @@ class Director:
         metrics: GatewayMetrics,
         route_settings: RouteSettingsLookup | None = None,
         prefill: PrefillClient | None = None,
+        on_routed: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -134,6 +135,7 @@ class Director:
         self._metrics = metrics
         self._route_settings = route_settings or (lambda _name: None)
         self._prefill = prefill
+        self._on_routed = on_routed
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
         self._pending: dict[str, ResponseAccounting] = {}
@@ -369,6 +371,8 @@ class Director:
         endpoint = decision.endpoint
         now = self._clock()
         runtime.prefix.record(endpoint.address, prep.routing.block_hashes, now)
+        if self._on_routed is not None:
+            self._on_routed(endpoint.address)
         max_out = req.max_tokens if req.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
         lease = self._inflight.start(endpoint, prep.routing.prompt_tokens + max_out)
         user = prep.routing.user

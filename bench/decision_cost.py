@@ -1,0 +1,204 @@
+"""What one routing decision costs: server-side decision latency and ext_proc CPU per request.
+
+Part 1 (decision latency): the real director (real Qwen3 tokenizer, real metrics store fed by
+live simulators) is driven in-process with multi-turn chat bodies of about 2k and 8k tokens;
+each call of `Director.route` (parse, tokenize, score, commit) is timed. "cold" = every body is
+a new conversation (nothing cached); "multi-turn" = each body extends the previous one by one
+turn, as chat clients send them (the incremental tokenizer reuses earlier turns).
+
+Part 2 (CPU per request): the whole local stack (Envoy + ext_proc + simulators) under a
+closed-loop load; ext_proc CPU seconds (utime+stime from /proc) / requests, with response
+accounting (observability filter) and without it.
+
+    .venv/bin/python bench/decision_cost.py [--requests 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from extproc.app import App  # noqa: E402
+from extproc.config import load_config_text  # noqa: E402
+from extproc.director.api import RequestHead, RouteResult  # noqa: E402
+from extproc.stack.envoy_config import ResponseAccounting  # noqa: E402
+from extproc.stack.local import LocalStack  # noqa: E402
+from tests.e2e.harness import stack_options  # noqa: E402
+
+WORDS = (
+    "the cache router balances requests across pods while tokens stream back to clients and the "
+    "scheduler batches prefill with decode steps so that latency stays low under load"
+).split()
+
+
+def turn_text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def conversation(
+    rng: random.Random, target_tokens: int, turn_words: int = 150
+) -> list[list[dict[str, str]]]:
+    """Successive message lists of one chat, each one turn longer, up to ~target tokens."""
+    msgs: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    out = []
+    approx_tokens = 10
+    while approx_tokens < target_tokens:
+        msgs = [*msgs, {"role": "user", "content": turn_text(rng, turn_words)}]
+        out.append(list(msgs))
+        msgs = [*msgs, {"role": "assistant", "content": turn_text(rng, turn_words)}]
+        approx_tokens += 2 * turn_words + 10
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[str, Any]:
+    # An in-process App on other ports, pointed at the same live simulators.
+    text = (
+        stack.config_path.read_text()
+        .replace(
+            f"grpc_port: {stack.options.grpc_port}", f"grpc_port: {stack.options.grpc_port + 1}"
+        )
+        .replace(
+            f"metrics_port: {stack.options.metrics_port}",
+            f"metrics_port: {stack.options.metrics_port + 1}",
+        )
+    )
+    app = App(load_config_text(text))
+    await app.start()
+    try:
+        for _ in range(100):
+            if app.is_ready():
+                break
+            await asyncio.sleep(0.1)
+        results: dict[str, Any] = {}
+        rng = random.Random(7)
+        for size in sizes:
+            for mode in ("cold", "multi-turn"):
+                times: list[float] = []
+                tokens: list[int] = []
+                i = 0
+                while len(times) < n:
+                    conv = conversation(rng, size)
+                    bodies = [conv[-1]] if mode == "cold" else conv[len(conv) // 2 :]
+                    for msgs in bodies:
+                        body = orjson.dumps({"model": "qwen3", "messages": msgs, "max_tokens": 8})
+                        head = RequestHead(
+                            request_id=f"b{size}-{mode}-{i}", method="POST", path="/v1/chat/completions",
+                            headers={"routing-strategy": "prefix-cache"},
+                        )  # fmt: skip
+                        i += 1
+                        t0 = time.perf_counter()
+                        res = await app.director.route(head, body)
+                        times.append(time.perf_counter() - t0)
+                        assert isinstance(res, RouteResult), res
+                        assert res.observer is not None
+                        res.observer.finish(complete=False)
+                        explained = await app.director.explain(head, body)
+                        tokens.append(int(explained["prompt_tokens"]))
+                results[f"{size}/{mode}"] = {
+                    "requests": len(times),
+                    "prompt_tokens_median": int(statistics.median(tokens)),
+                    "p50_ms": round(pct(times, 0.5) * 1000, 3),
+                    "p99_ms": round(pct(times, 0.99) * 1000, 3),
+                }
+                print(f"decision latency {size} {mode}: {results[f'{size}/{mode}']}", flush=True)
+        return results
+    finally:
+        await app.stop()
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+async def drive(base_url: str, n: int, concurrency: int, body: dict[str, Any]) -> int:
+    ok = 0
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def one() -> None:
+            nonlocal ok
+            async with sem:
+                r = await client.post(f"{base_url}/v1/chat/completions", json=body)
+                if r.status_code == 200:
+                    ok += 1
+
+        await asyncio.gather(*(one() for _ in range(n)))
+    return ok
+
+
+def cpu_per_request(workdir: Path, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rng = random.Random(3)
+    body = {
+        "model": "qwen3",
+        "messages": conversation(rng, 2000)[-1],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    for label, mode in (
+        ("with accounting", ResponseAccounting.OBSERVABILITY),
+        ("without accounting", ResponseAccounting.NONE),
+    ):
+        opts = stack_options(
+            workdir / mode.value,
+            sims=4,
+            response_accounting=mode,
+            sim_args=("--time-scale", "0.05"),
+        )
+        with LocalStack(opts) as stack:
+            pid = stack.pid("extproc-0")
+            asyncio.run(drive(stack.base_url, 20, 4, body))  # warm-up
+            c0, t0 = proc_cpu_seconds(pid), time.monotonic()
+            ok = asyncio.run(drive(stack.base_url, n, 8, body))
+            c1, t1 = proc_cpu_seconds(pid), time.monotonic()
+            out[label] = {
+                "requests_ok": ok,
+                "cpu_ms_per_request": round((c1 - c0) / max(ok, 1) * 1000, 3),
+                "requests_per_s": round(ok / (t1 - t0), 1),
+            }
+            print(f"cpu {label}: {out[label]}", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        opts = stack_options(work / "lat", sims=4, sim_args=("--time-scale", "0.05"))
+        with LocalStack(opts) as stack:
+            latency = asyncio.run(decision_latency(stack, [2000, 8000], args.requests))
+        cpu = cpu_per_request(work, args.requests * 2)
+    result = {"decision_latency": latency, "cpu": cpu, "nproc": os.cpu_count()}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
