@@ -183,9 +183,13 @@ class Director:
         if self._deciding >= limit:
             self._metrics.observe_shed("")
             self._metrics.observe_request("", 429, "")
-            log.info("request %s shed: %d requests already awaiting a decision", head.request_id, limit)
+            log.info(
+                "request %s shed: %d requests already awaiting a decision", head.request_id, limit
+            )
             return self.error_reply(
-                TooManyRequests(f"the gateway is overloaded ({limit} requests awaiting a routing decision)")
+                TooManyRequests(
+                    f"the gateway is overloaded ({limit} requests awaiting a routing decision)"
+                )
             )
         self._deciding += 1
         try:
@@ -402,6 +406,10 @@ class Director:
             params = await self._run_prefill(head, prep, decision.prefill, body)
             if params is not None:
                 changes["kv_transfer_params"] = params
+        elif decision.strategy == "pd":
+            self._metrics.observe_pd_fallback(
+                runtime.name
+            )  # no ready prefill pod: decode does it all
         new_body = orjson.dumps({**req.body, **changes}) if changes else None
         observer = ResponseAccounting(
             request_id=prep.routing.request_id,
