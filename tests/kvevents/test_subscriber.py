@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from extproc.kvcache import ExactIndex, block_hashes
+from extproc.kvcache import ExactIndex, StoreResult, block_hashes
 from extproc.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -366,3 +368,61 @@ async def test_manager_follows_endpoints_and_exports_metrics(ctx: zmq.asyncio.Co
         finally:
             await manager.close()
         assert manager.stats() == {}
+
+
+class TickRecordingIndex(ExactIndex):
+    """Notes, for every stored block, how many times the event loop ran another task."""
+
+    def __init__(self, ticks: list[int]) -> None:
+        super().__init__(block_size=BS)
+        self.ticks = ticks
+        self.blocks_per_tick: dict[int, int] = {}
+
+    def stored(self, pod: str, engine_hashes: Any, *args: Any, **kwargs: Any) -> StoreResult:
+        tick = self.ticks[0]
+        self.blocks_per_tick[tick] = self.blocks_per_tick.get(tick, 0) + len(engine_hashes)
+        return super().stored(pod, engine_hashes, *args, **kwargs)
+
+
+async def test_a_burst_of_events_yields_to_the_event_loop(ctx: zmq.asyncio.Context) -> None:
+    ticks = [0]
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    settings = SubscriberSettings(replay_timeout_s=1.0, max_blocks_per_wake=64)
+    async with TestPublisher(ctx) as pub:
+        index = TickRecordingIndex(ticks)
+        sub = KVEventSubscriber(
+            pod=POD,
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+            index=index,
+            context=ctx,
+            settings=settings,
+        )
+        sub.start()
+        tick_task = asyncio.create_task(ticker())
+        try:
+            await pub.wait_subscribed()
+            engine = EngineCache(BS)
+            rng = random.Random(3)
+            events = []
+            for _ in range(100):
+                ev = engine.serve([rng.randrange(100_000) for _ in range(8 * BS)])
+                assert ev is not None
+                events.append(stored_event(ev))
+            # 100 live batches of 8 blocks sent without yielding, so they queue up at the SUB.
+            for event in events:
+                await pub.publish([event])
+            await until(lambda: sub.stats.last_seq == 99)
+            assert sub.stats.stored_blocks == 800
+            # Never more than one budget (plus the batch that crossed it) without a yield.
+            assert max(index.blocks_per_tick.values()) <= 64 + 8
+        finally:
+            tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tick_task
+            await sub.stop()
