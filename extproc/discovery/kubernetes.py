@@ -1,0 +1,460 @@
+"""Kubernetes discovery: model-server pods per model, and per-route settings from HTTPRoutes.
+
+Each watched collection runs in its own thread (see `_listwatch`). Callbacks run in that
+thread, or on an asyncio loop when one is given, so consumers that live on the loop never
+see concurrent calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import functools
+import hashlib
+import ipaddress
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Generic, TypeVar
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from extproc.config import KubernetesDiscoveryConfig
+from extproc.discovery._listwatch import Backoff, ListWatcher, ObjectKey, Store
+from extproc.types import EMPTY_LABELS, Endpoint, EndpointRole
+
+__all__ = [
+    "DEFAULT_ROLE_LABEL",
+    "Backoff",
+    "HTTPRouteWatcher",
+    "PodDiscovery",
+    "PodSource",
+    "endpoints_from_pods",
+    "format_selector",
+    "make_api_client",
+    "pod_is_routable",
+    "route_key_from_xds_name",
+]
+
+_LOG = logging.getLogger(__name__)
+
+DEFAULT_ROLE_LABEL = "llm-d.ai/role"
+POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
+ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL = "gateway.networking.k8s.io", "v1", "httproutes"
+
+S = TypeVar("S")
+OnChange = Callable[[str, tuple[Endpoint, ...]], None]
+
+
+def make_api_client(kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
+    """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG/~/.kube)."""
+    configuration = k8s.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    else:
+        k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, context=context, client_configuration=configuration
+        )
+    return k8s.ApiClient(configuration)
+
+
+@dataclass(frozen=True, slots=True)
+class PodSource:
+    """Where one model's pods are: a label selector + ports, or an InferencePool by name."""
+
+    namespace: str
+    selector: Mapping[str, str] = field(default_factory=dict)
+    target_ports: tuple[int, ...] = ()
+    inference_pool: str | None = None
+    metrics_port: int | None = None  # None: scrape the target port
+    metrics_path: str = "/metrics"
+    kv_events_template: str | None = None  # e.g. "tcp://{ip}:5557"
+    kv_replay_template: str | None = None  # e.g. "tcp://{ip}:5558"
+    role_label: str | None = DEFAULT_ROLE_LABEL
+
+    @classmethod
+    def from_config(cls, config: KubernetesDiscoveryConfig) -> PodSource:
+        """The discovery settings of one `models[].kubernetes` config section."""
+        pool = config.inference_pool
+        return cls(
+            namespace=config.namespace,
+            selector=MappingProxyType(dict(config.selector)) if pool is None else EMPTY_LABELS,
+            target_ports=(config.target_port,) if pool is None else (),
+            inference_pool=pool,
+            metrics_port=config.metrics_port,
+            kv_events_template=(
+                f"tcp://{{ip}}:{config.kv_events_port}" if config.kv_events_port else None
+            ),
+            kv_replay_template=(
+                f"tcp://{{ip}}:{config.kv_replay_port}" if config.kv_replay_port else None
+            ),
+            role_label=config.role_label,
+        )
+
+    def __post_init__(self) -> None:
+        if self.inference_pool is None:
+            if not self.selector:
+                raise ValueError("kubernetes discovery needs a selector or an inference_pool")
+            if not self.target_ports:
+                raise ValueError("kubernetes discovery with a selector needs target_ports")
+        elif self.selector or self.target_ports:
+            raise ValueError("give either inference_pool or selector/target_ports, not both")
+
+
+def format_selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def pod_is_routable(pod: Mapping[str, Any]) -> bool:
+    """Ready, not terminating, and with an IP: the only pods Envoy may be sent to."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    return any(
+        cond.get("type") == "Ready" and cond.get("status") == "True"
+        for cond in status.get("conditions") or ()
+    )
+
+
+def _host(ip: str) -> str:
+    try:
+        return f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    except ValueError:
+        return ip
+
+
+def _role(labels: Mapping[str, str], role_label: str | None) -> EndpointRole:
+    if role_label is None:
+        return EndpointRole.BOTH
+    try:
+        return EndpointRole(labels.get(role_label, EndpointRole.BOTH.value))
+    except ValueError:  # an unknown role serves both phases rather than disappearing
+        return EndpointRole.BOTH
+
+
+def endpoints_from_pods(
+    model: str,
+    pods: Iterable[Mapping[str, Any]],
+    source: PodSource,
+    target_ports: Sequence[int],
+) -> tuple[Endpoint, ...]:
+    """The routable endpoints, one per (pod, target port), in a stable order."""
+    endpoints: list[Endpoint] = []
+    for pod in pods:
+        if not pod_is_routable(pod):
+            continue
+        meta = pod.get("metadata") or {}
+        labels: Mapping[str, str] = dict(meta.get("labels") or {})
+        host = _host(str(pod["status"]["podIP"]))
+        role = _role(labels, source.role_label)
+        for port in target_ports:
+            metrics_port = source.metrics_port if source.metrics_port is not None else port
+            endpoints.append(
+                Endpoint(
+                    address=f"{host}:{port}",
+                    model=model,
+                    metrics_url=f"http://{host}:{metrics_port}{source.metrics_path}",
+                    role=role,
+                    kv_events_endpoint=(
+                        source.kv_events_template.format(ip=host)
+                        if source.kv_events_template
+                        else None
+                    ),
+                    kv_replay_endpoint=(
+                        source.kv_replay_template.format(ip=host)
+                        if source.kv_replay_template
+                        else None
+                    ),
+                    labels=labels,
+                    name=str(meta.get("name") or ""),
+                )
+            )
+    endpoints.sort(key=lambda ep: (ep.name, ep.address))
+    return tuple(endpoints)
+
+
+def _dispatch(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., None], *args: Any) -> None:
+    if loop is None:
+        fn(*args)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fn, *args)
+
+
+class PodDiscovery:
+    """Tracks one model's routable pods and reports every change of the endpoint set.
+
+    With `source.inference_pool`, the pool is watched too: a new selector or port list
+    restarts the pod watch. While the API server is unreachable nothing is reported, so
+    consumers keep routing to the last known set.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        source: PodSource,
+        api_client: k8s.ApiClient,
+        on_change: OnChange,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        watch_timeout_s: int = 300,
+    ) -> None:
+        self._model = model
+        self._source = source
+        self._core = k8s.CoreV1Api(api_client)
+        self._custom = k8s.CustomObjectsApi(api_client)
+        self._on_change = on_change
+        self._loop = loop
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = backoff_cap_s
+        self._watch_timeout_s = watch_timeout_s
+        self._lock = threading.Lock()
+        self._pods: ListWatcher | None = None
+        self._pool: ListWatcher | None = None
+        self._selection: tuple[str, tuple[int, ...]] | None = None
+        self._last: tuple[Endpoint, ...] | None = None
+        self._stopped = False
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._last or ()
+
+    def start(self) -> None:
+        if self._source.inference_pool is None:
+            self._select(format_selector(self._source.selector), self._source.target_ports)
+            return
+        self._pool = ListWatcher(
+            name=f"inferencepool/{self._source.namespace}/{self._source.inference_pool}",
+            list_fn=functools.partial(
+                self._custom.list_namespaced_custom_object,
+                POOL_GROUP,
+                POOL_VERSION,
+                self._source.namespace,
+                POOL_PLURAL,
+                field_selector=f"metadata.name={self._source.inference_pool}",
+            ),
+            on_sync=self._on_pool,
+            backoff=self._new_backoff(),
+            watch_timeout_s=self._watch_timeout_s,
+        )
+        self._pool.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            watchers = [w for w in (self._pool, self._pods) if w is not None]
+        for watcher in watchers:
+            watcher.stop()
+
+    def _new_backoff(self) -> Backoff:
+        return Backoff(base_s=self._backoff_base_s, cap_s=self._backoff_cap_s)
+
+    def _on_pool(self, store: Store) -> None:
+        pool = store.get((self._source.namespace, self._source.inference_pool or ""))
+        if pool is None:
+            # A deleted pool routes nowhere; the pod watch stops with it.
+            self._select(None, ())
+            return
+        spec = pool.get("spec") or {}
+        labels = (spec.get("selector") or {}).get("matchLabels") or {}
+        ports = tuple(int(p["number"]) for p in spec.get("targetPorts") or () if "number" in p)
+        self._select(format_selector(labels) if labels and ports else None, ports)
+
+    def _select(self, selector: str | None, ports: tuple[int, ...]) -> None:
+        """(Re)start the pod watch for a selector; None stops it and empties the set."""
+        selection = (selector, ports) if selector is not None else None
+        with self._lock:
+            if self._stopped or selection == self._selection:
+                return
+            self._selection = selection
+            old, self._pods = self._pods, None
+        if old is not None:
+            old.stop()
+        if selector is None:
+            self._report(())
+            return
+        watcher = ListWatcher(
+            name=f"pods/{self._source.namespace}/{self._model}",
+            list_fn=functools.partial(
+                self._core.list_namespaced_pod, self._source.namespace, label_selector=selector
+            ),
+            on_sync=functools.partial(self._on_pods, ports),
+            backoff=self._new_backoff(),
+            watch_timeout_s=self._watch_timeout_s,
+        )
+        with self._lock:
+            if self._stopped:
+                return
+            self._pods = watcher
+        watcher.start()
+
+    def _on_pods(self, ports: tuple[int, ...], store: Store) -> None:
+        self._report(endpoints_from_pods(self._model, store.values(), self._source, ports))
+
+    def _report(self, endpoints: tuple[Endpoint, ...]) -> None:
+        with self._lock:
+            if endpoints == self._last:
+                return
+            self._last = endpoints
+        _dispatch(self._loop, self._on_change, self._model, endpoints)
+
+
+def route_key_from_xds_name(name: str) -> ObjectKey | None:
+    """`httproute/<ns>/<name>/rule/<i>/match/<j>/<host>` (Envoy Gateway's xDS route name) -> (ns, name)."""
+    parts = name.split("/")
+    if (
+        len(parts) < 4
+        or parts[0] != "httproute"
+        or parts[3] != "rule"
+        or not parts[1]
+        or not parts[2]
+    ):
+        return None
+    return (parts[1], parts[2])
+
+
+class HTTPRouteWatcher(Generic[S]):
+    """Watches HTTPRoutes and reports each route's parsed settings.
+
+    `parse(annotations) -> (settings, errors)` (the config layer's
+    `parse_route_annotations`) returns defaults for the bad keys; every distinct error
+    becomes one Warning Event on the route, visible in `kubectl describe httproute`.
+    Event names are derived from (route uid, message), so replicas do not duplicate them.
+    """
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        parse: Callable[[Mapping[str, str]], tuple[S, list[str]]],
+        on_routes: Callable[[dict[ObjectKey, S]], None],
+        *,
+        namespaces: Sequence[str] = (),
+        component: str = "extproc",
+        instance: str = "",
+        loop: asyncio.AbstractEventLoop | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        watch_timeout_s: int = 300,
+    ) -> None:
+        self._core = k8s.CoreV1Api(api_client)
+        custom = k8s.CustomObjectsApi(api_client)
+        self._parse = parse
+        self._on_routes = on_routes
+        self._component = component
+        self._instance = instance or os.environ.get("POD_NAME", "")
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._stores: dict[str, Store] = {}
+        self._last: dict[ObjectKey, S] | None = None
+        self._posted: set[tuple[str, str]] = set()  # (route uid, message)
+        self.events_posted = 0
+        self._watchers: list[ListWatcher] = []
+        scopes: Sequence[str | None] = list(namespaces) or [None]
+        for namespace in scopes:
+            if namespace is None:
+                list_fn = functools.partial(
+                    custom.list_cluster_custom_object, ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL
+                )
+            else:
+                list_fn = functools.partial(
+                    custom.list_namespaced_custom_object,
+                    ROUTE_GROUP,
+                    ROUTE_VERSION,
+                    namespace,
+                    ROUTE_PLURAL,
+                )
+            scope = namespace or "*"
+            self._watchers.append(
+                ListWatcher(
+                    name=f"httproutes/{scope}",
+                    list_fn=list_fn,
+                    on_sync=functools.partial(self._on_sync, scope),
+                    backoff=Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
+                    watch_timeout_s=watch_timeout_s,
+                )
+            )
+
+    def start(self) -> None:
+        for watcher in self._watchers:
+            watcher.start()
+
+    def stop(self) -> None:
+        for watcher in self._watchers:
+            watcher.stop()
+
+    def _on_sync(self, scope: str, store: Store) -> None:
+        with self._lock:
+            self._stores[scope] = store
+            routes = [route for s in self._stores.values() for route in s.values()]
+        settings: dict[ObjectKey, S] = {}
+        for route in routes:
+            meta = route.get("metadata") or {}
+            key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+            annotations = {str(k): str(v) for k, v in (meta.get("annotations") or {}).items()}
+            parsed, errors = self._parse(annotations)
+            settings[key] = parsed
+            for message in errors:
+                self._warn_once(route, message)
+        with self._lock:
+            if settings == self._last:
+                return
+            self._last = settings
+        _dispatch(self._loop, self._on_routes, dict(settings))
+
+    def _warn_once(self, route: Mapping[str, Any], message: str) -> None:
+        meta = route.get("metadata") or {}
+        uid = str(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}")
+        if (uid, message) in self._posted:
+            return
+        namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+        digest = hashlib.sha256(f"{uid}\n{message}".encode()).hexdigest()[:16]
+        now = dt.datetime.now(dt.UTC)
+        event = k8s.CoreV1Event.from_dict(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{name}.{digest}", "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": f"{ROUTE_GROUP}/{ROUTE_VERSION}",
+                    "kind": "HTTPRoute",
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": meta.get("uid"),
+                    "resourceVersion": meta.get("resourceVersion"),
+                },
+                "reason": "InvalidAnnotation",
+                "type": "Warning",
+                "message": f"{message} (the route keeps its default for this setting)",
+                "source": {"component": self._component},
+                "reportingComponent": self._component,
+                "reportingInstance": self._instance,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+        )
+        if event is None:  # from_dict only returns None for a None input
+            return
+        try:
+            self._core.create_namespaced_event(namespace, event)
+        except ApiException as exc:
+            if exc.status != 409:  # 409: another replica already reported this problem
+                _LOG.warning("cannot post Event on httproute %s/%s: %s", namespace, name, exc)
+                return  # not remembered, so the next sync retries
+        except Exception as exc:
+            _LOG.warning("cannot post Event on httproute %s/%s: %s", namespace, name, exc)
+            return
+        else:
+            self.events_posted += 1
+        self._posted.add((uid, message))
