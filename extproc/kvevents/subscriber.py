@@ -144,7 +144,10 @@ class KVEventSubscriber:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
+            # Re-cancel until done: a cancellation that lands as an await completes can be lost.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._sub is not None:
@@ -243,9 +246,9 @@ class KVEventSubscriber:
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(
-                    sock.recv_multipart(), self._settings.replay_timeout_s
-                )
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+                async with asyncio.timeout(self._settings.replay_timeout_s):
+                    frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]  # the DEALER keeps the ROUTER's empty delimiter
                 if len(frames) == 2:  # older replies: [seq, payload], no topic

@@ -67,7 +67,7 @@ class TestPublisher:
             self.router.close(linger=0)
 
     async def wait_subscribed(self) -> None:
-        async with asyncio.timeout(5.0):
+        async with asyncio.timeout(15.0):
             frame = await self.pub.recv()
         assert frame[:1] == b"\x01", frame
 

@@ -43,7 +43,7 @@ async def test_index_tracks_the_simulator_publisher(
         replay_endpoint=pub.replay_endpoint,
         index=index,
         context=ctx,
-        settings=SubscriberSettings(replay_timeout_s=0.5),
+        settings=SubscriberSettings(replay_timeout_s=3.0),
     )
     engine = EngineCache(BS)
     rng = random.Random(11)

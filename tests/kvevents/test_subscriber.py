@@ -30,7 +30,10 @@ from ._publisher import TestPublisher
 
 BS = 16
 POD = "10.0.0.1:8000"
-FAST = SubscriberSettings(replay_timeout_s=0.3, stall_after_s=5.0)
+# Replies come at once from a local ROUTER; the timeout only matters on a loaded machine.
+SETTINGS = SubscriberSettings(replay_timeout_s=3.0, stall_after_s=5.0)
+# For the tests that wait for a replay timeout on purpose.
+SHORT_REPLAY = SubscriberSettings(replay_timeout_s=0.3, stall_after_s=5.0)
 
 
 @pytest.fixture
@@ -55,7 +58,7 @@ def stored_event(event: Stored) -> BlockStored:
 
 
 async def until(cond: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5.0):
+    async with asyncio.timeout(15.0):
         while not cond():  # noqa: ASYNC110 - state changes inside the subscriber, no event to await
             await asyncio.sleep(0.005)
 
@@ -87,7 +90,7 @@ class Rig:
 
 
 async def rig(
-    ctx: zmq.asyncio.Context, pub: TestPublisher, settings: SubscriberSettings = FAST
+    ctx: zmq.asyncio.Context, pub: TestPublisher, settings: SubscriberSettings = SETTINGS
 ) -> Rig:
     index = ExactIndex(block_size=BS)
     sub = KVEventSubscriber(
@@ -179,7 +182,7 @@ async def test_gap_beyond_the_replay_buffer_drops_and_rebuilds(ctx: zmq.asyncio.
 async def test_unrepairable_gap_resets_the_pod(ctx: zmq.asyncio.Context, mode: str) -> None:
     async with TestPublisher(ctx, replay=mode != "no-replay-endpoint") as pub:
         pub.replay_silent = True
-        r = await rig(ctx, pub)
+        r = await rig(ctx, pub, SHORT_REPLAY)
         try:
             first = r.doc(2)
             await r.serve(first)
@@ -270,7 +273,7 @@ async def test_other_tiers_and_groups_are_not_indexed(ctx: zmq.asyncio.Context) 
 
 async def test_health_follows_the_event_stream(ctx: zmq.asyncio.Context) -> None:
     now = [100.0]
-    settings = SubscriberSettings(replay_timeout_s=0.3, stall_after_s=10.0)
+    settings = SubscriberSettings(replay_timeout_s=3.0, stall_after_s=10.0)
     async with TestPublisher(ctx) as pub:
         index = ExactIndex(block_size=BS)
         sub = KVEventSubscriber(
@@ -310,7 +313,9 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 async def test_manager_follows_endpoints_and_exports_metrics(ctx: zmq.asyncio.Context) -> None:
     registry = CollectorRegistry()
     index = ExactIndex(block_size=BS)
-    manager = KVEventManager(indexes={"m": index}, settings=FAST, context=ctx, registry=registry)
+    manager = KVEventManager(
+        indexes={"m": index}, settings=SETTINGS, context=ctx, registry=registry
+    )
     async with (
         TestPublisher(ctx) as pub_a,
         TestPublisher(ctx, encoding=EventEncoding.ARRAY) as pub_b,
@@ -392,7 +397,7 @@ async def test_a_burst_of_events_yields_to_the_event_loop(ctx: zmq.asyncio.Conte
             ticks[0] += 1
             await asyncio.sleep(0)
 
-    settings = SubscriberSettings(replay_timeout_s=1.0, max_blocks_per_wake=64)
+    settings = SubscriberSettings(replay_timeout_s=3.0, max_blocks_per_wake=64)
     async with TestPublisher(ctx) as pub:
         index = TickRecordingIndex(ticks)
         sub = KVEventSubscriber(
