@@ -19,7 +19,7 @@ from bench.scenario import load_scenario, run_scenario
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "bench" / "scenarios"
 # Order matters for the quick budget: cheapest and most important first.
-SUITE = ("overhead", "multiturn", "tenants", "docqa", "bursty")
+SUITE = ("overhead", "itl", "multiturn", "tenants", "docqa", "bursty")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
