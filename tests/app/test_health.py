@@ -1,0 +1,94 @@
+"""gRPC health: liveness while the process runs; readiness only with a fresh endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.app import App
+from extproc.config import load_config_text
+
+VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def engine_metrics() -> AsyncIterator[tuple[int, dict[str, bool]]]:
+    state = {"up": True}
+
+    async def metrics(_request: web.Request) -> web.Response:
+        if not state["up"]:
+            return web.Response(status=500)
+        return web.Response(text=VLLM_METRICS)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port, state
+    finally:
+        await runner.cleanup()
+
+
+async def health(port: int, service: str) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+        return int(resp.status)
+
+
+async def wait_status(port: int, service: str, want: int) -> int:
+    status = -1
+    for _ in range(60):
+        status = await health(port, service)
+        if status == want:
+            break
+        await asyncio.sleep(0.1)
+    return status
+
+
+async def test_readiness_follows_fresh_metrics(engine_metrics: tuple[int, dict[str, bool]]) -> None:
+    eng_port, state = engine_metrics
+    grpc_port = free_port()
+    cfg = load_config_text(f"""
+server: {{grpc_port: {grpc_port}, metrics_port: {free_port()}}}
+metrics: {{poll_interval_s: 0.1, stale_after_s: 0.5}}
+models:
+  - name: m
+    endpoints: [{{address: "127.0.0.1:{eng_port}", metrics_url: "http://127.0.0.1:{eng_port}/metrics"}}]
+""")
+    app = App(cfg)
+    await app.start()
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    try:
+        assert await health(grpc_port, "liveness") == serving
+        assert await wait_status(grpc_port, "readiness", serving) == serving
+        assert await health(grpc_port, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
+        state["up"] = False  # scrapes fail: the last good value goes stale after 0.5 s
+        assert await wait_status(grpc_port, "readiness", not_serving) == not_serving
+        assert await health(grpc_port, "liveness") == serving
+        state["up"] = True
+        assert await wait_status(grpc_port, "readiness", serving) == serving
+    finally:
+        await app.stop()
