@@ -393,14 +393,19 @@ class KVEventManager:
         settings: SubscriberSettings | None = None,
         context: zmq.asyncio.Context | None = None,
         registry: CollectorRegistry | None = None,
+        metrics: KVEventMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """Pass `registry` to register new metrics, or `metrics` to reuse ones registered
+        earlier (a registry accepts each name once, e.g. across config reloads)."""
         self._indexes = dict(indexes)
         self._settings = settings or SubscriberSettings()
         self._own_context = context is None
         self._ctx = zmq.asyncio.Context() if context is None else context
-        self._metrics = KVEventMetrics(registry) if registry is not None else None
+        if metrics is None and registry is not None:
+            metrics = KVEventMetrics(registry)
+        self._metrics = metrics
         self._clock = clock
         self._wall = wall_clock
         self._subs: dict[str, KVEventSubscriber] = {}

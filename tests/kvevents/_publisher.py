@@ -68,8 +68,9 @@ class TestPublisher:
 
     async def wait_subscribed(self) -> None:
         async with asyncio.timeout(15.0):
-            frame = await self.pub.recv()
-        assert frame[:1] == b"\x01", frame
+            # Skip unsubscriptions (b"\x00...") left by earlier subscribers.
+            while (await self.pub.recv())[:1] != b"\x01":
+                pass
 
     async def publish(self, events: Sequence[KVEvent], *, drop: bool = False) -> int:
         """Buffer a batch (as vLLM does) and send it unless `drop` (a lost message)."""

@@ -20,6 +20,7 @@ from extproc.kvevents import (
     BlockStored,
     EventEncoding,
     KVEventManager,
+    KVEventMetrics,
     KVEventSubscriber,
     SubscriberSettings,
 )
@@ -431,3 +432,30 @@ async def test_a_burst_of_events_yields_to_the_event_loop(ctx: zmq.asyncio.Conte
             with contextlib.suppress(asyncio.CancelledError):
                 await tick_task
             await sub.stop()
+
+
+async def test_metrics_survive_a_manager_replacement(ctx: zmq.asyncio.Context) -> None:
+    registry = CollectorRegistry()
+    metrics = KVEventMetrics(registry)
+    with pytest.raises(ValueError):
+        KVEventMetrics(registry)  # a registry takes each name once: reloads must reuse them
+    index = ExactIndex(block_size=BS)
+    async with TestPublisher(ctx) as pub:
+        ep = Endpoint(
+            POD, "m", kv_events_endpoint=pub.endpoint, kv_replay_endpoint=pub.replay_endpoint
+        )
+        for _ in range(2):
+            manager = KVEventManager(
+                indexes={"m": index}, settings=SETTINGS, context=ctx, metrics=metrics
+            )
+            try:
+                await manager.set_endpoints([ep])
+                await pub.wait_subscribed()
+                await pub.publish([AllBlocksCleared()])
+                stats = manager.stats
+                await until(lambda: stats()[POD].batches == 1)
+                assert sample(registry, "extproc_kv_event_batches_total", pod=POD) == 1
+            finally:
+                await manager.close()
+            assert sample(registry, "extproc_kv_event_batches_total", pod=POD) is None
+            pub.restart()
