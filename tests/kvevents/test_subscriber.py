@@ -452,8 +452,11 @@ async def test_metrics_survive_a_manager_replacement(ctx: zmq.asyncio.Context) -
                 await manager.set_endpoints([ep])
                 await pub.wait_subscribed()
                 await pub.publish([AllBlocksCleared()])
-                stats = manager.stats
-                await until(lambda: stats()[POD].batches == 1)
+
+                def got_batch(m: KVEventManager = manager) -> bool:
+                    return m.stats()[POD].batches == 1
+
+                await until(got_batch)
                 assert sample(registry, "extproc_kv_event_batches_total", pod=POD) == 1
             finally:
                 await manager.close()
