@@ -40,6 +40,8 @@ class TestPublisher:
         self.seq = 0
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # Report every subscription, also one that duplicates a subscriber still detaching.
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.bind("tcp://127.0.0.1:*")
         self.endpoint: str = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router: zmq.asyncio.Socket | None = None

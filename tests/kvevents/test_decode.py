@@ -200,7 +200,7 @@ def test_malformed_messages_raise_decode_error_with_reason(
     assert reason in info.value.reason
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_payload_bytes_only_ever_raise_decode_error(payload: bytes) -> None:
     with contextlib.suppress(DecodeError):
@@ -231,7 +231,7 @@ _values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(_values | st.just("BlockStored") | st.just("BlockRemoved"), max_size=6))
 def test_structured_garbage_only_ever_raises_decode_error(events: list[object]) -> None:
     with contextlib.suppress(DecodeError):

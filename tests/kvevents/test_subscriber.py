@@ -90,9 +90,10 @@ class Rig:
         return self.index.blocks_of(POD) == set(self.engine.cached)
 
 
+@contextlib.asynccontextmanager
 async def rig(
     ctx: zmq.asyncio.Context, pub: TestPublisher, settings: SubscriberSettings = SETTINGS
-) -> Rig:
+) -> AsyncIterator[Rig]:
     index = ExactIndex(block_size=BS)
     sub = KVEventSubscriber(
         pod=POD,
@@ -103,88 +104,78 @@ async def rig(
         settings=settings,
     )
     sub.start()
-    await pub.wait_subscribed()
-    return Rig(pub, sub, index)
+    try:
+        await pub.wait_subscribed()
+        yield Rig(pub, sub, index)
+    finally:
+        await sub.stop()
 
 
 @pytest.mark.parametrize("encoding", list(EventEncoding))
 async def test_both_encodings_store_remove_clear(
     ctx: zmq.asyncio.Context, encoding: EventEncoding
 ) -> None:
-    async with TestPublisher(ctx, encoding=encoding) as pub:
-        r = await rig(ctx, pub)
-        try:
-            doc = r.doc(6)
-            await r.serve(doc)
-            await r.serve(doc[: 3 * BS] + r.doc(2))  # shares 3 blocks: the event has a parent
-            await r.evict(2)
-            await r.synced()
-            assert r.agrees() and r.sub.stats.stored_blocks == 8 and r.sub.stats.removed_blocks == 2
-            assert r.index.longest_prefix(block_hashes(doc, BS)) == {
-                POD: r.engine.cached_prefix_blocks(doc)
-            }
-            await pub.publish([AllBlocksCleared()])
-            r.engine.cached.clear()
-            await r.synced()
-            assert r.index.blocks_of(POD) == set() and r.sub.stats.cleared == 1
-            assert r.sub.stats.gaps == 0 and r.sub.stats.resets == 0
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx, encoding=encoding) as pub, rig(ctx, pub) as r:
+        doc = r.doc(6)
+        await r.serve(doc)
+        await r.serve(doc[: 3 * BS] + r.doc(2))  # shares 3 blocks: the event has a parent
+        await r.evict(2)
+        await r.synced()
+        assert r.agrees() and r.sub.stats.stored_blocks == 8 and r.sub.stats.removed_blocks == 2
+        assert r.index.longest_prefix(block_hashes(doc, BS)) == {
+            POD: r.engine.cached_prefix_blocks(doc)
+        }
+        await pub.publish([AllBlocksCleared()])
+        r.engine.cached.clear()
+        await r.synced()
+        assert r.index.blocks_of(POD) == set() and r.sub.stats.cleared == 1
+        assert r.sub.stats.gaps == 0 and r.sub.stats.resets == 0
 
 
 @pytest.mark.parametrize("legacy_replay", [False, True], ids=["current", "legacy-2-frame"])
 async def test_gap_is_repaired_by_replay(ctx: zmq.asyncio.Context, legacy_replay: bool) -> None:
-    async with TestPublisher(ctx, legacy_replay=legacy_replay) as pub:
-        r = await rig(ctx, pub)
-        try:
-            doc = r.doc(4)
-            await r.serve(doc)
-            await r.serve(doc + r.doc(2), drop=True)  # lost on the wire, kept in the buffer
-            await r.evict(1, drop=True)
-            await r.serve(r.doc(3))
-            await r.synced()
-            assert pub.replay_requests == [1]
-            assert r.agrees()
-            st = r.sub.stats
-            assert (st.gaps, st.replays, st.replay_failures, st.resets, st.orphans) == (
-                1,
-                1,
-                0,
-                0,
-                0,
-            )
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx, legacy_replay=legacy_replay) as pub, rig(ctx, pub) as r:
+        doc = r.doc(4)
+        await r.serve(doc)
+        await r.serve(doc + r.doc(2), drop=True)  # lost on the wire, kept in the buffer
+        await r.evict(1, drop=True)
+        await r.serve(r.doc(3))
+        await r.synced()
+        assert pub.replay_requests == [1]
+        assert r.agrees()
+        st = r.sub.stats
+        assert (st.gaps, st.replays, st.replay_failures, st.resets, st.orphans) == (
+            1,
+            1,
+            0,
+            0,
+            0,
+        )
 
 
 async def test_gap_beyond_the_replay_buffer_drops_and_rebuilds(ctx: zmq.asyncio.Context) -> None:
-    async with TestPublisher(ctx, buffer_steps=2) as pub:
-        r = await rig(ctx, pub)
-        try:
-            first = r.doc(3)
-            await r.serve(first)
-            await r.synced()
-            for _ in range(4):  # more lost batches than the buffer holds
-                await r.serve(r.doc(2), drop=True)
-            fresh = r.doc(2)
-            await r.serve(fresh)
-            await r.synced()
-            st = r.sub.stats
-            assert (st.gaps, st.replays, st.resets, st.replay_failures) == (1, 1, 1, 1)
-            # Rebuilt from what the buffer and live stream still carried: the old doc is gone.
-            assert r.index.longest_prefix(block_hashes(first, BS)) == {}
-            assert r.index.longest_prefix(block_hashes(fresh, BS)) == {POD: 2}
-            assert r.index.blocks_of(POD) <= set(r.engine.cached)
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx, buffer_steps=2) as pub, rig(ctx, pub) as r:
+        first = r.doc(3)
+        await r.serve(first)
+        await r.synced()
+        for _ in range(4):  # more lost batches than the buffer holds
+            await r.serve(r.doc(2), drop=True)
+        fresh = r.doc(2)
+        await r.serve(fresh)
+        await r.synced()
+        st = r.sub.stats
+        assert (st.gaps, st.replays, st.resets, st.replay_failures) == (1, 1, 1, 1)
+        # Rebuilt from what the buffer and live stream still carried: the old doc is gone.
+        assert r.index.longest_prefix(block_hashes(first, BS)) == {}
+        assert r.index.longest_prefix(block_hashes(fresh, BS)) == {POD: 2}
+        assert r.index.blocks_of(POD) <= set(r.engine.cached)
 
 
 @pytest.mark.parametrize("mode", ["no-replay-endpoint", "replay-times-out"])
 async def test_unrepairable_gap_resets_the_pod(ctx: zmq.asyncio.Context, mode: str) -> None:
     async with TestPublisher(ctx, replay=mode != "no-replay-endpoint") as pub:
         pub.replay_silent = True
-        r = await rig(ctx, pub, SHORT_REPLAY)
-        try:
+        async with rig(ctx, pub, SHORT_REPLAY) as r:
             first = r.doc(2)
             await r.serve(first)
             await r.synced()
@@ -195,81 +186,63 @@ async def test_unrepairable_gap_resets_the_pod(ctx: zmq.asyncio.Context, mode: s
             assert r.sub.stats.resets == 1 and r.sub.stats.replay_failures == 1
             assert r.index.longest_prefix(block_hashes(first, BS)) == {}
             assert r.index.longest_prefix(block_hashes(after, BS)) == {POD: 1}
-        finally:
-            await r.sub.stop()
 
 
 async def test_publisher_restart_clears_the_pod(ctx: zmq.asyncio.Context) -> None:
-    async with TestPublisher(ctx) as pub:
-        r = await rig(ctx, pub)
-        try:
-            before = r.doc(3)
-            for _ in range(3):
-                await r.serve(before + r.doc(1))
-            await r.synced()
-            pub.restart()
-            r.engine.cached.clear()
-            after = r.doc(2)
-            await r.serve(after)
-            await until(lambda: r.sub.stats.restarts == 1)
-            await r.synced()
-            assert r.agrees()
-            assert r.index.longest_prefix(block_hashes(before, BS)) == {}
-            assert r.index.longest_prefix(block_hashes(after, BS)) == {POD: 2}
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx) as pub, rig(ctx, pub) as r:
+        before = r.doc(3)
+        for _ in range(3):
+            await r.serve(before + r.doc(1))
+        await r.synced()
+        pub.restart()
+        r.engine.cached.clear()
+        after = r.doc(2)
+        await r.serve(after)
+        await until(lambda: r.sub.stats.restarts == 1)
+        await r.synced()
+        assert r.agrees()
+        assert r.index.longest_prefix(block_hashes(before, BS)) == {}
+        assert r.index.longest_prefix(block_hashes(after, BS)) == {POD: 2}
 
 
 async def test_joining_mid_stream_replays_from_zero(ctx: zmq.asyncio.Context) -> None:
-    async with TestPublisher(ctx) as pub:
-        r = await rig(ctx, pub)
-        try:
-            # The subscriber is connected, but pretend the first batches went out before it was.
-            await r.serve(r.doc(3), drop=True)
-            await r.serve(r.doc(2), drop=True)
-            await r.serve(r.doc(1))
-            await r.synced()
-            assert pub.replay_requests == [0]
-            assert r.agrees() and r.sub.stats.resets == 0 and r.sub.stats.gaps == 0
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx) as pub, rig(ctx, pub) as r:
+        # The subscriber is connected, but pretend the first batches went out before it was.
+        await r.serve(r.doc(3), drop=True)
+        await r.serve(r.doc(2), drop=True)
+        await r.serve(r.doc(1))
+        await r.synced()
+        assert pub.replay_requests == [0]
+        assert r.agrees() and r.sub.stats.resets == 0 and r.sub.stats.gaps == 0
 
 
 async def test_malformed_messages_are_counted_and_skipped(ctx: zmq.asyncio.Context) -> None:
-    async with TestPublisher(ctx) as pub:
-        r = await rig(ctx, pub)
-        try:
-            await r.serve(r.doc(2))
-            await pub.send_raw([b"kv@test", pub.seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
-            pub.seq += 1
-            await pub.send_raw([b"only one frame"])
-            await r.serve(r.doc(2))
-            await r.synced()
-            st = r.sub.stats
-            assert st.decode_errors == 2 and st.gaps == 0 and st.resets == 0
-            assert r.agrees()
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx) as pub, rig(ctx, pub) as r:
+        await r.serve(r.doc(2))
+        await pub.send_raw([b"kv@test", pub.seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
+        pub.seq += 1
+        await pub.send_raw([b"only one frame"])
+        await r.serve(r.doc(2))
+        await r.synced()
+        st = r.sub.stats
+        assert st.decode_errors == 2 and st.gaps == 0 and st.resets == 0
+        assert r.agrees()
 
 
 async def test_other_tiers_and_groups_are_not_indexed(ctx: zmq.asyncio.Context) -> None:
     from array import array
 
-    async with TestPublisher(ctx) as pub:
-        r = await rig(ctx, pub)
-        try:
-            toks = array("I", range(16))
-            await pub.publish(
-                [
-                    BlockStored((1,), None, toks, BS, None, "CPU", None),
-                    BlockStored((2,), None, toks, BS, None, "GPU", None, None, 1),
-                    BlockStored((3,), None, toks, BS, None, "GPU", None, None, 0),
-                ]
-            )
-            await r.synced()
-            assert r.index.blocks_of(POD) == {3} and r.sub.stats.skipped_events == 2
-        finally:
-            await r.sub.stop()
+    async with TestPublisher(ctx) as pub, rig(ctx, pub) as r:
+        toks = array("I", range(16))
+        await pub.publish(
+            [
+                BlockStored((1,), None, toks, BS, None, "CPU", None),
+                BlockStored((2,), None, toks, BS, None, "GPU", None, None, 1),
+                BlockStored((3,), None, toks, BS, None, "GPU", None, None, 0),
+            ]
+        )
+        await r.synced()
+        assert r.index.blocks_of(POD) == {3} and r.sub.stats.skipped_events == 2
 
 
 async def test_health_follows_the_event_stream(ctx: zmq.asyncio.Context) -> None:
