@@ -40,7 +40,36 @@ from extproc.stack.envoy_config import ResponseAccounting  # noqa: E402
 from extproc.stack.local import LocalStack  # noqa: E402
 from tests.e2e.harness import stack_options  # noqa: E402
 
-WORDS = ["the", "cache", "router", "balances", "requests", "across", "pods", "while", "tokens", "stream", "back", "to", "clients", "and", "the", "scheduler", "batches", "prefill", "with", "decode", "steps", "so", "that", "latency", "stays", "low", "under", "load"]
+WORDS = [
+    "the",
+    "cache",
+    "router",
+    "balances",
+    "requests",
+    "across",
+    "pods",
+    "while",
+    "tokens",
+    "stream",
+    "back",
+    "to",
+    "clients",
+    "and",
+    "the",
+    "scheduler",
+    "batches",
+    "prefill",
+    "with",
+    "decode",
+    "steps",
+    "so",
+    "that",
+    "latency",
+    "stays",
+    "low",
+    "under",
+    "load",
+]
 
 
 def turn_text(rng: random.Random, words: int) -> str:

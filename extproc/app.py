@@ -33,6 +33,7 @@ from extproc.director.prefill import PrefillClient
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.kvevents.metrics import KVEventMetrics
 from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
@@ -129,6 +130,7 @@ class App:
         self._route_settings: dict[str, RouteSettings] = {}
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
         self._rt = self._build(config)
+        self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
         self.poller = MetricsPoller(
             self.store,
@@ -231,17 +233,10 @@ class App:
         manager = KVEventManager(
             indexes=self._exact,
             settings=SubscriberSettings.from_config(config.kv_events),
-            registry=self._kv_registry(),
+            metrics=self._kv_metrics,  # registered once; a manager rebuilt on reload reuses them
         )
         self._kv_healthy = manager.is_healthy
         return manager
-
-    def _kv_registry(self) -> CollectorRegistry | None:
-        # KV-event metrics register once per process registry; a rebuilt manager reuses them.
-        if getattr(self, "_kv_metrics_registered", False):
-            return None
-        self._kv_metrics_registered = True
-        return self.registry
 
     def route_settings_for(self, route_name: str | None) -> RouteSettings | None:
         """Settings of the route Envoy matched: exact route name first, then `<ns>/<name>`."""
