@@ -30,7 +30,7 @@ def api_client(apiserver: FakeApiServer) -> Iterator[k8s.ApiClient]:
     try:
         yield api
     finally:
-        api.close()
+        api.close()  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture

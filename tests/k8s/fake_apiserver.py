@@ -87,7 +87,7 @@ class FakeApiServer:
         self._changed: asyncio.Condition | None = None
         self._runner: web.AppRunner | None = None
         self._up = False
-        self._watch_transports: set[asyncio.BaseTransport] = set()
+        self._watch_transports: set[asyncio.Transport] = set()
         self._pending_bookmarks: dict[int, bool] = {}
         self.requests: list[tuple[str, str, Mapping[str, str]]] = []  # (method, path, query)
         self.events: list[dict[str, Any]] = []
@@ -307,7 +307,7 @@ class FakeApiServer:
         response.enable_chunked_encoding()
         await response.prepare(request)
         transport = request.transport
-        if transport is not None:
+        if isinstance(transport, asyncio.Transport):
             self._watch_transports.add(transport)
 
         async def send(kind: str, obj: Mapping[str, Any]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +12,7 @@ import pytest
 from kubernetes import client as k8s
 
 from extproc.config import KubernetesDiscoveryConfig
+from extproc.discovery._listwatch import Backoff
 from extproc.discovery.kubernetes import PodDiscovery, PodSource, endpoints_from_pods
 from extproc.types import Endpoint, EndpointRole
 
@@ -27,9 +30,17 @@ def addresses(endpoints: tuple[Endpoint, ...]) -> list[str]:
 def discovery_factory(api_client: k8s.ApiClient, recorder: Recorder) -> Iterator[Any]:
     started: list[PodDiscovery] = []
 
-    def make(source: PodSource = SOURCE, model: str = "qwen") -> PodDiscovery:
+    def make(
+        source: PodSource = SOURCE, model: str = "qwen", watch_timeout_s: int = 300
+    ) -> PodDiscovery:
         discovery = PodDiscovery(
-            model, source, api_client, recorder, backoff_base_s=0.05, backoff_cap_s=0.2
+            model,
+            source,
+            api_client,
+            recorder,
+            backoff_base_s=0.05,
+            backoff_cap_s=0.2,
+            watch_timeout_s=watch_timeout_s,
         )
         discovery.start()
         started.append(discovery)
@@ -38,6 +49,8 @@ def discovery_factory(api_client: k8s.ApiClient, recorder: Recorder) -> Iterator
     yield make
     for discovery in started:
         discovery.stop()
+    # stop() is synchronous: no watcher thread outlives it.
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("k8s-")]
 
 
 # -- pure mapping from pods to endpoints ---------------------------------------------------
@@ -101,6 +114,16 @@ def test_source_from_config_section() -> None:
     assert by_pool.inference_pool == "pool" and by_pool.target_ports == ()
     with pytest.raises(ValueError, match="selector"):
         PodSource(namespace="llm", target_ports=(8000,))
+
+
+def test_backoff_grows_with_jitter_up_to_the_cap_and_resets() -> None:
+    backoff = Backoff(base_s=1.0, cap_s=8.0, rng=random.Random(7))
+    delays = [backoff.next_delay() for _ in range(6)]
+    ceilings = [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings, strict=True))
+    assert len(set(delays)) == len(delays)  # jittered, not a fixed ladder
+    backoff.reset()
+    assert backoff.next_delay() <= 1.0
 
 
 # -- list + watch through the real client --------------------------------------------------
@@ -171,6 +194,18 @@ def test_expired_resource_version_relists_and_bookmarks_advance_it(
     watches = [q for m, p, q in apiserver.requests if "/pods" in p and q.get("watch") == "true"]
     assert all(q.get("resourceVersion") for q in watches)
     assert all(q.get("allowWatchBookmarks") == "true" for q in watches)
+
+
+def test_a_watch_that_times_out_resumes_without_relisting(
+    apiserver: FakeApiServer, recorder: Recorder, discovery_factory: Any
+) -> None:
+    apiserver.apply(PODS, make_pod("p1", "10.0.0.1"))
+    discovery_factory(watch_timeout_s=1)
+    recorder.wait_for(lambda c: addresses(c[1]) == ["10.0.0.1:8000"])
+    wait_until(lambda: apiserver.count("GET", "/pods", watch=True) >= 3)
+    apiserver.apply(PODS, make_pod("p2", "10.0.0.2"))
+    recorder.wait_for(lambda c: len(c[1]) == 2)
+    assert apiserver.count("GET", "/pods", watch=False) == 1
 
 
 def test_api_outage_keeps_the_last_set_and_recovers(
