@@ -120,7 +120,7 @@ class KVEventsConfig:
     mode: Literal["auto", "exact", "approximate"] = "auto"
     approx_ttl_s: float = 600.0
     approx_capacity_blocks: int = 1_000_000
-    exact_capacity_blocks: int = 4_000_000
+    exact_capacity_blocks: int = 1_000_000  # ~150 MB at ~150 B per block (bench/kvevents_bench.py)
     replay_timeout_s: float = 1.0
     stall_after_s: float = 10.0
 
