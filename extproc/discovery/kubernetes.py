@@ -51,10 +51,17 @@ S = TypeVar("S")
 OnChange = Callable[[str, tuple[Endpoint, ...]], None]
 
 
-def make_api_client(kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
-    """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG/~/.kube)."""
+def make_api_client(
+    *, in_cluster: bool | None = None, kubeconfig: str | None = None, context: str | None = None
+) -> k8s.ApiClient:
+    """A client with the pod's service account (in cluster) or a kubeconfig (KUBECONFIG/~/.kube).
+
+    `in_cluster=None` decides from the environment: inside a pod KUBERNETES_SERVICE_HOST is set.
+    """
     configuration = k8s.Configuration()
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if in_cluster is None:
+        in_cluster = kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    if in_cluster:
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     else:
         k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
@@ -438,7 +445,7 @@ class HTTPRouteWatcher(Generic[S]):
                 "message": f"{message} (the route keeps its default for this setting)",
                 "source": {"component": self._component},
                 "reportingComponent": self._component,
-                "reportingInstance": self._instance,
+                **({"reportingInstance": self._instance} if self._instance else {}),
                 "firstTimestamp": now,
                 "lastTimestamp": now,
                 "count": 1,

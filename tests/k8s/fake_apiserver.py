@@ -91,6 +91,7 @@ class FakeApiServer:
         self._pending_bookmarks: dict[int, bool] = {}
         self.requests: list[tuple[str, str, Mapping[str, str]]] = []  # (method, path, query)
         self.events: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # request headers, in arrival order
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -237,6 +238,7 @@ class FakeApiServer:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path, dict(request.query)))
+        self.headers.append(dict(request.headers))
         parsed = self._parse_path(request.path)
         if parsed is None or parsed[0] not in _KINDS:
             return self._status(404, "NotFound", f"the server could not find {request.path}")

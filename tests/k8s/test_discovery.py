@@ -6,14 +6,21 @@ import asyncio
 import random
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client as k8s
 
 from extproc.config import KubernetesDiscoveryConfig
 from extproc.discovery._listwatch import Backoff
-from extproc.discovery.kubernetes import PodDiscovery, PodSource, endpoints_from_pods
+from extproc.discovery.kubernetes import (
+    PodDiscovery,
+    PodSource,
+    endpoints_from_pods,
+    make_api_client,
+)
 from extproc.types import Endpoint, EndpointRole
 
 from .fake_apiserver import PODS, POOLS, FakeApiServer
@@ -273,3 +280,31 @@ async def test_callbacks_run_on_the_given_event_loop(
         await asyncio.to_thread(discovery.stop)
     assert model == "qwen" and addresses(endpoints) == ["10.0.0.1:8000"]
     assert threads == [True]
+
+
+def test_a_kubeconfig_client_reaches_the_api_server_with_its_token(
+    apiserver: FakeApiServer, recorder: Recorder, tmp_path: Path
+) -> None:
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": apiserver.url}}],
+                "users": [{"name": "u", "user": {"token": "t0k3n"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    api = make_api_client(kubeconfig=str(kubeconfig))
+    apiserver.apply(PODS, make_pod("p1", "10.0.0.1"))
+    discovery = PodDiscovery("qwen", SOURCE, api, recorder)
+    discovery.start()
+    try:
+        recorder.wait_for(lambda c: addresses(c[1]) == ["10.0.0.1:8000"])
+    finally:
+        discovery.stop()
+        api.close()  # type: ignore[no-untyped-call]
+    assert apiserver.headers[0].get("Authorization") == "Bearer t0k3n"
