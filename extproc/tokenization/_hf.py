@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,7 +15,7 @@ from extproc.tokenization._segments import AddedTokenSplitter, SegmentCache, Seg
 from extproc.tokenization._template import ChatTemplate
 from extproc.types import BadRequest
 
-__all__ = ["HFTokenizer", "TokenizerLoadError", "bundled_qwen_dir", "load_tokenizer"]
+__all__ = ["EncodePlan", "HFTokenizer", "TokenizerLoadError", "bundled_qwen_dir", "load_tokenizer"]
 
 # Probe strings for the load-time self-check of the incremental path.
 _PROBES = (
@@ -101,6 +103,22 @@ def _split_unsafe_reason(tokenizer_json: Mapping[str, object]) -> str | None:
     return walk(tokenizer_json.get("pre_tokenizer")) or walk(tokenizer_json.get("normalizer"))
 
 
+@dataclass(slots=True)
+class EncodePlan:
+    """An encode split into cached and still-missing pieces (see HFTokenizer.plan)."""
+
+    text: str
+    pieces: list[tuple[str, int | None]]
+    found: list[Sequence[int] | None]
+    missing: list[str]
+    special_tokens: bool
+    incremental: bool
+
+    @property
+    def missing_chars(self) -> int:
+        return sum(len(m) for m in self.missing)
+
+
 class HFTokenizer:
     """Exact tokenizer for one model: HF `tokenizers` plus its chat template.
 
@@ -178,9 +196,21 @@ class HFTokenizer:
             t.content for t in self._tok.get_added_tokens_decoder().values() if not t.normalized
         ]
 
-    def _encode_segments(self, text: str, *, use_cache: bool) -> list[int]:
+    def plan(self, text: str, *, special_tokens: bool = False) -> EncodePlan:
+        """Split `text` at added tokens and take what the segment cache already knows.
+
+        Cache access happens here and in `assemble`, on the caller's thread; only
+        `encode_missing` (pure) may run in another thread, so the cache needs no lock.
+        Without the incremental path the plan is one uncached piece: the whole text.
+        """
+        if not self.incremental:
+            return EncodePlan(text, [], [], [text], special_tokens, incremental=False)
+        return self._segment_plan(text, special_tokens=special_tokens, cache=self._cache)
+
+    def _segment_plan(
+        self, text: str, *, special_tokens: bool, cache: SegmentCache | None
+    ) -> EncodePlan:
         pieces = self._splitter.split(text)
-        cache = self._cache if use_cache else None
         found: list[Sequence[int] | None] = []
         missing: list[str] = []
         for seg, tok_id in pieces:
@@ -191,24 +221,49 @@ class HFTokenizer:
             found.append(cached)
             if cached is None:
                 missing.append(seg)
-        if missing:
-            encoded = (
-                [self._tok.encode(missing[0], add_special_tokens=False).ids]
-                if len(missing) == 1
-                else [e.ids for e in self._tok.encode_batch_fast(missing, add_special_tokens=False)]
-            )
-            fresh = iter(encoded)
-            for i, slot in enumerate(found):
-                if slot is None:
-                    new = next(fresh)
-                    found[i] = new
-                    if cache is not None:
-                        cache.put(pieces[i][0], new)
+        return EncodePlan(text, pieces, found, missing, special_tokens, incremental=True)
+
+    def encode_missing(self, plan: EncodePlan) -> list[list[int]]:
+        """Encode the plan's uncached pieces (pure: safe to run in a worker thread)."""
+        if not plan.incremental:
+            return [list(self._tok.encode(plan.text, add_special_tokens=plan.special_tokens).ids)]
+        if not plan.missing:
+            return []
+        if len(plan.missing) == 1:
+            return [self._tok.encode(plan.missing[0], add_special_tokens=False).ids]
+        return [e.ids for e in self._tok.encode_batch_fast(plan.missing, add_special_tokens=False)]
+
+    def assemble(self, plan: EncodePlan, encoded: list[list[int]]) -> list[int]:
+        """Fill the plan with freshly encoded pieces (caching them) and wrap special tokens."""
+        if not plan.incremental:
+            return encoded[0]
+        return self._assemble(plan, encoded, self._cache)
+
+    def _assemble(
+        self, plan: EncodePlan, encoded: list[list[int]], cache: SegmentCache | None
+    ) -> list[int]:
+        fresh = iter(encoded)
+        found = list(plan.found)
+        for i, slot in enumerate(found):
+            if slot is None:
+                new = next(fresh)
+                found[i] = new
+                if cache is not None:
+                    cache.put(plan.pieces[i][0], new)
         out: list[int] = []
+        if plan.special_tokens and self._prefix is not None:
+            out.extend(self._prefix)
         for done in found:
             assert done is not None
             out.extend(done)
+        if plan.special_tokens and self._suffix is not None:
+            out.extend(self._suffix)
         return out
+
+    def _encode_segments(self, text: str, *, use_cache: bool) -> list[int]:
+        cache = self._cache if use_cache else None
+        plan = self._segment_plan(text, special_tokens=False, cache=cache)
+        return self._assemble(plan, self.encode_missing(plan), cache)
 
     def render_chat(
         self,
@@ -254,9 +309,14 @@ class HFTokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """Encode a completion prompt with special tokens added, as vLLM does."""
+        plan = self.plan_text(text)
+        return self.assemble(plan, self.encode_missing(plan))
+
+    def plan_text(self, text: str) -> EncodePlan:
+        """The plan of a completion prompt (special tokens added, as vLLM does)."""
         if self.incremental and self._prefix is not None and self._suffix is not None:
-            return [*self._prefix, *self._encode_segments(text, use_cache=True), *self._suffix]
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+            return self.plan(text, special_tokens=True)
+        return EncodePlan(text, [], [], [text], True, incremental=False)
 
     def encode_full(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Reference path without any cache (used to verify and benchmark the incremental one)."""

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from extproc.tokenization._hf import EncodePlan, HFTokenizer
 from extproc.tokenization._template import content_text_parts
 from extproc.tokenization.base import Tokenizer
 
@@ -82,6 +83,18 @@ class TokenizerPool:
             ids, seconds = await loop.run_in_executor(self._executor, timed)
         return TokenizeResult(ids, seconds, True, estimated)
 
+    async def _run_plan(self, tok: HFTokenizer, plan: EncodePlan, t0: float) -> TokenizeResult:
+        """Cached pieces are assembled on the loop; only the uncached encode may hop threads."""
+        if plan.missing_chars < self.inline_threshold_chars:
+            ids = tok.assemble(plan, tok.encode_missing(plan))
+            return TokenizeResult(ids, time.perf_counter() - t0, False, False)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._max_pending)
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            encoded = await loop.run_in_executor(self._executor, tok.encode_missing, plan)
+        return TokenizeResult(tok.assemble(plan, encoded), time.perf_counter() - t0, True, False)
+
     async def encode_chat(
         self,
         messages: Sequence[Mapping[str, object]],
@@ -90,6 +103,19 @@ class TokenizerPool:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> TokenizeResult:
+        tok = self.tokenizer
+        if isinstance(tok, HFTokenizer):
+            # Rendering is cheap relative to a thread hop; what is worth offloading is the
+            # encode of text the segment cache has not seen (a new turn, a new document).
+            t0 = time.perf_counter()
+            text = tok.render_chat(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            return await self._run_plan(tok, tok.plan(text), t0)
+
         def work() -> list[int]:
             return self.tokenizer.encode_chat(
                 messages,
@@ -101,6 +127,9 @@ class TokenizerPool:
         return await self._run(chat_text_size(messages, tools), work)
 
     async def encode_text(self, text: str) -> TokenizeResult:
+        tok = self.tokenizer
+        if isinstance(tok, HFTokenizer):
+            return await self._run_plan(tok, tok.plan_text(text), time.perf_counter())
         return await self._run(len(text), lambda: self.tokenizer.encode_text(text))
 
     def close(self) -> None:
