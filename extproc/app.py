@@ -26,10 +26,18 @@ from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
-from extproc.config import Config, ConfigError, ModelConfig, RouteSettings, load_config
+from extproc.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    RouteSettings,
+    load_config,
+    parse_route_annotations,
+)
 from extproc.director.api import RequestHead
 from extproc.director.director import Director, ModelRuntime
 from extproc.director.prefill import PrefillClient
+from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
@@ -129,6 +137,12 @@ class App:
         self._approx: dict[str, ApproximateIndex] = {}
         self._route_settings: dict[str, RouteSettings] = {}
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
+        self._static: dict[str, tuple[Endpoint, ...]] = {}
+        self._discovered: dict[str, tuple[Endpoint, ...]] = {}
+        self._k8s_routes: dict[str, RouteSettings] = {}
+        self._discoveries: list[PodDiscovery] = []
+        self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
+        self._api_client: Any = None
         self._rt = self._build(config)
         self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
@@ -210,8 +224,9 @@ class App:
                 lora_adapters=frozenset(model.lora_adapters),
                 aliases=tuple(model.aliases),
             )
-        self.store.set_endpoints({m.name: build_endpoints(m) for m in config.models if m.endpoints})
-        self._route_settings = dict(config.routes)
+        self._static = {m.name: build_endpoints(m) for m in config.models if m.endpoints}
+        self._publish_endpoints()
+        self._route_settings = {**config.routes, **self._k8s_routes}
         director = Director(
             config=config,
             models=runtimes,
@@ -252,7 +267,63 @@ class App:
 
     def set_route_settings(self, settings: Mapping[str, RouteSettings]) -> None:
         """Replace per-route settings (from the HTTPRoute watcher), keeping config-file routes."""
+        self._k8s_routes = dict(settings)
         self._route_settings = {**self._rt.config.routes, **settings}
+
+    def _publish_endpoints(self) -> None:
+        by_model = dict(self._static)
+        for model, eps in self._discovered.items():
+            by_model[model] = (*by_model.get(model, ()), *eps)
+        self.store.set_endpoints(by_model)
+
+    def _on_discovered(self, model: str, endpoints: tuple[Endpoint, ...]) -> None:
+        """Kubernetes changed a model's endpoint set: metrics polling and KV events follow."""
+        self._discovered[model] = endpoints
+        self._publish_endpoints()
+        log.info("model %s: %d endpoints discovered", model, len(endpoints))
+        task = asyncio.get_running_loop().create_task(self.kv.set_endpoints(self.store.endpoints()))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    def _on_routes(self, routes: Mapping[tuple[str, str], RouteSettings]) -> None:
+        self.set_route_settings(
+            {f"{ns}/{name}": settings for (ns, name), settings in routes.items()}
+        )
+
+    def _start_kubernetes(self) -> None:
+        cfg = self.config
+        wanted = [m for m in cfg.models if m.kubernetes is not None]
+        if not wanted and not cfg.kubernetes.watch_httproutes:
+            return
+        self._api_client = make_api_client(
+            in_cluster=cfg.kubernetes.in_cluster, kubeconfig=cfg.kubernetes.kubeconfig
+        )
+        loop = asyncio.get_running_loop()
+        for model in wanted:
+            assert model.kubernetes is not None
+            discovery = PodDiscovery(
+                model.name, PodSource.from_config(model.kubernetes), self._api_client,
+                self._on_discovered, loop=loop,
+            )  # fmt: skip
+            discovery.start()
+            self._discoveries.append(discovery)
+        if cfg.kubernetes.watch_httproutes:
+            self._route_watcher = HTTPRouteWatcher(
+                self._api_client, parse_route_annotations, self._on_routes,
+                namespaces=cfg.kubernetes.namespaces, loop=loop,
+            )  # fmt: skip
+            self._route_watcher.start()
+
+    async def _stop_kubernetes(self) -> None:
+        for discovery in self._discoveries:
+            await asyncio.to_thread(discovery.stop)
+        self._discoveries.clear()
+        if self._route_watcher is not None:
+            await asyncio.to_thread(self._route_watcher.stop)
+            self._route_watcher = None
+        if self._api_client is not None:
+            self._api_client.close()
+            self._api_client = None
 
     # -- running -------------------------------------------------------------------------------
 
@@ -260,6 +331,7 @@ class App:
         await self.server.start()
         self.poller.start()
         await self.kv.set_endpoints(self.store.endpoints())
+        self._start_kubernetes()
         await self._start_admin()
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="sweep"))
@@ -269,6 +341,7 @@ class App:
     async def stop(self) -> None:
         grace = self.config.server.shutdown_grace_s
         await self.server.stop(grace)
+        await self._stop_kubernetes()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

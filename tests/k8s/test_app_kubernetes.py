@@ -1,0 +1,94 @@
+"""The app with Kubernetes discovery: pods become endpoints, HTTPRoute annotations become route settings."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import yaml
+
+from extproc.app import App
+from extproc.config import load_config_text
+
+from .fake_apiserver import PODS, ROUTES, FakeApiServer
+from .helpers import make_pod
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def eventually(cond, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.1)):
+        if cond():
+            return True
+        await asyncio.sleep(0.1)
+    return bool(cond())
+
+
+async def test_app_follows_pods_and_httproute_annotations(
+    apiserver: FakeApiServer, tmp_path: Path
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": apiserver.url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    cfg = load_config_text(f"""
+server: {{grpc_port: {free_port()}, metrics_port: {free_port()}}}
+kubernetes: {{watch_httproutes: true, in_cluster: false, kubeconfig: "{kubeconfig}"}}
+models:
+  - name: qwen3
+    kubernetes: {{namespace: llm, selector: {{app: vllm}}, target_port: 8000}}
+""")
+    apiserver.apply(PODS, make_pod("a", "10.0.0.1"))
+    apiserver.apply(PODS, make_pod("b", "10.0.0.2", ready=False))
+    apiserver.apply(
+        ROUTES,
+        {
+            "apiVersion": "gateway.networking.k8s.io/v1",
+            "kind": "HTTPRoute",
+            "metadata": {
+                "name": "chat",
+                "namespace": "llm",
+                "uid": "u-1",
+                "annotations": {
+                    "lb.extproc.io/strategy": "kv-aware",
+                    "lb.extproc.io/accounting": "maybe",
+                },
+            },
+            "spec": {},
+        },
+    )
+    app = App(cfg)
+    await app.start()
+    try:
+        addrs = lambda: sorted(e.address for e in app.store.endpoints("qwen3"))  # noqa: E731
+        assert await eventually(lambda: addrs() == ["10.0.0.1:8000"])
+        apiserver.apply(PODS, make_pod("b", "10.0.0.2", ready=True))
+        assert await eventually(lambda: addrs() == ["10.0.0.1:8000", "10.0.0.2:8000"])
+        apiserver.delete(PODS, "llm", "a")
+        assert await eventually(lambda: addrs() == ["10.0.0.2:8000"])
+
+        def settings_ok() -> bool:
+            s = app.route_settings_for("httproute/llm/chat/rule/0/match/0/*")
+            return s is not None and s.strategy == "kv-aware"
+
+        assert await eventually(settings_ok)
+        # The invalid annotation kept its default and was reported as an Event on the route.
+        settings = app.route_settings_for("httproute/llm/chat/rule/0/match/0/*")
+        assert settings is not None and settings.accounting is True
+        assert await eventually(lambda: apiserver.count("POST", "/events") >= 1)
+    finally:
+        await app.stop()
