@@ -21,8 +21,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def eventually(cond, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.1)):
+async def eventually(cond, within: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    for _ in range(int(within / 0.1)):
         if cond():
             return True
         await asyncio.sleep(0.1)
