@@ -351,6 +351,23 @@ def _route(opts: EnvoyOptions) -> dict[str, Any]:
     return route
 
 
+# One JSON line per request, with the token counts the ext_proc server put in dynamic metadata
+# (present in the single-filter response mode, where Envoy honours the server's answers).
+ACCESS_LOG_FORMAT: dict[str, str] = {
+    "time": "%START_TIME%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(:PATH)%",
+    "status": "%RESPONSE_CODE%",
+    "upstream": "%UPSTREAM_HOST%",
+    "duration_ms": "%DURATION%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "destination": "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%",
+    "llm_input_token": "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_input_token)%",
+    "llm_output_token": "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_output_token)%",
+    "llm_total_token": "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_total_token)%",
+}
+
+
 def _listener(opts: EnvoyOptions) -> dict[str, Any]:
     hcm: dict[str, Any] = _typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -366,7 +383,10 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
         hcm["access_log"] = [
             {
                 "name": "envoy.access_loggers.stdout",
-                "typed_config": _typed("envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"),
+                "typed_config": _typed(
+                    "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                    log_format={"json_format": ACCESS_LOG_FORMAT},
+                ),
             }
         ]
     return {

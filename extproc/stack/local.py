@@ -69,6 +69,7 @@ class StackOptions:
     workdir: Path = Path(".run")
     baseline: bool = False  # Envoy alone (round robin), no ext_proc: for benchmarks
     envoy_concurrency: int = 1
+    access_log: bool = False  # Envoy writes one JSON line per request to envoy.log
     log_level: str = "warning"
 
     def sim_port(self, i: int) -> int:
@@ -153,6 +154,7 @@ class LocalStack:
             response_accounting=o.response_accounting,
             failure_mode_allow=o.fail_open,
             baseline=o.baseline,
+            access_log=o.access_log,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
