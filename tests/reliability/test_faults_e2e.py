@@ -1,0 +1,180 @@
+"""Faults under load through real Envoy, the real ext_proc server and real simulators.
+
+The scenarios are bench/faults.py's (the published figures come from its longer runs); here
+they run briefly and the figures are asserted. One fail-closed stack runs the scenarios in
+file order (the last one shuts its ext_proc down); fail-open and missing-tokenizer stacks
+are separate.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.faults import (
+    CHAT,
+    ext_proc_restart,
+    graceful_shutdown,
+    pod_hang,
+    pod_kill,
+    running,
+    stack_options,
+)
+from extproc.stack.local import LocalStack
+from tests.e2e.harness import metric_samples, metric_sum, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SECRETS = ("sk-h9-secret-bearer-7f3a", "h9-api-key-91c2", "h9-cookie-55aa")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    opts = stack_options(
+        tmp_path_factory.mktemp("faults"),
+        log_level="debug",
+        server_config={"server": {"shutdown_grace_s": 15.0}},
+    )
+    with running(opts) as s:
+        yield s
+
+
+def _metrics(stack: LocalStack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return metric_samples(f"http://127.0.0.1:{stack.options.metrics_port}/metrics")
+
+
+def test_credentials_never_reach_any_log(stack: LocalStack) -> None:
+    headers = {
+        "authorization": f"Bearer {SECRETS[0]}",
+        "x-api-key": SECRETS[1],
+        "cookie": f"session={SECRETS[2]}",
+        "x-routing-explain": "true",
+    }
+    for body in (
+        CHAT,
+        {**CHAT, "stream": True},
+        {"model": "nope", "messages": []},
+        {"broken": True},
+    ):
+        httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    httpx.get(f"{stack.base_url}/v1/models", headers=headers, timeout=10)
+    logs = {p.name: p.read_text(errors="replace") for p in stack.workdir.glob("*.log")}
+    assert "extproc-0.log" in logs and "DEBUG" in logs["extproc-0.log"]  # debug logging was on
+    for name, text in logs.items():
+        for secret in SECRETS:
+            assert secret not in text, f"{secret} leaked into {name}"
+
+
+def test_hanging_and_garbage_metrics_do_not_delay_decisions(stack: LocalStack) -> None:
+    o = stack.options
+    sims = [o.sim_address(i) for i in range(o.sims)]
+    httpx.post(f"http://{sims[0]}/admin/faults", json={"metrics": "hang"}, timeout=5)
+    httpx.post(f"http://{sims[1]}/admin/faults", json={"metrics": "garbage"}, timeout=5)
+    try:
+        before = _metrics(stack)
+
+        def flagged() -> bool:
+            m = _metrics(stack)
+            return all(
+                metric_sum(m, "extproc_metrics_scrapes_total", endpoint=a, result=r)
+                > metric_sum(before, "extproc_metrics_scrapes_total", endpoint=a, result=r)
+                for a, r in ((sims[0], "timeout"), (sims[1], "garbage"))
+            )
+
+        assert wait_for(flagged, timeout=10)
+        eps = {
+            e["address"]: e
+            for e in httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints").json()
+        }
+        assert eps[sims[0]]["last_error"] and eps[sims[1]]["last_error"]
+        for _ in range(20):
+            r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=CHAT, timeout=30)
+            assert r.status_code == 200
+        after = _metrics(stack)
+        # No decision waited on a scrape: every one is in the histogram's sub-second buckets
+        # (the hang lasts the 1 s scrape timeout, then repeats).
+        n = metric_sum(after, "extproc_routing_decision_seconds_count") - metric_sum(
+            before, "extproc_routing_decision_seconds_count"
+        )
+        le = metric_sum(after, "extproc_routing_decision_seconds_bucket", le="0.25") - metric_sum(
+            before, "extproc_routing_decision_seconds_bucket", le="0.25"
+        )
+        assert n >= 20 and le == n
+    finally:
+        for a in sims[:2]:
+            httpx.post(f"http://{a}/admin/faults", json={"metrics": "ok"}, timeout=5)
+    assert wait_for(
+        lambda: all(
+            e["ready"]
+            for e in httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints").json()
+        ),
+        timeout=10,
+    )
+
+
+def test_a_hung_pod_does_not_stop_traffic(stack: LocalStack) -> None:
+    fig = pod_hang(stack, warmup_s=0.5, hang_s=2.0, concurrency=6, strategy="least-request")
+    assert fig["ok_during_hang"] > 0, fig  # the other pods kept serving
+    assert fig["lost"] == 0, fig  # the held requests completed once the pod recovered
+    assert fig["held_by_hung_pod"] < 6, fig  # least-request stopped feeding the growing queue
+
+
+def test_killed_pod_loses_no_request_and_comes_back(stack: LocalStack) -> None:
+    fig = pod_kill(stack, warmup_s=0.5, down_s=2.0, after_s=1.0, concurrency=6)
+    assert fig["sent"] > 20
+    # Requests on the dead pod are retried on the next address of our fallback list.
+    assert fig["lost"] == 0, fig
+    assert fig["excluded_after_s"] is not None
+    assert fig["ready_after_restart_s"] is not None
+
+
+def test_ext_proc_killed_fail_closed_gives_5xx_then_recovers(stack: LocalStack) -> None:
+    fig = ext_proc_restart(stack, warmup_s=0.5, down_s=1.5, after_s=1.0, concurrency=3)
+    assert fig["sent_while_down"] > 0 and fig["ok_while_down"] == 0
+    errors = {s for s in fig["by_status"] if s != "200"}
+    assert errors and all(s.isdigit() and 500 <= int(s) < 600 for s in errors), fig["by_status"]
+    assert fig["first_ok_after_restart_s"] is not None
+
+
+def test_sigterm_finishes_the_in_flight_stream_then_exits(stack: LocalStack) -> None:
+    fig = graceful_shutdown(stack, max_tokens=300)
+    assert fig["status"] == 200 and fig["completed"]
+    assert fig["exited_after_sigterm_s"] is not None
+    # It waited for the stream (its observability RPC), and not for the whole grace period.
+    assert fig["exited_after_sigterm_s"] >= fig["stream_ran_after_sigterm_s"] - 0.5
+    assert fig["exited_after_sigterm_s"] < fig["grace_s"]
+    assert fig["drain_log"] is not None and "draining 0 " not in fig["drain_log"]
+
+
+def test_ext_proc_killed_fail_open_keeps_traffic_flowing(tmp_path: Path) -> None:
+    with running(stack_options(tmp_path, sims=2, fail_open=True)) as s:
+        fig = ext_proc_restart(s, warmup_s=0.5, down_s=1.5, after_s=0.5, concurrency=3)
+    assert fig["sent_while_down"] > 0
+    assert fig["ok_while_down"] == fig["sent_while_down"]
+    assert fig["lost"] == 0, fig
+
+
+def test_missing_tokenizer_starts_with_a_labelled_estimate(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-tokenizer"
+    base = stack_options(tmp_path, sims=1)
+    models = LocalStack(base).server_config()["models"]
+    models[0]["tokenizer"] = str(missing)
+    with running(replace(base, server_config={"models": models})) as s:
+        o = s.options
+        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 200
+        explained = httpx.post(
+            f"http://{o.host}:{o.metrics_port}/debug/explain",
+            content=json.dumps(CHAT),
+            timeout=10,
+        ).json()
+        assert explained["tokens_estimated"] is True
+        m = metric_samples(f"http://{o.host}:{o.metrics_port}/metrics")
+        assert metric_sum(m, "extproc_tokenizer_estimate_total", model="qwen3") >= 1
+        log = s.log_tail("extproc-0", 20000)
+        assert "ESTIMATED" in log and str(missing) in log
