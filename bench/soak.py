@@ -1,0 +1,187 @@
+"""Soak: steady mixed load through the real local stack; is anything growing?
+
+Traffic mixes every request path: non-streaming and streaming chat, completions, streams the
+client abandons after a few chunks, and rejected requests (bad JSON, unknown model). Every
+`--sample-s` it records the ext_proc server's RSS, threads and open file descriptors, and the
+gateway's in-flight count; at the end it stops the load, waits for the last settlements, and
+checks that in-flight state went back to zero.
+
+    .venv/bin/python bench/soak.py --minutes 30 --json bench/results/soak-30m.json   # documented run
+    .venv/bin/python bench/soak.py --minutes 3                                        # short check
+
+Not part of CI (it is a duration test). Figures are quoted in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.faults import running, stack_options
+from extproc.stack.local import LocalStack
+
+__all__ = ["Soak", "proc_sample", "rss_trend"]
+
+CHAT = {
+    "model": "qwen3",
+    "messages": [{"role": "user", "content": "A steady stream of questions."}],
+    "max_tokens": 16,
+}
+MIX: list[tuple[str, str, dict[str, Any] | bytes]] = [
+    ("chat", "/v1/chat/completions", CHAT),
+    ("chat_stream", "/v1/chat/completions", {**CHAT, "stream": True}),
+    ("completion", "/v1/completions", {"model": "qwen3", "prompt": "Once upon a time", "max_tokens": 8}),
+    ("abandoned_stream", "/v1/chat/completions", {**CHAT, "max_tokens": 500, "stream": True}),
+    ("bad_json", "/v1/chat/completions", b"{not json"),
+    ("unknown_model", "/v1/chat/completions", {**CHAT, "model": "nope"}),
+    ("chat_multi_turn", "/v1/chat/completions", {
+        **CHAT,
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "First question about load balancing."},
+            {"role": "assistant", "content": "An answer."},
+            {"role": "user", "content": "A follow-up."},
+        ],
+    }),
+]  # fmt: skip
+
+
+def proc_sample(pid: int) -> dict[str, float]:
+    """RSS (MiB), thread count and open file descriptors of a process, from /proc."""
+    out: dict[str, float] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                out["rss_mib"] = int(line.split()[1]) / 1024
+            elif line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+    out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return out
+
+
+def rss_trend(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Median RSS of the first and last quarters (after a warm-up quarter) and the slope."""
+    rss = [s["rss_mib"] for s in samples]
+    ts = [s["t"] for s in samples]
+    q = max(1, len(rss) // 4)
+    early, late = rss[q : 2 * q] or rss[:q], rss[-q:]
+    slope = statistics.linear_regression(ts[q:], rss[q:]).slope * 60 if len(rss[q:]) >= 2 else 0.0
+    return {
+        "rss_early_mib": round(statistics.median(early), 1),
+        "rss_late_mib": round(statistics.median(late), 1),
+        "rss_slope_mib_per_min": round(slope, 3),
+    }
+
+
+class Soak:
+    def __init__(self, stack: LocalStack, *, concurrency: int) -> None:
+        self._stack = stack
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self._threads = [
+            threading.Thread(target=self._worker, args=(i,), daemon=True)
+            for i in range(concurrency)
+        ]
+
+    def _one(self, client: httpx.Client, kind: str, path: str, body: dict[str, Any] | bytes) -> str:
+        url = f"{self._stack.base_url}{path}"
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"content-type": "application/json", "authorization": "Bearer sk-soak"}
+        if kind == "abandoned_stream":
+            with client.stream("POST", url, content=content, headers=headers) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= 4:
+                        break  # the client walks away mid-generation
+                return str(r.status_code)
+        return str(client.post(url, content=content, headers=headers).status_code)
+
+    def _worker(self, i: int) -> None:
+        n = i
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                kind, path, body = MIX[n % len(MIX)]
+                n += 1
+                try:
+                    status = self._one(client, kind, path, body)
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                with self._lock:
+                    self.outcomes[(kind, status)] += 1
+
+    def in_flight(self) -> int:
+        o = self._stack.options
+        eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
+        return sum(int(e["in_flight"]) for e in eps)
+
+    def run(self, minutes: float, sample_s: float) -> dict[str, Any]:
+        pid = self._stack.pid("extproc-0")
+        samples: list[dict[str, float]] = []
+        t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
+        while time.monotonic() - t0 < minutes * 60:
+            time.sleep(sample_s)
+            s = proc_sample(pid)
+            s["t"] = round(time.monotonic() - t0, 1)
+            s["in_flight"] = self.in_flight()
+            with self._lock:
+                s["requests"] = sum(self.outcomes.values())
+            samples.append(s)
+            print(json.dumps(s), flush=True)
+        self._stop.set()
+        for t in self._threads:
+            t.join(70)
+        time.sleep(8.0)  # abandoned streams settle after CLOSE_GRACE_S or Envoy's deferred close (5 s)
+        final = {**proc_sample(pid), "in_flight": self.in_flight()}
+        by_kind: dict[str, dict[str, int]] = {}
+        for (kind, status), n in sorted(self.outcomes.items()):
+            by_kind.setdefault(kind, {})[status] = n
+        return {
+            "minutes": minutes,
+            "requests": sum(self.outcomes.values()),
+            "by_kind_and_status": by_kind,
+            **rss_trend(samples),
+            "threads_first_last": [samples[0]["threads"], samples[-1]["threads"]],
+            "fds_first_last": [samples[0]["fds"], samples[-1]["fds"]],
+            "in_flight_max_during": max(s["in_flight"] for s in samples),
+            "in_flight_after_drain": final["in_flight"],
+            "rss_after_drain_mib": round(final["rss_mib"], 1),
+            "samples": samples,
+        }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--json", help="write the figures (with every sample) to this file")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        opts = stack_options(Path(tmp), strategy="least-request", log_level="warning")
+        with running(opts) as stack:
+            result = Soak(stack, concurrency=args.concurrency).run(args.minutes, args.sample_s)
+    summary = {k: v for k, v in result.items() if k != "samples"}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
