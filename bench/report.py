@@ -77,6 +77,9 @@ def plot_scenario(result: Mapping[str, Any], path: Path) -> None:
             ("added_e2e_p50_ms", "added p50 ms"), ("added_e2e_p99_ms", "added p99 ms"),
             ("rps_ratio", "req/s vs Envoy alone"), ("router_cpu_ms_per_req", "router CPU ms/req"),
         ]  # fmt: skip
+        custom = result.get("config", {}).get("plot")
+        if custom:  # a scenario may choose its own panels: [[key, label], ...]
+            panels = [(str(k), str(label)) for k, label in custom]
         fig, axes = plt.subplots(
             len(loads), len(panels), figsize=(14, 3.4 * len(loads)), squeeze=False
         )

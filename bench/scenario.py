@@ -36,7 +36,7 @@ log = logging.getLogger("bench")
 
 _TOP_KEYS = {
     "name", "kind", "description", "cluster", "workload", "loads", "variants", "repetitions",
-    "max_duration_s", "baseline", "reset_caches", "quick", "scaled_down", "seed",
+    "max_duration_s", "baseline", "reset_caches", "quick", "scaled_down", "seed", "plot",
 }  # fmt: skip
 _VARIANT_KEYS = {"name", "kind", "body_mode", "accounting", "processes", "strategy", "policy"}
 
