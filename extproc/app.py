@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
@@ -66,7 +66,23 @@ BUNDLED_PREFIX = "bundled:"
 REQUEST_MAX_AGE_S = 900.0  # a routed request with no response end after this is settled as failed
 
 
-def load_model_tokenizer(model: ModelConfig) -> Tokenizer:
+def check_tokenizer_path(path: Path, root: str | None, model: str) -> Path:
+    """With `server.tokenizer_root`, a tokenizer directory must resolve inside that root."""
+    if root is None:
+        return path
+    try:
+        resolved = path.resolve(strict=True)
+        allowed = Path(root).resolve(strict=True)
+    except OSError as exc:
+        raise ConfigError(f"models[{model}].tokenizer: {path}: {exc.strerror}") from None
+    if not resolved.is_relative_to(allowed):
+        raise ConfigError(
+            f"models[{model}].tokenizer: {path} is outside server.tokenizer_root ({root})"
+        )
+    return resolved
+
+
+def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokenizer:
     """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
     spec = model.tokenizer
     if spec is None:
@@ -85,7 +101,7 @@ def load_model_tokenizer(model: ModelConfig) -> Tokenizer:
             )
             return CharEstimateTokenizer()
     else:
-        path = Path(spec)
+        path = check_tokenizer_path(Path(spec), root, model.name)
     try:
         return load_tokenizer(path)
     except TokenizerLoadError as exc:
@@ -124,6 +140,10 @@ class App:
         self._config_mtime = _mtime(config_path)
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
+        self.state_gauge = Gauge(
+            "server_state", "Per-request state and task counts (flat under steady load)", ["kind"],
+            namespace="extproc", registry=self.registry,
+        )  # fmt: skip
         self.config_reloads = Counter(
             "config_reloads", "Config file reloads by result", ["result"],
             namespace="extproc", registry=self.registry,
@@ -165,6 +185,9 @@ class App:
                 tls_cert_file=config.server.tls.cert_file if config.server.tls else None,
                 tls_key_file=config.server.tls.key_file if config.server.tls else None,
                 tls_client_ca_file=config.server.tls.client_ca_file if config.server.tls else None,
+                tls_reload_interval_s=config.server.tls.reload_interval_s
+                if config.server.tls
+                else 30.0,
             ),
         )
         self._admin: web.AppRunner | None = None
@@ -189,7 +212,7 @@ class App:
         for model in config.models:
             old = previous.tokenizers.get(_tok_key(model)) if previous else None
             pool = old or TokenizerPool(
-                load_model_tokenizer(model),
+                load_model_tokenizer(model, config.server.tokenizer_root),
                 max_workers=config.server.tokenizer_threads,
                 inline_threshold_chars=config.server.tokenize_inline_bytes,
             )
@@ -375,6 +398,10 @@ class App:
         ready: bool | None = None
         while True:
             self.metrics.refresh_ready(self.store, time.monotonic())
+            self.state_gauge.labels("pending_responses").set(self.director.pending)
+            self.state_gauge.labels("deciding").set(self.director.deciding)
+            self.state_gauge.labels("asyncio_tasks").set(len(asyncio.all_tasks()))
+            self.state_gauge.labels("grpc_streams").set(self.server.active_streams)
             now_ready = self.is_ready()
             if now_ready != ready:
                 ready = now_ready

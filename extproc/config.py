@@ -72,6 +72,9 @@ class ServerConfig:
         4096  # shorter prompts tokenize on the event loop (a thread hop costs more)
     )
     tokenizer_threads: int = 1
+    # When set, every tokenizer directory must resolve (symlinks followed) inside this root:
+    # the config cannot make the server read files elsewhere.
+    tokenizer_root: str | None = None
     log_level: str = "info"
 
 
@@ -310,6 +313,10 @@ def load_config(path: str | Path) -> Config:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
+        ) from None
     return load_config_text(text)
 
 

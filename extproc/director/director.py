@@ -57,7 +57,8 @@ SENSITIVE_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"}
 )
 EXPLAIN_HEADER = "x-routing-explain"
-CLOSE_GRACE_S = 2.0  # wait for a response stream before settling a closed request
+CLOSE_GRACE_S = 1.0  # wait for the response stream's end before settling a closed request
+CLOSE_MAX_WAIT_S = 10.0
 DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
 
 

@@ -50,6 +50,7 @@ class ResponseAccounting:
         self._on_done = on_done
         self._clock = clock
         self.started_at = clock()
+        self.last_activity = self.started_at
         self.status = 0
         self._body = StreamUsageAccumulator(clock=clock, max_json_bytes=MAX_JSON_BYTES)
         self._first_byte_seen = False
@@ -61,8 +62,10 @@ class ResponseAccounting:
 
     def on_headers(self, status: int, headers: Mapping[str, str]) -> None:
         self.status = status
+        self.last_activity = self._clock()
 
     def on_body(self, chunk: bytes, end_of_stream: bool) -> None:
+        self.last_activity = self._clock()
         if chunk and not self._first_byte_seen:
             self._first_byte_seen = True
             self._lease.first_byte()

@@ -12,7 +12,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -90,11 +89,6 @@ def test_arbitrary_text_loads_or_raises_config_error(text: str) -> None:
         load_config_text(text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeDecodeError,
-    reason="load_config lets UnicodeDecodeError escape on a non-UTF-8 file (fix: catch it with OSError)",
-)
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_file_bytes_load_or_raise_config_error(
