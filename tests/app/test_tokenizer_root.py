@@ -26,7 +26,7 @@ def test_tokenizer_inside_the_root_loads(tmp_path: Path, qwen_tokenizer_dir: Pat
 def test_tokenizer_outside_the_root_is_refused(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
     root = tmp_path / "tokenizers"
     root.mkdir()
-    with pytest.raises(ConfigError, match="outside server.tokenizer_root"):
+    with pytest.raises(ConfigError, match=r"outside server\.tokenizer_root"):
         load_model_tokenizer(model(str(qwen_tokenizer_dir)), str(root))
 
 
@@ -34,9 +34,9 @@ def test_symlink_escaping_the_root_is_refused(tmp_path: Path, qwen_tokenizer_dir
     root = tmp_path / "tokenizers"
     root.mkdir()
     (root / "sneaky").symlink_to(qwen_tokenizer_dir)
-    with pytest.raises(ConfigError, match="outside server.tokenizer_root"):
+    with pytest.raises(ConfigError, match=r"outside server\.tokenizer_root"):
         load_model_tokenizer(model(str(root / "sneaky")), str(root))
-    with pytest.raises(ConfigError, match="outside server.tokenizer_root"):
+    with pytest.raises(ConfigError, match=r"outside server\.tokenizer_root"):
         load_model_tokenizer(model(str(root / ".." / "..")), str(root))
 
 
