@@ -164,17 +164,30 @@ class Director:
         return obs
 
     def request_closed(self, request_id: str) -> None:
-        obs = self._pending.get(request_id)
-        if obs is None or obs.attached:
-            return  # finished already, or the response stream settles it
-        # The response stream may still be starting (both end together): settle a moment later.
-        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._settle_unclaimed, request_id)
+        if request_id not in self._pending:
+            return  # finished already
+        # Envoy ends the routing stream when the HTTP request is over. A response stream
+        # still running then is finishing (both end together) or was abandoned by the client
+        # (Envoy closes it only after its deferred-close timeout): settle a moment later.
+        deadline = self._clock() + CLOSE_MAX_WAIT_S
+        asyncio.get_running_loop().call_later(
+            CLOSE_GRACE_S, self._settle_unfinished, request_id, deadline
+        )
 
-    def _settle_unclaimed(self, request_id: str) -> None:
+    def _settle_unfinished(self, request_id: str, deadline: float) -> None:
         obs = self._pending.get(request_id)
-        if obs is not None and not obs.attached:
-            log.info("request %s ended before its response started (client cancelled?)", request_id)
-            obs.finish(complete=False)
+        if obs is None:
+            return
+        now = self._clock()
+        if obs.attached and now - obs.last_activity < CLOSE_GRACE_S and now < deadline:
+            # Response bytes are still arriving (a loaded server works through a backlog).
+            asyncio.get_running_loop().call_later(
+                CLOSE_GRACE_S, self._settle_unfinished, request_id, deadline
+            )
+            return
+        how = "after its response started" if obs.attached else "before its response started"
+        log.info("request %s ended %s, without a response end (client cancelled?)", request_id, how)
+        obs.finish(complete=False)
 
     async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
         started = time.perf_counter()
