@@ -38,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     quick = args.cmd == "quick" or bool(getattr(args, "quick", False))
     names = list(args.names) if args.cmd == "run" else list(SUITE)
-    img = None if args.no_docs else ROOT / "docs" / "img"
+    # Only full-size runs refresh the committed plots; quick runs stay in bench/results.
+    img = None if args.no_docs or quick else ROOT / "docs" / "img"
     t0 = time.monotonic()
     failed = []
     for name in names:
