@@ -351,6 +351,11 @@ class App:
     # -- running -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # Scrape once before listening: a restarted server must not answer 503 "no ready
+        # endpoint" for the half second before its first poll (Envoy's fail-open only covers
+        # a server it cannot reach, not one that answers).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.poller.poll_once(), self.config.metrics.timeout_s + 0.5)
         await self.server.start()
         self.poller.start()
         await self.kv.set_endpoints(self.store.endpoints())

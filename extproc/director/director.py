@@ -32,7 +32,14 @@ from extproc.kvcache.prefix import PrefixIndex
 from extproc.metrics.store import EndpointStore
 from extproc.protocol.errors import error_json
 from extproc.protocol.openai import parse_request
-from extproc.routing.base import Decision, PodState, RoutingRequest, Snapshot
+from extproc.routing.base import (
+    Decision,
+    PodState,
+    RoutingRequest,
+    Snapshot,
+    Strategy,
+    uses_prompt_tokens,
+)
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.saturation import is_saturated
 from extproc.routing.session import decode_session, encode_session
@@ -88,6 +95,7 @@ class _Prepared:
     lora: str | None
     settings: RouteSettings
     strategy_name: str
+    strategy: Strategy
     routing: RoutingRequest
     pods: tuple[PodState, ...]
     tokenize_s: float
@@ -252,10 +260,19 @@ class Director:
             raise NotFound(f"The model `{req.model}` does not exist.", param="model")
         runtime, lora = found
         strategy_name = self._strategy_name(head, settings, runtime)
-        ids, tokenize_s, estimated = await self._tokenize(runtime, req)
-        self._metrics.observe_tokenization("estimate" if estimated else "hf", tokenize_s)
-        if estimated:
-            self._metrics.observe_estimate(runtime.name)
+        strategy = self._registry.resolve(strategy_name)
+        if uses_prompt_tokens(strategy):
+            ids, tokenize_s, estimated = await self._tokenize(runtime, req)
+            self._metrics.observe_tokenization("estimate" if estimated else "hf", tokenize_s)
+            if estimated:
+                self._metrics.observe_estimate(runtime.name)
+            prompt_tokens = len(ids)
+        else:
+            # The rule reads load signals only: tokenizing would cost the most CPU of the
+            # whole decision for nothing. Usage is still counted from the engine's answer.
+            ids, tokenize_s, estimated = [], 0.0, True
+            prompt_tokens = _estimate_tokens(req)
+            self._metrics.observe_tokenization("skipped", 0.0)
         hashes = block_hashes(ids, runtime.block_size, lora_extra_key(lora)) if ids else ()
         candidates = self._candidates(runtime, head)
         now = self._clock()
@@ -280,7 +297,7 @@ class Director:
             request_id=head.request_id or uuid.uuid4().hex,
             model=runtime.name,
             kind=req.kind,
-            prompt_tokens=len(ids),
+            prompt_tokens=prompt_tokens,
             tokens_estimated=estimated,
             token_ids=ids,
             block_hashes=hashes,
@@ -294,7 +311,7 @@ class Director:
         )
         return _Prepared(
             req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
-            strategy_name=strategy_name, routing=routing, pods=pods, tokenize_s=tokenize_s,
+            strategy_name=strategy_name, strategy=strategy, routing=routing, pods=pods, tokenize_s=tokenize_s,
             estimated=estimated,
         )  # fmt: skip
 
@@ -367,7 +384,7 @@ class Director:
             ) from None
 
     def _decide(self, prep: _Prepared) -> Decision:
-        strategy = self._registry.resolve(prep.strategy_name)
+        strategy = prep.strategy
         cfg = self._config.routing
         if (
             prep.routing.priority < 0
@@ -576,6 +593,22 @@ class Director:
 
     def lease_count(self) -> int:
         return self._inflight.total()
+
+
+def _estimate_tokens(req: InferenceRequest) -> int:
+    """chars/4 of the prompt text: enough for load estimates when no rule reads token ids."""
+    if req.prompt_token_ids is not None:
+        return len(req.prompt_token_ids)
+    chars = len(req.prompt or "")
+    for message in req.messages or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(
+                len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
+            )
+    return chars // 4 + 1
 
 
 def _dict(value: object) -> dict[str, Any]:

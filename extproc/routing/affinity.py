@@ -282,6 +282,8 @@ class VtcStrategy:
     token band maps to a stable pod. Without a user or counters: least-request (AIBrix: random).
     """
 
+    uses_prompt_tokens = False  # reads no token ids or prefix matches
+
     def __init__(self, name: str = "vtc-basic", params: VtcParams | None = None) -> None:
         self.name = name
         self.params = params or VtcParams()
@@ -433,6 +435,8 @@ class SessionAffinityStrategy:
     """AIBrix session-affinity: honour `x-session-id` when it names a candidate; else rendezvous
     hashing on `x-aibrix-session-key`; else least-request. The id is always refreshed to the pick.
     """
+
+    uses_prompt_tokens = False  # reads no token ids or prefix matches
 
     def __init__(self, name: str = "session-affinity") -> None:
         self.name = name

@@ -30,6 +30,7 @@ __all__ = [
     "Scorer",
     "Snapshot",
     "Strategy",
+    "uses_prompt_tokens",
 ]
 
 
@@ -139,8 +140,20 @@ class Picker(Protocol):
 
 
 class Strategy(Protocol):
+    """A named routing rule.
+
+    A strategy may set a class attribute `uses_prompt_tokens = False` when its rule reads no
+    token ids, prefix matches or exact prompt lengths: the director then skips tokenization
+    for it (a chars/4 estimate fills `prompt_tokens`, labelled `tokens_estimated`).
+    """
+
     name: str
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         """Pick for `req` among `snap.pods` (never empty: the director checks)."""
         ...
+
+
+def uses_prompt_tokens(strategy: object) -> bool:
+    """Whether `strategy` needs exact prompt tokens (True unless it says otherwise)."""
+    return bool(getattr(strategy, "uses_prompt_tokens", True))

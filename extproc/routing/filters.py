@@ -37,6 +37,8 @@ class SaturationParams:
 class SaturationFilter:
     """GAIE utilization-detector as a filter: keep pods under both queue and KV thresholds."""
 
+    uses_prompt_tokens = False
+
     type_name: ClassVar[str] = "saturation"
     Params: ClassVar[type] = SaturationParams
 
@@ -62,6 +64,8 @@ class LowQueueParams:
 
 class LowQueueFilter:
     """Keep pods whose waiting queue is below `threshold`; pods with unknown queue are kept."""
+
+    uses_prompt_tokens = False
 
     type_name: ClassVar[str] = "low-queue"
     Params: ClassVar[type] = LowQueueParams
@@ -91,6 +95,8 @@ class LowQueueFilter:
 
 class LoraAffinityFilter:
     """GAIE v0 LoRA affinity: pods running the adapter; else pods with a free LoRA slot; else all."""
+
+    uses_prompt_tokens = False
 
     type_name: ClassVar[str] = "lora-affinity"
     Params: ClassVar[type] = EmptyParams
@@ -127,6 +133,8 @@ class RoleParams:
 
 class RoleFilter:
     """Keep pods that can act in `role`: the role itself or `both`."""
+
+    uses_prompt_tokens = False
 
     type_name: ClassVar[str] = "role"
     Params: ClassVar[type] = RoleParams

@@ -276,6 +276,11 @@ class Profile:
         self.picker = picker
         # Resolve the noted/plain call once here: runtime Protocol isinstance costs ~5 us a call.
         self._filter_fns = [(f.name, _noted_filter(f)) for f in self.filters]
+        # Only plugins that read prefix matches or prompt lengths need the prompt tokenized.
+        self.uses_prompt_tokens = any(
+            getattr(p, "uses_prompt_tokens", True)
+            for p in (*self.filters, *(s for s, _ in self.scorers))
+        )
         self._scorer_fns = [(s.name, w, _noted_scorer(s)) for s, w in self.scorers]
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:

@@ -53,6 +53,7 @@ def _with_unknown(
 
 
 class _Base:
+    uses_prompt_tokens = False  # most scorers read load signals only
     type_name: ClassVar[str] = ""
     Params: ClassVar[type] = EmptyParams
 
@@ -100,6 +101,8 @@ class KVCacheUtilizationScorer(_Base):
 
 class PrefixScorer(_Base):
     """GAIE prefix-cache-scorer: matched / total prompt tokens (exact or approximate index)."""
+
+    uses_prompt_tokens = True  # reads the prefix match of the tokenized prompt
 
     type_name = "prefix"
 

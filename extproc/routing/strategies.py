@@ -51,6 +51,8 @@ def _least_request_order(pods: Sequence[PodState], rng: random.Random) -> list[P
 class RandomStrategy:
     """AIBrix `random`: uniform order."""
 
+    uses_prompt_tokens = False  # reads load signals only
+
     def __init__(self, name: str = "random") -> None:
         self.name = name
 
@@ -67,6 +69,8 @@ class RoundRobinStrategy:
     one event loop never interleave.
     """
 
+    uses_prompt_tokens = False  # reads load signals only
+
     def __init__(self, name: str = "round-robin") -> None:
         self.name = name
         self._counter = itertools.count()
@@ -80,6 +84,8 @@ class RoundRobinStrategy:
 
 class PowerOfTwoStrategy:
     """Two random candidates, the one with fewer in-flight requests (then fewer running) wins."""
+
+    uses_prompt_tokens = False  # reads load signals only
 
     def __init__(self, name: str = "power-of-two") -> None:
         self.name = name
@@ -110,6 +116,8 @@ class LeastSignalStrategy:
     Pods lacking the signal rank after those that have it; if no pod has it, the order is
     least-request on the gateway's in-flight counts, and the reason says so.
     """
+
+    uses_prompt_tokens = False  # reads load signals only
 
     def __init__(
         self,
@@ -214,6 +222,8 @@ class HigressGpuStrategy:
     requests (priority < 0) first need queue <= critical threshold and KV <= kv threshold.
     "least" keeps pods within min + (max - min) / n of the best value, as GAIE v0 does.
     """
+
+    uses_prompt_tokens = False  # reads load signals only
 
     def __init__(self, name: str = "higress-gpu", params: HigressGpuParams | None = None) -> None:
         self.name = name

@@ -84,15 +84,21 @@ def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(
     assert text.strip()
     assert usage is not None and usage.completion_tokens == 9
     # The router's own tokenization of the same body equals the engine's prompt count.
+    explain_url = f"http://127.0.0.1:{stack.options.metrics_port}/debug/explain"
+    body = {
+        "model": "qwen3",
+        "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
+    }
     explained = httpx.post(
-        f"http://127.0.0.1:{stack.options.metrics_port}/debug/explain",
-        json={
-            "model": "qwen3",
-            "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
-        },
+        explain_url, json=body, headers={"routing-strategy": "prefix-cache"}
     ).json()
     assert explained["prompt_tokens"] == usage.prompt_tokens
     assert explained["tokens_estimated"] is False
+    # A rule that reads no tokens skips tokenizing and says the count is an estimate.
+    skipped = httpx.post(
+        explain_url, json=body, headers={"routing-strategy": "least-request"}
+    ).json()
+    assert skipped["tokens_estimated"] is True
     assert wait_for(
         lambda: (
             metric_sum(server_metrics(stack), "extproc_completion_tokens_total")

@@ -31,7 +31,11 @@ OTHER_POOL = ("10.1.0.1:8000",)
 
 
 def config_text(
-    *, max_pending: int = 2048, max_body: int = 64 * 1024, extra_server: str = ""
+    *,
+    max_pending: int = 2048,
+    max_body: int = 64 * 1024,
+    extra_server: str = "",
+    strategy: str = "prefix-cache",  # a rule that reads tokens, so the tokenizer is on the path
 ) -> str:
     eps = "\n".join(f"      - address: {a}" for a in POOL)
     other = "\n".join(f"      - address: {a}" for a in OTHER_POOL)
@@ -42,7 +46,7 @@ server:
   allow_explain: true
 {extra_server}
 routing:
-  default_strategy: least-request
+  default_strategy: {strategy}
 models:
   - name: qwen3
     endpoints:

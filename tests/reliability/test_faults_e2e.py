@@ -166,11 +166,14 @@ def test_missing_tokenizer_starts_with_a_labelled_estimate(tmp_path: Path) -> No
     models[0]["tokenizer"] = str(missing)
     with running(replace(base, server_config={"models": models})) as s:
         o = s.options
-        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=CHAT, timeout=30)
+        # A rule that reads tokens (prefix-cache), so the tokenizer is actually needed.
+        hdr = {"routing-strategy": "prefix-cache"}
+        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=CHAT, headers=hdr, timeout=30)
         assert r.status_code == 200
         explained = httpx.post(
             f"http://{o.host}:{o.metrics_port}/debug/explain",
             content=json.dumps(CHAT),
+            headers=hdr,
             timeout=10,
         ).json()
         assert explained["tokens_estimated"] is True

@@ -83,7 +83,8 @@ async def test_requests_over_the_pending_limit_are_shed_with_429(
         waiting = [asyncio.create_task(kit.director.route(_head(i), BODY)) for i in range(limit)]
         for _ in range(limit):  # let each reach the (blocked) tokenizer
             await asyncio.sleep(0)
-        await asyncio.wait_for(asyncio.to_thread(gated.entered.acquire), 5)
+        # A bounded acquire: a thread blocked forever would hang the test run.
+        assert await asyncio.to_thread(gated.entered.acquire, True, 5.0)
         assert kit.director.deciding == limit
         extra = [await kit.director.route(_head(100 + i), BODY) for i in range(4)]
         for reply in extra:
