@@ -233,7 +233,7 @@ class SimServer:
         )
         self.metrics = SimMetrics(self.engine, cfg)
         self.engine.start()
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._pod_header])
         self._routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -296,6 +296,20 @@ class SimServer:
         r.add_get("/admin/faults", self._get_faults)
         r.add_post("/admin/faults", self._set_faults)
         r.add_post("/admin/kv/drop", self._drop_kv)
+
+    @web.middleware
+    async def _pod_header(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """`x-inference-pod: host:port` on every answer (as llm-d's simulator does), so a
+        client can tell which pod served it. Streaming handlers set it themselves before
+        their first byte (headers are gone by the time the middleware sees the response)."""
+        response: web.StreamResponse = await handler(request)
+        if not response.prepared:
+            response.headers["x-inference-pod"] = self.pod_name
+        return response
+
+    @property
+    def pod_name(self) -> str:
+        return f"{self.config.host}:{self.port}"
 
     # -- engine hooks ----------------------------------------------------------------------
     def _publish(self, events: list[KVEvent]) -> None:
@@ -529,7 +543,11 @@ class SimServer:
         each: bool,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-inference-pod": self.pod_name,
+            }
         )
         await resp.prepare(request)
         created = int(time.time())

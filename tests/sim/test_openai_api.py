@@ -252,3 +252,20 @@ async def test_official_openai_client_streams(make_sim: MakeSim, qwen: HFTokeniz
     assert usage is not None and usage.completion_tokens == 4
     assert usage.prompt_tokens == len(qwen.encode_chat([{"role": "user", "content": "hi"}]))
     assert "".join(parts).strip()
+
+
+async def test_every_answer_names_the_serving_pod(
+    make_sim: MakeSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await make_sim()
+    pod = f"127.0.0.1:{sim.port}"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    for stream in (False, True):
+        async with http.post(
+            f"{sim.url}/v1/chat/completions", json={**body, "stream": stream}
+        ) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-inference-pod"] == pod
+            await resp.read()
+    async with http.get(f"{sim.url}/metrics") as resp:
+        assert resp.headers["x-inference-pod"] == pod
