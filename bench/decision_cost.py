@@ -1,7 +1,7 @@
 """What one routing decision costs: server-side decision latency and ext_proc CPU per request.
 
 Part 1 (decision latency): the real director (real Qwen3 tokenizer, real metrics store fed by
-live simulators) is driven in-process with multi-turn chat bodies of about 2k and 8k tokens;
+live simulators) is driven in-process with multi-turn chat bodies of about 2k, 8k and 32k tokens;
 each call of `Director.route` (parse, tokenize, score, commit) is timed. "cold" = every body is
 a new conversation (nothing cached); "multi-turn" = each body extends the previous one by one
 turn, as chat clients send them (the incremental tokenizer reuses earlier turns).
@@ -145,6 +145,8 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                     "prompt_tokens_median": int(statistics.median(tokens)),
                     "p50_ms": round(pct(times, 0.5) * 1000, 3),
                     "p99_ms": round(pct(times, 0.99) * 1000, 3),
+                    # One process deciding back to back: the decision-bound request rate.
+                    "decisions_per_s": round(len(times) / sum(times), 1),
                 }
                 print(f"decision latency {size} {mode}: {results[f'{size}/{mode}']}", flush=True)
         return results
@@ -212,12 +214,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sizes", default="2000,8000,32000", help="prompt sizes in tokens")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         opts = stack_options(work / "lat", sims=4, sim_args=("--time-scale", "0.05"))
         with LocalStack(opts) as stack:
-            latency = asyncio.run(decision_latency(stack, [2000, 8000], args.requests))
+            sizes = [int(x) for x in args.sizes.split(",")]
+            latency = asyncio.run(decision_latency(stack, sizes, args.requests))
         cpu = cpu_per_request(work, args.requests * 2)
     result = {"decision_latency": latency, "cpu": cpu, "nproc": os.cpu_count()}
     print(json.dumps(result, indent=2))
