@@ -19,9 +19,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from extproc.stack.local import LocalStack, StackOptions
-from tests.e2e.harness import port_block
+from tests.e2e.harness import stack_options as harness_options
 
 __all__ = [
     "SCENARIOS",
@@ -48,35 +47,16 @@ CHAT = {
     "messages": [{"role": "user", "content": "Say something reliable."}],
     "max_tokens": 8,
 }
-FAST_SIM = ("--time-scale", "0.2")
 
 
 def stack_options(workdir: Path, **changes: Any) -> StackOptions:
-    base = port_block()
-    opts = StackOptions(
-        sims=3,
-        sim_base_port=base,
-        kv_base_port=base + 10,
-        listen_port=base + 30,
-        admin_port=base + 31,
-        grpc_port=base + 32,
-        metrics_port=base + 36,
-        workdir=workdir,
-        sim_args=FAST_SIM,
-        log_level="info",
-        strategy="round-robin",  # every pod gets traffic, so a fault always meets requests
-    )
-    return replace(opts, **changes)
+    """The e2e stack on free ports, round robin so every pod gets traffic and a fault always
+    meets requests."""
+    return harness_options(workdir, **{"sims": 3, "strategy": "round-robin", **changes})
 
 
-@contextmanager
-def running(opts: StackOptions) -> Iterator[LocalStack]:
-    stack = LocalStack(opts)
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
+def running(opts: StackOptions) -> LocalStack:
+    return LocalStack(opts)  # a context manager: starts on enter, stops on exit
 
 
 @dataclass

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,14 +54,9 @@ def stack_options(workdir: Path, **changes: Any) -> StackOptions:
     return replace(opts, **changes)
 
 
-@contextmanager
-def running_stack(opts: StackOptions) -> Iterator[LocalStack]:
-    stack = LocalStack(opts)
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
+def running_stack(opts: StackOptions) -> LocalStack:
+    """`with running_stack(opts) as stack:` starts everything and stops it on exit."""
+    return LocalStack(opts)
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
