@@ -145,7 +145,9 @@ class Soak:
         self._stop.set()
         for t in self._threads:
             t.join(70)
-        time.sleep(8.0)  # abandoned streams settle after CLOSE_GRACE_S or Envoy's deferred close (5 s)
+        time.sleep(
+            8.0
+        )  # abandoned streams settle after CLOSE_GRACE_S or Envoy's deferred close (5 s)
         final = {**proc_sample(pid), "in_flight": self.in_flight()}
         by_kind: dict[str, dict[str, int]] = {}
         for (kind, status), n in sorted(self.outcomes.items()):
