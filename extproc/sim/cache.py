@@ -8,6 +8,7 @@ vLLM's `BlockPool.get_usage`.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ class BlockPool:
             BlockStored(
                 block_hashes=tuple(to_published(h) for h, _ in run),
                 parent_block_hash=None if parent is None else to_published(parent),
-                token_ids=tuple(t for _, toks in run for t in toks),
+                token_ids=array("I", (t for _, toks in run for t in toks)),
                 block_size=self.block_size,
                 lora_id=lora_id,
                 medium=_MEDIUM,

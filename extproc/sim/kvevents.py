@@ -1,5 +1,6 @@
-"""vLLM KV-cache events: the event types, both msgpack encodings, and the ZMQ publisher.
+"""vLLM KV-cache events published by the simulator: the ZMQ PUB and its replay ROUTER.
 
+The event types and both msgpack encodings are the router's own (`extproc.kvevents`).
 Wire format (reference/engine.md §3.2-3.3): PUB frames ``[topic, seq (8-byte BE, from 0),
 msgpack [ts, events, dp_rank]]``; a ROUTER socket replays buffered batches with seq >= the
 requested start as ``[identity, b"", topic, seq, payload]`` and then the end marker
@@ -13,12 +14,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
-import msgpack
 import zmq
 import zmq.asyncio
 
+from extproc.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from extproc.kvevents.encode import EventEncoding as WireEncoding
+from extproc.kvevents.encode import encode_payload
 from extproc.sim.config import EventEncoding
 
 __all__ = [
@@ -36,73 +38,16 @@ log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[int, ...]
-    medium: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def _map_event(ev: KVEvent) -> dict[str, object]:
-    # Key order follows vLLM's struct field order; fields without defaults are always present.
-    if isinstance(ev, BlockStored):
-        return {
-            "type": "BlockStored",
-            "block_hashes": list(ev.block_hashes),
-            "parent_block_hash": ev.parent_block_hash,
-            "token_ids": list(ev.token_ids),
-            "block_size": ev.block_size,
-            "lora_id": ev.lora_id,
-            "medium": ev.medium,
-            "lora_name": ev.lora_name,
-        }
-    if isinstance(ev, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
-    return {"type": "AllBlocksCleared"}
-
-
-def _legacy_event(ev: KVEvent) -> list[object]:
-    if isinstance(ev, BlockStored):
-        return [
-            "BlockStored",
-            list(ev.block_hashes),
-            ev.parent_block_hash,
-            list(ev.token_ids),
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-            ev.lora_name,
-        ]
-    if isinstance(ev, BlockRemoved):
-        return ["BlockRemoved", list(ev.block_hashes), ev.medium]
-    return ["AllBlocksCleared"]
-
-
 def encode_batch(
     events: list[KVEvent], *, ts: float, encoding: EventEncoding, dp_rank: int = 0
 ) -> bytes:
-    """msgpack of the positional EventBatch envelope ``[ts, events, dp_rank]``."""
-    enc = _map_event if encoding is EventEncoding.MAP else _legacy_event
-    packed: bytes = msgpack.packb([ts, [enc(e) for e in events], dp_rank], use_bin_type=True)
-    return packed
+    """msgpack of the positional EventBatch envelope ``[ts, events, dp_rank]``.
+
+    The event types and their two encodings are the router's own (`extproc.kvevents`), so
+    the simulator publishes exactly what the subscriber is tested to read.
+    """
+    wire = WireEncoding.MAP if encoding is EventEncoding.MAP else WireEncoding.ARRAY
+    return encode_payload(ts, events, dp_rank, wire)
 
 
 class KVEventPublisher:
