@@ -127,6 +127,17 @@ class Soak:
         eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
         return sum(int(e["in_flight"]) for e in eps)
 
+    def server_state(self) -> dict[str, float]:
+        """The server's own state gauges (extproc_server_state{kind=...}): tasks, pending, streams."""
+        o = self._stack.options
+        text = httpx.get(f"http://{o.host}:{o.metrics_port}/metrics", timeout=5).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("extproc_server_state{"):
+                kind = line.split('kind="', 1)[1].split('"', 1)[0]
+                out[kind] = float(line.rsplit(" ", 1)[1])
+        return out
+
     def run(self, minutes: float, sample_s: float) -> dict[str, Any]:
         pid = self._stack.pid("extproc-0")
         samples: list[dict[str, float]] = []
@@ -138,6 +149,7 @@ class Soak:
             s = proc_sample(pid)
             s["t"] = round(time.monotonic() - t0, 1)
             s["in_flight"] = self.in_flight()
+            s.update(self.server_state())
             with self._lock:
                 s["requests"] = sum(self.outcomes.values())
             samples.append(s)
@@ -148,7 +160,7 @@ class Soak:
         time.sleep(
             8.0
         )  # abandoned streams settle after CLOSE_GRACE_S or Envoy's deferred close (5 s)
-        final = {**proc_sample(pid), "in_flight": self.in_flight()}
+        final = {**proc_sample(pid), "in_flight": self.in_flight(), **self.server_state()}
         by_kind: dict[str, dict[str, int]] = {}
         for (kind, status), n in sorted(self.outcomes.items()):
             by_kind.setdefault(kind, {})[status] = n
@@ -162,6 +174,18 @@ class Soak:
             "in_flight_max_during": max(s["in_flight"] for s in samples),
             "in_flight_after_drain": final["in_flight"],
             "rss_after_drain_mib": round(final["rss_mib"], 1),
+            "server_state_during_max": {
+                k: max(x.get(k, 0.0) for x in samples)
+                for k in ("asyncio_tasks", "pending_responses", "deciding", "grpc_streams")
+            },
+            "server_state_first_last": {
+                k: [samples[0].get(k), samples[-1].get(k)]
+                for k in ("asyncio_tasks", "pending_responses", "grpc_streams")
+            },
+            "server_state_after_drain": {
+                k: final.get(k)
+                for k in ("asyncio_tasks", "pending_responses", "deciding", "grpc_streams")
+            },
             "samples": samples,
         }
 
