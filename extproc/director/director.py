@@ -12,7 +12,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ import orjson
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
-from extproc.accounting.inflight import InflightTracker, Lease
+from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.config import Config, RouteSettings
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
@@ -47,7 +47,6 @@ from extproc.tokenization import TokenizerPool
 from extproc.types import (
     BadRequest,
     Endpoint,
-    EndpointRole,
     GatewayError,
     InferenceRequest,
     NotFound,
@@ -613,7 +612,3 @@ def _estimate_tokens(req: InferenceRequest) -> int:
 
 def _dict(value: object) -> dict[str, Any]:
     return dict(value) if isinstance(value, dict) else {}
-
-
-# Types re-exported for the app's wiring.
-_ = (Lease, EndpointRole, Sequence)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from google.protobuf import struct_pb2
-
 from extproc._pb.envoy.config.core.v3 import base_pb2
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.director.api import (
@@ -391,7 +389,3 @@ def _streamed_chunks(body: bytes, *, end: bool) -> list[ep.ProcessingResponse]:
         sr.end_of_stream = end and i == len(chunks) - 1
         out.append(resp)
     return out
-
-
-# Re-exported for tests that build Struct values by hand.
-Struct = struct_pb2.Struct

@@ -11,7 +11,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.director.api import RequestHandler
 from extproc.server.processor import StreamProcessor
@@ -131,7 +130,3 @@ class ExtProcServer:
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
-
-
-# Referenced so the generated module stays imported for message registration.
-_ = ep
