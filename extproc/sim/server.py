@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import random
 import time
 import uuid
@@ -26,6 +27,8 @@ from extproc.sim.kvevents import KVEvent, KVEventPublisher
 from extproc.sim.metrics import SimMetrics
 from extproc.tokenization import Tokenizer, load_tokenizer
 from extproc.types import BadRequest, GatewayError, InternalError, NotFound
+
+log = logging.getLogger("extproc.sim")
 
 __all__ = ["Faults", "SimServer", "output_vocabulary"]
 
@@ -550,62 +553,71 @@ class SimServer:
             }
         )
         await resp.prepare(request)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            created = int(time.time())
+            obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            if each:
-                out["usage"] = self._usage(req)
-            return out
+            def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+                out: dict[str, Any] = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
+                if each:
+                    out["usage"] = self._usage(req)
+                return out
 
-        if chat:
-            first = {"role": "assistant", "content": ""}
-            await resp.write(
-                _sse(chunk({"index": 0, "delta": first, "logprobs": None, "finish_reason": None}))
-            )
-        pending: int | None = None  # hold one token back so the last carries finish_reason
-        while True:
-            item = await req.queue.get()
-            if pending is not None:
-                reason = item.reason if isinstance(item, Finished) else None
-                c: dict[str, Any] = {"index": 0}
-                if chat:
-                    c["delta"] = {"content": self.vocab[pending]}
-                else:
-                    c["text"] = self.vocab[pending]
-                c["logprobs"] = None
-                c["finish_reason"] = reason
-                if reason is not None:
-                    c["stop_reason"] = None
-                await resp.write(_sse(chunk(c)))
-            if isinstance(item, Finished):
-                if item.reason == "error":
-                    err = {"error": {"message": "prompt does not fit in the KV cache", "code": 500}}
-                    await resp.write(_sse(err))
-                break
-            pending = item
-        if usage:
-            await resp.write(
-                _sse(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": self._usage(req),
-                    }
+            if chat:
+                first = {"role": "assistant", "content": ""}
+                await resp.write(
+                    _sse(
+                        chunk({"index": 0, "delta": first, "logprobs": None, "finish_reason": None})
+                    )
                 )
-            )
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            pending: int | None = None  # hold one token back so the last carries finish_reason
+            while True:
+                item = await req.queue.get()
+                if pending is not None:
+                    reason = item.reason if isinstance(item, Finished) else None
+                    c: dict[str, Any] = {"index": 0}
+                    if chat:
+                        c["delta"] = {"content": self.vocab[pending]}
+                    else:
+                        c["text"] = self.vocab[pending]
+                    c["logprobs"] = None
+                    c["finish_reason"] = reason
+                    if reason is not None:
+                        c["stop_reason"] = None
+                    await resp.write(_sse(chunk(c)))
+                if isinstance(item, Finished):
+                    if item.reason == "error":
+                        err = {
+                            "error": {"message": "prompt does not fit in the KV cache", "code": 500}
+                        }
+                        await resp.write(_sse(err))
+                    break
+                pending = item
+            if usage:
+                await resp.write(
+                    _sse(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": self._usage(req),
+                        }
+                    )
+                )
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # the client (or Envoy for it) went away mid-stream: an ordinary event, not an error;
+            # the caller's `finally` aborts the request and frees its blocks
+            log.debug("stream %s: client disconnected", rid)
         return resp
 
     # -- tokenizer endpoints -----------------------------------------------------------------

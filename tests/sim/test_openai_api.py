@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -9,6 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.sim import StepTimeModel
 from extproc.tokenization import HFTokenizer
 from tests.sim.conftest import MakeSim, sse_events
 
@@ -269,3 +272,28 @@ async def test_every_answer_names_the_serving_pod(
             await resp.read()
     async with http.get(f"{sim.url}/metrics") as resp:
         assert resp.headers["x-inference-pod"] == pod
+
+
+async def test_client_abandoning_a_stream_frees_the_request_without_an_error_log(
+    make_sim: MakeSim, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim = await make_sim(step=StepTimeModel(time_scale=1.0))
+    req = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
+    caplog.set_level(logging.DEBUG)
+    async with http.post(f"{sim.url}/v1/chat/completions", json={**req, "stream": True}) as resp:
+        assert resp.status == 200
+        data_lines = 0
+        while data_lines < 3:
+            line = await resp.content.readline()
+            assert line in (b"\n", b"\r\n") or line.startswith(b"data: "), line
+            data_lines += line.startswith(b"data: ")
+        resp.close()  # walk away mid-generation
+    engine = sim._eng()
+    for _ in range(200):
+        if engine.num_running + engine.num_waiting == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.num_running + engine.num_waiting == 0  # aborted, its blocks freed
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert any("client disconnected" in r.getMessage() for r in caplog.records)
