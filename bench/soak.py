@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -87,8 +88,13 @@ def rss_trend(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 class Soak:
-    def __init__(self, stack: LocalStack, *, concurrency: int) -> None:
+    def __init__(
+        self, stack: LocalStack, *, concurrency: int, kinds: frozenset[str] | None = None
+    ) -> None:
         self._stack = stack
+        self._mix = [m for m in MIX if kinds is None or m[0] in kinds]
+        if not self._mix:
+            raise ValueError(f"no request kind selected; kinds are {[m[0] for m in MIX]}")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()
@@ -113,7 +119,7 @@ class Soak:
         n = i
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
-                kind, path, body = MIX[n % len(MIX)]
+                kind, path, body = self._mix[n % len(self._mix)]
                 n += 1
                 try:
                     status = self._one(client, kind, path, body)
@@ -124,27 +130,41 @@ class Soak:
 
     def in_flight(self) -> int:
         o = self._stack.options
-        eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
+        eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=60).json()
         return sum(int(e["in_flight"]) for e in eps)
 
     def server_state(self) -> dict[str, float]:
         """The server's own state gauges (extproc_server_state{kind=...}): tasks, pending, streams."""
         o = self._stack.options
-        text = httpx.get(f"http://{o.host}:{o.metrics_port}/metrics", timeout=5).text
+        text = httpx.get(f"http://{o.host}:{o.metrics_port}/metrics", timeout=60).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("extproc_server_state{"):
                 kind = line.split('kind="', 1)[1].split('"', 1)[0]
                 out[kind] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("extproc_grpc_stream_ends_total{"):
+                end = line.split('end="', 1)[1].split('"', 1)[0]
+                out[f"streams_{end}"] = float(line.rsplit(" ", 1)[1])
         return out
 
-    def run(self, minutes: float, sample_s: float) -> dict[str, Any]:
+    def memory(self, **query: str) -> dict[str, Any]:
+        """The server's /debug/memory report (RSS, object types, tracemalloc growth)."""
+        o = self._stack.options
+        url = f"http://{o.host}:{o.metrics_port}/debug/memory"
+        report: dict[str, Any] = httpx.get(url, params=query, timeout=120).json()
+        return report
+
+    def run(self, minutes: float, sample_s: float, *, memory: bool = False) -> dict[str, Any]:
         pid = self._stack.pid("extproc-0")
         samples: list[dict[str, float]] = []
+        memory_reports: dict[str, Any] = {}
         t0 = time.monotonic()
         for t in self._threads:
             t.start()
         while time.monotonic() - t0 < minutes * 60:
+            if memory and not memory_reports and time.monotonic() - t0 >= minutes * 15:
+                # baseline after the warm-up quarter; growth is reported against it at the end
+                memory_reports["baseline"] = self.memory(types="1", reset="1", top="30")
             time.sleep(sample_s)
             s = proc_sample(pid)
             s["t"] = round(time.monotonic() - t0, 1)
@@ -161,6 +181,8 @@ class Soak:
             8.0
         )  # abandoned streams settle after CLOSE_GRACE_S or Envoy's deferred close (5 s)
         final = {**proc_sample(pid), "in_flight": self.in_flight(), **self.server_state()}
+        if memory:
+            memory_reports["after_drain"] = self.memory(types="1", top="30")
         by_kind: dict[str, dict[str, int]] = {}
         for (kind, status), n in sorted(self.outcomes.items()):
             by_kind.setdefault(kind, {})[status] = n
@@ -180,12 +202,24 @@ class Soak:
             },
             "server_state_first_last": {
                 k: [samples[0].get(k), samples[-1].get(k)]
-                for k in ("asyncio_tasks", "pending_responses", "grpc_streams")
+                for k in (
+                    "asyncio_tasks",
+                    "pending_responses",
+                    "grpc_streams",
+                    "python_allocated_blocks",
+                )
             },
             "server_state_after_drain": {
                 k: final.get(k)
-                for k in ("asyncio_tasks", "pending_responses", "deciding", "grpc_streams")
+                for k in (
+                    "asyncio_tasks",
+                    "pending_responses",
+                    "deciding",
+                    "grpc_streams",
+                    "python_allocated_blocks",
+                )
             },
+            "memory": memory_reports,
             "samples": samples,
         }
 
@@ -198,12 +232,45 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--json", help="write the figures (with every sample) to this file")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="fetch /debug/memory after the warm-up quarter (baseline) and after the drain",
+    )
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the ext_proc server, e.g. PYTHONTRACEMALLOC=1 or MALLOC_ARENA_MAX=2",
+    )
+    ap.add_argument(
+        "--server-launcher",
+        default="",
+        help="interpreter arguments before `-m extproc serve`, e.g. "
+        "'-m memray run --native --follow-fork -o /tmp/server.bin'",
+    )
+    ap.add_argument("--strategy", default="least-request")
+    ap.add_argument(
+        "--kinds",
+        help="comma-separated subset of the mix (" + ",".join(m[0] for m in MIX) + ")",
+    )
     args = ap.parse_args()
+    server_env = tuple(tuple(kv.split("=", 1)) for kv in args.server_env)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        opts = stack_options(Path(tmp), strategy="least-request", log_level="warning")
+        opts = stack_options(
+            Path(tmp),
+            strategy=args.strategy,
+            log_level="warning",
+            server_env=server_env,
+            server_launcher=tuple(shlex.split(args.server_launcher)),
+        )
         with running(opts) as stack:
-            result = Soak(stack, concurrency=args.concurrency).run(args.minutes, args.sample_s)
-    summary = {k: v for k, v in result.items() if k != "samples"}
+            kinds = frozenset(args.kinds.split(",")) if args.kinds else None
+            result = Soak(stack, concurrency=args.concurrency, kinds=kinds).run(
+                args.minutes, args.sample_s, memory=args.memory
+            )
+    summary = {k: v for k, v in result.items() if k not in ("samples", "memory")}
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
 from extproc.kvevents.metrics import KVEventMetrics
 from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
+from extproc.memdiag import MemoryDiagnostics
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
@@ -144,6 +146,11 @@ class App:
             "server_state", "Per-request state and task counts (flat under steady load)", ["kind"],
             namespace="extproc", registry=self.registry,
         )  # fmt: skip
+        self.stream_ends = Counter(
+            "grpc_stream_ends", "ext_proc streams by how they ended (done|eof|cancelled|error)",
+            ["end"], namespace="extproc", registry=self.registry,
+        )  # fmt: skip
+        self._stream_ends_seen: dict[str, int] = {}
         self.config_reloads = Counter(
             "config_reloads", "Config file reloads by result", ["result"],
             namespace="extproc", registry=self.registry,
@@ -191,6 +198,7 @@ class App:
             ),
         )
         self._admin: web.AppRunner | None = None
+        self._memdiag = MemoryDiagnostics()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
 
@@ -407,6 +415,11 @@ class App:
             self.state_gauge.labels("deciding").set(self.director.deciding)
             self.state_gauge.labels("asyncio_tasks").set(len(asyncio.all_tasks()))
             self.state_gauge.labels("grpc_streams").set(self.server.active_streams)
+            for end, n in list(self.server.stream_ends.items()):
+                self.stream_ends.labels(end).inc(n - self._stream_ends_seen.get(end, 0))
+                self._stream_ends_seen[end] = n
+            # pymalloc blocks in use: a leak of small objects shows here before RSS moves
+            self.state_gauge.labels("python_allocated_blocks").set(sys.getallocatedblocks())
             now_ready = self.is_ready()
             if now_ready != ready:
                 ready = now_ready
@@ -457,6 +470,7 @@ class App:
         app.router.add_get("/debug/endpoints", self._h_endpoints)
         app.router.add_post("/debug/explain", self._h_explain)
         app.router.add_get("/debug/kv", self._h_kv)
+        app.router.add_get("/debug/memory", self._h_memory)
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, self.config.server.host, self.config.server.metrics_port)
@@ -506,6 +520,18 @@ class App:
             if pod is not None:
                 out.setdefault("_blocks", {})[model] = sorted(index.blocks_of(pod))
         return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _h_memory(self, request: web.Request) -> web.Response:
+        """RSS, allocator and GC figures; growth by type and by allocation site since a baseline."""
+        q = request.query
+        try:
+            top = int(q.get("top", "20"))
+        except ValueError:
+            return web.json_response({"error": "top must be an integer"}, status=400)
+        report = self._memdiag.report(
+            top=top, types=q.get("types") == "1", reset=q.get("reset") == "1"
+        )
+        return web.Response(body=orjson.dumps(report), content_type="application/json")
 
     async def _h_explain(self, request: web.Request) -> web.Response:
         body = await request.read()

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -71,6 +71,9 @@ class StackOptions:
     envoy_concurrency: int = 1
     access_log: bool = False  # Envoy writes one JSON line per request to envoy.log
     log_level: str = "warning"
+    server_env: tuple[tuple[str, str], ...] = ()  # extra environment for the ext_proc processes
+    # interpreter arguments before `-m extproc serve`, e.g. ("-m", "memray", "run", "-o", "x.bin")
+    server_launcher: tuple[str, ...] = ()
 
     def sim_port(self, i: int) -> int:
         return self.sim_base_port + i
@@ -91,6 +94,7 @@ class _Proc:
     name: str
     args: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     popen: subprocess.Popen[bytes] | None = None
     log_file: IO[bytes] | None = None
 
@@ -189,7 +193,16 @@ class LocalStack:
                     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                     self._spawn(
                         f"extproc-{i}",
-                        [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
+                        [
+                            sys.executable,
+                            *o.server_launcher,
+                            "-m",
+                            "extproc",
+                            "serve",
+                            "--config",
+                            str(path),
+                        ],
+                        env=dict(o.server_env),
                     )
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(render_yaml(self.envoy_options()))
@@ -242,12 +255,15 @@ class LocalStack:
             args += ["--role", o.sim_roles[i]]
         return args + list(o.sim_args)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = _Proc(name, args, self.workdir / f"{name}.log")
+    def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> None:
+        proc = _Proc(name, args, self.workdir / f"{name}.log", dict(env or {}))
         proc.log_file = proc.log_path.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc.popen = subprocess.Popen(
-            args, stdout=proc.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            args,
+            stdout=proc.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **proc.env},
         )
         self._procs[name] = proc
 
@@ -316,7 +332,7 @@ class LocalStack:
     def restart(self, name: str) -> None:
         proc = self._procs.pop(name)
         self._terminate(proc)
-        self._spawn(name, proc.args)
+        self._spawn(name, proc.args, proc.env)
 
     def log_tail(self, name: str, size: int = 4000) -> str:
         return self._procs[name].log_path.read_text(errors="replace")[-size:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -258,3 +259,26 @@ async def test_route_name_and_subset_hint_reach_the_handler(
     head = handler.seen[0][0]
     assert head.route_name == "httproute/default/llm/rule/0/match/0/*"
     assert head.subset == ("10.0.0.2:8000",)
+
+
+async def test_stream_ends_are_counted_by_how_they_ended() -> None:
+    server = ExtProcServer(FakeHandler(), ServerOptions(port=0))
+    await server.start()
+    try:
+        # routed in BUFFERED mode, then Envoy half-closes: eof
+        await exchange(server.port, [headers_msg(), body_msg(b"{}")])
+        # an immediate reply ends the stream from the server's side: done
+        await exchange(server.port, [headers_msg(), body_msg(b"x" * 2000)])  # 413
+        # Envoy resets the stream while the server waits for the next message: cancelled
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(headers_msg())
+            await call.read()
+            call.cancel()
+        for _ in range(200):
+            if sum(server.stream_ends.values()) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert dict(server.stream_ends) == {"eof": 1, "done": 1, "cancelled": 1}
+    finally:
+        await server.stop(0.5)
