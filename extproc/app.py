@@ -411,6 +411,11 @@ class App:
         ready: bool | None = None
         while True:
             self.metrics.refresh_ready(self.store, time.monotonic())
+            stall_after = self.config.routing.stall_after_s
+            for address in {
+                ep.address for m in self.store.models() for ep in self.store.endpoints(m)
+            }:
+                self.metrics.set_stalled(address, self.inflight.stalled(address, stall_after))
             self.state_gauge.labels("pending_responses").set(self.director.pending)
             self.state_gauge.labels("deciding").set(self.director.deciding)
             self.state_gauge.labels("asyncio_tasks").set(len(asyncio.all_tasks()))
@@ -504,6 +509,9 @@ class App:
                         "metrics_age_s": state.age(now) if state else None,
                         "last_error": state.last_error if state else None,
                         "in_flight": load.requests,
+                        "stalled": self.inflight.stalled(
+                            ep.address, self.config.routing.stall_after_s
+                        ),
                         "kv_events_healthy": self._kv_healthy(ep.address),
                     }
                 )

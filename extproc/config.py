@@ -110,6 +110,9 @@ class RoutingConfig:
         default_factory=dict
     )  # e.g. {prefix-cache: {...}}
     max_fallbacks: int = 2  # endpoints after the pick in the destination header, for Envoy retries
+    # A pod holding a request unanswered this long, that has answered nothing for as long, is
+    # hung: it leaves the candidates until it answers (needs response accounting; 0 = off).
+    stall_after_s: float = 10.0
     queue_threshold: float = 128.0  # saturation: waiting requests per pod
     kv_threshold: float = 0.95  # saturation: KV-cache usage fraction per pod
     priority_header: str = "x-request-priority"  # < 0 marks a request sheddable

@@ -70,6 +70,12 @@ class GatewayMetrics:
             "in_flight_requests", "Requests routed and not yet finished", ["endpoint"],
             namespace=ns, registry=registry,
         )  # fmt: skip
+        self.endpoint_stalled = Gauge(
+            "endpoint_stalled",
+            "1 while the endpoint holds a request unanswered past routing.stall_after_s "
+            "and has answered nothing for as long (left out of the candidates)",
+            ["endpoint"], namespace=ns, registry=registry,
+        )  # fmt: skip
         self.endpoint_ready = Gauge(
             "endpoint_ready", "1 when the endpoint is routable (fresh metrics)",
             ["model", "endpoint"], namespace=ns, registry=registry,
@@ -133,6 +139,9 @@ class GatewayMetrics:
     def set_in_flight(self, endpoint: str, count: int) -> None:
         self.in_flight.labels(endpoint).set(count)
 
+    def set_stalled(self, endpoint: str, stalled: bool) -> None:
+        self.endpoint_stalled.labels(endpoint).set(1 if stalled else 0)
+
     def set_ready(self, model: str, endpoint: str, ready: bool) -> None:
         self.endpoint_ready.labels(model, endpoint).set(1 if ready else 0)
 
@@ -153,6 +162,7 @@ class GatewayMetrics:
             _remove(metric, model, endpoint)
         _remove(self.endpoint_ready, model, endpoint)
         _remove(self.in_flight, endpoint)
+        _remove(self.endpoint_stalled, endpoint)
         for result in SCRAPE_RESULTS:
             _remove(self.scrapes, endpoint, result)
 

@@ -50,6 +50,7 @@ class Lease:
         """Mark the first response byte (TTFT); later calls are ignored."""
         if self.first_byte_at is None and not self._finished:
             self.first_byte_at = self._tracker.now()
+            self._tracker._answered(self)
 
     def finish(self, usage: TokenUsage | None = None, *, success: bool = True) -> None:
         """Release the count. Idempotent: only the first call has any effect."""
@@ -83,6 +84,12 @@ class InflightTracker:
         self._metrics = metrics
         self._requests: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
+        # Stall detection: leases still waiting for a first byte, in start order, and the last
+        # time each address answered. Armed by the first first byte ever seen: only then are
+        # responses being watched at all (response accounting on).
+        self._waiting: dict[str, dict[Lease, None]] = {}
+        self._answered_at: dict[str, float] = {}
+        self._watching = False
 
     def now(self) -> float:
         return self._clock()
@@ -92,6 +99,7 @@ class InflightTracker:
         tokens = max(0, tokens)
         addr = endpoint.address
         lease = Lease(self, endpoint, tokens, self._clock())
+        self._waiting.setdefault(addr, {})[lease] = None
         count = self._requests.get(addr, 0) + 1
         self._requests[addr] = count
         self._tokens[addr] = self._tokens.get(addr, 0) + tokens
@@ -101,9 +109,39 @@ class InflightTracker:
             self._metrics.set_in_flight(addr, count)
         return lease
 
+    def _answered(self, lease: Lease) -> None:
+        addr = lease.endpoint.address
+        self._watching = True
+        self._answered_at[addr] = self._clock()
+        self._unwait(addr, lease)
+
+    def _unwait(self, addr: str, lease: Lease) -> None:
+        waiting = self._waiting.get(addr)
+        if waiting is not None:
+            waiting.pop(lease, None)
+            if not waiting:
+                del self._waiting[addr]
+
+    def stalled(self, address: str, after_s: float) -> bool:
+        """True when `address` holds a request unanswered for `after_s` and has answered
+        nothing for as long: it accepts work and returns none (hung, not just busy: a busy pod
+        keeps producing first bytes). False until responses are watched at all."""
+        if not self._watching or after_s <= 0:
+            return False
+        waiting = self._waiting.get(address)
+        if not waiting:
+            return False
+        now = self._clock()
+        oldest = next(iter(waiting)).started_at
+        last = self._answered_at.get(address)
+        return now - oldest > after_s and (last is None or now - last > after_s)
+
     def _release(self, lease: Lease, usage: TokenUsage | None, success: bool) -> None:
         addr = lease.endpoint.address
         now = self._clock()
+        self._unwait(addr, lease)
+        if success and lease.first_byte_at is not None:
+            self._answered_at[addr] = now
         count = self._requests.get(addr, 0) - 1
         if count <= 0:
             self._requests.pop(addr, None)

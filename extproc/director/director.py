@@ -369,6 +369,13 @@ class Director:
                 )
         if not ready:
             raise ServiceUnavailable(f"no ready endpoint for model {runtime.name!r}")
+        after = self._config.routing.stall_after_s
+        if len(ready) > 1 and after > 0:
+            # A hung pod (accepts, never answers) still scrapes fine; leave it out while any
+            # other pod is answering. If every pod looks stalled, none is singled out.
+            answering = tuple(r for r in ready if not self._inflight.stalled(r[0].address, after))
+            if answering and len(answering) < len(ready):
+                ready = answering
         return ready
 
     def _priority(self, head: RequestHead) -> int:

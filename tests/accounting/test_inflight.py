@@ -124,3 +124,49 @@ def test_failed_request_releases_but_records_no_latency() -> None:
     assert s.requests_total == 0
     assert s.latency_avg_s is None
     assert s.busy_time_s > 0  # it was busy while the request was in flight
+
+
+def test_stall_needs_an_old_unanswered_request_and_no_recent_answer() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    a0 = t.start(A)
+    assert not t.stalled(A.address, 5.0)
+    clock.now += 60
+    # Responses are not watched until some first byte is seen: nothing can be called stalled.
+    assert not t.stalled(A.address, 5.0)
+    b = t.start(B)
+    b.first_byte()  # B answers: responses are watched from now on
+    assert t.stalled(A.address, 5.0)  # A holds a 60 s old request and never answered
+    assert not t.stalled(B.address, 5.0)
+    assert not t.stalled(A.address, 0.0)  # 0 turns it off
+    a0.first_byte()  # A answers at last
+    assert not t.stalled(A.address, 5.0)
+
+
+def test_a_busy_pod_that_keeps_answering_is_not_stalled() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    t.start(B).first_byte()
+    slow = t.start(A)  # a long prefill: no first byte for 30 s
+    for _ in range(30):
+        clock.now += 1
+        quick = t.start(A)
+        quick.first_byte()  # meanwhile A answers other requests every second
+        quick.finish()
+    assert clock.now - slow.started_at == 30
+    assert not t.stalled(A.address, 5.0)
+    clock.now += 6  # now A goes silent while still holding the slow request
+    assert t.stalled(A.address, 5.0)
+    slow.finish(success=False)  # the client gave up: nothing waits on A any more
+    assert not t.stalled(A.address, 5.0)
+
+
+def test_finished_leases_leave_no_waiting_state() -> None:
+    t = InflightTracker()
+    leases = [t.start(A) for _ in range(100)]
+    for i, lease in enumerate(leases):
+        if i % 2:
+            lease.first_byte()
+        lease.finish()
+    assert t._waiting == {}
+    assert t.total() == 0
