@@ -20,6 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "SCENARIOS",
     "Load",
     "LoadReport",
+    "OpenLoad",
     "ext_proc_restart",
     "graceful_shutdown",
     "pod_hang",
@@ -64,6 +66,7 @@ class Outcome:
     started: float
     ended: float
     status: int | str  # HTTP status, or the transport error's class name
+    pod: str | None = None  # the serving pod (the simulator's x-inference-pod header)
 
 
 @dataclass
@@ -128,16 +131,19 @@ class Load:
     def _worker(self) -> None:
         with httpx.Client(timeout=self._timeout) as client:
             while not self._stop.is_set():
-                t0 = time.monotonic()
-                status: int | str
-                try:
-                    status = client.post(
-                        self._url, json=self._body, headers=self._headers
-                    ).status_code
-                except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                with self._lock:
-                    self.report.outcomes.append(Outcome(t0, time.monotonic(), status))
+                self._one(client)
+
+    def _one(self, client: httpx.Client) -> None:
+        t0 = time.monotonic()
+        status: int | str
+        pod = None
+        try:
+            resp = client.post(self._url, json=self._body, headers=self._headers)
+            status, pod = resp.status_code, resp.headers.get("x-inference-pod")
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        with self._lock:
+            self.report.outcomes.append(Outcome(t0, time.monotonic(), status, pod))
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -154,13 +160,44 @@ class Load:
         return self.report
 
 
-def _endpoint_ready(stack: LocalStack, address: str) -> bool | None:
+class OpenLoad(Load):
+    """Open-loop load: a new request every 1/rate s whatever the answers, like many independent
+    clients (a request held by a hung pod does not slow the arrivals, as it does closed loop)."""
+
+    def __init__(self, url: str, *, rate: float, max_outstanding: int = 256, **kw: Any) -> None:
+        super().__init__(url, concurrency=0, **kw)
+        self._rate = rate
+        self._pool = ThreadPoolExecutor(max_outstanding, thread_name_prefix="open-load")
+        self._client = httpx.Client(
+            timeout=self._timeout, limits=httpx.Limits(max_connections=max_outstanding)
+        )
+        self._threads = [threading.Thread(target=self._dispatch, daemon=True)]
+
+    def _dispatch(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self._pool.submit(self._one, self._client)
+            next_at += 1.0 / self._rate
+            time.sleep(max(0.0, next_at - time.monotonic()))
+
+    def stop(self, join_timeout_s: float = 35.0) -> LoadReport:
+        super().stop(join_timeout_s)
+        self._pool.shutdown(wait=True)
+        self._client.close()
+        return self.report
+
+
+def _endpoint_field(stack: LocalStack, address: str, field: str) -> bool | None:
     o = stack.options
     try:
         eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=2).json()
     except httpx.HTTPError:
         return None
-    return next((bool(e["ready"]) for e in eps if e["address"] == address), None)
+    return next((bool(e[field]) for e in eps if e["address"] == address), None)
+
+
+def _endpoint_ready(stack: LocalStack, address: str) -> bool | None:
+    return _endpoint_field(stack, address, "ready")
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> float | None:
@@ -214,28 +251,44 @@ def pod_hang(
     warmup_s: float = 1.0,
     hang_s: float = 3.0,
     concurrency: int = 6,
+    rate: float | None = None,
     strategy: str | None = None,
 ) -> dict[str, Any]:
-    """One simulator accepts requests and never answers (completions_hang), then recovers."""
+    """One simulator accepts requests and never answers (completions_hang), then recovers.
+    Closed loop with `concurrency` clients, or open loop at `rate` requests/s."""
     headers = {"routing-strategy": strategy} if strategy else {}
     url = f"{stack.base_url}/v1/chat/completions"
-    with Load(url, concurrency=concurrency, headers=headers, timeout_s=60) as load:
+    address = stack.options.sim_address(1)
+    load_gen = (
+        OpenLoad(url, rate=rate, headers=headers, timeout_s=60)
+        if rate is not None
+        else Load(url, concurrency=concurrency, headers=headers, timeout_s=60)
+    )
+    with load_gen as load:
         time.sleep(warmup_s)
         t0 = time.monotonic()
         _fault(stack, 1, completions_hang=True)
-        time.sleep(hang_s)
+        # routing.stall_after_s: the hung pod leaves the candidates once it holds a request that
+        # long while answering nothing (None: never, e.g. with the detection off)
+        stalled_s = _wait(lambda: _endpoint_field(stack, address, "stalled") is True, hang_s)
+        time.sleep(max(0.0, hang_s - (time.monotonic() - t0)))
         during = load.since(t0)  # finished during the hang: served by the other pods
         _fault(stack, 1, completions_hang=False)
-        time.sleep(1.0)
+        t1 = time.monotonic()
+        back_s = _wait(lambda: _endpoint_field(stack, address, "stalled") is False, 5.0)
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - t1)))
         report = load.stop()
-    # A normal request takes tens of ms here; one that waited on the hung pod lasts ~the hang.
-    held = [o for o in report.outcomes if o.ended - o.started > hang_s / 2]
+    # Held: sent during the hang, served by the hung pod, so answered only after the hang.
+    held = [o for o in report.outcomes if t0 <= o.started < t1 and o.pod == address]
     return {
         **report.summary(),
         "strategy": strategy or stack.options.strategy,
+        "load": f"open loop {rate}/s" if rate is not None else f"closed loop x{concurrency}",
         "ok_during_hang": sum(1 for o in during if o.status == 200),
         "held_by_hung_pod": len(held),
         "hang_s": hang_s,
+        "left_candidates_after_s": stalled_s,
+        "candidate_again_after_s": back_s if stalled_s is not None else None,
     }
 
 
@@ -322,11 +375,19 @@ def stack_grace(stack: LocalStack) -> float:
     return float(stack.server_config().get("server", {}).get("shutdown_grace_s", 10.0))
 
 
+STALL_1S = {"routing": {"stall_after_s": 1.0}}  # the default is 10 s; 1 s fits a 5 s hang
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
-    "pod_hang": ({}, lambda s: pod_hang(s, warmup_s=2, hang_s=5, concurrency=8)),
+    "pod_hang": (
+        {"server_config": STALL_1S},
+        lambda s: pod_hang(s, warmup_s=2, hang_s=5, rate=40),
+    ),
+    "pod_hang_detection_off": (
+        {"server_config": {"routing": {"stall_after_s": 0}}},
+        lambda s: pod_hang(s, warmup_s=2, hang_s=5, rate=40),
+    ),
     "pod_hang_least_request": (
-        {},
+        {"server_config": STALL_1S},
         lambda s: pod_hang(s, warmup_s=2, hang_s=5, concurrency=8, strategy="least-request"),
     ),
     "ext_proc_fail_closed": (

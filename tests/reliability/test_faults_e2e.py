@@ -33,12 +33,18 @@ pytestmark = pytest.mark.e2e
 SECRETS = ("sk-h9-secret-bearer-7f3a", "h9-api-key-91c2", "h9-cookie-55aa")
 
 
+STALL_S = 0.5  # routing.stall_after_s for this module's stack (the default is 10 s)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     opts = stack_options(
         tmp_path_factory.mktemp("faults"),
         log_level="debug",
-        server_config={"server": {"shutdown_grace_s": 15.0}},
+        server_config={
+            "server": {"shutdown_grace_s": 15.0},
+            "routing": {"stall_after_s": STALL_S},
+        },
     )
     with running(opts) as s:
         yield s
@@ -122,6 +128,20 @@ def test_a_hung_pod_does_not_stop_traffic(stack: LocalStack) -> None:
     assert fig["ok_during_hang"] > 0, fig  # the other pods kept serving
     assert fig["lost"] == 0, fig  # the held requests completed once the pod recovered
     assert fig["held_by_hung_pod"] < 6, fig  # least-request stopped feeding the growing queue
+
+
+def test_open_loop_traffic_leaves_a_hung_pod_once_it_stalls(stack: LocalStack) -> None:
+    # Round robin would send every third request to the hung pod for the whole hang; the stall
+    # detector takes it out of the candidates once it has held a request STALL_S without any
+    # answer, and puts it back when it answers again.
+    hang_s = 3.0
+    fig = pod_hang(stack, warmup_s=0.5, hang_s=hang_s, rate=30)
+    assert fig["lost"] == 0, fig  # the held requests completed once the pod recovered
+    assert fig["left_candidates_after_s"] is not None, fig
+    assert fig["candidate_again_after_s"] is not None, fig
+    sent_during = 30 * hang_s
+    # Without the detector about a third of them would be held (sent_during / 3 = 30).
+    assert fig["held_by_hung_pod"] < sent_during / 3 * 0.6, fig
 
 
 def test_killed_pod_loses_no_request_and_comes_back(stack: LocalStack) -> None:
