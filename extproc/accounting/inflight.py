@@ -94,12 +94,14 @@ class InflightTracker:
     def now(self) -> float:
         return self._clock()
 
-    def start(self, endpoint: Endpoint, tokens: int = 0) -> Lease:
-        """Count a request routed to `endpoint`; `tokens` = prompt + expected output."""
+    def start(self, endpoint: Endpoint, tokens: int = 0, *, watched: bool = True) -> Lease:
+        """Count a request routed to `endpoint`; `tokens` = prompt + expected output.
+        `watched`: its response will be observed (a missing first byte then means something)."""
         tokens = max(0, tokens)
         addr = endpoint.address
         lease = Lease(self, endpoint, tokens, self._clock())
-        self._waiting.setdefault(addr, {})[lease] = None
+        if watched:
+            self._waiting.setdefault(addr, {})[lease] = None
         count = self._requests.get(addr, 0) + 1
         self._requests[addr] = count
         self._tokens[addr] = self._tokens.get(addr, 0) + tokens

@@ -415,7 +415,11 @@ class Director:
         if self._on_routed is not None:
             self._on_routed(endpoint.address)
         max_out = req.max_tokens if req.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
-        lease = self._inflight.start(endpoint, prep.routing.prompt_tokens + max_out)
+        # A route with accounting off may not have its responses observed: its requests never
+        # count towards the stall detector.
+        lease = self._inflight.start(
+            endpoint, prep.routing.prompt_tokens + max_out, watched=prep.settings.accounting
+        )
         user = prep.routing.user
         if user:
             self._fairness.request_started(user, prep.routing.prompt_tokens)

@@ -170,3 +170,15 @@ def test_finished_leases_leave_no_waiting_state() -> None:
         lease.finish()
     assert t._waiting == {}
     assert t.total() == 0
+
+
+def test_unwatched_requests_never_make_a_pod_stalled() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    t.start(B).first_byte()  # responses are watched somewhere
+    long_unobserved = t.start(A, watched=False)  # e.g. a route with accounting off
+    clock.now += 60
+    assert not t.stalled(A.address, 5.0)
+    assert t.load(A.address).requests == 1  # still counted as load
+    long_unobserved.finish()
+    assert t.total() == 1
