@@ -71,7 +71,8 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
             else:
                 end = "done"  # this side ended it (response seen, or an immediate reply)
         except asyncio.CancelledError:
-            # Envoy reset the stream (client went away): settle state, then let it cancel.
+            # Envoy reset the stream (at the end of the HTTP request, or because the client went
+            # away): settle state, then let it cancel.
             end = "cancelled"
             raise
         finally:
