@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ import httpx
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
@@ -146,11 +148,6 @@ class App:
             "server_state", "Per-request state and task counts (flat under steady load)", ["kind"],
             namespace="extproc", registry=self.registry,
         )  # fmt: skip
-        self.stream_ends = Counter(
-            "grpc_stream_ends", "ext_proc streams by how they ended (done|eof|cancelled|error)",
-            ["end"], namespace="extproc", registry=self.registry,
-        )  # fmt: skip
-        self._stream_ends_seen: dict[str, int] = {}
         self.config_reloads = Counter(
             "config_reloads", "Config file reloads by result", ["result"],
             namespace="extproc", registry=self.registry,
@@ -197,6 +194,7 @@ class App:
                 else 30.0,
             ),
         )
+        self.registry.register(_StreamEnds(self.server.stream_ends))
         self._admin: web.AppRunner | None = None
         self._memdiag = MemoryDiagnostics()
         self._tasks: list[asyncio.Task[None]] = []
@@ -420,9 +418,6 @@ class App:
             self.state_gauge.labels("deciding").set(self.director.deciding)
             self.state_gauge.labels("asyncio_tasks").set(len(asyncio.all_tasks()))
             self.state_gauge.labels("grpc_streams").set(self.server.active_streams)
-            for end, n in list(self.server.stream_ends.items()):
-                self.stream_ends.labels(end).inc(n - self._stream_ends_seen.get(end, 0))
-                self._stream_ends_seen[end] = n
             # pymalloc blocks in use: a leak of small objects shows here before RSS moves
             self.state_gauge.labels("python_allocated_blocks").set(sys.getallocatedblocks())
             now_ready = self.is_ready()
@@ -559,6 +554,23 @@ class App:
                 status=reply.status, body=reply.body, content_type="application/json"
             )
         return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+
+class _StreamEnds(Collector):
+    """extproc_grpc_stream_ends_total{end}: read from the server's own tally at scrape time."""
+
+    def __init__(self, ends: Mapping[str, int]) -> None:
+        self._ends = ends
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "extproc_grpc_stream_ends",
+            "ext_proc streams by how they ended (done|eof|cancelled|error)",
+            labels=["end"],
+        )
+        for end, n in sorted(self._ends.items()):
+            family.add_metric([end], n)
+        yield family
 
 
 class _HandlerRef:
