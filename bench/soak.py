@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.faults import running, stack_options
 from extproc.stack.local import LocalStack
+from tests.e2e.harness import metric_samples
 
 __all__ = ["Soak", "proc_sample", "rss_trend"]
 
@@ -134,17 +135,17 @@ class Soak:
         return sum(int(e["in_flight"]) for e in eps)
 
     def server_state(self) -> dict[str, float]:
-        """The server's own state gauges (extproc_server_state{kind=...}): tasks, pending, streams."""
+        """The server's own gauges: extproc_server_state{kind} and the stream-end counts."""
         o = self._stack.options
-        text = httpx.get(f"http://{o.host}:{o.metrics_port}/metrics", timeout=60).text
+        # A long timeout: a /debug/memory snapshot may hold the event loop for seconds.
+        samples = metric_samples(f"http://{o.host}:{o.metrics_port}/metrics", timeout=60)
         out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("extproc_server_state{"):
-                kind = line.split('kind="', 1)[1].split('"', 1)[0]
-                out[kind] = float(line.rsplit(" ", 1)[1])
-            elif line.startswith("extproc_grpc_stream_ends_total{"):
-                end = line.split('end="', 1)[1].split('"', 1)[0]
-                out[f"streams_{end}"] = float(line.rsplit(" ", 1)[1])
+        for (name, labels), value in samples.items():
+            lbl = dict(labels)
+            if name == "extproc_server_state":
+                out[lbl["kind"]] = value
+            elif name == "extproc_grpc_stream_ends_total":
+                out[f"streams_{lbl['end']}"] = value
         return out
 
     def memory(self, **query: str) -> dict[str, Any]:

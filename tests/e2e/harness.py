@@ -59,8 +59,10 @@ def running_stack(opts: StackOptions) -> LocalStack:
     return LocalStack(opts)
 
 
-def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(url, timeout=5).text
+def metric_samples(
+    url: str, timeout: float = 5.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url, timeout=timeout).text
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
