@@ -32,8 +32,8 @@ def rss_bytes() -> int | None:
     return None
 
 
-def _object_types(limit: int) -> list[tuple[str, int]]:
-    counts: Counter[str] = Counter(type(o).__qualname__ for o in gc.get_objects())
+def _object_types(objects: list[object], limit: int) -> list[tuple[str, int]]:
+    counts: Counter[str] = Counter(type(o).__qualname__ for o in objects)
     return counts.most_common(limit)
 
 
@@ -47,17 +47,18 @@ class MemoryDiagnostics:
 
     def report(self, *, top: int = 20, types: bool = False, reset: bool = False) -> dict[str, Any]:
         top = max(1, min(top, 200))
+        objects = gc.get_objects()
         out: dict[str, Any] = {
             "rss_bytes": rss_bytes(),
             "gc_counts": list(gc.get_count()),
-            "gc_objects": len(gc.get_objects()),
+            "gc_objects": len(objects),
             "allocated_blocks": sys.getallocatedblocks(),
             "tracemalloc": tracemalloc.is_tracing(),
         }
         if self._baseline_rss is not None and out["rss_bytes"] is not None:
             out["rss_growth_bytes"] = out["rss_bytes"] - self._baseline_rss
         if types:
-            now = _object_types(top * 5)
+            now = _object_types(objects, top * 5)
             out["object_types"] = dict(now[:top])
             if self._baseline_types:
                 growth = {k: n - self._baseline_types.get(k, 0) for k, n in now}
@@ -66,6 +67,7 @@ class MemoryDiagnostics:
                 )
             if reset or not self._baseline_types:
                 self._baseline_types = dict(now)
+        del objects  # not held across the snapshot below
         if tracemalloc.is_tracing():
             snap = tracemalloc.take_snapshot().filter_traces(
                 [tracemalloc.Filter(False, tracemalloc.__file__)]
