@@ -8,7 +8,9 @@ turn, as chat clients send them (the incremental tokenizer reuses earlier turns)
 
 Part 2 (CPU per request): the whole local stack (Envoy + ext_proc + simulators) under a
 closed-loop load; ext_proc CPU seconds (utime+stime from /proc) / requests, with response
-accounting (observability filter) and without it.
+accounting (the default: a Lua filter in Envoy reads `usage`, and Envoy's gRPC access log sends
+one record per request to the server) and without it. bench/accounting.py compares the
+accounting modes in detail (per output length, with Envoy's CPU and inter-token latency).
 
     .venv/bin/python bench/decision_cost.py [--requests 200] [--json out.json]
 """
@@ -195,7 +197,7 @@ def cpu_per_request(workdir: Path, n: int) -> dict[str, Any]:
         "stream": True,
     }
     for label, mode in (
-        ("with accounting", ResponseAccounting.OBSERVABILITY),
+        ("with accounting", ResponseAccounting.ACCESS_LOG),
         ("without accounting", ResponseAccounting.NONE),
     ):
         opts = stack_options(

@@ -46,7 +46,7 @@ class Variant:
     name: str
     kind: str  # envoy | extproc | peer
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
-    accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY
+    accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     processes: int = 1
     strategy: str | None = None
     policy: str | None = None
@@ -65,7 +65,9 @@ class Variant:
             name=str(raw["name"]),
             kind=kind,
             body_mode=RequestBodyMode(raw.get("body_mode", "BUFFERED")),
-            accounting=ResponseAccounting(raw.get("accounting", "observability")),
+            accounting=ResponseAccounting(
+                raw.get("accounting", ResponseAccounting.ACCESS_LOG.value)
+            ),
             processes=int(raw.get("processes", 1)),
             strategy=raw.get("strategy"),
             policy=raw.get("policy"),

@@ -199,13 +199,13 @@ class Soak:
             "rss_after_drain_mib": round(final["rss_mib"], 1),
             "server_state_during_max": {
                 k: max(x.get(k, 0.0) for x in samples)
-                for k in ("asyncio_tasks", "pending_responses", "deciding", "grpc_streams")
+                for k in ("asyncio_tasks", "access_log_streams", "deciding", "grpc_streams")
             },
             "server_state_first_last": {
                 k: [samples[0].get(k), samples[-1].get(k)]
                 for k in (
                     "asyncio_tasks",
-                    "pending_responses",
+                    "access_log_streams",
                     "grpc_streams",
                     "python_allocated_blocks",
                 )
@@ -214,7 +214,7 @@ class Soak:
                 k: final.get(k)
                 for k in (
                     "asyncio_tasks",
-                    "pending_responses",
+                    "access_log_streams",
                     "deciding",
                     "grpc_streams",
                     "python_allocated_blocks",

@@ -94,11 +94,24 @@ class FrontDoor:
 
 
 class _Child:
-    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.name = name
         self._log: IO[bytes] = log_path.open("ab")
         self.popen = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
+            cwd=cwd,
         )
 
     def stop(self) -> None:
@@ -182,6 +195,29 @@ class Cluster:
         self._next_extra += n
         return ports
 
+    def ports(self, n: int) -> list[int]:
+        """`n` more ports from the cluster's block, for processes started with `spawn`."""
+        return self._ports(n)
+
+    def spawn(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        ready_url: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> int:
+        """Starts one more process (stopped with the cluster), waits for `ready_url`; its pid.
+
+        `env` is added to this process's environment; with `cwd`, e.g. another checkout's
+        server can run from its own tree (bench/accounting.py runs a former revision's).
+        """
+        child = _Child(name, args, self.workdir / f"{name}.log", env=env, cwd=cwd)
+        self._children.append(child)
+        self._wait(ready_url, child)
+        return child.popen.pid
+
     @property
     def sim_addresses(self) -> list[str]:
         return [self.options.sim_address(i) for i in range(self.options.sims)]
@@ -197,7 +233,7 @@ class Cluster:
         *,
         baseline: bool = False,
         body_mode: RequestBodyMode = RequestBodyMode.BUFFERED,
-        accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY,
+        accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
         processes: int = 1,
         strategy: str | None = None,
     ) -> FrontDoor:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,7 +38,7 @@ from extproc.config import (
     load_config,
     parse_route_annotations,
 )
-from extproc.director.api import RequestHead
+from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.director import Director, ModelRuntime
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
@@ -67,7 +68,6 @@ __all__ = ["App", "build_endpoints", "load_model_tokenizer"]
 log = logging.getLogger("extproc.app")
 
 BUNDLED_PREFIX = "bundled:"
-REQUEST_MAX_AGE_S = 900.0  # a routed request with no response end after this is settled as failed
 
 
 def check_tokenizer_path(path: Path, root: str | None, model: str) -> Path:
@@ -142,6 +142,8 @@ class App:
     def __init__(self, config: Config, *, config_path: Path | None = None) -> None:
         self._config_path = config_path
         self._config_mtime = _mtime(config_path)
+        # Who routed a request, in its access-log record (any process may account it).
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.state_gauge = Gauge(
@@ -194,7 +196,18 @@ class App:
                 else 30.0,
             ),
         )
-        self.registry.register(_StreamEnds(self.server.stream_ends))
+        self.registry.register(
+            _Tally(
+                "extproc_grpc_stream_ends", "ext_proc streams by how they ended "
+                "(done|eof|cancelled|error)", "end", self.server.stream_ends,
+            )
+        )  # fmt: skip
+        self.registry.register(
+            _Tally(
+                "extproc_access_log_entries", "Access-log entries received by result "
+                "(accounted|skipped|error)", "result", self.server.access_log.entries,
+            )
+        )  # fmt: skip
         self._admin: web.AppRunner | None = None
         self._memdiag = MemoryDiagnostics()
         self._tasks: list[asyncio.Task[None]] = []
@@ -268,9 +281,8 @@ class App:
             route_settings=self.route_settings_for,
             prefill=PrefillClient(self._http),
             on_routed=lambda address: self.kv.note_traffic(address),
+            replica=self.replica,
         )
-        if previous is not None:
-            director.adopt_pending(previous.director)
         return _Runtime(config, director, tokenizers)
 
     def _kv_manager(self, config: Config) -> KVEventManager:
@@ -368,7 +380,6 @@ class App:
         self._start_kubernetes()
         await self._start_admin()
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
-        self._tasks.append(asyncio.create_task(self._sweep_loop(), name="sweep"))
         if self._config_path is not None:
             self._tasks.append(asyncio.create_task(self._reload_loop(), name="config-reload"))
 
@@ -414,7 +425,7 @@ class App:
                 ep.address for m in self.store.models() for ep in self.store.endpoints(m)
             }:
                 self.metrics.set_stalled(address, self.inflight.stalled(address, stall_after))
-            self.state_gauge.labels("pending_responses").set(self.director.pending)
+            self.state_gauge.labels("access_log_streams").set(self.server.access_log.streams)
             self.state_gauge.labels("deciding").set(self.director.deciding)
             self.state_gauge.labels("asyncio_tasks").set(len(asyncio.all_tasks()))
             self.state_gauge.labels("grpc_streams").set(self.server.active_streams)
@@ -429,13 +440,6 @@ class App:
                     "SERVING" if ready else "NOT_SERVING (no endpoint with fresh metrics)",
                 )
             await asyncio.sleep(0.2)
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(10.0)
-            n = self.director.sweep(REQUEST_MAX_AGE_S)
-            if n:
-                log.warning("settled %d requests whose response end was never observed", n)
 
     async def _reload_loop(self) -> None:
         while True:
@@ -556,20 +560,16 @@ class App:
         return web.Response(body=orjson.dumps(result), content_type="application/json")
 
 
-class _StreamEnds(Collector):
-    """extproc_grpc_stream_ends_total{end}: read from the server's own tally at scrape time."""
+class _Tally(Collector):
+    """A counter family read from one of the server's own tallies at scrape time."""
 
-    def __init__(self, ends: Mapping[str, int]) -> None:
-        self._ends = ends
+    def __init__(self, name: str, documentation: str, label: str, tally: Mapping[str, int]):
+        self._name, self._doc, self._label, self._tally = name, documentation, label, tally
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "extproc_grpc_stream_ends",
-            "ext_proc streams by how they ended (done|eof|cancelled|error)",
-            labels=["end"],
-        )
-        for end, n in sorted(self._ends.items()):
-            family.add_metric([end], n)
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, n in sorted(self._tally.items()):
+            family.add_metric([value], n)
         yield family
 
 
@@ -589,11 +589,8 @@ class _HandlerRef:
     def reject(self, head: RequestHead | None, status: int, message: str) -> Any:
         return self._app.director.reject(head, status, message)
 
-    def observer_for(self, request_id: str) -> Any:
-        return self._app.director.observer_for(request_id)
-
-    def request_closed(self, request_id: str) -> None:
-        self._app.director.request_closed(request_id)
+    def account(self, record: AccessRecord) -> None:
+        self._app.director.account(record)
 
 
 def _plain(obj: Any) -> dict[str, Any]:

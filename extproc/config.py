@@ -93,12 +93,6 @@ class AccountingConfig:
     inject_include_usage: bool = (
         True  # add stream_options.include_usage when a streaming client did not
     )
-    strip_injected_usage: bool = (
-        False  # reserved: Envoy cannot drop the extra chunk in observability mode
-    )
-    token_metadata: bool = (
-        True  # io.envoy.ai_gateway dynamic metadata (single-filter response mode only)
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ strategy name, `kind` hf|estimate, `result` one of SCRAPE_RESULTS.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -33,6 +34,7 @@ PREFIX_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
         self.registry = registry
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         ns = namespace
         self.prompt_tokens = Counter(
             "prompt_tokens", "Prompt tokens reported by engines", ["model", "endpoint"],
@@ -48,6 +50,25 @@ class GatewayMetrics:
         )  # fmt: skip
         self.usage_unknown = Counter(
             "usage_unknown", "Responses whose token usage could not be determined", ["model"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.usage_counted = Counter(
+            "usage_counted", "Responses without the engine's usage whose completion tokens were "
+            "counted from content events (an estimate)", ["model"], namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.routed_requests = Counter(
+            "routed_requests", "Routed requests whose routing stream ended on this process "
+            "(sum over processes minus accounted access records = records lost)", ["model"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.access_records = Counter(
+            "access_records", "Access-log records received, by result (accounted: a routed "
+            "request; unrouted: rejected by the gateway or accounting off)", ["result"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.aborted_responses = Counter(
+            "aborted_responses", "Responses that did not complete, by outcome "
+            "(client_aborted, upstream_failed)", ["model", "outcome"],
             namespace=ns, registry=registry,
         )  # fmt: skip
         self.requests = Counter(
@@ -85,7 +106,7 @@ class GatewayMetrics:
             namespace=ns, registry=registry,
         )  # fmt: skip
         self.upstream_ttft_seconds = Histogram(
-            "upstream_ttft_seconds", "Routing answer to first response byte", ["model"],
+            "upstream_ttft_seconds", "Request sent upstream to first content token", ["model"],
             buckets=TTFT_BUCKETS, namespace=ns, registry=registry,
         )  # fmt: skip
         self.prefix_match_tokens = Histogram(
@@ -101,19 +122,28 @@ class GatewayMetrics:
             ["model"], namespace=ns, registry=registry,
         )  # fmt: skip
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached: the per-response path calls it several times per
+        record, and prometheus_client's `labels()` costs ~10 µs (validation, locking)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def observe_usage(self, model: str, endpoint: str, usage: TokenUsage) -> None:
         """Count a response's tokens; unknown counts are counted as unknown, never as 0."""
         if usage.prompt_tokens is not None:
-            self.prompt_tokens.labels(model, endpoint).inc(usage.prompt_tokens)
+            self.child(self.prompt_tokens, model, endpoint).inc(usage.prompt_tokens)
         if usage.completion_tokens is not None:
-            self.completion_tokens.labels(model, endpoint).inc(usage.completion_tokens)
+            self.child(self.completion_tokens, model, endpoint).inc(usage.completion_tokens)
         if usage.cached_tokens is not None:
-            self.cached_tokens.labels(model, endpoint).inc(usage.cached_tokens)
+            self.child(self.cached_tokens, model, endpoint).inc(usage.cached_tokens)
         if usage.prompt_tokens is None or usage.completion_tokens is None:
-            self.usage_unknown.labels(model).inc()
+            self.child(self.usage_unknown, model).inc()
 
     def observe_request(self, model: str, status: int, strategy: str) -> None:
-        self.requests.labels(model, str(status), strategy).inc()
+        self.child(self.requests, model, str(status), strategy).inc()
 
     def observe_decision(self, strategy: str, seconds: float) -> None:
         self.decision_seconds.labels(strategy).observe(seconds)
@@ -125,7 +155,7 @@ class GatewayMetrics:
         self.tokenizer_estimates.labels(model).inc()
 
     def observe_ttft(self, model: str, seconds: float) -> None:
-        self.upstream_ttft_seconds.labels(model).observe(seconds)
+        self.child(self.upstream_ttft_seconds, model).observe(seconds)
 
     def observe_prefix_match(self, model: str, tokens: int, *, exact: bool) -> None:
         self.prefix_match_tokens.labels(model, "true" if exact else "false").observe(tokens)
@@ -158,6 +188,7 @@ class GatewayMetrics:
 
     def forget_endpoint(self, model: str, endpoint: str) -> None:
         """Drop an endpoint's series after discovery removed it (bounded cardinality)."""
+        self._children.clear()  # removed children must not keep receiving counts
         for metric in (self.prompt_tokens, self.completion_tokens, self.cached_tokens):
             _remove(metric, model, endpoint)
         _remove(self.endpoint_ready, model, endpoint)

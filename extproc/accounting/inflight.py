@@ -3,7 +3,9 @@
 Keyed by address, not by (model, address): several models served by one server share
 its load. Every count is held by a `Lease` whose `finish()` is idempotent and which is a
 context manager, so a cancelled stream (CancelledError through `async with`/`with`, or a
-`finally`) can never leak a count.
+`finally`) can never leak a count. A lease ends when the request's routing stream ends,
+on the process that took it; what the response was (status, tokens, timings) arrives
+separately, in the request's access-log record, on any process (`answered`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from extproc.types import Endpoint, TokenUsage
+from extproc.types import Endpoint
 
 if TYPE_CHECKING:
     from extproc.accounting.gateway_metrics import GatewayMetrics
@@ -32,7 +34,7 @@ class Load:
 class Lease:
     """One routed request's claim on an endpoint. Obtain from `InflightTracker.start`."""
 
-    __slots__ = ("_finished", "_tracker", "endpoint", "first_byte_at", "started_at", "tokens")
+    __slots__ = ("_finished", "_tracker", "endpoint", "started_at", "tokens")
 
     def __init__(self, tracker: InflightTracker, endpoint: Endpoint, tokens: int, now: float):
         self._tracker = tracker
@@ -40,24 +42,17 @@ class Lease:
         self.endpoint = endpoint
         self.tokens = tokens
         self.started_at = now
-        self.first_byte_at: float | None = None
 
     @property
     def finished(self) -> bool:
         return self._finished
 
-    def first_byte(self) -> None:
-        """Mark the first response byte (TTFT); later calls are ignored."""
-        if self.first_byte_at is None and not self._finished:
-            self.first_byte_at = self._tracker.now()
-            self._tracker._answered(self)
-
-    def finish(self, usage: TokenUsage | None = None, *, success: bool = True) -> None:
+    def finish(self) -> None:
         """Release the count. Idempotent: only the first call has any effect."""
         if self._finished:
             return
         self._finished = True
-        self._tracker._release(self, usage, success)
+        self._tracker._release(self)
 
     def __enter__(self) -> Lease:
         return self
@@ -68,7 +63,7 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.finish(success=exc_type is None)
+        self.finish()
 
 
 class InflightTracker:
@@ -84,9 +79,9 @@ class InflightTracker:
         self._metrics = metrics
         self._requests: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
-        # Stall detection: leases still waiting for a first byte, in start order, and the last
-        # time each address answered. Armed by the first first byte ever seen: only then are
-        # responses being watched at all (response accounting on).
+        # Stall detection: watched leases per address in start order, and the last time each
+        # address was seen answering (from access-log records, which any process may get).
+        # Armed by the first answer ever seen: only then are responses being watched at all.
         self._waiting: dict[str, dict[Lease, None]] = {}
         self._answered_at: dict[str, float] = {}
         self._watching = False
@@ -96,7 +91,7 @@ class InflightTracker:
 
     def start(self, endpoint: Endpoint, tokens: int = 0, *, watched: bool = True) -> Lease:
         """Count a request routed to `endpoint`; `tokens` = prompt + expected output.
-        `watched`: its response will be observed (a missing first byte then means something)."""
+        `watched`: its response will be accounted (a missing answer then means something)."""
         tokens = max(0, tokens)
         addr = endpoint.address
         lease = Lease(self, endpoint, tokens, self._clock())
@@ -111,11 +106,12 @@ class InflightTracker:
             self._metrics.set_in_flight(addr, count)
         return lease
 
-    def _answered(self, lease: Lease) -> None:
-        addr = lease.endpoint.address
+    def answered(self, address: str, at: float) -> None:
+        """`address` was seen answering at `at` (this tracker's clock): a response's last
+        upstream byte, from its access-log record."""
         self._watching = True
-        self._answered_at[addr] = self._clock()
-        self._unwait(addr, lease)
+        if at > self._answered_at.get(address, float("-inf")):
+            self._answered_at[address] = at
 
     def _unwait(self, addr: str, lease: Lease) -> None:
         waiting = self._waiting.get(addr)
@@ -125,9 +121,9 @@ class InflightTracker:
                 del self._waiting[addr]
 
     def stalled(self, address: str, after_s: float) -> bool:
-        """True when `address` holds a request unanswered for `after_s` and has answered
-        nothing for as long: it accepts work and returns none (hung, not just busy: a busy pod
-        keeps producing first bytes). False until responses are watched at all."""
+        """True when `address` holds a request for `after_s` and has answered nothing for as
+        long: it accepts work and completes none (hung, not just busy: a busy pod keeps
+        completing requests). False until answers are seen at all."""
         if not self._watching or after_s <= 0:
             return False
         waiting = self._waiting.get(address)
@@ -138,12 +134,9 @@ class InflightTracker:
         last = self._answered_at.get(address)
         return now - oldest > after_s and (last is None or now - last > after_s)
 
-    def _release(self, lease: Lease, usage: TokenUsage | None, success: bool) -> None:
+    def _release(self, lease: Lease) -> None:
         addr = lease.endpoint.address
-        now = self._clock()
         self._unwait(addr, lease)
-        if success and lease.first_byte_at is not None:
-            self._answered_at[addr] = now
         count = self._requests.get(addr, 0) - 1
         if count <= 0:
             self._requests.pop(addr, None)
@@ -155,18 +148,7 @@ class InflightTracker:
         if self._metrics is not None:
             self._metrics.set_in_flight(addr, count)
         if self._stats is not None:
-            total = usage.total_tokens if usage is not None else None
-            if total is None and usage is not None:
-                total = usage.completion_tokens
-            self._stats.request_finished(
-                addr,
-                started=lease.started_at,
-                first_byte=lease.first_byte_at,
-                now=now,
-                tokens=total,
-                completion_tokens=usage.completion_tokens if usage is not None else None,
-                success=success,
-            )
+            self._stats.request_ended(addr, self._clock())
 
     def load(self, address: str) -> Load:
         return Load(self._requests.get(address, 0), self._tokens.get(address, 0))

@@ -1,7 +1,8 @@
 """What the gateway measures about each pod itself: throughput, busy time, latencies.
 
 AIBrix's `least-busy-time` and `throughput` read signals vLLM does not export; we derive
-them from request start / first byte / end as seen by the gateway.
+them from what the gateway sees: busy time from its own in-flight requests (start and end of
+the routing stream), tokens and latencies from each response's access-log record.
 
 Rates and busy time are continuous-time exponential averages with time constant `tau`
 (seconds): a quantity observed `tau` seconds ago weighs 1/e of one observed now. For busy
@@ -67,31 +68,36 @@ class PodStatsTracker:
     def request_started(self, address: str, now: float) -> None:
         self._advance(address, now).in_flight += 1
 
-    def request_finished(
+    def request_ended(self, address: str, now: float) -> None:
+        """A request this process routed to `address` is over (busy time stops counting)."""
+        pod = self._advance(address, now)
+        pod.in_flight = max(0, pod.in_flight - 1)
+
+    def observe_response(
         self,
         address: str,
         *,
-        started: float,
-        first_byte: float | None,
         now: float,
+        latency_s: float | None,
+        ttft_s: float | None,
+        decode_s: float | None,
         tokens: int | None,
         completion_tokens: int | None,
-        success: bool,
     ) -> None:
-        """End one request. Timings and tokens count only for successful requests."""
+        """One successful response served by `address` (from any process's routing):
+        total and first-token latency from the upstream's view, decode time after the first
+        token, and its tokens."""
         pod = self._advance(address, now)
-        pod.in_flight = max(0, pod.in_flight - 1)
-        if not success:
-            return
         pod.requests_total += 1
         if tokens is not None and tokens > 0:
             pod.tokens += tokens
-        pod.latency = _ewma(pod.latency, max(0.0, now - started), self._alpha)
-        if first_byte is not None:
-            pod.ttft = _ewma(pod.ttft, max(0.0, first_byte - started), self._alpha)
-            if completion_tokens is not None and completion_tokens > 1:
-                # First token arrives with the first byte; the rest share the decode time.
-                tpot = max(0.0, now - first_byte) / (completion_tokens - 1)
+        if latency_s is not None:
+            pod.latency = _ewma(pod.latency, max(0.0, latency_s), self._alpha)
+        if ttft_s is not None:
+            pod.ttft = _ewma(pod.ttft, max(0.0, ttft_s), self._alpha)
+            if decode_s is not None and completion_tokens is not None and completion_tokens > 1:
+                # The first token arrives with the first byte; the rest share the decode time.
+                tpot = max(0.0, decode_s) / (completion_tokens - 1)
                 pod.tpot = _ewma(pod.tpot, tpot, self._alpha)
 
     def stats(self, address: str, now: float) -> PodStats:

@@ -11,15 +11,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc.types import EMPTY_LABELS
+from extproc.types import EMPTY_LABELS, TokenUsage
 
 __all__ = [
+    "AccessRecord",
     "BodyMode",
     "ImmediateReply",
+    "MetadataValue",
+    "Outcome",
     "RequestHandler",
     "RequestHead",
-    "ResponseObserver",
+    "RequestTicket",
     "RouteResult",
+    "RoutedRequest",
 ]
 
 
@@ -56,16 +60,76 @@ class ImmediateReply:
     details: str = ""
 
 
-class ResponseObserver(Protocol):
-    """Watches one response: feeds token accounting and ends the in-flight lease."""
+class RequestTicket(Protocol):
+    """A routed request's claim on its endpoint, held by the routing stream that made it.
 
-    def on_headers(self, status: int, headers: Mapping[str, str]) -> None: ...
+    Envoy keeps the routing stream open until the HTTP request is over (response end, client
+    disconnect or error), so the stream's end is when the request ends: `close()` then, on
+    the process that routed it, exactly once."""
 
-    def on_body(self, chunk: bytes, end_of_stream: bool) -> None: ...
+    def close(self) -> None: ...
 
-    def finish(self, *, complete: bool) -> Mapping[str, float]:
-        """Idempotent. Returns token metadata (io.envoy.ai_gateway keys) when usage is known."""
-        ...
+
+MetadataValue = str | int | float | bool
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """What the routing decision knew, as it travels with the request in dynamic metadata
+    (`extproc.wire.REQUEST_NAMESPACE`) and comes back in the request's access-log record."""
+
+    model: str
+    endpoint: str
+    strategy: str
+    route: str = ""
+    user: str = ""
+    prompt_tokens: int = 0  # the gateway's count (tokenized, or estimated when `estimated`)
+    estimated: bool = False
+    stream: bool = False
+    replica: str = ""  # the process that routed it (host:pid)
+
+    def metadata(self) -> dict[str, MetadataValue]:
+        out: dict[str, MetadataValue] = {
+            "model": self.model,
+            "endpoint": self.endpoint,
+            "strategy": self.strategy,
+            "prompt_tokens": self.prompt_tokens,
+            "estimated": self.estimated,
+            "stream": self.stream,
+        }
+        for key in ("route", "user", "replica"):
+            value = getattr(self, key)
+            if value:
+                out[key] = value
+        return out
+
+
+class Outcome(enum.StrEnum):
+    """How a response ended, as Envoy saw it."""
+
+    COMPLETE = "complete"
+    CLIENT_ABORTED = "client_aborted"  # the client went away (reported as status 499)
+    UPSTREAM_FAILED = "upstream_failed"  # reset, refused or timed out upstream
+
+
+@dataclass(frozen=True, slots=True)
+class AccessRecord:
+    """One finished request as Envoy's access log reports it: everything needed to account
+    it on any process (the routing decision's metadata, the served host, status, usage,
+    timings). Durations are seconds from the request's first byte; None when not reached."""
+
+    request_id: str
+    status: int  # HTTP status sent to the client; 0 when none was
+    outcome: Outcome
+    routed: RoutedRequest | None  # None: never routed (rejected at the gateway, accounting off)
+    upstream: str | None  # host:port that served it (after retries)
+    usage: TokenUsage
+    start_time: float  # wall clock, seconds since the epoch
+    upstream_sent_s: float | None = None  # first byte sent upstream
+    upstream_first_byte_s: float | None = None  # first byte received from upstream
+    first_token_s: float | None = None  # first content token seen in the response body
+    upstream_done_s: float | None = None  # last upstream byte received
+    attempts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +139,8 @@ class RouteResult:
     destinations: tuple[str, ...]  # first = pick, rest = fallbacks
     set_headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
     body: bytes | None = None  # replacement body (None = unchanged)
-    observer: ResponseObserver | None = None
-    response_headers: Mapping[str, str] = field(
-        default_factory=lambda: EMPTY_LABELS
-    )  # where the mode allows it
+    ticket: RequestTicket | None = None  # closed when the routing stream ends
+    routed: RoutedRequest | None = None  # written to dynamic metadata for the access log
 
 
 class RequestHandler(Protocol):
@@ -95,11 +157,6 @@ class RequestHandler(Protocol):
         """An OpenAI-style error reply produced at the protocol edge (e.g. body too large)."""
         ...
 
-    def observer_for(self, request_id: str) -> ResponseObserver | None:
-        """The observer of a routed request, for a response-only (observability) stream."""
-        ...
-
-    def request_closed(self, request_id: str) -> None:
-        """The routing stream of a request ended. Envoy keeps it open until the HTTP request
-        is over, so an observer no response stream has claimed by then was cancelled early."""
+    def account(self, record: AccessRecord) -> None:
+        """A request's access-log record, on whatever process Envoy sent it. Never raises."""
         ...

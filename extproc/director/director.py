@@ -1,13 +1,14 @@
 """The request lifecycle: parse -> resolve model and strategy -> tokenize -> candidates ->
 admit -> decide -> prepare (body rewrite, prefill for P/D) -> account the response.
 
-The server calls `route()` once per request and `observer_for()` for response-only streams.
-Everything that becomes an HTTP error is a GatewayError mapped to a reply in `_error_reply`.
+The server calls `route()` once per request, closes the returned ticket when the request's
+routing stream ends, and hands every access-log record (any request's, from any process's
+routing) to `account()`. Everything that becomes an HTTP error is a GatewayError mapped to a
+reply in `error_reply`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -23,10 +24,16 @@ from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.config import Config, RouteSettings
-from extproc.director.api import ImmediateReply, RequestHead, RouteResult
+from extproc.director.api import (
+    AccessRecord,
+    ImmediateReply,
+    RequestHead,
+    RoutedRequest,
+    RouteResult,
+)
 from extproc.director.explain import explain_header, explain_json
 from extproc.director.prefill import PrefillClient, PrefillError
-from extproc.director.response import ResponseAccounting
+from extproc.director.response import RecordAccounting, Ticket
 from extproc.kvcache.hashing import block_hashes, lora_extra_key
 from extproc.kvcache.prefix import PrefixIndex
 from extproc.metrics.store import EndpointStore
@@ -63,8 +70,6 @@ SENSITIVE_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"}
 )
 EXPLAIN_HEADER = "x-routing-explain"
-CLOSE_GRACE_S = 1.0  # wait for the response stream's end before settling a closed request
-CLOSE_MAX_WAIT_S = 10.0
 DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
 
 
@@ -125,7 +130,9 @@ class Director:
         prefill: PrefillClient | None = None,
         on_routed: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        replica: str = "",
     ) -> None:
         self._config = config
         self._models = dict(models)
@@ -146,7 +153,11 @@ class Director:
         self._on_routed = on_routed
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
-        self._pending: dict[str, ResponseAccounting] = {}
+        self._replica = replica
+        self._records = RecordAccounting(
+            metrics=metrics, fairness=fairness, podstats=podstats, inflight=inflight,
+            clock=clock, wall_clock=wall_clock,
+        )  # fmt: skip
         self._deciding = 0  # requests inside route(): parsed, tokenizing or prefilling
 
     # -- RequestHandler ---------------------------------------------------------------------
@@ -164,37 +175,12 @@ class Director:
         self._metrics.observe_request("", status, "")
         return self.error_reply(err)
 
-    def observer_for(self, request_id: str) -> ResponseAccounting | None:
-        obs = self._pending.get(request_id)
-        if obs is not None:
-            obs.attached = True
-        return obs
-
-    def request_closed(self, request_id: str) -> None:
-        if request_id not in self._pending:
-            return  # finished already
-        # Envoy ends the routing stream when the HTTP request is over. A response stream
-        # still running then is finishing (both end together) or was abandoned by the client
-        # (Envoy closes it only after its deferred-close timeout): settle a moment later.
-        deadline = self._clock() + CLOSE_MAX_WAIT_S
-        asyncio.get_running_loop().call_later(
-            CLOSE_GRACE_S, self._settle_unfinished, request_id, deadline
-        )
-
-    def _settle_unfinished(self, request_id: str, deadline: float) -> None:
-        obs = self._pending.get(request_id)
-        if obs is None:
-            return
-        now = self._clock()
-        if obs.attached and now - obs.last_activity < CLOSE_GRACE_S and now < deadline:
-            # Response bytes are still arriving (a loaded server works through a backlog).
-            asyncio.get_running_loop().call_later(
-                CLOSE_GRACE_S, self._settle_unfinished, request_id, deadline
-            )
-            return
-        how = "after its response started" if obs.attached else "before its response started"
-        log.info("request %s ended %s, without a response end (client cancelled?)", request_id, how)
-        obs.finish(complete=False)
+    def account(self, record: AccessRecord) -> None:
+        try:
+            self._records.account(record)
+        except Exception:  # a bug must never end Envoy's access-log stream
+            log.exception("cannot account the record of request %s", record.request_id)
+            self._metrics.access_records.labels("error").inc()
 
     async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
         started = time.perf_counter()
@@ -414,15 +400,6 @@ class Director:
         runtime.prefix.record(endpoint.address, prep.routing.block_hashes, now)
         if self._on_routed is not None:
             self._on_routed(endpoint.address)
-        max_out = req.max_tokens if req.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
-        # A route with accounting off may not have its responses observed: its requests never
-        # count towards the stall detector.
-        lease = self._inflight.start(
-            endpoint, prep.routing.prompt_tokens + max_out, watched=prep.settings.accounting
-        )
-        user = prep.routing.user
-        if user:
-            self._fairness.request_started(user, prep.routing.prompt_tokens)
         for pod in prep.pods:
             if pod.address == endpoint.address:
                 self._metrics.observe_prefix_match(
@@ -452,34 +429,43 @@ class Director:
                 runtime.name
             )  # no ready prefill pod: decode does it all
         new_body = orjson.dumps({**req.body, **changes}) if changes else None
-        observer = ResponseAccounting(
-            request_id=prep.routing.request_id,
-            model=runtime.name,
-            endpoint=endpoint.address,
-            strategy=decision.strategy,
-            stream=req.stream,
-            lease=lease,
-            user=user,
-            prompt_tokens_estimate=prep.routing.prompt_tokens,
-            metrics=self._metrics,
-            fairness=self._fairness,
-            on_done=self._forget,
-            clock=self._clock,
+        # Claims start after the last await, so a cancelled stream cannot leave one behind:
+        # from here the ticket reaches the stream, which closes it when the request ends.
+        max_out = req.max_tokens if req.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
+        # A route with accounting off has no records: its requests never count towards the
+        # stall detector.
+        lease = self._inflight.start(
+            endpoint, prep.routing.prompt_tokens + max_out, watched=prep.settings.accounting
         )
-        self._pending[prep.routing.request_id] = observer
+        user = prep.routing.user
+        if user:
+            self._fairness.request_started(user, prep.routing.prompt_tokens)
+        ticket = Ticket(
+            lease, user=user, model=runtime.name, fairness=self._fairness, metrics=self._metrics
+        )
+        routed = None
+        if accounting:
+            routed = RoutedRequest(
+                model=runtime.name,
+                endpoint=endpoint.address,
+                strategy=decision.strategy,
+                route=head.route_name or "",
+                user=user or "",
+                prompt_tokens=prep.routing.prompt_tokens,
+                estimated=prep.estimated,
+                stream=req.stream,
+                replica=self._replica,
+            )
         set_headers: dict[str, str] = {}
-        response_headers: dict[str, str] = {}
         if decision.session_id is not None or prep.routing.session_id is not None:
             sid = decision.session_id or encode_session(endpoint.address)
             set_headers[self._config.routing.session_header] = sid
-            response_headers[self._config.routing.session_header] = sid
         if (
             self._config.server.allow_explain
             and head.headers.get(EXPLAIN_HEADER, "").lower() == "true"
         ):
             text = explain_header(decision, prep.pods)
             set_headers[EXPLAIN_HEADER] = text
-            response_headers[EXPLAIN_HEADER] = text
             log.debug("routing explain %s: %s", prep.routing.request_id, text)
         destinations = self._destinations(decision)
         log.debug(
@@ -491,8 +477,8 @@ class Director:
             destinations=destinations,
             set_headers=set_headers,
             body=new_body,
-            observer=observer,
-            response_headers=response_headers,
+            ticket=ticket,
+            routed=routed,
         )
 
     def _destinations(self, decision: Decision) -> tuple[str, ...]:
@@ -559,28 +545,6 @@ class Director:
                     }
                 )
         return ImmediateReply(status=200, body=orjson.dumps({"object": "list", "data": data}))
-
-    def _forget(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
-
-    def sweep(self, max_age_s: float) -> int:
-        """Finish observers whose response never came (no observability stream); returns count."""
-        now = self._clock()
-        stale = [o for o in self._pending.values() if now - o.started_at > max_age_s]
-        for obs in stale:
-            obs.finish(complete=False)
-        return len(stale)
-
-    def adopt_pending(self, previous: Director) -> None:
-        """Keep observing responses of requests routed before a config reload."""
-        self._pending.update(previous._pending)
-        for obs in previous._pending.values():
-            obs.rebind(self._forget)
-        previous._pending.clear()
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
 
     @property
     def deciding(self) -> int:

@@ -1,19 +1,19 @@
 """One ext_proc stream: Envoy messages in, Envoy messages out.
 
 This is the thin protocol edge. It knows the processing modes and the message order rules
-(headers -> body -> trailers; one answer per message except in FULL_DUPLEX_STREAMED and
-observability mode) and nothing about routing: the director decides, this module encodes.
+(headers -> body -> trailers; one answer per message except in FULL_DUPLEX_STREAMED) and
+nothing about routing: the director decides, this module encodes.
 
-Two kinds of stream reach it:
-- the routing stream (request headers + body, and in single-filter mode the response too);
-- a response-only stream from a second filter in observability mode: Envoy ignores anything
-  we answer, so we answer nothing and end the RPC at the response end_of_stream (otherwise
-  Envoy keeps it open for deferred_close_timeout and the ext_proc cluster's circuit breaker
-  fills up; see docs/architecture.md).
+A stream is the routing stream of one HTTP request. Envoy keeps it open until the request is
+over, so the stream's end releases what the decision claimed (the request's ticket). The
+response is not seen here: usage is read inside Envoy and arrives in the request's access-log
+record (server/accesslog.py). A filter misconfigured to send response messages still gets
+well-formed answers (and nothing at all in observability mode), so it can never hang traffic.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -24,25 +24,22 @@ from extproc.director.api import (
     ImmediateReply,
     RequestHandler,
     RequestHead,
-    ResponseObserver,
+    RequestTicket,
     RouteResult,
 )
+from extproc.wire import (
+    ATTRIBUTE_NAMESPACE,
+    DESTINATION_HEADER,
+    LB_NAMESPACE,
+    REQUEST_NAMESPACE,
+    SUBSET_HINT_KEY,
+    SUBSET_HINT_NAMESPACE,
+)
 
-__all__ = [
-    "ATTRIBUTE_NAMESPACE",
-    "DESTINATION_HEADER",
-    "StreamProcessor",
-    "build_immediate",
-]
+__all__ = ["Phase", "StreamProcessor", "build_immediate"]
 
 log = logging.getLogger("extproc.server")
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-TOKEN_NAMESPACE = "io.envoy.ai_gateway"
-ATTRIBUTE_NAMESPACE = "envoy.filters.http.ext_proc"
 MAX_STREAMED_CHUNK = 62_000  # the EPP reference implementation's re-chunk size
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -99,10 +96,10 @@ def _attribute(msg: ep.ProcessingRequest, name: str) -> str | None:
 
 
 def _subset_hint(msg: ep.ProcessingRequest) -> tuple[str, ...] | None:
-    ns = msg.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
-    if ns is None or SUBSET_KEY not in ns.fields:
+    ns = msg.metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
+    if ns is None or SUBSET_HINT_KEY not in ns.fields:
         return None
-    value = ns.fields[SUBSET_KEY]
+    value = ns.fields[SUBSET_HINT_KEY]
     kind = value.WhichOneof("kind")
     if kind == "list_value":
         return tuple(v.string_value for v in value.list_value.values if v.string_value)
@@ -111,17 +108,28 @@ def _subset_hint(msg: ep.ProcessingRequest) -> tuple[str, ...] | None:
     return ()
 
 
-def _destination_metadata(resp: ep.ProcessingResponse, value: str) -> None:
-    resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[
-        DESTINATION_HEADER
-    ].string_value = value
+def _decision_metadata(resp: ep.ProcessingResponse, result: RouteResult, value: str) -> None:
+    fields = resp.dynamic_metadata.fields
+    fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
+    if result.routed is not None:
+        ns = fields[REQUEST_NAMESPACE].struct_value.fields
+        for key, v in result.routed.metadata().items():
+            if isinstance(v, bool):
+                ns[key].bool_value = v
+            elif isinstance(v, str):
+                ns[key].string_value = v
+            else:
+                ns[key].number_value = v
 
 
-def _token_metadata(resp: ep.ProcessingResponse, values: Mapping[str, float]) -> None:
-    if values:
-        ns = resp.dynamic_metadata.fields[TOKEN_NAMESPACE].struct_value
-        for k, v in values.items():
-            ns.fields[k].number_value = v
+class Phase(enum.Enum):
+    """Where a stream is. One value, so no two flags can contradict each other."""
+
+    HEADERS = "headers"  # waiting for the request headers
+    BODY = "body"  # collecting the request body
+    ROUTED = "routed"  # answered with a destination; holds the request's ticket
+    REJECTED = "rejected"  # answered with an immediate reply
+    CLOSED = "closed"  # the stream ended; the ticket (if any) is closed
 
 
 class StreamProcessor:
@@ -129,20 +137,16 @@ class StreamProcessor:
 
     def __init__(self, handler: RequestHandler) -> None:
         self._handler = handler
+        self.phase = Phase.HEADERS
         self._request_body_mode = BodyMode.NONE
         self._response_body_mode = BodyMode.NONE
         self._no_wait = False  # STREAMED + send_body_without_waiting_for_header_response
-        self._configured = False
         self._observability = False
+        self._configured = False
         self._head: RequestHead | None = None
         self._body = bytearray()
         self._body_chunks = 0
-        self._routed = False
-        self._rejected = False
-        self._observer: ResponseObserver | None = None
-        self._owns_observer = False  # True when this stream sees the response itself
-        self._response_headers: Mapping[str, str] = {}
-        self._response_done = False
+        self._ticket: RequestTicket | None = None
         self.done = False  # the server should end the RPC
 
     # -- public ----------------------------------------------------------------------------
@@ -151,31 +155,23 @@ class StreamProcessor:
         if not self._configured:
             self._configure(msg)
         kind = msg.WhichOneof("request")
-        if self._observability:
-            self._observe_only(msg, kind)
-            return []
         if kind == "request_headers":
             return await self._on_request_headers(msg)
         if kind == "request_body":
             return await self._on_request_body(msg.request_body)
         if kind == "request_trailers":
             return await self._on_request_trailers()
-        if kind == "response_headers":
-            return self._on_response_headers(msg.response_headers)
-        if kind == "response_body":
-            return self._on_response_body(msg.response_body)
-        if kind == "response_trailers":
-            return self._on_response_trailers()
+        if kind in ("response_headers", "response_body", "response_trailers"):
+            return self._on_response(msg, kind)
         log.warning("ignoring ext_proc message without a known request field: %s", kind)
         return []
 
     def close(self) -> None:
-        """The stream ended (EOF, cancel or error): settle what this stream owns."""
-        if self._observer is not None and self._owns_observer and not self._response_done:
-            self._observer.finish(complete=False)
-        elif self._routed and not self._owns_observer and self._head is not None:
-            self._handler.request_closed(self._head.request_id)
-        self._observer = None
+        """The stream ended (EOF, cancel or error): the HTTP request is over."""
+        self.phase = Phase.CLOSED
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            ticket.close()
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -191,44 +187,16 @@ class StreamProcessor:
             # Envoy older than protocol_config: BUFFERED is the only safe assumption for routing.
             self._request_body_mode = BodyMode.BUFFERED
 
-    # -- observability (response-only) stream ---------------------------------------------
-
-    def _observe_only(self, msg: ep.ProcessingRequest, kind: str | None) -> None:
-        if self._observer is None and not self._response_done:
-            request_id = _attribute(msg, "request.id")
-            if request_id is None and kind == "response_headers":
-                request_id = _headers_dict(msg.response_headers.headers).get("x-request-id")
-            if request_id is not None:
-                self._observer = self._handler.observer_for(request_id)
-                self._owns_observer = self._observer is not None
-        obs = self._observer
-        if kind == "response_headers":
-            hdrs = msg.response_headers
-            if obs is not None:
-                headers = _headers_dict(hdrs.headers)
-                obs.on_headers(_status(headers), headers)
-            if hdrs.end_of_stream:
-                self._finish_response(complete=True)
-        elif kind == "response_body":
-            body = msg.response_body
-            if obs is not None:
-                obs.on_body(body.body, body.end_of_stream)
-            if body.end_of_stream:
-                self._finish_response(complete=True)
-        elif kind == "response_trailers":
-            self._finish_response(complete=True)
-        if self._response_done:
-            self.done = True
-
-    def _finish_response(self, *, complete: bool) -> dict[str, float]:
-        self._response_done = True
-        if self._observer is None:
-            return {}
-        return dict(self._observer.finish(complete=complete))
+    def _reject(self, reply: ImmediateReply) -> list[ep.ProcessingResponse]:
+        self.phase = Phase.REJECTED
+        self.done = True
+        return [build_immediate(reply)]
 
     # -- request path ------------------------------------------------------------------------
 
     async def _on_request_headers(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if self.phase is not Phase.HEADERS:
+            return []
         hdrs = msg.request_headers
         headers = _headers_dict(hdrs.headers)
         self._head = RequestHead(
@@ -241,7 +209,12 @@ class StreamProcessor:
             has_body=not hdrs.end_of_stream,
         )
         if hdrs.end_of_stream or self._request_body_mode == BodyMode.NONE:
-            return [self._answer_headers(await self._handler.route(self._head, None))]
+            result = await self._handler.route(self._head, None)
+            if isinstance(result, ImmediateReply):
+                return self._reject(result)
+            self._accept(result)
+            return [self._headers_response(result)]
+        self.phase = Phase.BODY
         if self._request_body_mode in (BodyMode.FULL_DUPLEX_STREAMED,) or (
             self._request_body_mode == BodyMode.STREAMED and self._no_wait
         ):
@@ -249,16 +222,14 @@ class StreamProcessor:
         return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
 
     async def _on_request_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        if self._rejected or self._routed:
+        if self.phase is not Phase.BODY:
             return []
         self._body_chunks += 1
         if len(self._body) + len(body.body) > self._handler.max_body_bytes:
-            self._rejected = True
-            self.done = True
             reply = self._handler.reject(
                 self._head, 413, f"request body exceeds {self._handler.max_body_bytes} bytes"
             )
-            return [build_immediate(reply)]
+            return self._reject(reply)
         self._body += body.body
         if not body.end_of_stream:
             if self._request_body_mode == BodyMode.STREAMED and not self._no_wait:
@@ -268,9 +239,9 @@ class StreamProcessor:
 
     async def _on_request_trailers(self) -> list[ep.ProcessingResponse]:
         out: list[ep.ProcessingResponse] = []
-        if not self._routed and not self._rejected:
+        if self.phase is Phase.BODY:
             out = await self._route_with_body(trailers=True)
-        if not self._rejected:
+        if self.phase is not Phase.REJECTED:
             out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
         return out
 
@@ -278,9 +249,7 @@ class StreamProcessor:
         assert self._head is not None, "Envoy sends request headers before the body"
         result = await self._handler.route(self._head, bytes(self._body))
         if isinstance(result, ImmediateReply):
-            self._rejected = True
-            self.done = True
-            return [build_immediate(result)]
+            return self._reject(result)
         self._accept(result)
         mode = self._request_body_mode
         if mode == BodyMode.FULL_DUPLEX_STREAMED:
@@ -306,23 +275,12 @@ class StreamProcessor:
             common.body_mutation.body = result.body
             common.status = ep.CommonResponse.CONTINUE_AND_REPLACE
         common.header_mutation.CopyFrom(_mutation(headers))
-        _destination_metadata(resp, headers[DESTINATION_HEADER])
+        _decision_metadata(resp, result, headers[DESTINATION_HEADER])
         return [resp]
 
-    def _answer_headers(self, result: RouteResult | ImmediateReply) -> ep.ProcessingResponse:
-        if isinstance(result, ImmediateReply):
-            self._rejected = True
-            self.done = True
-            return build_immediate(result)
-        self._accept(result)
-        return self._headers_response(result)
-
     def _accept(self, result: RouteResult) -> None:
-        self._routed = True
-        self._observer = result.observer
-        self._response_headers = result.response_headers
-        # This stream sees the response only when its filter sends response messages.
-        self._owns_observer = self._response_body_mode != BodyMode.NONE
+        self.phase = Phase.ROUTED
+        self._ticket = result.ticket
 
     def _headers_response(self, result: RouteResult) -> ep.ProcessingResponse:
         resp = ep.ProcessingResponse()
@@ -331,50 +289,32 @@ class StreamProcessor:
         headers[DESTINATION_HEADER] = ",".join(result.destinations)
         common.header_mutation.CopyFrom(_mutation(headers))
         common.clear_route_cache = True
-        _destination_metadata(resp, headers[DESTINATION_HEADER])
+        _decision_metadata(resp, result, headers[DESTINATION_HEADER])
         return resp
 
-    # -- response path (single-filter modes) ---------------------------------------------------
+    # -- response messages: only from a misconfigured filter --------------------------------
 
-    def _on_response_headers(self, hdrs: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
-        headers = _headers_dict(hdrs.headers)
-        if self._observer is not None:
-            self._observer.on_headers(_status(headers), headers)
-        resp = ep.ProcessingResponse()
-        common = resp.response_headers.response
-        common.SetInParent()
-        if self._response_headers:
-            common.header_mutation.CopyFrom(_mutation(self._response_headers))
-        if hdrs.end_of_stream:
-            _token_metadata(resp, self._finish_response(complete=True))
-        return [resp]
-
-    def _on_response_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        if self._observer is not None and not self._response_done:
-            self._observer.on_body(body.body, body.end_of_stream)
+    def _on_response(self, msg: ep.ProcessingRequest, kind: str) -> list[ep.ProcessingResponse]:
+        """Usage comes from the access log, not from here. Answer so traffic flows (nothing in
+        observability mode, where Envoy ignores answers) and end the stream at the response
+        end, so a deferred-closed stream never holds the ext_proc cluster's budget."""
+        if self._observability:
+            end = kind == "response_trailers" or getattr(msg, kind).end_of_stream
+            self.done = self.done or end
+            return []
+        if kind == "response_headers":
+            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+        if kind == "response_trailers":
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         resp = ep.ProcessingResponse()
         if self._response_body_mode == BodyMode.FULL_DUPLEX_STREAMED:
+            # In this mode Envoy forwards only what we send back: echo every chunk.
             sr = resp.response_body.response.body_mutation.streamed_response
-            sr.body = body.body
-            sr.end_of_stream = body.end_of_stream
+            sr.body = msg.response_body.body
+            sr.end_of_stream = msg.response_body.end_of_stream
         else:
             resp.response_body.SetInParent()
-        if body.end_of_stream:
-            _token_metadata(resp, self._finish_response(complete=True))
         return [resp]
-
-    def _on_response_trailers(self) -> list[ep.ProcessingResponse]:
-        resp = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-        if not self._response_done:
-            _token_metadata(resp, self._finish_response(complete=True))
-        return [resp]
-
-
-def _status(headers: Mapping[str, str]) -> int:
-    try:
-        return int(headers.get(":status", "0"))
-    except ValueError:
-        return 0
 
 
 def _streamed_chunks(body: bytes, *, end: bool) -> list[ep.ProcessingResponse]:

@@ -1,4 +1,4 @@
-"""The gRPC server: ExternalProcessor service, health service, TLS, graceful shutdown."""
+"""The gRPC server: ExternalProcessor and AccessLogService, health, TLS, graceful shutdown."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from extproc._pb.envoy.service.accesslog.v3 import als_pb2_grpc
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.director.api import RequestHandler
+from extproc.server.accesslog import AccessLogService
 from extproc.server.processor import StreamProcessor
 from extproc.server.tls import CertificateFiles
 
@@ -24,6 +26,7 @@ log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS = "liveness"
 READINESS = "readiness"
+ACCESS_LOG_LINGER_S = 1.0  # after the last routing stream, for its record to arrive
 EOF_GRACE_S = 0.01  # after EOF, how long a reset's cancel notice may take to reach the handler
 
 
@@ -103,6 +106,10 @@ class ExtProcServer:
         ep_grpc.add_ExternalProcessorServicer_to_server(
             _ExternalProcessor(handler, self._streams, self.stream_ends), self._server
         )
+        # Envoy's access log for accounting records, on the same port: whichever process
+        # Envoy's access-log stream reaches can account any request.
+        self.access_log = AccessLogService(handler)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         address = f"{options.host}:{options.port}"
         self.tls: CertificateFiles | None = None
@@ -145,8 +152,23 @@ class ExtProcServer:
         if on_draining is not None:
             on_draining()
         log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
-        await self._server.stop(grace)
+        # Access-log streams never end by themselves: keep reading them while routing streams
+        # drain (their requests' records are still coming), then one flush interval more,
+        # then end them so Envoy reconnects to another process.
+        closer = asyncio.create_task(self._close_access_logs(grace))
+        try:
+            await self._server.stop(grace)
+        finally:
+            closer.cancel()
         await self._health.enter_graceful_shutdown()
+
+    async def _close_access_logs(self, grace: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._streams and loop.time() < deadline:  # noqa: ASYNC110 (polls a set)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(min(ACCESS_LOG_LINGER_S, max(0.0, deadline - loop.time())))
+        self.access_log.close_streams()
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()

@@ -35,7 +35,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--body-mode", choices=[m.value for m in RequestBodyMode], default=d.body_mode.value
     )
     p.add_argument(
-        "--response-mode",
+        "--accounting",
         choices=[m.value for m in ResponseAccounting],
         default=d.response_accounting.value,
     )
@@ -64,7 +64,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         tokenizer_dir=args.tokenizer,
         strategy=args.strategy,
         body_mode=RequestBodyMode(args.body_mode),
-        response_accounting=ResponseAccounting(args.response_mode),
+        response_accounting=ResponseAccounting(args.accounting),
         fail_open=args.fail_open,
         kv_events=not args.no_kv_events,
         sim_args=tuple(args.sim_arg),

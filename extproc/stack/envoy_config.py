@@ -3,8 +3,9 @@
 One function builds every variant we ship (see envoy/README.md for each knob):
 
 - the routing ext_proc filter (request headers + body, BUFFERED or FULL_DUPLEX_STREAMED),
-- response accounting as a second ext_proc filter in observability mode (the default: zero
-  added inter-token latency), in the routing filter itself (STREAMED), or not at all,
+- response accounting inside Envoy: a Lua filter (usage.lua) reads `usage` from the body as
+  it streams, and the gRPC access log sends one record per request, with the routing
+  decision's metadata, to the ext_proc servers (or no accounting at all),
 - a model cluster whose `override_host` load-balancing policy honours our
   `x-gateway-destination-endpoint` header/metadata and can only pick the cluster's own hosts,
 - a `baseline` variant (Envoy alone, round robin) for benchmarks.
@@ -25,12 +26,19 @@ from typing import Any
 
 import yaml
 
+from extproc.wire import (
+    ACCESS_LOG_NAME,
+    DESTINATION_HEADER,
+    LB_NAMESPACE,
+    REQUEST_NAMESPACE,
+    SUBSET_HINT_NAMESPACE,
+    TOKEN_NAMESPACE,
+    USAGE_NAMESPACE,
+)
+
 __all__ = [
-    "DESTINATION_HEADER",
     "EXAMPLES",
-    "METADATA_NAMESPACE_AI_GATEWAY",
-    "METADATA_NAMESPACE_LB",
-    "SUBSET_HINT_NAMESPACE",
+    "USAGE_LUA",
     "EnvoyOptions",
     "HostPort",
     "RequestBodyMode",
@@ -42,19 +50,16 @@ __all__ = [
     "write_examples",
 ]
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-METADATA_NAMESPACE_LB = "envoy.lb"
-METADATA_NAMESPACE_AI_GATEWAY = "io.envoy.ai_gateway"
-SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+# The Lua filter that reads usage from response bodies (also shipped in deploy/).
+USAGE_LUA = Path(__file__).with_name("usage.lua")
 
 # Names used inside the bootstrap; tests and the stack read Envoy stats by these.
 LISTENER_NAME = "gateway"
 ROUTE_NAME = "llm"
 MODELS_CLUSTER = "models"
 EXTPROC_CLUSTER = "extproc"
-EXTPROC_OBS_CLUSTER = "extproc_observability"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
-OBSERVABILITY_FILTER = "envoy.filters.http.ext_proc.observability"
+USAGE_FILTER = "envoy.filters.http.lua"
 
 _T = "type.googleapis.com/"
 _EXTPROC_TYPE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -68,14 +73,12 @@ class RequestBodyMode(enum.StrEnum):
 
 
 class ResponseAccounting(enum.StrEnum):
-    """Where response headers and bodies are shown to the ext_proc server for token accounting."""
+    """How responses are accounted."""
 
-    # Second filter, observability_mode: Envoy never waits for us, so no added per-chunk
-    # latency; Envoy ignores our answers (no token rate-limit metadata).
-    OBSERVABILITY = "observability"
-    # Routing filter also gets response headers + STREAMED body: we can emit
-    # io.envoy.ai_gateway metadata, at the cost of a round trip per chunk.
-    STREAMED = "streamed"
+    # Lua reads usage inside Envoy (no added latency, no message per chunk); the gRPC access
+    # log brings one record per request to any ext_proc process; io.envoy.ai_gateway metadata
+    # feeds token rate limits.
+    ACCESS_LOG = "access-log"
     NONE = "none"
 
 
@@ -116,7 +119,7 @@ class EnvoyOptions:
     # Model-server endpoints (the simulators locally).
     endpoints: tuple[HostPort, ...] = _ports("127.0.0.1", 8001, 8002, 8003, 8004)
     request_body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
-    response_accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY
+    response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     # Fail-open: if the ext_proc server is down or slow, requests still flow (override_host
     # then falls back to round robin). Off by default: routing errors should be visible.
     failure_mode_allow: bool = False
@@ -126,16 +129,12 @@ class EnvoyOptions:
     # Retries go to the next address in our header list (override_host walks it in order).
     num_retries: int = 2
     retry_on: str = "connect-failure,refused-stream,reset"
-    # Sized for two filters: each HTTP request holds up to two ext_proc streams, and
-    # observability streams may linger until deferred close (extproc-perf.md, B4 trap).
     extproc_max_requests: int = 100_000
     upstream_max_requests: int = 100_000
-    observability_deferred_close_timeout_s: float = 5.0
-    # Attributes the observability filter sends with the response headers, so its stream can
-    # be correlated with the routing stream (x-request-id) and the host that really served it.
-    observability_response_attributes: tuple[str, ...] = ("request.id", "upstream.address")
+    # Access-log batches go out at least this often (and whenever 16 KiB are buffered).
+    access_log_flush_interval_s: float = 0.5
     request_attributes: tuple[str, ...] = ("xds.route_name",)
-    receiving_namespaces: tuple[str, ...] = (METADATA_NAMESPACE_LB, METADATA_NAMESPACE_AI_GATEWAY)
+    receiving_namespaces: tuple[str, ...] = (LB_NAMESPACE, REQUEST_NAMESPACE)
     forwarding_namespaces: tuple[str, ...] = (SUBSET_HINT_NAMESPACE,)
     # Request headers copied onto the response (only when present).
     echo_headers: tuple[str, ...] = ("x-session-id", "x-routing-explain")
@@ -228,7 +227,7 @@ def _models_cluster(opts: EnvoyOptions) -> dict[str, Any]:
         "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
         override_host_sources=[
             {"header": DESTINATION_HEADER},
-            {"metadata": {"key": METADATA_NAMESPACE_LB, "path": [{"key": DESTINATION_HEADER}]}},
+            {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
         ],
         fallback_policy=_lb_policy(
             "envoy.load_balancing_policies.round_robin",
@@ -239,15 +238,14 @@ def _models_cluster(opts: EnvoyOptions) -> dict[str, Any]:
 
 
 def _routing_filter(opts: EnvoyOptions) -> dict[str, Any]:
-    streamed_response = opts.response_accounting is ResponseAccounting.STREAMED
     mode: dict[str, Any] = {
         "request_header_mode": "SEND",
         "request_body_mode": opts.request_body_mode.value,
         "request_trailer_mode": (
             "SEND" if opts.request_body_mode is RequestBodyMode.FULL_DUPLEX_STREAMED else "SKIP"
         ),
-        "response_header_mode": "SEND" if streamed_response else "SKIP",
-        "response_body_mode": "STREAMED" if streamed_response else "NONE",
+        "response_header_mode": "SKIP",
+        "response_body_mode": "NONE",
         "response_trailer_mode": "SKIP",
     }
     config = _typed(
@@ -265,27 +263,30 @@ def _routing_filter(opts: EnvoyOptions) -> dict[str, Any]:
     return {"name": ROUTING_FILTER, "typed_config": config}
 
 
-def _observability_filter(opts: EnvoyOptions) -> dict[str, Any]:
-    config = _typed(
-        "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        # Own cluster, own circuit breakers: lingering observability streams can never starve
-        # the routing filter's streams.
-        grpc_service={"envoy_grpc": {"cluster_name": EXTPROC_OBS_CLUSTER}},
-        observability_mode=True,
-        deferred_close_timeout=_duration(opts.observability_deferred_close_timeout_s),
-        # Accounting must never fail a request that was already served.
-        failure_mode_allow=True,
-        processing_mode={
-            "request_header_mode": "SKIP",
-            "request_body_mode": "NONE",
-            "request_trailer_mode": "SKIP",
-            "response_header_mode": "SEND",
-            "response_body_mode": "STREAMED",
-            "response_trailer_mode": "SKIP",
-        },
-        response_attributes=list(opts.observability_response_attributes),
-    )
-    return {"name": OBSERVABILITY_FILTER, "typed_config": config}
+def _usage_filter() -> dict[str, Any]:
+    return {
+        "name": USAGE_FILTER,
+        "typed_config": _typed(
+            "envoy.extensions.filters.http.lua.v3.Lua",
+            default_source_code={"inline_string": USAGE_LUA.read_text()},
+        ),
+    }
+
+
+def _accounting_log(opts: EnvoyOptions) -> dict[str, Any]:
+    # One record per request to the ext_proc cluster, batched over one stream per worker.
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": _typed(
+            "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            common_config={
+                "log_name": ACCESS_LOG_NAME,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                "buffer_flush_interval": _duration(opts.access_log_flush_interval_s),
+            },
+        ),
+    }
 
 
 def _strip_destination_filter() -> dict[str, Any]:
@@ -310,8 +311,8 @@ def _http_filters(opts: EnvoyOptions) -> list[dict[str, Any]]:
     filters = [_strip_destination_filter()]
     if opts.extproc:
         filters.append(_routing_filter(opts))
-        if opts.response_accounting is ResponseAccounting.OBSERVABILITY:
-            filters.append(_observability_filter(opts))
+        if opts.response_accounting is ResponseAccounting.ACCESS_LOG:
+            filters.append(_usage_filter())
     filters.append(router)
     return filters
 
@@ -351,8 +352,7 @@ def _route(opts: EnvoyOptions) -> dict[str, Any]:
     return route
 
 
-# One JSON line per request, with the token counts the ext_proc server put in dynamic metadata
-# (present in the single-filter response mode, where Envoy honours the server's answers).
+# One JSON line per request, with the token counts the Lua filter put in dynamic metadata.
 ACCESS_LOG_FORMAT: dict[str, str] = {
     "time": "%START_TIME%",
     "method": "%REQ(:METHOD)%",
@@ -361,10 +361,12 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "upstream": "%UPSTREAM_HOST%",
     "duration_ms": "%DURATION%",
     "request_id": "%REQ(X-REQUEST-ID)%",
-    "destination": "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%",
-    "llm_input_token": "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_input_token)%",
-    "llm_output_token": "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_output_token)%",
-    "llm_total_token": "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_total_token)%",
+    "destination": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{DESTINATION_HEADER})%",
+    "strategy": f"%DYNAMIC_METADATA({REQUEST_NAMESPACE}:strategy)%",
+    "llm_input_token": f"%DYNAMIC_METADATA({TOKEN_NAMESPACE}:llm_input_token)%",
+    "llm_output_token": f"%DYNAMIC_METADATA({TOKEN_NAMESPACE}:llm_output_token)%",
+    "llm_total_token": f"%DYNAMIC_METADATA({TOKEN_NAMESPACE}:llm_total_token)%",
+    "content_events": f"%DYNAMIC_METADATA({USAGE_NAMESPACE}:events)%",
 }
 
 
@@ -379,8 +381,12 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
         },
         http_filters=_http_filters(opts),
     )
+    logs: list[dict[str, Any]] = []
+    accounting = opts.response_accounting is ResponseAccounting.ACCESS_LOG
+    if opts.extproc and not opts.baseline and accounting:
+        logs.append(_accounting_log(opts))
     if opts.access_log:
-        hcm["access_log"] = [
+        logs.append(
             {
                 "name": "envoy.access_loggers.stdout",
                 "typed_config": _typed(
@@ -388,7 +394,9 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
                     log_format={"json_format": ACCESS_LOG_FORMAT},
                 ),
             }
-        ]
+        )
+    if logs:
+        hcm["access_log"] = logs
     return {
         "name": LISTENER_NAME,
         "address": _socket_address(opts.listener),
@@ -408,8 +416,6 @@ def render_bootstrap(opts: EnvoyOptions) -> dict[str, Any]:
     clusters = [_models_cluster(opts)]
     if opts.extproc and not opts.baseline:
         clusters.append(_extproc_cluster(EXTPROC_CLUSTER, opts))
-        if opts.response_accounting is ResponseAccounting.OBSERVABILITY:
-            clusters.append(_extproc_cluster(EXTPROC_OBS_CLUSTER, opts))
     return {
         "admin": {"address": _socket_address(opts.admin)},
         "static_resources": {"listeners": [_listener(opts)], "clusters": clusters},
@@ -426,7 +432,7 @@ def render_yaml(opts: EnvoyOptions, header: str = "") -> str:
 EXAMPLES: Mapping[str, EnvoyOptions] = {
     "local.yaml": EnvoyOptions(),
     "local-duplex.yaml": EnvoyOptions(request_body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED),
-    "local-single-filter.yaml": EnvoyOptions(response_accounting=ResponseAccounting.STREAMED),
+    "local-no-accounting.yaml": EnvoyOptions(response_accounting=ResponseAccounting.NONE),
     "local-baseline.yaml": EnvoyOptions(baseline=True),
 }
 

@@ -55,7 +55,7 @@ class StackOptions:
     tokenizer_dir: str | None = None  # None: the bundled Qwen3 tokenizer
     strategy: str = "least-request"
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
-    response_accounting: ResponseAccounting = ResponseAccounting.OBSERVABILITY
+    response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.accounting import GatewayMetrics, InflightTracker, Load, PodStatsTracker
-from extproc.types import Endpoint, TokenUsage
+from extproc.types import Endpoint
 
 A = Endpoint("10.0.0.1:8000", "m")
 A_OTHER_MODEL = Endpoint("10.0.0.1:8000", "lora")  # same server, another model
@@ -63,8 +64,7 @@ async def test_cancelled_streams_never_leak(no_leaked_tasks: None) -> None:
     started = asyncio.Event()
 
     async def stream(ep: Endpoint) -> None:
-        with t.start(ep, 10) as lease:
-            lease.first_byte()
+        with t.start(ep, 10):
             started.set()
             await asyncio.sleep(3600)  # a response that never ends
 
@@ -83,12 +83,12 @@ async def test_cancelled_streams_never_leak(no_leaked_tasks: None) -> None:
 async def test_finish_before_context_exit_counts_once() -> None:
     t = InflightTracker()
     with t.start(A, 1) as lease:
-        lease.finish(TokenUsage(prompt_tokens=1, completion_tokens=1))
+        lease.finish()
         assert t.total() == 0
     assert t.total() == 0
 
 
-def test_feeds_pod_stats_and_gauge() -> None:
+def test_feeds_busy_time_and_gauge() -> None:
     clock = FakeClock()
     stats = PodStatsTracker(tau=10.0, alpha=0.5)
     registry = CollectorRegistry()
@@ -97,19 +97,15 @@ def test_feeds_pod_stats_and_gauge() -> None:
     lease = t.start(A, 10)
     gauge = "extproc_in_flight_requests"
     assert registry.get_sample_value(gauge, {"endpoint": A.address}) == 1.0
-    clock.now += 0.2
-    lease.first_byte()
-    clock.now += 0.1
-    lease.first_byte()  # ignored: the first byte was already seen
-    clock.now += 0.7
-    lease.finish(TokenUsage(prompt_tokens=100, completion_tokens=11))
+    clock.now += 1.0
+    lease.finish()
     assert registry.get_sample_value(gauge, {"endpoint": A.address}) == 0.0
     s = stats.stats(A.address, clock.now)
-    assert s.requests_total == 1
-    assert s.ttft_avg_s == pytest.approx(0.2)
-    assert s.latency_avg_s == pytest.approx(1.0)
-    assert s.tpot_avg_s == pytest.approx(0.8 / 10)
-    assert s.throughput_tokens_per_s == pytest.approx(111 / 10.0)
+    # Busy for 1 s with tau 10: 10 * (1 - e^-0.1). Samples come from records, not leases.
+    assert s.busy_time_s == pytest.approx(10.0 * (1 - math.exp(-0.1)))
+    assert s.requests_total == 0
+    clock.now += 5.0
+    assert stats.stats(A.address, clock.now).busy_time_s < s.busy_time_s  # idle: it decays
 
 
 def test_failed_request_releases_but_records_no_latency() -> None:
@@ -126,47 +122,54 @@ def test_failed_request_releases_but_records_no_latency() -> None:
     assert s.busy_time_s > 0  # it was busy while the request was in flight
 
 
-def test_stall_needs_an_old_unanswered_request_and_no_recent_answer() -> None:
+def test_stall_needs_an_old_request_and_no_recent_answer() -> None:
     clock = FakeClock()
     t = InflightTracker(clock=clock)
-    a0 = t.start(A)
+    t.start(A)
     assert not t.stalled(A.address, 5.0)
     clock.now += 60
-    # Responses are not watched until some first byte is seen: nothing can be called stalled.
+    # No answer seen yet anywhere (accounting off?): nothing can be called stalled.
     assert not t.stalled(A.address, 5.0)
-    b = t.start(B)
-    b.first_byte()  # B answers: responses are watched from now on
+    t.answered(B.address, clock.now)  # B answers: responses are watched from now on
     assert t.stalled(A.address, 5.0)  # A holds a 60 s old request and never answered
     assert not t.stalled(B.address, 5.0)
     assert not t.stalled(A.address, 0.0)  # 0 turns it off
-    a0.first_byte()  # A answers at last
+    t.answered(A.address, clock.now - 1)  # a record shows A answering a second ago
     assert not t.stalled(A.address, 5.0)
 
 
 def test_a_busy_pod_that_keeps_answering_is_not_stalled() -> None:
     clock = FakeClock()
     t = InflightTracker(clock=clock)
-    t.start(B).first_byte()
-    slow = t.start(A)  # a long prefill: no first byte for 30 s
+    t.answered(B.address, clock.now)
+    slow = t.start(A)  # a long request
     for _ in range(30):
         clock.now += 1
         quick = t.start(A)
-        quick.first_byte()  # meanwhile A answers other requests every second
         quick.finish()
+        t.answered(A.address, clock.now)  # meanwhile A completes other requests every second
     assert clock.now - slow.started_at == 30
     assert not t.stalled(A.address, 5.0)
     clock.now += 6  # now A goes silent while still holding the slow request
     assert t.stalled(A.address, 5.0)
-    slow.finish(success=False)  # the client gave up: nothing waits on A any more
+    slow.finish()  # the client gave up: nothing waits on A any more
+    assert not t.stalled(A.address, 5.0)
+
+
+def test_an_old_answer_never_moves_the_last_answer_back() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    t.start(A)
+    t.answered(A.address, clock.now)
+    t.answered(A.address, clock.now - 50)  # a late record of an old response
+    clock.now += 4
     assert not t.stalled(A.address, 5.0)
 
 
 def test_finished_leases_leave_no_waiting_state() -> None:
     t = InflightTracker()
     leases = [t.start(A) for _ in range(100)]
-    for i, lease in enumerate(leases):
-        if i % 2:
-            lease.first_byte()
+    for lease in leases:
         lease.finish()
     assert t._waiting == {}
     assert t.total() == 0
@@ -175,10 +178,10 @@ def test_finished_leases_leave_no_waiting_state() -> None:
 def test_unwatched_requests_never_make_a_pod_stalled() -> None:
     clock = FakeClock()
     t = InflightTracker(clock=clock)
-    t.start(B).first_byte()  # responses are watched somewhere
+    t.answered(B.address, clock.now)  # responses are watched somewhere
     long_unobserved = t.start(A, watched=False)  # e.g. a route with accounting off
     clock.now += 60
     assert not t.stalled(A.address, 5.0)
     assert t.load(A.address).requests == 1  # still counted as load
     long_unobserved.finish()
-    assert t.total() == 1
+    assert t.total() == 0

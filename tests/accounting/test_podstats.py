@@ -20,16 +20,17 @@ def finish(
     first_byte: float | None = None,
     tokens: int | None = None,
     completion: int | None = None,
-    success: bool = True,
 ) -> None:
-    t.request_finished(
+    """One request: its routing stream ends, then its record's samples arrive."""
+    t.request_ended(ADDR, now)
+    t.observe_response(
         ADDR,
-        started=started,
-        first_byte=first_byte,
         now=now,
+        latency_s=now - started,
+        ttft_s=None if first_byte is None else first_byte - started,
+        decode_s=None if first_byte is None else now - first_byte,
         tokens=tokens,
         completion_tokens=completion,
-        success=success,
     )
 
 
@@ -45,7 +46,7 @@ def test_busy_time_of_one_long_request(duration: float) -> None:
     # Integral of exp(-(T-s)/tau) over [0, T] = tau (1 - exp(-T/tau)).
     expected = tau * (1 - math.exp(-duration / tau))
     assert t.stats(ADDR, duration).busy_time_s == pytest.approx(expected)
-    finish(t, started=0.0, now=duration)
+    t.request_ended(ADDR, duration)
     # Idle afterwards: only decay.
     after = t.stats(ADDR, duration + tau).busy_time_s
     assert after == pytest.approx(expected * math.exp(-1))
@@ -117,6 +118,17 @@ def test_single_token_response_gives_no_tpot() -> None:
     finish(t, started=0.0, now=1.0, first_byte=0.5, tokens=5, completion=1)
     s = t.stats(ADDR, 1.0)
     assert s.tpot_avg_s is None and s.ttft_avg_s == pytest.approx(0.5)
+
+
+def test_a_sample_without_timings_counts_the_request_and_tokens_only() -> None:
+    t = PodStatsTracker(tau=10.0)
+    t.observe_response(
+        ADDR, now=1.0, latency_s=None, ttft_s=None, decode_s=None, tokens=50, completion_tokens=40
+    )
+    s = t.stats(ADDR, 1.0)
+    assert s.requests_total == 1
+    assert s.throughput_tokens_per_s == pytest.approx(5.0)
+    assert s.latency_avg_s is None and s.ttft_avg_s is None and s.tpot_avg_s is None
 
 
 def test_time_never_runs_backwards() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
@@ -22,11 +23,14 @@ import pytest
 import yaml
 
 from extproc.config import load_config_text, parse_route_annotations
+from extproc.wire import ACCESS_LOG_NAME, LB_NAMESPACE, REQUEST_NAMESPACE, TOKEN_NAMESPACE
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CRDS = Path(__file__).resolve().parent / "crds"  # upstream CRDs, unmodified (see its README)
-OVERLAYS = ["envoy-gateway", "envoy-gateway-shadow", "inferencepool", "sim"]
+OVERLAYS = ["envoy-gateway", "envoy-gateway-token-limits", "inferencepool", "sim"]
+# The accounting Lua filter: one script for the local stack and for Envoy Gateway.
+USAGE_LUA = REPO / "extproc" / "stack" / "usage.lua"
 KUBERNETES_VERSION = "1.32"
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 
@@ -46,6 +50,17 @@ def render(overlay: str) -> tuple[dict[str, Any], ...]:
 def find(docs: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
     matches = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
     assert len(matches) == 1, f"expected one {kind} {name or ''}, got {len(matches)}"
+    return matches[0]
+
+
+def server_config_map(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """The server's ConfigMap: generated from deploy/base/config.yaml, hash-suffixed name."""
+    matches = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("extproc-config-")
+    ]
+    assert len(matches) == 1, f"expected one extproc-config-<hash> ConfigMap, got {len(matches)}"
     return matches[0]
 
 
@@ -100,6 +115,11 @@ def all_objects() -> Iterator[Any]:
             )
 
 
+def test_every_overlay_is_checked() -> None:
+    present = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if p.is_dir())
+    assert present == sorted(OVERLAYS)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders(overlay: str) -> None:
     kinds = {doc["kind"] for doc in render(overlay)}
@@ -120,6 +140,18 @@ def test_the_validator_rejects_what_the_api_server_would() -> None:
     policy["spec"]["extProc"][0]["processingMod"] = {}
     with pytest.raises(jsonschema.ValidationError):
         validate(policy)
+    proxy = copy.deepcopy(find(render("envoy-gateway"), "EnvoyProxy"))
+    proxy["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]["type"] = "Als"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(proxy)
+    proxy = copy.deepcopy(find(render("envoy-gateway"), "EnvoyProxy"))
+    proxy["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]["als"]["logname"] = "x"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(proxy)
+    gateway = copy.deepcopy(find(render("envoy-gateway"), "Gateway"))
+    del gateway["spec"]["infrastructure"]["parametersRef"]["group"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(gateway)
     deployment = copy.deepcopy(find(render("envoy-gateway"), "Deployment"))
     deployment["spec"]["replica"] = 2
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -148,7 +180,7 @@ def test_server_deployment_is_hardened_and_probed() -> None:
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     assert {"cpu", "memory"} <= set(container["resources"]["limits"])
     # The generated ConfigMap (hash-suffixed name) is the one mounted.
-    configmap = find(docs, "ConfigMap")
+    configmap = server_config_map(docs)
     mounted = {v["name"]: v for v in pod["volumes"]}["config"]["configMap"]["name"]
     assert mounted == configmap["metadata"]["name"]
     pdb = find(docs, "PodDisruptionBudget")
@@ -187,7 +219,19 @@ def test_rbac_is_read_only_except_creating_events() -> None:
     assert not any(d["kind"].startswith("Cluster") for d in render("envoy-gateway"))
 
 
-def test_extension_policy_processing_modes() -> None:
+def grpc_service(docs: tuple[dict[str, Any], ...]) -> tuple[str, str, int]:
+    """Namespace, name and gRPC port of the server's Service: ext_proc and access log alike."""
+    service = find(docs, "Service", "extproc")
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    return service["metadata"]["namespace"], service["metadata"]["name"], port["port"]
+
+
+def lua_metadata_keys() -> set[tuple[str, str]]:
+    """(namespace, key) of every dynamic metadata usage.lua writes."""
+    return set(re.findall(r':set\(\s*"([^"]+)"\s*,\s*"([^"]+)"', USAGE_LUA.read_text()))
+
+
+def test_extension_policy_routes_on_the_request_only() -> None:
     docs = render("envoy-gateway")
     policy = find(docs, "EnvoyExtensionPolicy")
     route = find(docs, "HTTPRoute")
@@ -198,25 +242,136 @@ def test_extension_policy_processing_modes() -> None:
             "name": route["metadata"]["name"],
         }
     ]
-    routing, accounting = policy["spec"]["extProc"]
-    service = find(docs, "Service", "extproc")
-    for entry in (routing, accounting):
-        (ref,) = entry["backendRefs"]
-        assert (ref["kind"], ref["name"], ref["port"]) == ("Service", "extproc", 9002)
-        assert service["metadata"]["namespace"] == policy["metadata"]["namespace"]
+    (routing,) = policy["spec"]["extProc"]
+    namespace, name, port = grpc_service(docs)
+    (ref,) = routing["backendRefs"]
+    assert (ref["group"], ref["kind"], ref["name"], ref["port"]) == ("", "Service", name, port)
+    assert namespace == policy["metadata"]["namespace"]
     assert routing["processingMode"] == {
         "request": {"body": "Buffered", "attributes": ["xds.route_name"]}
     }
     assert routing["failOpen"] is False
-    assert set(routing["metadata"]["writableNamespaces"]) == {"envoy.lb", "io.envoy.ai_gateway"}
-    assert accounting["processingMode"]["response"]["body"] == "Streamed"
-    assert "request" not in accounting["processingMode"]
+    # The pick (envoy.lb) and what the decision knew, for the access-log record
+    # (extproc.request); token metadata is the Lua filter's.
+    assert sorted(routing["metadata"]["writableNamespaces"]) == sorted(
+        [LB_NAMESPACE, REQUEST_NAMESPACE]
+    )
 
-    shadow = find(render("envoy-gateway-shadow"), "EnvoyExtensionPolicy")["spec"]["extProc"]
-    assert "shadowMode" not in shadow[0]
-    # EG's CEL rule: shadowMode needs Streamed (or no) body modes.
-    assert shadow[1]["shadowMode"] is True
-    assert shadow[1]["processingMode"]["response"]["body"] == "Streamed"
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("envoy-gateway")])
+def test_no_ext_proc_filter_observes_responses(overlay: str) -> None:
+    # Accounting reads usage inside Envoy (Lua) and gets one access-log record per request; an
+    # ext_proc filter on the response would cost a gRPC message per streamed chunk again.
+    policies = [d for d in render(overlay) if d["kind"] == "EnvoyExtensionPolicy"]
+    assert policies
+    for policy in policies:
+        for entry in policy["spec"].get("extProc", []):
+            assert "response" not in entry.get("processingMode", {})
+            assert not entry.get("shadowMode", False)
+
+
+def test_overlay_ships_the_stack_usage_lua_byte_for_byte() -> None:
+    shipped = DEPLOY / "overlays" / "envoy-gateway" / "usage.lua"
+    assert shipped.read_bytes() == USAGE_LUA.read_bytes(), (
+        f"copy {USAGE_LUA.relative_to(REPO)} to {shipped.relative_to(REPO)}"
+    )
+
+
+def test_extension_policy_runs_usage_lua_from_the_generated_config_map() -> None:
+    docs = render("envoy-gateway")
+    policy = find(docs, "EnvoyExtensionPolicy")
+    (lua,) = policy["spec"]["lua"]
+    # Envoy Gateway's CEL rules, which the JSON schema leaves out: a ValueRef has a valueRef
+    # and no inline, and names a ConfigMap of the core group.
+    assert lua["type"] == "ValueRef" and "inline" not in lua
+    ref = lua["valueRef"]
+    assert ref["kind"] == "ConfigMap" and ref["group"] in ("", "v1")
+    # Resolvable as written (no hash suffix), in the policy's namespace.
+    configmap = find(docs, "ConfigMap", ref["name"])
+    assert configmap["metadata"]["namespace"] == policy["metadata"]["namespace"]
+    # Envoy Gateway reads the key `lua` (else whichever key comes first).
+    assert configmap["data"] == {"lua": USAGE_LUA.read_text()}
+
+
+def test_gateway_takes_the_envoy_proxy() -> None:
+    docs = render("envoy-gateway")
+    gateway = find(docs, "Gateway")
+    proxy = find(docs, "EnvoyProxy")
+    assert gateway["spec"]["infrastructure"]["parametersRef"] == {
+        "group": "gateway.envoyproxy.io",
+        "kind": "EnvoyProxy",
+        "name": proxy["metadata"]["name"],
+    }
+    # A Gateway's parametersRef is local: Envoy Gateway looks in the Gateway's namespace.
+    assert proxy["metadata"]["namespace"] == gateway["metadata"]["namespace"]
+    route = find(docs, "HTTPRoute")
+    assert [p["name"] for p in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]
+
+
+def test_access_log_sends_each_request_to_the_ext_proc_service() -> None:
+    docs = render("envoy-gateway")
+    proxy = find(docs, "EnvoyProxy")
+    settings = proxy["spec"]["telemetry"]["accessLog"]["settings"]
+    als = [(s, sink["als"]) for s in settings for sink in s["sinks"] if sink["type"] == "ALS"]
+    assert len(als) == 1
+    setting, sink = als[0]
+    # One record per HTTP request (not per upstream attempt), for every request.
+    assert setting["type"] == "Route"
+    assert "matches" not in setting
+    assert sink["type"] == "HTTP"
+    assert sink["logName"] == ACCESS_LOG_NAME  # the server ignores other logs
+    # Envoy Gateway's CEL rules: backendRefs (not backendRef), Service of the core group.
+    assert "backendRef" not in sink
+    (ref,) = sink["backendRefs"]
+    assert (ref["group"], ref["kind"]) == ("", "Service")
+    namespace, name, port = grpc_service(docs)
+    assert (ref["name"], ref["port"]) == (name, port)
+    # A backendRef without namespace is looked up in the EnvoyProxy's namespace.
+    assert ref.get("namespace", proxy["metadata"]["namespace"]) == namespace
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
+    container = find(docs, "Deployment", "extproc")["spec"]["template"]["spec"]["containers"][0]
+    grpc = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    assert config.server.grpc_port == grpc
+
+
+def test_access_log_keeps_the_default_stdout_log() -> None:
+    # Settings replace Envoy Gateway's default (JSON to /dev/stdout, routes and unmatched
+    # requests): one setting must bring it back as it was.
+    settings = find(render("envoy-gateway"), "EnvoyProxy")["spec"]["telemetry"]["accessLog"]
+    stdout = [s for s in settings["settings"] if any(k["type"] == "File" for k in s["sinks"])]
+    assert stdout == [{"sinks": [{"type": "File", "file": {"path": "/dev/stdout"}}]}]
+    assert "disable" not in settings
+
+
+def test_default_overlay_needs_no_rate_limit_service() -> None:
+    # A global rate limit without Envoy Gateway's rate limit service makes the route answer 500.
+    assert "rateLimit" not in find(render("envoy-gateway"), "BackendTrafficPolicy")["spec"]
+
+
+def test_token_limits_charge_what_the_lua_filter_writes() -> None:
+    docs = render("envoy-gateway-token-limits")
+    policy = find(docs, "BackendTrafficPolicy")
+    assert (
+        policy["spec"]["loadBalancer"]
+        == find(render("envoy-gateway"), "BackendTrafficPolicy")["spec"]["loadBalancer"]
+    )
+    rate = policy["spec"]["rateLimit"]
+    assert rate["type"] == "Global"  # response costs exist for global limits only
+    (rule,) = rate["global"]["rules"]
+    # Check the budget on the request; charge the answer's tokens when it is done.
+    assert rule["cost"]["request"] == {"from": "Number", "number": 0}
+    response = rule["cost"]["response"]
+    assert response["from"] == "Metadata" and "number" not in response
+    charged = (response["metadata"]["namespace"], response["metadata"]["key"])
+    assert charged == (TOKEN_NAMESPACE, "llm_total_token")
+    written = lua_metadata_keys()
+    assert {(TOKEN_NAMESPACE, "llm_input_token"), (TOKEN_NAMESPACE, "llm_output_token")} <= written
+    assert charged in written
+    # Users are told apart the way the server tells them apart.
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
+    assert rule["clientSelectors"] == [
+        {"headers": [{"name": config.routing.user_header, "type": "Distinct"}]}
+    ]
 
 
 def test_backend_traffic_policy_overrides_the_endpoint_from_our_header() -> None:
@@ -240,7 +395,7 @@ def test_example_route_annotations_are_valid() -> None:
 @pytest.mark.parametrize("overlay", ["envoy-gateway", "inferencepool"])
 def test_embedded_config_loads_and_finds_the_simulated_pods(overlay: str) -> None:
     docs = render(overlay)
-    config = load_config_text(find(docs, "ConfigMap")["data"]["config.yaml"])
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
     assert config.server.grpc_port == 9002 and config.server.metrics_port == 9090
     assert config.server.host == "0.0.0.0"  # reachable from Envoy through the Service
     sim = find(render("sim"), "Deployment", "vllm-sim")

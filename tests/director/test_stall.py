@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 
 from extproc.director.api import RequestHead, RouteResult
+from tests.director._records import record_for
 from tests.reliability._director import POOL, DirectorKit, build_director, config_text
 
 BODY = orjson.dumps(
@@ -26,19 +27,22 @@ def stall_config(after_s: float) -> str:
     return text.replace("routing:\n", f"routing:\n  stall_after_s: {after_s}\n", 1)
 
 
-async def _route_many(kit: DirectorKit, start: int, n: int, *, answer: set[str]) -> Counter[str]:
+async def _route_many(
+    kit: DirectorKit, start: int, n: int, *, answer: set[str], held: dict[int, RouteResult]
+) -> Counter[str]:
+    """Route n requests; those picked onto `answer` pods complete (routing stream ends, the
+    record arrives), the others stay held in `held`."""
     picks: Counter[str] = Counter()
     for i in range(start, start + n):
         res = await kit.director.route(head(i), BODY)
-        assert isinstance(res, RouteResult)
+        assert isinstance(res, RouteResult) and res.ticket is not None
         pick = res.destinations[0]
         picks[pick] += 1
         if pick in answer:
-            obs = kit.director.observer_for(f"r{i}")
-            assert obs is not None
-            obs.on_headers(200, {})
-            obs.on_body(b'{"usage": {"prompt_tokens": 9, "completion_tokens": 4}}', True)
-            obs.finish(complete=True)
+            res.ticket.close()
+            kit.director.account(record_for(res, started_ago_s=0.01, done_s=0.005))
+        else:
+            held[i] = res
     return picks
 
 
@@ -47,21 +51,22 @@ async def test_hung_pod_leaves_the_candidates_and_returns_when_it_answers(
 ) -> None:
     hung = POOL[0]
     kit = build_director(stall_config(STALL_S), qwen_tokenizer_dir)
+    held: dict[int, RouteResult] = {}
     try:
         # Round robin spreads requests; the hung pod keeps its requests, the others answer.
-        first = await _route_many(kit, 0, 9, answer=set(POOL) - {hung})
+        first = await _route_many(kit, 0, 9, answer=set(POOL) - {hung}, held=held)
         assert first[hung] == 3
         await asyncio.sleep(STALL_S * 2)
         assert kit.director._inflight.stalled(hung, STALL_S)
-        during = await _route_many(kit, 100, 30, answer=set(POOL) - {hung})
+        during = await _route_many(kit, 100, 30, answer=set(POOL) - {hung}, held=held)
         assert during[hung] == 0, during  # left out while the others answer
         assert sum(during.values()) == 30  # and nothing was refused
-        # The pod answers one of its held requests: it is a candidate again at once.
-        obs = kit.director.observer_for("r0")
-        assert obs is not None
-        obs.on_headers(200, {})
-        obs.on_body(b"data: {}\n\n", False)
-        after = await _route_many(kit, 200, 30, answer=set(POOL))
+        # The pod completes one of its held requests: it is a candidate again at once.
+        res = held.pop(0)
+        assert res.ticket is not None
+        res.ticket.close()
+        kit.director.account(record_for(res, started_ago_s=STALL_S * 3, done_s=STALL_S * 3))
+        after = await _route_many(kit, 200, 30, answer=set(POOL), held=held)
         assert after[hung] >= 5, after
     finally:
         kit.close()
@@ -69,12 +74,13 @@ async def test_hung_pod_leaves_the_candidates_and_returns_when_it_answers(
 
 async def test_when_every_pod_looks_stalled_none_is_singled_out(qwen_tokenizer_dir: Path) -> None:
     kit = build_director(stall_config(STALL_S), qwen_tokenizer_dir)
+    held: dict[int, RouteResult] = {}
     try:
-        await _route_many(kit, 0, 1, answer=set(POOL))  # one answer arms the detector
-        await _route_many(kit, 1, 6, answer=set())  # then nobody answers
+        await _route_many(kit, 0, 1, answer=set(POOL), held=held)  # one answer arms it
+        await _route_many(kit, 1, 6, answer=set(), held=held)  # then nobody answers
         await asyncio.sleep(STALL_S * 2)
         assert all(kit.director._inflight.stalled(a, STALL_S) for a in POOL)
-        picks = await _route_many(kit, 100, 12, answer=set())
+        picks = await _route_many(kit, 100, 12, answer=set(), held=held)
         assert set(picks) == set(POOL)  # everyone is slow alike: keep spreading
     finally:
         kit.close()
@@ -83,10 +89,11 @@ async def test_when_every_pod_looks_stalled_none_is_singled_out(qwen_tokenizer_d
 async def test_off_with_zero(qwen_tokenizer_dir: Path) -> None:
     hung = POOL[0]
     kit = build_director(stall_config(0), qwen_tokenizer_dir)
+    held: dict[int, RouteResult] = {}
     try:
-        await _route_many(kit, 0, 9, answer=set(POOL) - {hung})
+        await _route_many(kit, 0, 9, answer=set(POOL) - {hung}, held=held)
         await asyncio.sleep(STALL_S)
-        picks = await _route_many(kit, 100, 9, answer=set(POOL) - {hung})
+        picks = await _route_many(kit, 100, 9, answer=set(POOL) - {hung}, held=held)
         assert picks[hung] == 3
     finally:
         kit.close()

@@ -15,6 +15,7 @@ import yaml
 
 from extproc.stack.envoy_config import (
     EXAMPLES,
+    USAGE_LUA,
     EnvoyOptions,
     HostPort,
     RequestBodyMode,
@@ -24,14 +25,16 @@ from extproc.stack.envoy_config import (
     render_bootstrap,
     render_yaml,
 )
+from extproc.wire import ACCESS_LOG_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 
 VARIANTS: dict[str, EnvoyOptions] = {
     **{f"example:{name}": opts for name, opts in EXAMPLES.items()},
-    "duplex+streamed": EnvoyOptions(
+    "duplex+access-log": EnvoyOptions(
         request_body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED,
-        response_accounting=ResponseAccounting.STREAMED,
+        response_accounting=ResponseAccounting.ACCESS_LOG,
+        access_log=True,
     ),
     "no-accounting+fail-open+log": EnvoyOptions(
         response_accounting=ResponseAccounting.NONE, failure_mode_allow=True, access_log=True
@@ -120,7 +123,7 @@ def test_envoy_data_plane_rejects_unknown_fields() -> None:
     config = render_bootstrap(EnvoyOptions())
     broken = copy.deepcopy(config)
     hcm = broken["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    hcm["typed_config"]["http_filters"][2]["typed_config"]["observabilty_mode"] = True
+    hcm["typed_config"]["http_filters"][1]["typed_config"]["observabilty_mode"] = True
     with pytest.raises(KeyError, match="observabilty_mode"):
         _data_plane_bootstrap(broken)
 
@@ -140,11 +143,11 @@ def _clusters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     [
         (
             EnvoyOptions(),
-            ["header_mutation", "ext_proc", "ext_proc.observability", "router"],
-            ["models", "extproc", "extproc_observability"],
+            ["header_mutation", "ext_proc", "lua", "router"],
+            ["models", "extproc"],
         ),
         (
-            EnvoyOptions(response_accounting=ResponseAccounting.STREAMED),
+            EnvoyOptions(response_accounting=ResponseAccounting.NONE),
             ["header_mutation", "ext_proc", "router"],
             ["models", "extproc"],
         ),
@@ -172,13 +175,6 @@ def test_filter_chain_shape(
             "NONE",
             "SEND",
         ),
-        (
-            EnvoyOptions(response_accounting=ResponseAccounting.STREAMED),
-            "BUFFERED",
-            "SEND",
-            "STREAMED",
-            "SKIP",
-        ),
     ],
 )
 def test_routing_filter_modes(
@@ -194,24 +190,43 @@ def test_routing_filter_modes(
     )
     assert routing["metadata_options"]["receiving_namespaces"]["untyped"] == [
         "envoy.lb",
-        "io.envoy.ai_gateway",
+        "extproc.request",
     ]
     assert routing["request_attributes"] == ["xds.route_name"]
 
 
-def test_observability_filter_has_its_own_cluster_and_breakers() -> None:
-    opts = EnvoyOptions(extproc_max_requests=12345)
+def _access_logs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    logs: list[dict[str, Any]] = hcm["typed_config"].get("access_log", [])
+    return logs
+
+
+def test_accounting_is_a_lua_filter_and_a_grpc_access_log_to_the_extproc_cluster() -> None:
+    config = render_bootstrap(EnvoyOptions(extproc_max_requests=12345))
+    lua = _filters(config)[2]["typed_config"]
+    assert lua["default_source_code"]["inline_string"] == USAGE_LUA.read_text()
+    [als] = _access_logs(config)
+    common = als["typed_config"]["common_config"]
+    assert common["log_name"] == ACCESS_LOG_NAME
+    assert common["grpc_service"]["envoy_grpc"]["cluster_name"] == "extproc"
+    assert common["buffer_flush_interval"] == "0.5s"
+    cluster = _clusters(config)["extproc"]
+    assert cluster["lb_policy"] == "LEAST_REQUEST"
+    assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == 12345
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        EnvoyOptions(response_accounting=ResponseAccounting.NONE),
+        EnvoyOptions(extproc=()),
+        EnvoyOptions(baseline=True),
+    ],
+)
+def test_no_accounting_log_without_accounting(opts: EnvoyOptions) -> None:
     config = render_bootstrap(opts)
-    obs = _filters(config)[2]["typed_config"]
-    assert obs["observability_mode"] is True
-    assert obs["grpc_service"]["envoy_grpc"]["cluster_name"] == "extproc_observability"
-    assert obs["processing_mode"]["response_body_mode"] == "STREAMED"
-    assert obs["processing_mode"]["request_header_mode"] == "SKIP"
-    for name in ("extproc", "extproc_observability"):
-        cluster = _clusters(config)[name]
-        assert cluster["lb_policy"] == "LEAST_REQUEST"
-        assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == 12345
-        assert cluster["circuit_breakers"]["thresholds"][0]["max_pending_requests"] == 12345
+    assert _access_logs(config) == []
+    assert "lua" not in {f["name"].removeprefix("envoy.filters.http.") for f in _filters(config)}
 
 
 def test_extproc_processes_all_in_one_cluster() -> None:

@@ -4,7 +4,9 @@ Proves the Envoy half of the security and fallback contract:
 (a) `x-gateway-destination-endpoint: <dead>,<alive>` set by the ext_proc is retried to <alive>;
 (b) a destination outside the model cluster is never reached (client- or ext_proc-supplied);
 (c) the client's own destination header is stripped before the ext_proc and the upstream see it;
-plus the %REQ()% echo of x-session-id / x-routing-explain onto the response.
+plus the %REQ()% echo of x-session-id / x-routing-explain onto the response, and the accounting
+path: the Lua filter reads usage from the body and the gRPC access log delivers one record per
+request carrying the decision's metadata.
 The ext_proc server here uses our generated extproc._pb stubs over real gRPC, so it also shows
 that real Envoy speaks to them.
 """
@@ -27,18 +29,23 @@ from aiohttp import web
 from google.protobuf import json_format
 
 from extproc._pb.envoy.config.core.v3 import base_pb2 as core
+from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.director.api import AccessRecord, Outcome
+from extproc.server.accesslog import record_from_entry
 from extproc.stack.envoy_config import (
-    DESTINATION_HEADER,
     EnvoyOptions,
     HostPort,
     ResponseAccounting,
     envoy_binary,
     render_yaml,
 )
+from extproc.types import TokenUsage
+from extproc.wire import ACCESS_LOG_NAME, DESTINATION_HEADER, REQUEST_NAMESPACE
 
 PICK_HEADER = "x-test-pick"  # tells the fake ext_proc what destination to set
+SSE_EVENTS = 30
 
 
 def _free_port() -> int:
@@ -57,10 +64,36 @@ class Backend:
     hits: int = 0
     destination_headers: list[str | None] = field(default_factory=list)
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
         self.destination_headers.append(request.headers.get(DESTINATION_HEADER))
-        return web.json_response({"served_by": self.name})
+        if request.path == "/v1/stream":
+            return await self._sse(request, usage=request.query.get("usage") == "1")
+        return web.json_response(
+            {"served_by": self.name, "usage": {"prompt_tokens": 11, "completion_tokens": 5}}
+        )
+
+    async def _sse(self, request: web.Request, *, usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n')
+        for i in range(SSE_EVENTS):
+            # Model text that looks like usage is escaped JSON inside a string: never counted.
+            text = '\\"usage\\":{\\"prompt_tokens\\":999' if i == 3 else f"t{i}"
+            event = f'data: {{"choices":[{{"delta":{{"content":"{text}"}}}}]}}\n\n'.encode()
+            await resp.write(event)
+            await asyncio.sleep(0.002)  # separate chunks through Envoy
+        if usage:
+            final = (
+                b'data: {"choices":[],"usage":{"prompt_tokens":11,"total_tokens":41,'
+                b'"completion_tokens":30,"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
+            )
+            await resp.write(final[:40])  # the usage object split across two chunks
+            await asyncio.sleep(0.01)
+            await resp.write(final[40:])
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
 
 class PickingExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -106,9 +139,29 @@ class PickingExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
                     )
                 )
-                response.dynamic_metadata.update({"envoy.lb": {DESTINATION_HEADER: pick}})
+                response.dynamic_metadata.update(
+                    {
+                        "envoy.lb": {DESTINATION_HEADER: pick},
+                        REQUEST_NAMESPACE: {"model": "m", "endpoint": pick, "strategy": "test"},
+                    }
+                )
             response.request_headers.response.header_mutation.set_headers.extend(set_headers)
             yield response
+
+
+class RecordingAccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.log_names: list[str] = []
+        self.records: list[AccessRecord] = []
+
+    async def StreamAccessLogs(
+        self, requests: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: object
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for msg in requests:
+            if msg.HasField("identifier"):
+                self.log_names.append(msg.identifier.log_name)
+            self.records.extend(record_from_entry(e) for e in msg.http_logs.log_entry)
+        return als_pb2.StreamAccessLogsResponse()
 
 
 @dataclass
@@ -119,6 +172,7 @@ class Stack:
     outside: Backend
     dead: HostPort
     extproc: PickingExtProc
+    access_log: RecordingAccessLog
 
 
 async def _start_backend(backend: Backend, stack: contextlib.AsyncExitStack) -> None:
@@ -182,11 +236,13 @@ async def _wait_ready(admin_port: int, proc: subprocess.Popen[bytes], log: Path)
 async def _run_stack(tmp_path: Path, accounting: ResponseAccounting) -> AsyncIterator[Stack]:
     alive, other, outside = Backend("alive"), Backend("other"), Backend("outside")
     extproc = PickingExtProc()
+    access_log = RecordingAccessLog()
     async with contextlib.AsyncExitStack() as exits:
         for backend in (alive, other, outside):
             await _start_backend(backend, exits)
         server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(extproc, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
         grpc_port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         exits.push_async_callback(server.stop, None)
@@ -205,7 +261,9 @@ async def _run_stack(tmp_path: Path, accounting: ResponseAccounting) -> AsyncIte
         log = tmp_path / "envoy.log"
         with _envoy(config, admin, log) as proc:
             await _wait_ready(admin, proc, log)
-            yield Stack(f"http://127.0.0.1:{listener}", alive, other, outside, dead, extproc)
+            yield Stack(
+                f"http://127.0.0.1:{listener}", alive, other, outside, dead, extproc, access_log
+            )
 
 
 @pytest.fixture
@@ -269,20 +327,32 @@ async def test_request_headers_are_echoed_on_the_response_only_when_present(stac
     assert "x-session-id" not in {k.lower() for k in without}
 
 
-async def test_observability_filter_streams_responses_to_its_own_rpc(tmp_path: Path) -> None:
-    async with _run_stack(tmp_path, ResponseAccounting.OBSERVABILITY) as running:
+async def test_usage_and_the_decision_reach_the_access_log(tmp_path: Path) -> None:
+    async with _run_stack(tmp_path, ResponseAccounting.ACCESS_LOG) as running:
         pick = f"127.0.0.1:{running.alive.port}"
-        for _ in range(3):
-            status, _, served_by = await _get(running.url, {PICK_HEADER: pick})
-            assert (status, served_by) == (200, "alive")
-        for _ in range(100):  # observability streams run after the response; wait for them
-            if len(running.extproc.observed) == 3:
+        async with aiohttp.ClientSession() as session:
+            for path in ("/v1/models", "/v1/stream?usage=1", "/v1/stream"):
+                async with session.get(running.url + path, headers={PICK_HEADER: pick}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+        for _ in range(200):  # batches are flushed every 0.5 s
+            if len(running.access_log.records) == 3:
                 break
             await asyncio.sleep(0.02)
-    assert len(running.extproc.observed) == 3
-    body_len = len(b'{"served_by": "alive"}')
-    for is_obs, attributes, seen_bytes in running.extproc.observed:
-        assert is_obs
-        assert seen_bytes == body_len
-        assert attributes.get("upstream.address") == pick
-        assert attributes.get("request.id")
+    assert running.access_log.log_names == [ACCESS_LOG_NAME]
+    plain, with_usage, without_usage = sorted(
+        running.access_log.records, key=lambda r: (r.usage.counted, -(r.usage.prompt_tokens or 0))
+    )
+    for record in (plain, with_usage, without_usage):
+        assert record.status == 200 and record.outcome is Outcome.COMPLETE
+        assert record.upstream == pick
+        assert record.routed is not None
+        assert (record.routed.model, record.routed.endpoint) == ("m", pick)
+        assert record.request_id
+    assert plain.usage == TokenUsage(11, 5)  # a JSON body's usage
+    assert plain.first_token_s is None
+    # The engine's usage, though split across two chunks; the escaped look-alike is ignored.
+    assert with_usage.usage == TokenUsage(11, 30, 4)
+    assert with_usage.first_token_s is not None and with_usage.first_token_s >= 0
+    # No usage in the stream: the content events are counted (the empty role delta is not).
+    assert without_usage.usage == TokenUsage(completion_tokens=SSE_EVENTS, counted=True)

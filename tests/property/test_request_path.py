@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.server.processor import DESTINATION_HEADER
+from extproc.wire import DESTINATION_HEADER
 from tests.fuzz.request_path import HEADER_NAMES, MAX_BODY, MODES, PATHS, Case, RequestPath
 from tests.reliability._director import OTHER_POOL, POOL
 

@@ -19,14 +19,19 @@ from typing import Any
 import pytest
 from google.protobuf import descriptor_pb2, json_format
 
+from extproc._pb.envoy.config.core.v3 import address_pb2
 from extproc._pb.envoy.config.core.v3 import base_pb2 as core
+from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2
 from extproc._pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mode
+from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc._pb.envoy.type.v3 import http_status_pb2 as status
 
 HERE = Path(__file__).parent
-OUR_MODULES: tuple[ModuleType, ...] = (core, mode, ep, status)
+OUR_MODULES: tuple[ModuleType, ...] = (
+    core, mode, ep, status, address_pb2, accesslog_pb2, als_pb2,
+)  # fmt: skip
 
 Fdp = descriptor_pb2.FileDescriptorProto
 Dp = descriptor_pb2.DescriptorProto
@@ -181,6 +186,37 @@ def test_service_method_is_envoys() -> None:
     assert hasattr(ep_grpc.ExternalProcessorServicer, "Process")
 
 
+def test_access_log_service_is_envoys() -> None:
+    service = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"]
+    method = service.methods_by_name["StreamAccessLogs"]
+    assert service.full_name == "envoy.service.accesslog.v3.AccessLogService"
+    assert method.input_type.full_name == "envoy.service.accesslog.v3.StreamAccessLogsMessage"
+    assert method.client_streaming and not method.server_streaming
+    assert callable(als_pb2_grpc.add_AccessLogServiceServicer_to_server)
+
+
+def test_envoys_access_log_message_parses_with_ours(xds: dict[str, Any]) -> None:
+    """A full message built with Envoy's own classes (node identifier, TLS, headers...): our
+    trimmed copy skips what it leaves out and reads every field it keeps."""
+    msg = als_pb2.StreamAccessLogsMessage.FromString(base64.b64decode(xds["access_log"]))
+    assert msg.identifier.log_name == "extproc-accounting"
+    [entry] = msg.http_logs.log_entry
+    c = entry.common_properties
+    assert c.start_time.seconds == 1_800_000_000
+    assert c.time_to_first_upstream_tx_byte.nanos == 2_000_000
+    assert c.time_to_last_upstream_rx_byte.seconds == 3
+    sock = c.upstream_remote_address.socket_address
+    assert (sock.address, sock.port_value) == ("10.0.0.2", 8000)
+    assert c.upstream_cluster == "models" and c.route_name == "llm"
+    assert c.response_flags.downstream_connection_termination
+    assert c.upstream_request_attempt_count == 2
+    usage = json_format.MessageToDict(c.metadata.filter_metadata["extproc.usage"])
+    assert usage == {"prompt_tokens": 12, "completion_tokens": 3}
+    assert entry.request.request_id == "rid-1"
+    assert entry.response.response_code.value == 200
+    assert entry.response.response_body_bytes == 1234
+
+
 def test_generated_code_never_imports_the_envoy_wheels() -> None:
     root = Path(ep.__file__).parents[4]  # extproc/_pb
     offenders = [
@@ -192,6 +228,7 @@ def test_generated_code_never_imports_the_envoy_wheels() -> None:
     ]
     assert offenders == []
     assert "envoy.service.ext_proc.v3.external_processor_pb2" not in sys.modules
+    assert "envoy.service.accesslog.v3.als_pb2" not in sys.modules
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

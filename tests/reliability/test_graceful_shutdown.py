@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.server.processor import DESTINATION_HEADER
 from extproc.server.service import EXT_PROC_SERVICE, ExtProcServer, ServerOptions
+from extproc.wire import DESTINATION_HEADER
 from tests.server.fake_handler import FakeHandler
 from tests.server.test_processor_grpc import body_msg, headers_msg
 

@@ -59,8 +59,16 @@ def expected_mutation(headers: dict[str, str]) -> ep.HeaderMutation:
 
 
 def lb_metadata(value: str) -> struct_pb2.Struct:
+    """What the fake's decision writes: the pick list, and what the access log carries back."""
     s = struct_pb2.Struct()
     s.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value = value
+    req = s.fields["extproc.request"].struct_value.fields
+    req["model"].string_value = "m"
+    req["endpoint"].string_value = value.split(",")[0]
+    req["strategy"].string_value = "fake"
+    req["prompt_tokens"].number_value = 7
+    req["estimated"].bool_value = False
+    req["stream"].bool_value = False
     return s
 
 
@@ -168,23 +176,32 @@ async def test_immediate_reply_from_handler(server_and_handler: tuple[int, FakeH
     assert {h.header.key for h in imm.headers.set_headers} == {"content-type"}
 
 
-async def test_single_filter_response_accounting_emits_token_metadata(
-    server_and_handler: tuple[int, FakeHandler],
+def response_msgs(*, observability: bool = False) -> list[ep.ProcessingRequest]:
+    headers = ep.ProcessingRequest(observability_mode=observability)
+    headers.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    return [
+        headers,
+        ep.ProcessingRequest(
+            observability_mode=observability,
+            response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=False),
+        ),
+        ep.ProcessingRequest(
+            observability_mode=observability,
+            response_body=ep.HttpBody(body=b"", end_of_stream=True),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("response_mode", "echoed"),
+    [(BodyMode.STREAMED, False), (BodyMode.FULL_DUPLEX_STREAMED, True)],
+)
+async def test_response_messages_of_a_misconfigured_filter_still_flow(
+    server_and_handler: tuple[int, FakeHandler], response_mode: BodyMode, echoed: bool
 ) -> None:
     port, handler = server_and_handler
-    resp_headers = ep.ProcessingRequest()
-    resp_headers.response_headers.headers.headers.add(key=":status", raw_value=b"200")
     got = await exchange(
-        port,
-        [
-            headers_msg(response_mode=BodyMode.STREAMED),
-            body_msg(b"{}"),
-            resp_headers,
-            ep.ProcessingRequest(
-                response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=False)
-            ),
-            ep.ProcessingRequest(response_body=ep.HttpBody(body=b"", end_of_stream=True)),
-        ],
+        port, [headers_msg(response_mode=response_mode), body_msg(b"{}"), *response_msgs()]
     )
     assert [r.WhichOneof("response") for r in got] == [
         "request_headers",
@@ -193,57 +210,49 @@ async def test_single_filter_response_accounting_emits_token_metadata(
         "response_body",
         "response_body",
     ]
-    meta = got[-1].dynamic_metadata.fields["io.envoy.ai_gateway"].struct_value.fields
-    assert meta["llm_input_token"].number_value == 3.0
-    obs = handler.observers["rid-1"]
-    assert obs.events == [
-        ("headers", 200),
-        ("body", (b"data: x\n\n", False)),
-        ("body", (b"", True)),
-    ]
-    assert obs.finished is True
+    body = got[3].response_body.response.body_mutation
+    # FULL_DUPLEX_STREAMED forwards only what the server sends back: every chunk is echoed.
+    assert (body.streamed_response.body == b"data: x\n\n") is echoed
+    assert handler.tickets["rid-1"].closes == 1  # the stream ended with the request
 
 
 async def test_observability_stream_gets_no_answers_and_ends_at_eos(
     server_and_handler: tuple[int, FakeHandler],
 ) -> None:
     port, handler = server_and_handler
-    await exchange(port, [headers_msg(), body_msg(b"{}")])  # routes rid-1
-    first = ep.ProcessingRequest(observability_mode=True)
-    first.response_headers.headers.headers.add(key=":status", raw_value=b"200")
-    first.attributes["envoy.filters.http.ext_proc"].fields["request.id"].string_value = "rid-1"
-    msgs = [
-        first,
-        ep.ProcessingRequest(
-            observability_mode=True, response_body=ep.HttpBody(body=b"abc", end_of_stream=True)
-        ),
-    ]
-    got = await exchange(port, msgs)
+    got = await exchange(port, response_msgs(observability=True))
     assert got == []
-    assert handler.observers["rid-1"].finished is True
-    assert handler.observers["rid-1"].events[-1] == ("body", (b"abc", True))
+    assert handler.seen == [] and handler.tickets == {}
 
 
-async def test_cancelled_single_filter_stream_finishes_observer_incomplete(
+async def test_ticket_is_held_while_the_stream_is_open_and_closed_once_at_its_end(
     server_and_handler: tuple[int, FakeHandler],
 ) -> None:
     port, handler = server_and_handler
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = ep_grpc.ExternalProcessorStub(channel)
-        call = stub.Process()
-        await call.write(headers_msg(response_mode=BodyMode.STREAMED))
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers_msg())
         await call.read()
         await call.write(body_msg(b"{}"))
         await call.read()
-        call.cancel()
-    for _ in range(100):
-        obs = handler.observers.get("rid-1")
-        if obs is not None and obs.finished is not None:
+        await asyncio.sleep(0.05)
+        assert handler.tickets["rid-1"].closes == 0  # the HTTP request is still going on
+        call.cancel()  # Envoy resets the stream when the request ends (or the client leaves)
+    for _ in range(200):
+        if handler.tickets["rid-1"].closes:
             break
-        import asyncio
-
         await asyncio.sleep(0.01)
-    assert handler.observers["rid-1"].finished is False
+    assert handler.tickets["rid-1"].closes == 1
+
+
+async def test_a_rejected_request_claims_nothing(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
+    port, handler = server_and_handler
+    handler.reply = ImmediateReply(status=429, body=b"{}")
+    got = await exchange(port, [headers_msg(), body_msg(b"{}")])
+    assert got[-1].immediate_response.status.code == 429
+    assert handler.tickets == {}
 
 
 async def test_route_name_and_subset_hint_reach_the_handler(

@@ -1,0 +1,130 @@
+-- Token usage of an OpenAI-style response, read inside Envoy as the body streams through.
+--
+-- One copy serves every install: the local stack inlines this file into its bootstrap and
+-- deploy/overlays/envoy-gateway ships it in an EnvoyExtensionPolicy (a test keeps them equal).
+-- bodyChunks() sees each chunk as it passes and never holds one back, so it adds no latency
+-- to the token stream. What it finds goes into dynamic metadata, which Envoy's gRPC access
+-- log carries to the ext_proc server in one record per request (docs/architecture.md):
+--
+--   extproc.usage:        prompt_tokens, completion_tokens, cached_tokens (the engine's
+--                         `usage`, the last one seen), events (SSE events carrying content: the
+--                         fallback count when there is no usage), first_token_ms (wall clock, ms)
+--   io.envoy.ai_gateway:  llm_input_token, llm_output_token, llm_total_token,
+--                         llm_cached_input_token (Envoy Gateway's usage-based rate limits)
+--
+-- An OpenAI `usage` object is searched in the bytes, never decoded as a whole: model text
+-- inside a JSON string has its quotes escaped (\"usage\"), so it cannot forge one.
+-- A usage object or an event marker split across two chunks is still found: the last
+-- CARRY bytes of the stream are kept and searched again with the next chunk.
+
+local CARRY = 1024
+local EVENTS_EVERY = 8 -- publish the event count this often, so an aborted stream keeps it
+local CONTENT = { '"content":"[^"]', '"text":"[^"]' }
+
+local function number_after(obj, key)
+  local v = string.match(obj, '"' .. key .. '"%s*:%s*(%d+)')
+  if v == nil then
+    return nil
+  end
+  return tonumber(v)
+end
+
+-- The last complete `"usage": {...}` object in s, or nil.
+local function last_usage(s)
+  local found = nil
+  local init = 1
+  while true do
+    local _, e = string.find(s, '"usage"%s*:%s*{', init)
+    if e == nil then
+      return found
+    end
+    local obj = string.match(s, "^%b{}", e)
+    if obj ~= nil then
+      found = obj
+    end
+    init = e + 1
+  end
+end
+
+local function publish_usage(meta, obj)
+  local prompt = number_after(obj, "prompt_tokens")
+  local completion = number_after(obj, "completion_tokens")
+  if prompt == nil or completion == nil then
+    return false
+  end
+  local cached = number_after(obj, "cached_tokens")
+  meta:set("extproc.usage", "prompt_tokens", prompt)
+  meta:set("extproc.usage", "completion_tokens", completion)
+  meta:set("io.envoy.ai_gateway", "llm_input_token", prompt)
+  meta:set("io.envoy.ai_gateway", "llm_output_token", completion)
+  meta:set("io.envoy.ai_gateway", "llm_total_token", prompt + completion)
+  if cached ~= nil then
+    meta:set("extproc.usage", "cached_tokens", cached)
+    meta:set("io.envoy.ai_gateway", "llm_cached_input_token", cached)
+  end
+  return true
+end
+
+function envoy_on_response(handle)
+  local headers = handle:headers()
+  local ctype = headers:get("content-type") or ""
+  local sse = string.find(ctype, "text/event-stream", 1, true) ~= nil
+  if not sse and string.find(ctype, "json", 1, true) == nil then
+    return
+  end
+  if headers:get("content-encoding") ~= nil then
+    return -- compressed bytes: nothing to read; the record says usage is unknown
+  end
+  -- Envoy objects are valid only until the script yields: fetch the metadata handle anew
+  -- after each chunk.
+  local function meta()
+    return handle:streamInfo():dynamicMetadata()
+  end
+  local carry = ""
+  local events = 0
+  local published = 0
+  local first = false
+  for chunk in handle:bodyChunks() do
+    local bytes = chunk:getBytes(0, chunk:length())
+    local s = carry .. bytes
+    local skip = #carry -- matches ending inside the carry were counted with the last chunk
+    if sse then
+      -- A content event: a delta (chat) or text (completions) that is not empty.
+      for _, pattern in ipairs(CONTENT) do
+        local init = 1
+        while true do
+          local _, e = string.find(s, pattern, init)
+          if e == nil then
+            break
+          end
+          if e > skip then
+            events = events + 1
+          end
+          init = e + 1
+        end
+      end
+      if events > 0 and not first then
+        first = true
+        meta():set("extproc.usage", "first_token_ms", handle:timestamp())
+      end
+      if events - published >= EVENTS_EVERY then
+        published = events
+        meta():set("extproc.usage", "events", events)
+      end
+    end
+    if string.find(s, '"usage"', 1, true) ~= nil then
+      local obj = last_usage(s)
+      if obj ~= nil then
+        publish_usage(meta(), obj)
+      end
+    end
+    if #s > CARRY then
+      carry = string.sub(s, -CARRY)
+    else
+      carry = s
+    end
+  end
+  if sse then
+    meta():set("extproc.usage", "events", events)
+  end
+end

@@ -1,0 +1,35 @@
+"""Names on the wire between Envoy and this server: headers, metadata namespaces, log names.
+
+One module, so the Envoy configuration we render (`extproc.stack`), the manifests in deploy/
+and the server that reads and writes these names can never disagree.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ACCESS_LOG_NAME",
+    "ATTRIBUTE_NAMESPACE",
+    "DESTINATION_HEADER",
+    "LB_NAMESPACE",
+    "REQUEST_NAMESPACE",
+    "SUBSET_HINT_KEY",
+    "SUBSET_HINT_NAMESPACE",
+    "TOKEN_NAMESPACE",
+    "USAGE_NAMESPACE",
+]
+
+# The Endpoint Picker Protocol: our pick (then fallbacks), as a header and as envoy.lb metadata.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+# Where Envoy puts the request attributes it sends to an ext_proc server.
+ATTRIBUTE_NAMESPACE = "envoy.filters.http.ext_proc"
+# What the routing decision knew, written by the routing filter (director.api.RoutedRequest).
+REQUEST_NAMESPACE = "extproc.request"
+# The response's usage as read by the Lua filter (extproc/stack/usage.lua).
+USAGE_NAMESPACE = "extproc.usage"
+# Envoy AI Gateway's token metadata, read by Envoy Gateway's usage-based rate limits.
+TOKEN_NAMESPACE = "io.envoy.ai_gateway"
+# The gRPC access log's log_name for accounting records.
+ACCESS_LOG_NAME = "extproc-accounting"

@@ -1,0 +1,211 @@
+"""Access-log entries in, accounting records out: the conversion (table-driven) and the real
+gRPC AccessLogService stream, as Envoy drives it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
+from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from extproc.director.api import Outcome, RoutedRequest
+from extproc.server.accesslog import record_from_entry
+from extproc.server.service import ExtProcServer, ServerOptions
+from extproc.types import TokenUsage
+from extproc.wire import ACCESS_LOG_NAME
+from tests.server.fake_handler import FakeHandler
+
+ROUTED = {
+    "model": "qwen3",
+    "endpoint": "10.0.0.1:8000",
+    "strategy": "least-request",
+    "route": "httproute/ns/llm/rule/0/match/0/*",
+    "user": "alice",
+    "prompt_tokens": 12,
+    "estimated": False,
+    "stream": True,
+    "replica": "gw-0:17",
+}
+
+
+def entry(
+    *,
+    status: int | None = 200,
+    routed: dict[str, Any] | None = None,
+    usage: dict[str, Any] | None = None,
+    flags: tuple[str, ...] = (),
+    upstream: tuple[str, int] | None = ("10.0.0.2", 8000),
+) -> al.HTTPAccessLogEntry:
+    e = al.HTTPAccessLogEntry()
+    c = e.common_properties
+    c.start_time.seconds, c.start_time.nanos = 1_800_000_000, 500_000_000
+    c.time_to_first_upstream_tx_byte.nanos = 2_000_000
+    c.time_to_first_upstream_rx_byte.nanos = 30_000_000
+    c.time_to_last_upstream_rx_byte.seconds = 2
+    c.upstream_request_attempt_count = 1
+    if upstream is not None:
+        c.upstream_remote_address.socket_address.address = upstream[0]
+        c.upstream_remote_address.socket_address.port_value = upstream[1]
+    for flag in flags:
+        setattr(c.response_flags, flag, True)
+    for ns, values in (("extproc.request", routed), ("extproc.usage", usage)):
+        if values is None:
+            continue
+        fields = c.metadata.filter_metadata[ns].fields
+        for k, v in values.items():
+            if isinstance(v, bool):
+                fields[k].bool_value = v
+            elif isinstance(v, str):
+                fields[k].string_value = v
+            else:
+                fields[k].number_value = v
+    e.request.request_id = "rid-9"
+    if status is not None:
+        e.response.response_code.value = status
+    return e
+
+
+def test_a_complete_streamed_answer() -> None:
+    usage = {"prompt_tokens": 12, "completion_tokens": 40, "cached_tokens": 8, "events": 40}
+    usage["first_token_ms"] = 1_800_000_000_500 + 130  # 130 ms after the start
+    rec = record_from_entry(entry(routed=ROUTED, usage=usage))
+    assert rec.request_id == "rid-9"
+    assert rec.status == 200 and rec.outcome is Outcome.COMPLETE
+    assert rec.routed == RoutedRequest(**ROUTED)
+    assert rec.upstream == "10.0.0.2:8000"  # the host that served it (a retry may differ)
+    assert rec.usage == TokenUsage(12, 40, 8)
+    assert rec.start_time == pytest.approx(1_800_000_000.5)
+    assert rec.upstream_sent_s == pytest.approx(0.002)
+    assert rec.upstream_first_byte_s == pytest.approx(0.03)
+    assert rec.first_token_s == pytest.approx(0.13, abs=1e-6)
+    assert rec.upstream_done_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("status", "flags", "outcome"),
+    [
+        (200, (), Outcome.COMPLETE),
+        (400, (), Outcome.COMPLETE),  # the engine answered: a complete (error) response
+        (200, ("downstream_connection_termination",), Outcome.CLIENT_ABORTED),
+        (0, ("downstream_connection_termination",), Outcome.CLIENT_ABORTED),
+        (200, ("upstream_remote_reset",), Outcome.UPSTREAM_FAILED),
+        (503, ("upstream_connection_failure",), Outcome.UPSTREAM_FAILED),
+        (200, ("upstream_connection_failure",), Outcome.COMPLETE),  # a retry then succeeded
+        (504, ("upstream_request_timeout",), Outcome.UPSTREAM_FAILED),
+        (None, (), Outcome.UPSTREAM_FAILED),  # no response at all
+    ],
+)
+def test_outcome(status: int | None, flags: tuple[str, ...], outcome: Outcome) -> None:
+    assert record_from_entry(entry(status=status, routed=ROUTED, flags=flags)).outcome is outcome
+
+
+@pytest.mark.parametrize(
+    ("usage", "want"),
+    [
+        ({"prompt_tokens": 5, "completion_tokens": 3}, TokenUsage(5, 3)),
+        ({"events": 17}, TokenUsage(completion_tokens=17, counted=True)),  # no usage: counted
+        ({"events": 17, "prompt_tokens": 5}, TokenUsage(completion_tokens=17, counted=True)),
+        ({}, TokenUsage()),
+        (None, TokenUsage()),  # compressed or not JSON: unknown, never 0
+        ({"prompt_tokens": -4, "completion_tokens": 3}, TokenUsage()),
+        ({"prompt_tokens": "5", "completion_tokens": 3}, TokenUsage()),
+        ({"prompt_tokens": float("nan"), "completion_tokens": 3}, TokenUsage()),
+    ],
+)
+def test_usage(usage: dict[str, Any] | None, want: TokenUsage) -> None:
+    assert record_from_entry(entry(routed=ROUTED, usage=usage)).usage == want
+
+
+@pytest.mark.parametrize(
+    "routed",
+    [None, {}, {"model": "qwen3"}, {"endpoint": "10.0.0.1:8000"}, {"model": 3, "endpoint": 4}],
+)
+def test_entries_without_a_routing_decision_are_unrouted(routed: dict[str, Any] | None) -> None:
+    assert record_from_entry(entry(routed=routed)).routed is None
+
+
+def test_an_empty_entry_converts() -> None:
+    rec = record_from_entry(al.HTTPAccessLogEntry())
+    assert rec.status == 0 and rec.routed is None and rec.upstream is None
+    assert rec.usage == TokenUsage() and rec.first_token_s is None
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[ExtProcServer, FakeHandler]]:
+    handler = FakeHandler()
+    srv = ExtProcServer(handler, ServerOptions(port=0))
+    await srv.start()
+    try:
+        yield srv, handler
+    finally:
+        await srv.stop(0.5)
+
+
+def batches(log_name: str, entries: list[al.HTTPAccessLogEntry], per: int) -> Iterator[Any]:
+    for i in range(0, len(entries), per):
+        msg = als_pb2.StreamAccessLogsMessage()
+        if i == 0:
+            msg.identifier.log_name = log_name
+        msg.http_logs.log_entry.extend(entries[i : i + per])
+        yield msg
+
+
+async def send(port: int, messages: Iterator[Any]) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(messages)
+
+
+async def test_every_entry_of_every_batch_is_accounted_once(
+    server: tuple[ExtProcServer, FakeHandler],
+) -> None:
+    srv, handler = server
+    entries = [
+        entry(routed=ROUTED, usage={"prompt_tokens": 1, "completion_tokens": i}) for i in range(45)
+    ]
+    await send(srv.port, batches(ACCESS_LOG_NAME, entries, per=20))
+    assert [r.usage.completion_tokens for r in handler.records] == list(range(45))
+    assert srv.access_log.entries["accounted"] == 45
+
+
+async def test_another_log_pointed_here_is_skipped(
+    server: tuple[ExtProcServer, FakeHandler],
+) -> None:
+    srv, handler = server
+    await send(srv.port, batches("someone-elses-log", [entry(routed=ROUTED)] * 3, per=2))
+    assert handler.records == []
+    assert srv.access_log.entries["skipped"] == 3
+
+
+async def test_an_accounting_error_never_ends_the_stream(
+    server: tuple[ExtProcServer, FakeHandler],
+) -> None:
+    srv, handler = server
+    handler.fail_accounting = True
+    await send(srv.port, batches(ACCESS_LOG_NAME, [entry(routed=ROUTED)] * 3, per=1))
+    assert srv.access_log.entries["error"] == 3
+
+
+async def test_shutdown_ends_an_idle_access_log_stream() -> None:
+    handler = FakeHandler()
+    srv = ExtProcServer(handler, ServerOptions(port=0))
+    await srv.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        call = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+        first = als_pb2.StreamAccessLogsMessage()
+        first.identifier.log_name = ACCESS_LOG_NAME
+        first.http_logs.log_entry.append(entry(routed=ROUTED))
+        await call.write(first)
+        for _ in range(200):
+            if handler.records:
+                break
+            await asyncio.sleep(0.01)
+        assert srv.access_log.streams == 1
+        # Envoy never closes it: shutdown must, after the routing streams have drained.
+        await asyncio.wait_for(srv.stop(30.0), timeout=5.0)
+        assert srv.access_log.streams == 0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call
