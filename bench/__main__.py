@@ -1,8 +1,10 @@
 """`python -m bench quick|full|run SCENARIO...`: run benchmark scenarios end to end.
 
 quick  the reduced suite (`make bench`, under 10 minutes on 2 cores)
-full   every scenario at full size (about an hour; see docs/benchmarks.md)
-run    named scenarios (file stems under bench/scenarios/), full size unless --quick
+full   every scenario at full size (about an hour; see docs/benchmarks.md), then `accounting`
+run    named scenarios (file stems under bench/scenarios/, or `accounting`: bench/accounting.py,
+       ~3 minutes with --quick, ~8 without; or `replicas`: bench/replicas.py, 1 against 2
+       and 4 server processes with and without state sync), full size unless --quick
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "bench" / "scenarios"
 # Order matters for the quick budget: cheapest and most important first.
 SUITE = ("overhead", "itl", "multiturn", "tenants", "docqa", "bursty")
+# Scenarios with their own module instead of a YAML file; only `full` runs them by default
+# (the quick suite's 10-minute budget has no room for one more stack).
+MODULES = ("accounting",)
+# Modules that only `run` starts (by name): too long for `full`'s hour.
+ON_DEMAND = ("replicas",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,12 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     quick = args.cmd == "quick" or bool(getattr(args, "quick", False))
-    names = list(args.names) if args.cmd == "run" else list(SUITE)
+    if args.cmd == "run":
+        names = list(args.names)
+    else:
+        names = list(SUITE) + (list(MODULES) if args.cmd == "full" else [])
     # Only full-size runs refresh the committed plots; quick runs stay in bench/results.
     img = None if args.no_docs or quick else ROOT / "docs" / "img"
     t0 = time.monotonic()
     failed = []
     for name in names:
+        if name in MODULES or name in ON_DEMAND:
+            if _run_module(name, args.results, quick) != 0:
+                failed.append(name)
+            continue
         sc = load_scenario(SCENARIOS / f"{name}.yaml", quick=quick)
         try:
             result = run_scenario(sc, results_dir=args.results, img_dir=img, repo_root=ROOT)
@@ -54,6 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.info("%s done in %.0f s", sc.name, result["wall_s"])
     logging.info("all done in %.0f s; failed: %s", time.monotonic() - t0, failed or "none")
     return 1 if failed else 0
+
+
+def _run_module(name: str, results: Path, quick: bool) -> int:
+    import importlib
+
+    module = importlib.import_module(f"bench.{name}")
+    try:
+        return int(module.main(["--results", str(results), *(["--quick"] if quick else [])]))
+    except Exception:
+        logging.exception("scenario %s failed", name)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ the clients saw: requests sent, succeeded, lost (any non-200 or transport error)
 status, and recovery times. tests/reliability/test_faults_e2e.py runs the same functions
 with small loads and asserts on the figures; docs/reliability.md quotes a full run.
 
+accounting_sink_restart / accounting_sink_sigterm (two ext_proc processes, open-loop streamed
+load) stop the process holding Envoy's access-log stream and count, across processes, the
+accounting records that never arrived, besides what the clients saw.
+
 Usage: .venv/bin/python bench/faults.py [--scenario NAME ...] [--json out.json]
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -30,6 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from extproc.stack.local import LocalStack, StackOptions
+from tests.e2e.harness import metric_samples, metric_sum
 from tests.e2e.harness import stack_options as harness_options
 
 __all__ = [
@@ -37,6 +43,9 @@ __all__ = [
     "Load",
     "LoadReport",
     "OpenLoad",
+    "StreamedOpenLoad",
+    "accounting_sink_restart",
+    "accounting_sink_sigterm",
     "ext_proc_restart",
     "graceful_shutdown",
     "pod_hang",
@@ -375,6 +384,358 @@ def stack_grace(stack: LocalStack) -> float:
     return float(stack.server_config().get("server", {}).get("shutdown_grace_s", 10.0))
 
 
+# -- the accounting sink (Envoy's gRPC access log to the ext_proc processes) -------------------
+
+STREAM_CHAT = {
+    **CHAT,
+    "max_tokens": 64,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+ALS_FLUSH_S = 0.5  # EnvoyOptions.access_log_flush_interval_s: records reach a server this late
+ENVOY_ALS_STATS = (  # Envoy's counters for the accounting log (admin /stats names)
+    "access_logs.grpc_access_log.logs_written",
+    "access_logs.grpc_access_log.logs_dropped",
+    "access_logs.grpc_access_log.grpc_entries_flushed",
+    "access_logs.grpc_access_log.grpc_entries_flush_failed",
+    "cluster.extproc.upstream_cx_connect_fail",
+    "cluster.extproc.upstream_rq_rx_reset",
+)
+
+
+class StreamedOpenLoad(OpenLoad):
+    """OpenLoad of streamed chats with `include_usage`: a 200 whose stream lacks `[DONE]` is
+    recorded as "truncated", and the completion tokens of the usage the clients saw add up in
+    `completion_tokens` (to compare with the servers' accounted tokens)."""
+
+    def __init__(self, url: str, *, rate: float, **kw: Any) -> None:
+        super().__init__(url, rate=rate, body=kw.pop("body", STREAM_CHAT), **kw)
+        self.completion_tokens = 0
+
+    def _one(self, client: httpx.Client) -> None:
+        t0 = time.monotonic()
+        status: int | str
+        pod = None
+        tokens = 0
+        try:
+            resp = client.post(self._url, json=self._body, headers=self._headers)
+            status, pod = resp.status_code, resp.headers.get("x-inference-pod")
+            if status == 200:
+                lines = resp.text.splitlines()
+                if "data: [DONE]" not in lines:
+                    status = "truncated"
+                for line in lines:
+                    if line.startswith("data: {") and '"usage"' in line:
+                        usage = json.loads(line[6:]).get("usage") or {}
+                        tokens = int(usage.get("completion_tokens") or 0)
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        with self._lock:
+            self.report.outcomes.append(Outcome(t0, time.monotonic(), status, pod))
+            self.completion_tokens += tokens
+
+
+@dataclass
+class ProcSnapshot:
+    """One ext_proc process's accounting counters (from its /metrics) at time `at`."""
+
+    at: float
+    records: float  # access-log records received: accounted + unrouted + error
+    accounted: float
+    routed: float  # routing streams ended on this process
+    tokens: float  # completion tokens accounted
+    als_streams: float  # Envoy access-log streams open (refreshed every 0.2 s)
+    routing_streams: float  # ext_proc routing streams open (refreshed every 0.2 s)
+
+
+def _snapshot(stack: LocalStack, index: int, timeout_s: float = 1.0) -> ProcSnapshot | None:
+    o = stack.options
+    at = time.monotonic()
+    try:
+        m = metric_samples(f"http://{o.host}:{o.metrics_port + index}/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return ProcSnapshot(
+        at=at,
+        records=metric_sum(m, "extproc_access_records_total"),
+        accounted=metric_sum(m, "extproc_access_records_total", result="accounted"),
+        routed=metric_sum(m, "extproc_routed_requests_total"),
+        tokens=metric_sum(m, "extproc_completion_tokens_total"),
+        als_streams=metric_sum(m, "extproc_server_state", kind="access_log_streams"),
+        routing_streams=metric_sum(m, "extproc_server_state", kind="grpc_streams"),
+    )
+
+
+def _in_flight(stack: LocalStack, index: int) -> int | None:
+    o = stack.options
+    try:
+        eps = httpx.get(f"http://{o.host}:{o.metrics_port + index}/debug/endpoints", timeout=1)
+        return sum(int(e["in_flight"]) for e in eps.json())
+    except httpx.HTTPError:
+        return None
+
+
+def _envoy_stats(stack: LocalStack) -> dict[str, int]:
+    o = stack.options
+    try:
+        text = httpx.get(f"http://{o.host}:{o.admin_port}/stats", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if name in ENVOY_ALS_STATS and value.strip().isdigit():
+            out[name] = int(value)
+    return out
+
+
+def _accounting_sink_fault(
+    stack: LocalStack,
+    sig: signal.Signals,
+    *,
+    warmup_s: float,
+    down_s: float,
+    after_s: float,
+    rate: float,
+) -> dict[str, Any]:
+    """Stop the ext_proc process holding Envoy's access-log stream (the accounting sink) with
+    `sig` under open-loop streamed load, keep it down `down_s` once it exited, restart it.
+
+    Phases (times from the signal): draining (SIGTERM only: until the process exited), down
+    (until the restart), restarting (until its /readyz answers), after. Failed requests are
+    counted by the phase they started in, plus those in flight at the signal.
+
+    Records are counted on every process: the victim's up to its end (its last scrape before
+    a SIGKILL; for SIGTERM its last scrape before it exited, after it stopped reading the log),
+    the others' and the restarted process's at the end, once the counts stopped moving.
+    records_lost = requests sent - records received (Envoy logs every request it answers,
+    whatever its status); ok_minus_accounted = successful requests never accounted."""
+    n = stack.options.extproc_processes
+    if n < 2:
+        raise ValueError("the accounting sink scenarios need extproc_processes >= 2")
+    o = stack.options
+    # Counters are per process life: count from here (a stack may have run scenarios before).
+    start = [_snapshot(stack, i) for i in range(n)]
+    if any(s is None for s in start):
+        raise RuntimeError("an ext_proc process does not answer /metrics")
+    envoy_before = _envoy_stats(stack)
+    load = StreamedOpenLoad(f"{stack.base_url}/v1/chat/completions", rate=rate, timeout_s=30)
+    with load:
+        time.sleep(warmup_s)
+        # Envoy's one worker keeps one access-log stream, on one process: the victim.
+        holders: list[int] = []
+
+        def one_holder() -> bool:
+            snaps = [_snapshot(stack, i) for i in range(n)]
+            holders[:] = [i for i, s in enumerate(snaps) if s is not None and s.als_streams >= 1]
+            return len(holders) == 1
+
+        if _wait(one_holder, 10.0, 0.1) is None:
+            raise RuntimeError(f"not exactly one process holds the access-log stream: {holders}")
+        victim = holders[0]
+        name = f"extproc-{victim}"
+        others = [i for i in range(n) if i != victim]
+        at_kill: dict[int, ProcSnapshot] = {}
+        for i in others:
+            s = _snapshot(stack, i)
+            if s is None:
+                raise RuntimeError(f"extproc-{i} does not answer /metrics")
+            at_kill[i] = s
+        last = _snapshot(stack, victim)  # scraped last, just before the signal
+        if last is None:
+            raise RuntimeError(f"{name} does not answer /metrics")
+        routing_at_signal = int(last.routing_streams)  # the gauge is up to 0.2 s old
+        killed_at = time.monotonic()
+        if sig == signal.SIGKILL:
+            stack.kill(name, sig)  # returns once the process is reaped
+        else:
+            os.kill(stack.pid(name), sig)  # it drains on its own: watched below
+
+        # Until the victim is gone and `down_s` more: does another process take the log?
+        resumed: tuple[float, int] | None = None  # (time, process) of the first new record
+        stream_at: float | None = None  # another process's stream gauge shows it
+        exited_at = killed_at if sig == signal.SIGKILL else None
+        deadline = killed_at + stack_grace(stack) + 10
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if exited_at is None:
+                # Its /metrics goes away right after it ended the access-log stream (it exits
+                # a while later): poll it often, so the last scrape follows its last record.
+                snap = _snapshot(stack, victim, 0.3) if stack.alive(name) else None
+                if snap is not None:
+                    last = snap  # it still accounts while it drains
+                elif not stack.alive(name):
+                    exited_at = now
+            for i in others:
+                s = _snapshot(stack, i)
+                if s is None:
+                    continue
+                if resumed is None and s.accounted > at_kill[i].accounted:
+                    resumed = (now, i)
+                if stream_at is None and s.als_streams >= 1:
+                    stream_at = now
+            if exited_at is not None and now - exited_at >= down_s:
+                break
+            time.sleep(0.01 if exited_at is None else 0.05)
+        stack.restart(name)  # reaps the process (or ends it, had it outlived the deadline)
+        restarted_at = time.monotonic()
+        ready_in = _wait(lambda: _get_ok(f"http://{o.host}:{o.metrics_port + victim}/readyz"), 30)
+        ready_at = time.monotonic() if ready_in is not None else None
+        if resumed is None:  # nobody took the log while it was down: maybe the new process
+            resumed = _first_new_record(stack, range(n), at_kill, 10.0)
+        time.sleep(after_s)
+        report = load.stop()
+    stopped_at = time.monotonic()
+
+    # Settle: a record comes at most one flush interval after its response.
+    final: list[ProcSnapshot | None] = []
+
+    def received(snaps: list[ProcSnapshot | None]) -> float:
+        return sum(s.records for s in snaps if s is not None) + last.records
+
+    def settled() -> bool:
+        before = received([_snapshot(stack, i) for i in range(n)])
+        time.sleep(3 * ALS_FLUSH_S)
+        final[:] = [_snapshot(stack, i) for i in range(n)]
+        return received(final) == before
+
+    _wait(settled, 8.0, 0.0)
+    zero_in = _wait(lambda: all(_in_flight(stack, i) == 0 for i in range(n)), 5.0, 0.1)
+    in_flight_end = {f"extproc-{i}": _in_flight(stack, i) for i in range(n)}
+    envoy_after = _envoy_stats(stack)
+
+    def counted(name: str) -> float:
+        """Over the scenario: the victim's first life (start to end) and its second (from 0),
+        the others' from start to the end."""
+        total = 0.0
+        for i in range(n):
+            s0, s1 = start[i], final[i] if final else None
+            assert s0 is not None  # checked at the start
+            if i == victim:
+                total += getattr(last, name) - getattr(s0, name)
+                total += getattr(s1, name) if s1 is not None else 0.0
+            elif s1 is not None:
+                total += getattr(s1, name) - getattr(s0, name)
+        return total
+
+    records = counted("records")
+    accounted = counted("accounted")
+    routed = counted("routed")
+    tokens = counted("tokens")
+
+    envoy = {k: envoy_after.get(k, 0) - envoy_before.get(k, 0) for k in envoy_after}
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - killed_at, 3)
+
+    assert exited_at is not None
+    phases = {
+        "draining": (killed_at, exited_at),
+        "down": (exited_at, restarted_at),
+        "restarting": (restarted_at, ready_at or stopped_at),
+        "after": (ready_at or stopped_at, stopped_at),
+    }
+    started: dict[str, dict[str, int]] = {}
+    for phase, (t0, t1) in phases.items():
+        xs = [x for x in report.outcomes if t0 <= x.started < t1]
+        started[phase] = {"sent": len(xs), "failed": sum(1 for x in xs if x.status != 200)}
+    in_flight_at_kill = [x for x in report.outcomes if x.started < killed_at <= x.ended]
+    # The outage: from one flush interval (plus as much margin) before the signal, when
+    # records still in Envoy's buffer or on the wire were bound for the victim, until the
+    # first record accounted elsewhere.
+    window_end = resumed[0] if resumed is not None else stopped_at
+    in_window = [x for x in report.outcomes if killed_at - 2 * ALS_FLUSH_S <= x.ended <= window_end]
+    return {
+        **report.summary(),
+        "signal": sig.name,
+        "rate": rate,
+        "victim": name,
+        "victim_routing_streams_at_signal": routing_at_signal,
+        "in_flight_at_signal": len(in_flight_at_kill),
+        "failed_in_flight_at_signal": sum(1 for x in in_flight_at_kill if x.status != 200),
+        # Cut: answered, then broken (a 500 is a request that reached the victim as it went)
+        "cut_in_flight_at_signal": sum(1 for x in in_flight_at_kill if x.status not in (200, 500)),
+        "started": started,  # by phase: requests sent and failed
+        # A fail-closed gateway answers 500 when it cannot route; anything else (a timeout, a
+        # cut stream) for a request sent after the signal would be worse.
+        "failed_not_500_after_signal": sum(
+            1 for x in report.outcomes if x.started >= killed_at and x.status not in (200, 500)
+        ),
+        "exited_after_s": rel(exited_at),
+        # SIGTERM: the victim's records are counted up to this scrape (it stops answering
+        # once it ended the access-log stream; a batch it read after would count as lost).
+        "victim_last_scrape_after_s": rel(last.at),
+        "restarted_after_s": rel(restarted_at),
+        "ready_after_s": rel(ready_at),
+        "als_stream_elsewhere_after_s": rel(stream_at),
+        "accounting_resumed_after_s": rel(resumed[0]) if resumed else None,
+        "accounting_resumed_on": f"extproc-{resumed[1]}" if resumed else None,
+        "records_expected": report.sent,
+        "records_received": int(records),
+        "records_lost": int(report.sent - records),
+        "completed_in_outage_window": len(in_window),
+        "accounted": int(accounted),
+        "ok_minus_accounted": int(report.ok - accounted),
+        "routed_minus_accounted": int(routed - accounted),
+        "completion_tokens_clients": load.completion_tokens,
+        "completion_tokens_accounted": int(tokens),
+        "in_flight_zero_after_s": zero_in,
+        "in_flight_end": in_flight_end,
+        # Envoy's counters over the scenario. logs_written counts every entry Envoy logged,
+        # so logs_written - records received is the loss as monitoring can see it.
+        "envoy": envoy,
+        "envoy_written_minus_received": envoy.get(ENVOY_ALS_STATS[0], 0) - int(records),
+    }
+
+
+def _first_new_record(
+    stack: LocalStack, indexes: range, at_kill: dict[int, ProcSnapshot], timeout_s: float
+) -> tuple[float, int] | None:
+    """(time, process) of the first record accounted beyond a process's count at the signal
+    (a restarted process starts from 0), or None."""
+    found: list[int] = []
+
+    def new() -> bool:
+        for i in indexes:
+            s = _snapshot(stack, i)
+            base = at_kill[i].accounted if i in at_kill else 0.0
+            if s is not None and s.accounted > base:
+                found.append(i)
+                return True
+        return False
+
+    return None if _wait(new, timeout_s, 0.05) is None else (time.monotonic(), found[0])
+
+
+def accounting_sink_restart(
+    stack: LocalStack,
+    *,
+    warmup_s: float = 2.0,
+    down_s: float = 2.0,
+    after_s: float = 2.0,
+    rate: float = 20.0,
+) -> dict[str, Any]:
+    """SIGKILL the process holding Envoy's access-log stream under load, restart it."""
+    return _accounting_sink_fault(
+        stack, signal.SIGKILL, warmup_s=warmup_s, down_s=down_s, after_s=after_s, rate=rate
+    )
+
+
+def accounting_sink_sigterm(
+    stack: LocalStack,
+    *,
+    warmup_s: float = 2.0,
+    down_s: float = 2.0,
+    after_s: float = 2.0,
+    rate: float = 20.0,
+) -> dict[str, Any]:
+    """SIGTERM (graceful) the process holding Envoy's access-log stream under load; restart it
+    `down_s` after it exited."""
+    return _accounting_sink_fault(
+        stack, signal.SIGTERM, warmup_s=warmup_s, down_s=down_s, after_s=after_s, rate=rate
+    )
+
+
 STALL_1S = {"routing": {"stall_after_s": 1.0}}  # the default is 10 s; 1 s fits a 5 s hang
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
@@ -401,6 +762,15 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
     "graceful_shutdown": (
         {"server_config": {"server": {"shutdown_grace_s": 20.0}}},
         lambda s: graceful_shutdown(s, max_tokens=600),
+    ),
+    # Two ext_proc processes: the one holding Envoy's access-log stream goes away under load.
+    "accounting_sink_restart": (
+        {"extproc_processes": 2},
+        lambda s: accounting_sink_restart(s, warmup_s=3, down_s=3, after_s=3, rate=20),
+    ),
+    "accounting_sink_sigterm": (
+        {"extproc_processes": 2},
+        lambda s: accounting_sink_sigterm(s, warmup_s=3, down_s=3, after_s=3, rate=20),
     ),
 }
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
 from extproc.routing.builtin import default_registry
 from extproc.server.service import ExtProcServer, ServerOptions
+from extproc.sync import StateSync, SyncMetrics, SyncSettings
 from extproc.tokenization import (
     CharEstimateTokenizer,
     TokenizerLoadError,
@@ -61,7 +63,7 @@ from extproc.tokenization import (
     load_tokenizer,
 )
 from extproc.tokenization.base import Tokenizer
-from extproc.types import Endpoint, EndpointRole, GatewayError
+from extproc.types import Endpoint, EndpointRole, EngineMetrics, GatewayError
 
 __all__ = ["App", "build_endpoints", "load_model_tokenizer"]
 
@@ -131,9 +133,17 @@ def build_endpoints(model: ModelConfig) -> tuple[Endpoint, ...]:
 
 @dataclass
 class _Runtime:
+    """Everything built from one config. A reload builds a new one beside the live one and
+    swaps it in with one assignment (`_install`): nothing live changes before the new
+    runtime is complete, so a rejected reload leaves no trace."""
+
     config: Config
     director: Director
     tokenizers: dict[str, TokenizerPool]
+    exact: dict[str, ExactIndex]
+    approx: dict[str, ApproximateIndex]
+    static: dict[str, tuple[Endpoint, ...]]
+    routes: dict[str, RouteSettings]
 
 
 class App:
@@ -169,7 +179,7 @@ class App:
         self._discoveries: list[PodDiscovery] = []
         self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
         self._api_client: Any = None
-        self._rt = self._build(config)
+        self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
         self.poller = MetricsPoller(
@@ -181,6 +191,7 @@ class App:
             names=metric_preset(config.metrics.preset, config.metrics.names),
             observer=self.metrics,
         )
+        self.sync = self._build_sync(config)
         self.server = ExtProcServer(
             _HandlerRef(self),
             ServerOptions(
@@ -224,31 +235,50 @@ class App:
     # -- building ------------------------------------------------------------------------------
 
     def _build(self, config: Config, previous: _Runtime | None = None) -> _Runtime:
+        """A complete runtime for `config`, reusing what is compatible from `previous` (warm
+        tokenizers and indexes) and changing nothing live. Raises on a bad config."""
+        created: list[TokenizerPool] = []
+        try:
+            return self._build_runtime(config, previous, created)
+        except BaseException:
+            for pool in created:  # new pools of a rejected config: nothing else holds them
+                pool.close()
+            raise
+
+    def _build_runtime(
+        self, config: Config, previous: _Runtime | None, created: list[TokenizerPool]
+    ) -> _Runtime:
         registry = default_registry(config.routing.profiles, config.routing.strategy_params)
         registry.resolve(config.routing.default_strategy)  # fail fast on a bad default
         runtimes: dict[str, ModelRuntime] = {}
         tokenizers: dict[str, TokenizerPool] = {}
+        exact_map: dict[str, ExactIndex] = {}
+        approx_map: dict[str, ApproximateIndex] = {}
         for model in config.models:
-            old = previous.tokenizers.get(_tok_key(model)) if previous else None
-            pool = old or TokenizerPool(
-                load_model_tokenizer(model, config.server.tokenizer_root),
-                max_workers=config.server.tokenizer_threads,
-                inline_threshold_chars=config.server.tokenize_inline_bytes,
-            )
+            pool = previous.tokenizers.get(_tok_key(model)) if previous else None
+            if pool is None:
+                pool = TokenizerPool(
+                    load_model_tokenizer(model, config.server.tokenizer_root),
+                    max_workers=config.server.tokenizer_threads,
+                    inline_threshold_chars=config.server.tokenize_inline_bytes,
+                )
+                created.append(pool)
             tokenizers[_tok_key(model)] = pool
             mode = IndexMode(model.kv_events_mode or config.kv_events.mode)
-            exact = self._exact.get(model.name)
+            exact = previous.exact.get(model.name) if previous else None
             if exact is None or exact.block_size != model.block_size:
-                exact = self._exact[model.name] = ExactIndex(
+                # Another block size hashes other blocks: a new index, fed by new subscribers.
+                exact = ExactIndex(
                     block_size=model.block_size, max_blocks=config.kv_events.exact_capacity_blocks
                 )
-            approx = self._approx.setdefault(
-                model.name,
-                ApproximateIndex(
+            exact_map[model.name] = exact
+            approx = previous.approx.get(model.name) if previous else None
+            if approx is None:
+                approx = ApproximateIndex(
                     ttl_s=config.kv_events.approx_ttl_s,
                     max_blocks=config.kv_events.approx_capacity_blocks,
-                ),
-            )
+                )
+            approx_map[model.name] = approx
             if model.strategy is not None:
                 registry.resolve(model.strategy)
             runtimes[model.name] = ModelRuntime(
@@ -260,15 +290,14 @@ class App:
                     exact=exact,
                     approximate=approx,
                     events_healthy=lambda address: self._kv_healthy(address),
+                    on_record=functools.partial(self._shared_blocks, model.name),
                 ),
                 block_size=model.block_size,
                 default_strategy=model.strategy,
                 lora_adapters=frozenset(model.lora_adapters),
                 aliases=tuple(model.aliases),
             )
-        self._static = {m.name: build_endpoints(m) for m in config.models if m.endpoints}
-        self._publish_endpoints()
-        self._route_settings = {**config.routes, **self._k8s_routes}
+        static = {m.name: build_endpoints(m) for m in config.models if m.endpoints}
         director = Director(
             config=config,
             models=runtimes,
@@ -283,7 +312,93 @@ class App:
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
         )
-        return _Runtime(config, director, tokenizers)
+        return _Runtime(
+            config, director, tokenizers, exact_map, approx_map, static, dict(config.routes)
+        )
+
+    def _install(self, rt: _Runtime) -> None:
+        """Make `rt` the live runtime (start-up and reload). KV-event subscribers follow
+        with `kv.set_indexes` (async). Tokenizer pools the new runtime dropped stay open:
+        requests the old director is still tokenizing use them."""
+        self._rt = rt
+        self._exact = rt.exact
+        self._approx = rt.approx
+        self._static = rt.static
+        self._route_settings = {**rt.routes, **self._k8s_routes}
+        self._publish_endpoints()
+
+    # -- replica sync ---------------------------------------------------------------------------
+
+    def _build_sync(self, config: Config) -> StateSync | None:
+        """Shared state over NATS when `sync.url` is set (settings apply at start-up only)."""
+        cfg = config.sync
+        if cfg.url is None:
+            return None
+        from extproc.sync.nats import NatsBus  # nats-py only where sync is on
+
+        password = None
+        if cfg.password_file is not None:
+            try:
+                password = Path(cfg.password_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(f"sync.password_file: {exc.strerror}") from None
+        tls = cfg.tls
+        bus = NatsBus(
+            cfg.url,
+            cfg.subject,
+            user=cfg.user,
+            password=password,
+            ca_file=tls.ca_file if tls else None,
+            cert_file=tls.cert_file if tls else None,
+            key_file=tls.key_file if tls else None,
+            name=f"extproc {self.replica}",
+        )
+        sync = StateSync(
+            replica=self.replica,
+            bus=bus,
+            inflight=self.inflight,
+            fairness=self.fairness,
+            approx=self._approx.get,
+            on_metrics=self._peer_scrape,
+            settings=SyncSettings(cfg.tick_s, cfg.heartbeat_s, cfg.expire_s),
+            metrics=SyncMetrics(self.registry),
+        )
+        self.fairness.on_charge = sync.note_charge
+        self.poller.should_scrape = self._should_scrape
+        self.poller.on_scraped = lambda ep, metrics: sync.note_metrics(
+            ep.model, ep.address, metrics
+        )
+        return sync
+
+    def _shared_blocks(self, model: str, pod: str, hashes: Sequence[int]) -> None:
+        if self.sync is not None:
+            self.sync.note_blocks(model, pod, hashes)
+
+    def _should_scrape(self, url: str, endpoints: Sequence[Endpoint]) -> bool:
+        """The pod's owner scrapes it; anyone whose copy is older than 2 polls does too."""
+        assert self.sync is not None
+        if self.sync.owns(url):
+            return True
+        now = time.monotonic()
+        limit = 2 * self.poller.interval
+        for ep in endpoints:
+            state = self.store.state(ep)
+            age = None if state is None else state.age(now)
+            if age is None or age > limit:
+                return True
+        return False
+
+    def _peer_scrape(self, model: str, address: str, metrics: EngineMetrics) -> None:
+        for ep in self.store.endpoints(model):
+            if ep.address == address:
+                state = self.store.state(ep)
+                if (
+                    state is None
+                    or state.metrics is None
+                    or (state.metrics.updated_at < metrics.updated_at)
+                ):
+                    self.store.record_success(ep, metrics)
+                return
 
     def _kv_manager(self, config: Config) -> KVEventManager:
         manager = KVEventManager(
@@ -375,6 +490,8 @@ class App:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.poller.poll_once(), self.config.metrics.timeout_s + 0.5)
         await self.server.start()
+        if self.sync is not None:
+            await self.sync.start()
         self.poller.start()
         await self.kv.set_endpoints(self.store.endpoints())
         self._start_kubernetes()
@@ -385,7 +502,7 @@ class App:
 
     async def stop(self) -> None:
         grace = self.config.server.shutdown_grace_s
-        await self.server.stop(grace)
+        await self.server.stop(grace, announce_s=self.config.server.shutdown_announce_s)
         await self._stop_kubernetes()
         for task in self._tasks:
             task.cancel()
@@ -394,6 +511,8 @@ class App:
                 await task
         self._tasks.clear()
         await self.poller.stop()
+        if self.sync is not None:
+            await self.sync.stop()
         await self.kv.close()
         if self._admin is not None:
             await self._admin.cleanup()
@@ -451,16 +570,15 @@ class App:
             assert self._config_path is not None
             try:
                 new = load_config(self._config_path)
-                models_before = set(self._exact)
-                self._rt = self._build(new, previous=self._rt)
-                if set(self._exact) != models_before:
-                    await self.kv.close()
-                    self.kv = self._kv_manager(new)
-                await self.kv.set_endpoints(self.store.endpoints())
+                rt = self._build(new, previous=self._rt)
             except (ConfigError, GatewayError, ValueError) as exc:
                 log.error("config reload failed, keeping the running config: %s", exc)
                 self.config_reloads.labels("error").inc()
                 continue
+            self._install(rt)
+            # Subscribers of a model whose index was replaced (block size) restart on the new one.
+            await self.kv.set_indexes(rt.exact)
+            await self.kv.set_endpoints(self.store.endpoints())
             self.config_reloads.labels("ok").inc()
             log.info("config reloaded from %s", self._config_path)
 
@@ -472,6 +590,7 @@ class App:
         app.router.add_get("/healthz", self._h_healthz)
         app.router.add_get("/readyz", self._h_readyz)
         app.router.add_get("/debug/endpoints", self._h_endpoints)
+        app.router.add_get("/debug/sync", self._h_sync)
         app.router.add_post("/debug/explain", self._h_explain)
         app.router.add_get("/debug/kv", self._h_kv)
         app.router.add_get("/debug/memory", self._h_memory)
@@ -491,6 +610,23 @@ class App:
         if self.is_ready():
             return web.Response(text="ready")
         return web.Response(status=503, text="not ready: no endpoint with fresh metrics")
+
+    async def _h_sync(self, _request: web.Request) -> web.Response:
+        if self.sync is None:
+            body: dict[str, Any] = {"enabled": False}
+        else:
+            body = {
+                "enabled": True,
+                "replica": self.replica,
+                "connected": self.sync._bus.connected,
+                "members": self.sync.members(),
+                "peers_last_heard_s": {k: round(v, 3) for k, v in self.sync.peers().items()},
+                "remote_in_flight": {
+                    a: [load.requests, load.tokens]
+                    for a, load in self.inflight.remote_snapshot().items()
+                },
+            }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def _h_endpoints(self, _request: web.Request) -> web.Response:
         now = time.monotonic()

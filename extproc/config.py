@@ -34,6 +34,8 @@ __all__ = [
     "RouteSettings",
     "RoutingConfig",
     "ServerConfig",
+    "SyncConfig",
+    "SyncTLSConfig",
     "TLSConfig",
     "load_config",
     "load_config_text",
@@ -66,6 +68,9 @@ class ServerConfig:
         2048  # requests between headers and decision; more are shed with 429
     )
     shutdown_grace_s: float = 10.0
+    # SIGTERM: report NOT_SERVING this long before refusing new streams, so Envoy's health
+    # check (every 0.5 s, out after 2 failures, in our bootstraps) moves new streams and the access log elsewhere.
+    shutdown_announce_s: float = 1.5
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
     tls: TLSConfig | None = None
     tokenize_inline_bytes: int = (
@@ -123,6 +128,33 @@ class KVEventsConfig:
     exact_capacity_blocks: int = 1_000_000  # ~150 MB at ~150 B per block (bench/kvevents_bench.py)
     replay_timeout_s: float = 1.0
     stall_after_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SyncTLSConfig:
+    ca_file: str | None = None  # verify the bus server with this CA
+    cert_file: str | None = None  # client certificate (mutual TLS)
+    key_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SyncConfig:
+    """Routing state shared between replicas over NATS (off when `url` is null)."""
+
+    url: str | None = None  # nats://host:4222 (tls:// with TLS)
+    subject: str = "extproc.sync.default"  # one subject per gateway (replicas that share)
+    user: str | None = None
+    password_file: str | None = None  # read at start; never logged
+    tls: SyncTLSConfig | None = None
+    tick_s: float = 0.01  # one combined message per tick at most
+    heartbeat_s: float = 0.1  # a message at least this often (liveness)
+    expire_s: float = 0.5  # a peer silent this long: its share no longer counts
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tick_s <= self.heartbeat_s < self.expire_s:
+            raise ConfigError("needs 0 < tick_s <= heartbeat_s < expire_s")
+        if self.url is not None and not self.url.startswith(("nats://", "tls://")):
+            raise ConfigError(f"url: expected nats://host:port or tls://..., got {self.url!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +226,7 @@ class Config:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     models: list[ModelConfig] = field(default_factory=list)
     routes: dict[str, RouteSettings] = field(
         default_factory=dict

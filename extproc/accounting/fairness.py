@@ -12,6 +12,7 @@ first. Forgetting is safe because a returning user is lifted to the active minim
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["FairnessCounters"]
@@ -36,6 +37,8 @@ class FairnessCounters:
         self._max_users = max_users
         self._users: OrderedDict[str, _User] = OrderedDict()
         self._active: dict[str, _User] = {}  # users with requests in flight
+        # Called with every charge made here (user, weighted tokens): replica sync's outbox.
+        self.on_charge: Callable[[str, float], None] | None = None
 
     def __len__(self) -> int:
         return len(self._users)
@@ -66,7 +69,7 @@ class FairnessCounters:
                 u.tokens = max(u.tokens, self.active_min())
             self._active[user] = u
         u.active += 1
-        u.tokens += self._w_in * max(0, input_tokens)
+        self._add(user, u, self._w_in * max(0, input_tokens))
 
     def charge(self, user: str, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
         """Add tokens to a user's counter (e.g. the output tokens counted at end of stream)."""
@@ -74,18 +77,32 @@ class FairnessCounters:
         if u is None:
             self._make_room()
             u = self._users[user] = _User(tokens=self.active_min())
-        u.tokens += self._w_in * max(0, input_tokens) + self._w_out * max(0, output_tokens)
+        self._add(user, u, self._w_in * max(0, input_tokens) + self._w_out * max(0, output_tokens))
 
     def request_finished(self, user: str, output_tokens: int = 0) -> None:
         """A request of `user` ended; charges its output tokens. Pair with request_started."""
         u = self._users.get(user)
         if u is None:
             return
-        u.tokens += self._w_out * max(0, output_tokens)
+        self._add(user, u, self._w_out * max(0, output_tokens))
         if u.active > 0:
             u.active -= 1
             if u.active == 0:
                 self._active.pop(user, None)
+
+    def _add(self, user: str, u: _User, tokens: float) -> None:
+        if tokens:
+            u.tokens += tokens
+            if self.on_charge is not None:
+                self.on_charge(user, tokens)
+
+    def add_remote(self, user: str, tokens: float) -> None:
+        """Weighted tokens another replica charged `user` (not passed to `on_charge` again)."""
+        u = self._users.get(user)
+        if u is None:
+            self._make_room()
+            u = self._users[user] = _User(tokens=self.active_min())
+        u.tokens += max(0.0, tokens)
 
     def _make_room(self) -> None:
         """Forget least recently seen idle users until one more fits."""

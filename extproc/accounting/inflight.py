@@ -85,6 +85,9 @@ class InflightTracker:
         self._waiting: dict[str, dict[Lease, None]] = {}
         self._answered_at: dict[str, float] = {}
         self._watching = False
+        # Other replicas' in-flight counts (absolute, per replica), and their sum per address.
+        self._remote: dict[str, dict[str, Load]] = {}
+        self._remote_total: dict[str, Load] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -151,11 +154,48 @@ class InflightTracker:
             self._stats.request_ended(addr, self._clock())
 
     def load(self, address: str) -> Load:
-        return Load(self._requests.get(address, 0), self._tokens.get(address, 0))
+        """This replica's requests in flight on `address` plus every live peer's share."""
+        remote = self._remote_total.get(address)
+        if remote is None:
+            return Load(self._requests.get(address, 0), self._tokens.get(address, 0))
+        return Load(
+            self._requests.get(address, 0) + remote.requests,
+            self._tokens.get(address, 0) + remote.tokens,
+        )
 
     def snapshot(self) -> Mapping[str, Load]:
-        """Every address with requests in flight (a copy)."""
+        """This replica's own requests in flight, by address (a copy)."""
         return {a: Load(n, self._tokens.get(a, 0)) for a, n in self._requests.items()}
+
+    def set_remote(self, replica: str, loads: Mapping[str, Load]) -> None:
+        """Replace peer `replica`'s share with its latest absolute counts (a lost update is
+        corrected by the next; an empty mapping clears it)."""
+        old = self._remote.pop(replica, None)
+        if old is not None:
+            self._add_remote(old, -1)
+        if loads:
+            self._remote[replica] = dict(loads)
+            self._add_remote(loads, 1)
+
+    def drop_remote(self, replica: str) -> None:
+        """A peer left or went silent: its share no longer counts."""
+        self.set_remote(replica, {})
+
+    def remote_replicas(self) -> list[str]:
+        return list(self._remote)
+
+    def remote_snapshot(self) -> Mapping[str, Load]:
+        """Peers' requests in flight, summed, by address (a copy)."""
+        return dict(self._remote_total)
+
+    def _add_remote(self, loads: Mapping[str, Load], sign: int) -> None:
+        for address, load in loads.items():
+            cur = self._remote_total.get(address, Load())
+            new = Load(cur.requests + sign * load.requests, cur.tokens + sign * load.tokens)
+            if new.requests <= 0 and new.tokens <= 0:
+                self._remote_total.pop(address, None)
+            else:
+                self._remote_total[address] = new
 
     def total(self) -> int:
         return sum(self._requests.values())

@@ -270,6 +270,7 @@ class Director:
                 in_flight_tokens=load.tokens,
                 prefix_match_tokens=matches[ep.address].tokens,
                 prefix_exact=matches[ep.address].exact,
+                cached_blocks=runtime.prefix.cached_blocks(ep.address),
                 stats=self._podstats.stats(ep.address, now),
             )
             for ep, metrics in candidates

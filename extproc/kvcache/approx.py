@@ -123,6 +123,11 @@ class ApproximateIndex:
         self._entries -= len(records.recorded_at)
         self._table.release(pod)
 
+    def pod_block_count(self, pod: str) -> int:
+        """Blocks recorded for `pod` (expired ones included until the next sweep)."""
+        records = self._pods.get(pod)
+        return len(records.recorded_at) if records else 0
+
     def blocks_of(self, pod: str) -> set[int]:
         records = self._pods.get(pod)
         return set(records.recorded_at) if records else set()

@@ -40,6 +40,7 @@ class PrefixIndex:
         exact: ExactIndex | None,
         approximate: ApproximateIndex | None,
         events_healthy: Callable[[str], bool] | None = None,
+        on_record: Callable[[str, Sequence[int]], None] | None = None,
     ) -> None:
         if mode is not IndexMode.APPROXIMATE and exact is None:
             raise ValueError(f"mode {mode} needs an ExactIndex")
@@ -52,6 +53,7 @@ class PrefixIndex:
         self._exact = exact
         self._approx = approximate
         self._healthy = events_healthy or (lambda _address: True)
+        self._on_record = on_record
 
     def match(
         self, pods: Iterable[str], block_hashes: Sequence[int], now: float
@@ -82,10 +84,26 @@ class PrefixIndex:
                 result[a] = PrefixMatch(found.get(a, 0) * bs, False)
         return {a: result[a] for a in addresses}
 
-    def record(self, pod: str, block_hashes: Iterable[int], now: float) -> None:
-        """Feed a routing decision to the approximate side (no-op in EXACT mode)."""
+    def cached_blocks(self, pod: str) -> int:
+        """How many blocks the index believes `pod` holds, from the side that answers for it
+        (the exact index while its events flow, else the approximate one)."""
+        if self.mode is IndexMode.EXACT or (
+            self.mode is IndexMode.AUTO and self._exact is not None and self._healthy(pod)
+        ):
+            assert self._exact is not None
+            return self._exact.pod_block_count(pod)
+        return self._approx.pod_block_count(pod) if self._approx is not None else 0
+
+    def record(self, pod: str, block_hashes: Sequence[int], now: float) -> None:
+        """Feed a routing decision to the approximate side (no-op in EXACT mode). `on_record`
+        hears of it where the approximate side is what answers for the pod (no healthy
+        KV events): that is what peers need, the exact side they read themselves."""
         if self._approx is not None and self.mode is not IndexMode.EXACT:
             self._approx.record(pod, block_hashes, now)
+            if self._on_record is not None and (
+                self.mode is IndexMode.APPROXIMATE or not self._healthy(pod)
+            ):
+                self._on_record(pod, block_hashes)
 
     def drop_pod(self, pod: str) -> None:
         """Forget a removed pod's approximate entries (its exact ones follow its subscriber)."""

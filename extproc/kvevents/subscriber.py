@@ -438,6 +438,17 @@ class KVEventManager:
             self._keys[address] = key
             sub.start()
 
+    async def set_indexes(self, indexes: Mapping[str, ExactIndex]) -> None:
+        """Feed these indexes from now on (a config reload). A subscriber whose model's index
+        is another object stops (its pod leaves the old index); `set_endpoints` then starts
+        one on the new index. Subscribers of unchanged indexes keep running."""
+        new = dict(indexes)
+        for address in list(self._subs):
+            model = self._keys[address][0]
+            if new.get(model) is not self._indexes.get(model):
+                await self._remove(address)
+        self._indexes = new
+
     def is_healthy(self, address: str) -> bool:
         sub = self._subs.get(address)
         return sub is not None and sub.healthy()

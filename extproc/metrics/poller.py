@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import httpx
@@ -20,7 +20,7 @@ import httpx
 from extproc.metrics.names import VLLM, MetricNames, extract
 from extproc.metrics.parse import parse
 from extproc.metrics.store import EndpointStore
-from extproc.types import Endpoint
+from extproc.types import Endpoint, EngineMetrics
 
 __all__ = ["SCRAPE_RESULTS", "MetricsPoller", "ScrapeObserver"]
 
@@ -77,6 +77,10 @@ class MetricsPoller:
         self._scrapes: dict[str, asyncio.Task[None]] = {}  # by metrics URL
         self._last_result: dict[str, str] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        # Replica sync: whether this replica scrapes a metrics URL now (another one may own
+        # it and publish), and who hears of each good scrape (to publish it).
+        self.should_scrape: Callable[[str, Sequence[Endpoint]], bool] | None = None
+        self.on_scraped: Callable[[Endpoint, EngineMetrics], None] | None = None
 
     def names_for(self, endpoint: Endpoint) -> MetricNames:
         return self._names_by_model.get(endpoint.model, self._names)
@@ -122,10 +126,16 @@ class MetricsPoller:
             if url not in groups:  # removed by discovery: stop scraping it
                 self._scrapes.pop(url).cancel()
                 self._last_result.pop(url, None)
-        for url in groups:
+        for url, eps in groups.items():
             task = self._scrapes.get(url)
             if task is None or task.done():
+                if self.should_scrape is not None and not self.should_scrape(url, eps):
+                    continue
                 self._scrapes[url] = asyncio.create_task(self._scrape_guarded(url))
+
+    @property
+    def interval(self) -> float:
+        return self._interval
 
     async def poll_once(self) -> None:
         """Scrape every endpoint once and wait for all results (start-up, tests)."""
@@ -165,7 +175,10 @@ class MetricsPoller:
             )
         now = self._clock()
         for ep, names in zip(eps, names_of, strict=True):
-            self._store.record_success(ep, extract(result.samples, names, ep.model, now))
+            metrics = extract(result.samples, names, ep.model, now)
+            self._store.record_success(ep, metrics)
+            if self.on_scraped is not None:
+                self.on_scraped(ep, metrics)
         self._report(url, "ok", "")
 
     def _wanted_names(self, names: MetricNames) -> frozenset[str]:

@@ -146,11 +146,20 @@ class ExtProcServer:
         for service in (READINESS, EXT_PROC_SERVICE, ""):
             await self._health.set(service, status)
 
-    async def stop(self, grace: float, *, on_draining: Callable[[], None] | None = None) -> None:
-        """Health goes NOT_SERVING, new streams are refused, in-flight ones get `grace` seconds."""
+    async def stop(
+        self,
+        grace: float,
+        *,
+        on_draining: Callable[[], None] | None = None,
+        announce_s: float = 0.0,
+    ) -> None:
+        """Health goes NOT_SERVING; after `announce_s` (for Envoy's health check to see it and
+        send new streams elsewhere) new streams are refused, in-flight ones get `grace`."""
         await self.set_ready(False)
         if on_draining is not None:
             on_draining()
+        if announce_s > 0:
+            await asyncio.sleep(announce_s)
         log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
         # Access-log streams never end by themselves: keep reading them while routing streams
         # drain (their requests' records are still coming), then one flush interval more,

@@ -131,6 +131,8 @@ class EnvoyOptions:
     retry_on: str = "connect-failure,refused-stream,reset"
     extproc_max_requests: int = 100_000
     upstream_max_requests: int = 100_000
+    # gRPC health check of each ext_proc process (its readiness).
+    extproc_health_interval_s: float = 0.5
     # Access-log batches go out at least this often (and whenever 16 KiB are buffered).
     access_log_flush_interval_s: float = 0.5
     request_attributes: tuple[str, ...] = ("xds.route_name",)
@@ -204,6 +206,25 @@ def _extproc_cluster(name: str, opts: EnvoyOptions) -> dict[str, Any]:
     cluster = _static_cluster(name, opts.extproc, opts)
     cluster["lb_policy"] = "LEAST_REQUEST"
     cluster["circuit_breakers"] = _circuit_breakers(opts.extproc_max_requests)
+    # LEAST_REQUEST alone prefers a dead or draining process (it has the fewest requests):
+    # new routing streams would fail there and the access log would reconnect into it. The
+    # gRPC health check follows the server's readiness (NOT_SERVING while it drains) and
+    # finds a dead process within one interval. (Outlier detection is not used: Envoy counts
+    # its own resets of finished routing streams as local-origin errors and would eject
+    # healthy processes.)
+    interval = _duration(opts.extproc_health_interval_s)
+    cluster["health_checks"] = [
+        {
+            # Two failed checks (a refused connection fails at once) before a process is out:
+            # one slow answer from a busy process must not take it out.
+            "timeout": "1s",
+            "interval": interval,
+            "no_traffic_interval": interval,
+            "unhealthy_threshold": 2,
+            "healthy_threshold": 1,
+            "grpc_health_check": {"service_name": "readiness"},
+        }
+    ]
     # gRPC needs HTTP/2 to the ext_proc server.
     cluster["typed_extension_protocol_options"] = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(

@@ -30,10 +30,14 @@ from extproc.stack.envoy_config import (
     envoy_binary,
     render_yaml,
 )
+from extproc.stack.nats_server import NatsServer, write_password_file
 
 __all__ = ["LocalStack", "StackError", "StackOptions"]
 
 log = logging.getLogger("extproc.stack")
+
+
+NATS_USER = "extproc"
 
 
 class StackError(RuntimeError):
@@ -51,6 +55,9 @@ class StackOptions:
     grpc_port: int = 9002
     metrics_port: int = 9090
     extproc_processes: int = 1  # > 1: separate ports behind Envoy's LEAST_REQUEST cluster
+    # Replica state sync over an embedded NATS server: None = on when extproc_processes > 1.
+    sync: bool | None = None
+    nats_port: int = 4222
     model: str = "qwen3"
     tokenizer_dir: str | None = None  # None: the bundled Qwen3 tokenizer
     strategy: str = "least-request"
@@ -106,6 +113,13 @@ class LocalStack:
         self.options = options
         self.workdir = options.workdir.resolve()
         self._procs: dict[str, _Proc] = {}
+        self.nats: NatsServer | None = None
+
+    @property
+    def sync_enabled(self) -> bool:
+        o = self.options
+        on = o.extproc_processes > 1 if o.sync is None else o.sync
+        return on and not o.baseline
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -178,6 +192,8 @@ class LocalStack:
                 self._spawn(f"sim-{i}", self._sim_args(i))
             if not o.baseline:
                 cfg = self.server_config()
+                if self.sync_enabled:
+                    cfg = _merge(cfg, {"sync": self._start_nats()})
                 for i in range(o.extproc_processes):
                     if i:
                         cfg = _merge(
@@ -295,10 +311,21 @@ class LocalStack:
                         raise StackError(f"timed out waiting for {url}")
                     time.sleep(0.1)
 
+    def _start_nats(self) -> dict[str, Any]:
+        """The embedded bus for replica sync: credentials in a 0600 file, only this user may
+        publish or subscribe on the sync subjects. Returns the servers' `sync:` settings."""
+        password_file = self.workdir / "nats.password"
+        password = write_password_file(password_file)
+        self.nats = NatsServer(self.options.nats_port, self.workdir, NATS_USER, password)
+        self.nats.start()
+        return {"url": self.nats.url, "user": NATS_USER, "password_file": str(password_file)}
+
     def stop(self) -> None:
         for proc in reversed(list(self._procs.values())):
             self._terminate(proc)
         self._procs.clear()
+        if self.nats is not None:
+            self.nats.stop()
 
     @staticmethod
     def _terminate(proc: _Proc, timeout: float = 10.0) -> None:

@@ -14,12 +14,15 @@
 --
 -- An OpenAI `usage` object is searched in the bytes, never decoded as a whole: model text
 -- inside a JSON string has its quotes escaped (\"usage\"), so it cannot forge one.
--- A usage object or an event marker split across two chunks is still found: the last
--- CARRY bytes of the stream are kept and searched again with the next chunk.
+-- Cost is per chunk, not per stream: each chunk is scanned once, with the last TAIL bytes of
+-- the one before (a marker split across two chunks is still found). Only when a usage object
+-- starts but does not end in a chunk are its bytes kept until it does (at most PENDING_MAX).
 
-local CARRY = 1024
+local TAIL = 32
+local PENDING_MAX = 65536
 local EVENTS_EVERY = 8 -- publish the event count this often, so an aborted stream keeps it
 local CONTENT = { '"content":"[^"]', '"text":"[^"]' }
+local USAGE = '"usage"%s*:%s*{'
 
 local function number_after(obj, key)
   local v = string.match(obj, '"' .. key .. '"%s*:%s*(%d+)')
@@ -29,18 +32,23 @@ local function number_after(obj, key)
   return tonumber(v)
 end
 
--- The last complete `"usage": {...}` object in s, or nil.
-local function last_usage(s)
-  local found = nil
+-- The last complete `"usage": {...}` object in s, and where an incomplete one after it
+-- starts (nil when none is incomplete).
+local function scan_usage(s)
+  local complete = nil
+  local open_at = nil
   local init = 1
   while true do
-    local _, e = string.find(s, '"usage"%s*:%s*{', init)
-    if e == nil then
-      return found
+    local b, e = string.find(s, USAGE, init)
+    if b == nil then
+      return complete, open_at
     end
     local obj = string.match(s, "^%b{}", e)
     if obj ~= nil then
-      found = obj
+      complete = obj
+      open_at = nil
+    else
+      open_at = b
     end
     init = e + 1
   end
@@ -80,14 +88,15 @@ function envoy_on_response(handle)
   local function meta()
     return handle:streamInfo():dynamicMetadata()
   end
-  local carry = ""
+  local tail = ""
+  local pending = nil -- bytes of a usage object that has not ended yet
   local events = 0
   local published = 0
   local first = false
   for chunk in handle:bodyChunks() do
     local bytes = chunk:getBytes(0, chunk:length())
-    local s = carry .. bytes
-    local skip = #carry -- matches ending inside the carry were counted with the last chunk
+    local s = tail .. bytes
+    local skip = #tail -- matches ending inside the tail were counted with the last chunk
     if sse then
       -- A content event: a delta (chat) or text (completions) that is not empty.
       for _, pattern in ipairs(CONTENT) do
@@ -112,16 +121,29 @@ function envoy_on_response(handle)
         meta():set("extproc.usage", "events", events)
       end
     end
-    if string.find(s, '"usage"', 1, true) ~= nil then
-      local obj = last_usage(s)
+    local region = nil
+    if pending ~= nil then
+      region = pending .. bytes
+    else
+      local at = string.find(s, '"usage"', 1, true)
+      if at ~= nil then
+        region = string.sub(s, at)
+      end
+    end
+    pending = nil
+    if region ~= nil then
+      local obj, open_at = scan_usage(region)
       if obj ~= nil then
         publish_usage(meta(), obj)
       end
+      if open_at ~= nil and #region - open_at < PENDING_MAX then
+        pending = string.sub(region, open_at)
+      end
     end
-    if #s > CARRY then
-      carry = string.sub(s, -CARRY)
+    if #s > TAIL then
+      tail = string.sub(s, -TAIL)
     else
-      carry = s
+      tail = s
     end
   end
   if sse then

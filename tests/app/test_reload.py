@@ -90,3 +90,63 @@ async def test_reload_applies_good_files_and_keeps_running_on_bad_ones(
         assert app.config.routing.default_strategy == "prefix-cache"
     finally:
         await app.stop()
+
+
+def kv_config_text(grpc: int, metrics: int, block_size: int, strategy: str = "kv-aware") -> str:
+    return f"""
+server: {{grpc_port: {grpc}, metrics_port: {metrics}}}
+routing: {{default_strategy: kv-aware}}
+models:
+  - name: m
+    block_size: {block_size}
+    strategy: {strategy}
+    endpoints: [{{address: 127.0.0.1:9, kv_events: "tcp://127.0.0.1:{free_port()}"}}]
+"""
+
+
+async def wait_reloads(metrics: int, result: str, n: int) -> None:
+    want = f'extproc_config_reloads_total{{result="{result}"}} {n}.0'
+    for _ in range(60):
+        if want in await get_text(f"http://127.0.0.1:{metrics}/metrics"):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no {want}")
+
+
+async def test_a_new_block_size_moves_the_kv_subscribers_to_the_new_index(tmp_path: Path) -> None:
+    grpc, metrics = free_port(), free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(kv_config_text(grpc, metrics, 16))
+    app = App(load_config(path), config_path=path)
+    await app.start()
+    try:
+        sub = app.kv.subscriber("127.0.0.1:9")
+        assert sub is not None and sub.index is app._exact["m"]
+        old_index = app._exact["m"]
+        touch_later(path, kv_config_text(grpc, metrics, 32))
+        await wait_reloads(metrics, "ok", 1)
+        new_index = app._exact["m"]
+        assert new_index is not old_index and new_index.block_size == 32
+        sub = app.kv.subscriber("127.0.0.1:9")
+        assert sub is not None and sub.index is new_index  # events feed what decisions read
+        assert app.director._models["m"].prefix._exact is new_index
+    finally:
+        await app.stop()
+
+
+async def test_a_rejected_reload_leaves_the_live_runtime_untouched(tmp_path: Path) -> None:
+    grpc, metrics = free_port(), free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(kv_config_text(grpc, metrics, 16))
+    app = App(load_config(path), config_path=path)
+    await app.start()
+    try:
+        live = (app._rt, app._exact["m"], app.director, app.kv.subscriber("127.0.0.1:9"))
+        # A new block size (which would replace the index) and an unknown model strategy,
+        # checked after the index was built: refused, and nothing live was replaced.
+        touch_later(path, kv_config_text(grpc, metrics, 64, strategy="no-such-strategy"))
+        await wait_reloads(metrics, "error", 1)
+        assert (app._rt, app._exact["m"], app.director, app.kv.subscriber("127.0.0.1:9")) == live
+        assert app._exact["m"].block_size == 16
+    finally:
+        await app.stop()

@@ -28,7 +28,7 @@ from extproc.wire import ACCESS_LOG_NAME, LB_NAMESPACE, REQUEST_NAMESPACE, TOKEN
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CRDS = Path(__file__).resolve().parent / "crds"  # upstream CRDs, unmodified (see its README)
-OVERLAYS = ["envoy-gateway", "envoy-gateway-token-limits", "inferencepool", "sim"]
+OVERLAYS = ["envoy-gateway", "envoy-gateway-token-limits", "inferencepool", "nats", "sim"]
 # The accounting Lua filter: one script for the local stack and for Envoy Gateway.
 USAGE_LUA = REPO / "extproc" / "stack" / "usage.lua"
 KUBERNETES_VERSION = "1.32"

@@ -47,6 +47,7 @@ def stack_options(workdir: Path, **changes: Any) -> StackOptions:
         admin_port=base + 31,
         grpc_port=base + 32,
         metrics_port=base + 36,
+        nats_port=base + 25,
         workdir=workdir,
         sim_args=FAST_SIM,
         log_level="info",

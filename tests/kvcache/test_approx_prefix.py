@@ -98,3 +98,34 @@ def test_prefix_index_requires_the_indexes_its_mode_needs() -> None:
         PrefixIndex(
             mode=IndexMode.EXACT, block_size=32, exact=ExactIndex(block_size=16), approximate=None
         )
+
+
+@pytest.mark.parametrize(
+    ("mode", "healthy", "expected"),
+    [
+        (IndexMode.EXACT, set(), {"a": 3, "b": 0}),
+        (IndexMode.APPROXIMATE, {"a", "b"}, {"a": 0, "b": 4}),
+        (IndexMode.AUTO, {"a", "b"}, {"a": 3, "b": 0}),
+        (IndexMode.AUTO, {"a"}, {"a": 3, "b": 4}),
+    ],
+)
+def test_cached_blocks_come_from_the_side_that_answers(
+    mode: IndexMode, healthy: set[str], expected: dict[str, int]
+) -> None:
+    index, exact, _ = make(mode, healthy)
+    exact.stored("a", [1, 2, 3], None, DOC[:48])
+    index.record("b", block_hashes(DOC, BS), now=0.0)
+    assert {p: index.cached_blocks(p) for p in ("a", "b")} == expected
+
+
+def test_records_are_shared_only_where_the_approximate_side_answers() -> None:
+    shared: list[tuple[str, list[int]]] = []
+    index = PrefixIndex(
+        mode=IndexMode.AUTO, block_size=BS, exact=ExactIndex(block_size=BS),
+        approximate=ApproximateIndex(), events_healthy={"a"}.__contains__,
+        on_record=lambda pod, hashes: shared.append((pod, list(hashes))),
+    )  # fmt: skip
+    hashes = block_hashes(DOC, BS)
+    index.record("a", hashes, now=0.0)  # a's events flow: peers read them themselves
+    index.record("b", hashes, now=0.0)
+    assert shared == [("b", list(hashes))]

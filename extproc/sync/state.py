@@ -1,0 +1,360 @@
+"""Many replicas, one view: routing state shared over a bus, never on the decision path.
+
+Each replica (server process) appends what it changes to an outbox, a few microseconds on the
+decision path, and publishes one combined message per tick (~10 ms):
+- its in-flight requests and tokens per pod as absolute values (a lost message is corrected by
+  the next one; a replica that stops publishing has its share expire);
+- new approximate prefix-index blocks per (model, pod), for pods without healthy KV events
+  (the exact index stays local: every replica reads every pod's KV events itself);
+- VTC fairness charges per user (weighted tokens), kept until a publish succeeds;
+- the engine metrics of the pods this replica owns: each pod is scraped by one live replica,
+  chosen by rendezvous hashing over the membership the heartbeats give (`owns`), which
+  publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
+A message goes out at least every heartbeat even when nothing changed, so peers know who is
+alive (the membership that scrape ownership uses).
+
+Receiving applies a peer's message to the same objects the decision reads (InflightTracker's
+remote shares, the ApproximateIndex, FairnessCounters), so a decision never waits on the bus
+and never sees a half-applied message. Messages are deduplicated per peer by sequence number;
+an older message's in-flight counts never replace a newer one's.
+
+The bus going away changes nothing for routing: publishes are dropped and counted, peers'
+shares expire after `expire_s`, and everything resumes when the bus comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import xxhash
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.accounting.fairness import FairnessCounters
+from extproc.accounting.inflight import InflightTracker, Load
+from extproc.kvcache.approx import ApproximateIndex
+from extproc.sync.bus import Bus
+from extproc.types import EngineMetrics
+
+__all__ = ["PROTOCOL_VERSION", "MetricsSink", "StateSync", "SyncMetrics", "SyncSettings", "owner"]
+
+# (model, address, metrics): a peer's scrape, on this replica's monotonic clock.
+MetricsSink = Callable[[str, str, EngineMetrics], None]
+_METRIC_FIELDS = (
+    "running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries",
+    "prompt_tokens_total", "generation_tokens_total", "ttft_avg_s", "itl_avg_s",
+)  # fmt: skip
+_INT_FIELDS = ("max_lora", "block_size", "num_gpu_blocks")
+
+
+def owner(key: str, members: Sequence[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the member that owns `key`. Adding or
+    removing a member moves only the keys it wins or owned."""
+    return max(members, key=lambda m: xxhash.xxh64_intdigest(f"{m}\x00{key}".encode()))
+
+
+log = logging.getLogger("extproc.sync")
+
+PROTOCOL_VERSION = 1
+_SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop duplicates
+MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncSettings:
+    tick_s: float = 0.01
+    heartbeat_s: float = 0.1
+    expire_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tick_s <= self.heartbeat_s < self.expire_s:
+            raise ValueError("sync needs 0 < tick_s <= heartbeat_s < expire_s")
+
+
+class SyncMetrics:
+    def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
+        ns = namespace
+        self.peers = Gauge(
+            "sync_peers", "Peer replicas heard from within sync.expire_s", namespace=ns,
+            registry=registry,
+        )  # fmt: skip
+        self.connected = Gauge(
+            "sync_connected", "1 while the bus is connected", namespace=ns, registry=registry
+        )
+        self.lag = Histogram(
+            "sync_lag_seconds", "Peer message age on arrival (publisher's clock to ours)",
+            buckets=LAG_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.messages = Counter(
+            "sync_messages", "Sync messages by direction (sent, received)", ["direction"],
+            namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.dropped = Counter(
+            "sync_dropped", "Sync messages not sent or not applied, by reason "
+            "(bus_down, duplicate, malformed, version)", ["reason"], namespace=ns,
+            registry=registry,
+        )  # fmt: skip
+        self.stale = Counter(
+            "sync_stale", "Peers whose share expired (silent for sync.expire_s)", namespace=ns,
+            registry=registry,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Peer:
+    last_seen: float
+    last_seq: int
+    seen: OrderedDict[int, None]
+
+
+class StateSync:
+    """Publishes this replica's changes and applies its peers'. One per process."""
+
+    def __init__(
+        self,
+        *,
+        replica: str,
+        bus: Bus,
+        inflight: InflightTracker,
+        fairness: FairnessCounters,
+        approx: Callable[[str], ApproximateIndex | None],
+        on_metrics: MetricsSink | None = None,
+        settings: SyncSettings = SyncSettings(),
+        metrics: SyncMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.replica = replica
+        self._bus = bus
+        self._inflight = inflight
+        self._fairness = fairness
+        self._approx = approx
+        self._on_metrics = on_metrics
+        self.settings = settings
+        self._metrics = metrics
+        self._clock = clock
+        self._wall = wall_clock
+        self._seq = 0
+        self._blocks: list[tuple[str, str, list[int]]] = []
+        self._pending_blocks = 0
+        self._charges: dict[str, float] = {}
+        self._scrapes: dict[tuple[str, str], list[Any]] = {}
+        self._members: list[str] = [replica]
+        self._last_inflight: dict[str, Load] | None = None
+        self._last_sent = float("-inf")
+        self._peers: dict[str, _Peer] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._was_connected: bool | None = None
+
+    # -- the outbox (decision path) ---------------------------------------------------------
+
+    def note_blocks(self, model: str, pod: str, block_hashes: Sequence[int]) -> None:
+        if block_hashes and self._pending_blocks < MAX_PENDING_BLOCKS:
+            self._blocks.append((model, pod, list(block_hashes)))
+            self._pending_blocks += len(block_hashes)
+
+    def note_charge(self, user: str, tokens: float) -> None:
+        self._charges[user] = self._charges.get(user, 0.0) + tokens
+
+    def note_metrics(self, model: str, address: str, metrics: EngineMetrics) -> None:
+        """A scrape this replica made, for the peers (the latest per pod goes out)."""
+        scraped_wall = self._wall() - max(0.0, self._clock() - metrics.updated_at)
+        row: list[Any] = [model, address, scraped_wall]
+        row.extend(getattr(metrics, f) for f in _METRIC_FIELDS)
+        row.extend(getattr(metrics, f) for f in _INT_FIELDS)
+        row.append(list(metrics.running_lora_adapters))
+        row.append(list(metrics.waiting_lora_adapters))
+        self._scrapes[(model, address)] = row
+
+    def owns(self, key: str) -> bool:
+        """Whether this replica scrapes `key` (a metrics URL) among the live members."""
+        return owner(key, self._members) == self.replica
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._bus.start(self.receive)
+        self._task = asyncio.create_task(self._run(), name="state-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._bus.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # sync must never stop routing; log and go on
+                log.exception("state sync tick failed")
+            await asyncio.sleep(self.settings.tick_s)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Publish what changed (or a heartbeat), then expire silent peers."""
+        now = self._clock()
+        self._note_connection()
+        inflight = dict(self._inflight.snapshot())
+        changed_inflight = inflight != self._last_inflight
+        due = now - self._last_sent >= self.settings.heartbeat_s
+        if changed_inflight or self._blocks or self._charges or self._scrapes or due:
+            self._seq += 1
+            message: dict[str, Any] = {
+                "v": PROTOCOL_VERSION,
+                "r": self.replica,
+                "s": self._seq,
+                "t": self._wall(),
+                "i": [[a, load.requests, load.tokens] for a, load in inflight.items()],
+            }
+            if self._blocks:
+                message["b"] = self._blocks
+            if self._charges:
+                message["f"] = list(self._charges.items())
+            if self._scrapes:
+                message["m"] = list(self._scrapes.values())
+            ok = await self._bus.publish(msgpack.packb(message))
+            if ok:
+                self._last_inflight = inflight
+                self._last_sent = now
+                self._charges = {}
+                self._count("messages", "sent")
+            else:
+                self._count("dropped", "bus_down")
+            # Blocks and scrapes are not kept for a retry: newer ones replace them anyway.
+            self._blocks = []
+            self._pending_blocks = 0
+            self._scrapes = {}
+        self._expire(now)
+
+    def _note_connection(self) -> None:
+        connected = self._bus.connected
+        if connected != self._was_connected:
+            if self._was_connected is not None:
+                if connected:
+                    log.info("state sync: bus connected again; sharing resumes")
+                else:
+                    log.warning("state sync: bus lost; routing goes on with local state")
+            self._was_connected = connected
+            if self._metrics is not None:
+                self._metrics.connected.set(1 if connected else 0)
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.settings.expire_s
+        for replica in [r for r, p in self._peers.items() if p.last_seen < horizon]:
+            del self._peers[replica]
+            self._inflight.drop_remote(replica)
+            log.info("state sync: peer %s silent for %.1fs; its share expired", replica,
+                     self.settings.expire_s)  # fmt: skip
+            if self._metrics is not None:
+                self._metrics.stale.inc()
+        self._members = sorted([self.replica, *self._peers])
+        if self._metrics is not None:
+            self._metrics.peers.set(len(self._peers))
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def receive(self, data: bytes) -> None:
+        """Apply one peer message. Never raises: a bad message is counted and dropped."""
+        try:
+            message = msgpack.unpackb(data, strict_map_key=False)
+            if not isinstance(message, dict):
+                raise TypeError("not a map")
+            if message.get("v") != PROTOCOL_VERSION:
+                self._count("dropped", "version")
+                return
+            replica, seq = message["r"], message["s"]
+            if not isinstance(replica, str) or not isinstance(seq, int):
+                raise TypeError("replica or seq")
+            if replica == self.replica:
+                return
+            self._apply(replica, seq, message)
+        except Exception:
+            self._count("dropped", "malformed")
+            log.debug("state sync: dropped a malformed message", exc_info=True)
+
+    def _apply(self, replica: str, seq: int, message: dict[str, Any]) -> None:
+        now = self._clock()
+        peer = self._peers.get(replica)
+        if peer is None:
+            peer = self._peers[replica] = _Peer(last_seen=now, last_seq=0, seen=OrderedDict())
+            self._members = sorted([self.replica, *self._peers])
+            log.info("state sync: peer %s joined", replica)
+        if seq in peer.seen:
+            self._count("dropped", "duplicate")
+            return
+        peer.seen[seq] = None
+        if len(peer.seen) > _SEEN_WINDOW:
+            peer.seen.popitem(last=False)
+        peer.last_seen = now
+        self._count("messages", "received")
+        sent_at = message.get("t")
+        if isinstance(sent_at, int | float) and self._metrics is not None:
+            self._metrics.lag.observe(max(0.0, self._wall() - sent_at))
+        if seq > peer.last_seq:  # absolute values: only the newest message's count
+            peer.last_seq = seq
+            self._inflight.set_remote(replica, _loads(message.get("i", ())))
+        for model, pod, hashes in message.get("b", ()):
+            index = self._approx(model)
+            if index is not None:
+                index.record(pod, [int(h) for h in hashes], now)
+        for user, tokens in message.get("f", ()):
+            self._fairness.add_remote(str(user), float(tokens))
+        if self._on_metrics is not None:
+            for row in message.get("m", ()):
+                model, address, metrics = self._metrics_from(row, now)
+                self._on_metrics(model, address, metrics)
+
+    def _metrics_from(self, row: list[Any], now: float) -> tuple[str, str, EngineMetrics]:
+        model, address, scraped_wall = str(row[0]), str(row[1]), float(row[2])
+        n = len(_METRIC_FIELDS)
+        floats = row[3 : 3 + n]
+        ints = row[3 + n : 3 + n + len(_INT_FIELDS)]
+        running_lora, waiting_lora = row[3 + n + len(_INT_FIELDS) :]
+        values: dict[str, Any] = {
+            f: None if v is None else float(v) for f, v in zip(_METRIC_FIELDS, floats, strict=True)
+        }
+        values.update(
+            {f: None if v is None else int(v) for f, v in zip(_INT_FIELDS, ints, strict=True)}
+        )
+        age = max(0.0, self._wall() - scraped_wall)
+        metrics = EngineMetrics(
+            updated_at=now - age,
+            running_lora_adapters=tuple(str(a) for a in running_lora),
+            waiting_lora_adapters=tuple(str(a) for a in waiting_lora),
+            **values,
+        )
+        return model, address, metrics
+
+    # -- views -----------------------------------------------------------------------------
+
+    def peers(self) -> dict[str, float]:
+        """Live peers and how long ago each was heard from (seconds)."""
+        now = self._clock()
+        return {r: now - p.last_seen for r, p in self._peers.items()}
+
+    def members(self) -> list[str]:
+        """This replica and its live peers, sorted: the membership for scrape ownership."""
+        return list(self._members)
+
+    def _count(self, name: str, label: str) -> None:
+        if self._metrics is not None:
+            getattr(self._metrics, name).labels(label).inc()
+
+
+def _loads(rows: Iterable[Any]) -> dict[str, Load]:
+    out: dict[str, Load] = {}
+    for address, requests, tokens in rows:
+        out[str(address)] = Load(max(0, int(requests)), max(0, int(tokens)))
+    return out
