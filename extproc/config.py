@@ -69,7 +69,7 @@ class ServerConfig:
     )
     shutdown_grace_s: float = 10.0
     # SIGTERM: report NOT_SERVING this long before refusing new streams, so Envoy's health
-    # check (every 0.5 s, out after 2 failures, in our bootstraps) moves new streams and the access log elsewhere.
+    # check (every 0.5 s in our bootstraps) moves new streams and the access log elsewhere.
     shutdown_announce_s: float = 1.5
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
     tls: TLSConfig | None = None

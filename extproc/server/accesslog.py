@@ -13,6 +13,7 @@ what could be read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -30,6 +31,9 @@ __all__ = ["ACCESS_LOG_SERVICE", "AccessLogService", "record_from_entry"]
 log = logging.getLogger("extproc.server")
 
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+# At shutdown, how long to wait for Envoy's next batch before ending the stream (its flush
+# interval is 0.5 s in our bootstraps).
+CLOSE_AFTER_BATCH_WAIT_S = 1.0
 
 # Flags that mean the upstream side broke the exchange (a retry that then succeeded leaves
 # connection-failure flags behind, so those alone do not make a 2xx a failure).
@@ -183,8 +187,16 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
             while True:
                 read = asyncio.ensure_future(context.read())
                 await asyncio.wait((read, closing), return_when=asyncio.FIRST_COMPLETED)
-                if not read.done():  # shutting down: end the stream, Envoy reconnects elsewhere
-                    read.cancel()
+                if not read.done():
+                    # Shutting down. Envoy flushes a batch every flush interval and would lose
+                    # one sent while the stream ends: end it right after the next batch, so the
+                    # following one goes to the stream Envoy opens on another process.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(read, CLOSE_AFTER_BATCH_WAIT_S)
+                    if read.done() and not read.cancelled():
+                        msg = read.result()
+                        if msg is not grpc.aio.EOF:
+                            self._take(log_name, msg.http_logs.log_entry)
                     context.set_code(grpc.StatusCode.UNAVAILABLE)
                     context.set_details("server shutting down")
                     break

@@ -26,7 +26,7 @@ log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS = "liveness"
 READINESS = "readiness"
-ACCESS_LOG_LINGER_S = 1.0  # after the last routing stream, for its record to arrive
+ACCESS_LOG_LINGER_S = 2.0  # after the last routing stream, for its record to arrive (flush 0.5 s)
 EOF_GRACE_S = 0.01  # after EOF, how long a reset's cancel notice may take to reach the handler
 
 
@@ -158,9 +158,9 @@ class ExtProcServer:
         await self.set_ready(False)
         if on_draining is not None:
             on_draining()
+        log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
         if announce_s > 0:
             await asyncio.sleep(announce_s)
-        log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
         # Access-log streams never end by themselves: keep reading them while routing streams
         # drain (their requests' records are still coming), then one flush interval more,
         # then end them so Envoy reconnects to another process.

@@ -215,12 +215,12 @@ def _extproc_cluster(name: str, opts: EnvoyOptions) -> dict[str, Any]:
     interval = _duration(opts.extproc_health_interval_s)
     cluster["health_checks"] = [
         {
-            # Two failed checks (a refused connection fails at once) before a process is out:
-            # one slow answer from a busy process must not take it out.
+            # One failed check takes a process out (a refused connection fails at once); a busy
+            # process has a whole second to answer before that counts as a failure.
             "timeout": "1s",
             "interval": interval,
             "no_traffic_interval": interval,
-            "unhealthy_threshold": 2,
+            "unhealthy_threshold": 1,
             "healthy_threshold": 1,
             "grpc_health_check": {"service_name": "readiness"},
         }

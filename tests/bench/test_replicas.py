@@ -210,6 +210,13 @@ def test_without_a_noise_floor_ttft_is_not_decided() -> None:
     assert c["hit_rate_ok"] is True  # the fixed bounds need no noise floor
 
 
+def test_one_bound_missed_is_a_miss_even_when_another_is_not_decided() -> None:
+    runs = [_ref(0, 40.0, 300.0), _pair("2p+sync", 0, imbalance=1.5)]
+    c = _check(runs, "2p+sync")
+    assert c["ttft_p50_ok"] is None and c["imbalance_ok"] is False
+    assert c["met"] is False
+
+
 def test_checks_are_per_scenario() -> None:
     runs = [
         _ref(0, 40.0, 300.0),
