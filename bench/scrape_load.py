@@ -18,6 +18,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from extproc.stack.local import LocalStack, StackOptions
-from tests.e2e.harness import metric_samples, metric_sum, port_block
+from extproc.stack.local import LocalStack
+from tests.e2e.harness import metric_samples, metric_sum, stack_options
 
 
 def scrapes(stack: LocalStack, processes: int) -> float:
@@ -50,20 +51,8 @@ def peers(stack: LocalStack, processes: int) -> list[int]:
 
 
 def measure(processes: int, sims: int, window: float, workdir: Path) -> dict[str, Any]:
-    base = port_block()
-    opts = StackOptions(
-        sims=sims,
-        sim_base_port=base,
-        kv_base_port=base + 10,
-        listen_port=base + 30,
-        admin_port=base + 31,
-        grpc_port=base + 32,
-        metrics_port=base + 36,
-        nats_port=base + 25,
-        extproc_processes=processes,
-        kv_events=False,
-        workdir=workdir,
-    )
+    opts = stack_options(workdir, sims=sims, extproc_processes=processes, kv_events=False)
+    opts = replace(opts, sim_args=(), log_level="warning")  # engines at normal speed
     with LocalStack(opts) as stack:
         deadline = time.monotonic() + 15
         while processes > 1 and time.monotonic() < deadline:
