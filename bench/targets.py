@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -142,7 +143,10 @@ class Cluster:
         server_config: dict[str, Any] | None = None,
         kv_events: bool = True,
         repo_root: Path | None = None,
+        servers: bool = True,
     ) -> None:
+        """`servers=False`: the stack starts the simulators (and an idle round-robin Envoy) but
+        no ext_proc server; the caller spawns its own server groups (bench/replicas.py)."""
         if sims > 20 or extproc_processes > 8:
             raise ValueError("port layout allows up to 20 simulators and 8 server processes")
         self.workdir = workdir
@@ -164,6 +168,7 @@ class Cluster:
             server_config=server_config or {},
             kv_events=kv_events,
             workdir=workdir,
+            baseline=not servers,
         )
         self.stack = LocalStack(self.options)
         self._children: list[_Child] = []
@@ -217,6 +222,29 @@ class Cluster:
         self._children.append(child)
         self._wait(ready_url, child)
         return child.popen.pid
+
+    def spawn_group(
+        self, procs: Sequence[tuple[str, list[str], str]], *, env: dict[str, str] | None = None
+    ) -> tuple[int, ...]:
+        """Starts several processes at once, each `(name, args, ready_url)`, then waits until
+        every one is ready (their start-ups overlap); their pids, stopped with the cluster or
+        with `stop_spawned`."""
+        children = [_Child(n, a, self.workdir / f"{n}.log", env=env) for n, a, _ in procs]
+        self._children.extend(children)
+        for child, (_, _, url) in zip(children, procs, strict=True):
+            self._wait(url, child)
+        return tuple(c.popen.pid for c in children)
+
+    def stop_spawned(self, pids: Sequence[int]) -> None:
+        """Stops processes from `spawn`/`spawn_group` (SIGTERM to all, then SIGKILL to any still
+        running after 10 s), so a group can be stopped before the next one starts."""
+        group = [c for c in reversed(self._children) if c.popen.pid in pids]
+        for child in group:  # signal all first: their shutdowns overlap
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+        for child in group:
+            child.stop()
+            self._children.remove(child)
 
     @property
     def sim_addresses(self) -> list[str]:
@@ -277,6 +305,50 @@ class Cluster:
         )
         self._doors[key] = door
         return door
+
+    def envoy_for(
+        self,
+        name: str,
+        grpc_ports: Sequence[int],
+        *,
+        listen: int,
+        admin: int,
+        server_pids: tuple[int, ...] = (),
+        metrics_ports: Sequence[int] = (),
+        strategy: str | None = None,
+        body_mode: RequestBodyMode = RequestBodyMode.BUFFERED,
+        accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
+    ) -> FrontDoor:
+        """An Envoy on `listen`/`admin` in front of server processes the caller started
+        (`grpc_ports`), e.g. with `spawn`; stopped with `stop_door`, so the same ports can
+        serve the next group."""
+        opts = EnvoyOptions(
+            listener=HostPort(HOST, listen),
+            admin=HostPort(HOST, admin),
+            extproc=tuple(HostPort(HOST, p) for p in grpc_ports),
+            endpoints=tuple(HostPort.parse(a) for a in self.sim_addresses),
+            request_body_mode=body_mode,
+            response_accounting=accounting,
+        )
+        cfg = self.workdir / f"envoy-{name}.yaml"
+        cfg.write_text(render_yaml(opts))
+        pid = self.spawn(
+            f"envoy-{name}",
+            [
+                envoy_binary(), "-c", str(cfg), "--concurrency", "1", "--log-level", "warning",
+                "--base-id", str(admin), "--drain-time-s", "1",
+            ],
+            ready_url=f"http://{HOST}:{admin}/ready",
+        )  # fmt: skip
+        return FrontDoor(
+            name=name,
+            base_url=f"http://{HOST}:{listen}",
+            kind="extproc",
+            cpu_pids=server_pids,
+            proxy_pids=(pid,),
+            headers=(("routing-strategy", strategy),) if strategy else (),
+            metrics_urls=tuple(f"http://{HOST}:{p}/metrics" for p in metrics_ports),
+        )
 
     def with_strategy(self, door: FrontDoor, name: str, strategy: str) -> FrontDoor:
         return replace(door, name=name, headers=(("routing-strategy", strategy),))
