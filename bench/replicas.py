@@ -830,8 +830,7 @@ def run(
         "`in-flight seen`: the share of the gateway's in-flight requests a server process "
         "counted (sampled every 0.5 s; 1/N without sharing). Every group starts cold for its "
         "run; engine caches are reset and prompts salted per run.",
-        f"Index: {index} (`auto`: exact from KV events where they flow, as the scenarios run; "
-        "the approximate index and its sharing are then idle).",
+        _INDEX_NOTES[index],
     ]
     if failures:
         notes.append(
@@ -864,6 +863,15 @@ def run(
         "failures": failures,
         "runs": runs,
     }
+
+
+_INDEX_NOTES = {
+    "auto": "Index: auto, as the scenarios run: exact from every pod's KV events, which each "
+    "process reads itself; shared prefix-index blocks (for pods without KV events) stay idle, "
+    "so sharing acts through in-flight load and engine metrics.",
+    "approximate": "Index: approximate (no KV events): each process learns the prefix index "
+    "from routing decisions, its own and, sharing, its peers'.",
+}
 
 
 def _strategies(items: Sequence[str]) -> dict[str, str]:
