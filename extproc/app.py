@@ -359,6 +359,7 @@ class App:
             inflight=self.inflight,
             fairness=self.fairness,
             approx=self._approx.get,
+            models=lambda: list(self._approx),
             on_metrics=self._peer_scrape,
             settings=SyncSettings(cfg.tick_s, cfg.heartbeat_s, cfg.expire_s),
             metrics=SyncMetrics(self.registry),

@@ -128,6 +128,14 @@ class ApproximateIndex:
         records = self._pods.get(pod)
         return len(records.recorded_at) if records else 0
 
+    def recent_blocks(self, limit: int) -> dict[str, list[int]]:
+        """Up to `limit` most recently recorded blocks per pod (a snapshot for a peer)."""
+        out: dict[str, list[int]] = {}
+        for pod, records in self._pods.items():
+            blocks = list(records.recorded_at)
+            out[pod] = blocks[-limit:] if limit > 0 else []
+        return out
+
     def blocks_of(self, pod: str) -> set[int]:
         records = self._pods.get(pod)
         return set(records.recorded_at) if records else set()

@@ -7,6 +7,8 @@ decision path, and publishes one combined message per tick (~10 ms):
 - new approximate prefix-index blocks per (model, pod), for pods without healthy KV events
   (the exact index stays local: every replica reads every pod's KV events itself);
 - VTC fairness charges per user (weighted tokens), kept until a publish succeeds;
+- once, for a replica that just joined (its first message says hello), a snapshot of the
+  approximate index (the most recent blocks per pod), so it does not start cold;
 - the engine metrics of the pods this replica owns: each pod is scraped by one live replica,
   chosen by rendezvous hashing over the membership the heartbeats give (`owns`), which
   publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
@@ -65,6 +67,7 @@ log = logging.getLogger("extproc.sync")
 PROTOCOL_VERSION = 1
 _SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop duplicates
 MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
+SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -126,6 +129,7 @@ class StateSync:
         inflight: InflightTracker,
         fairness: FairnessCounters,
         approx: Callable[[str], ApproximateIndex | None],
+        models: Callable[[], Iterable[str]] = tuple,
         on_metrics: MetricsSink | None = None,
         settings: SyncSettings = SyncSettings(),
         metrics: SyncMetrics | None = None,
@@ -137,6 +141,8 @@ class StateSync:
         self._inflight = inflight
         self._fairness = fairness
         self._approx = approx
+        self._models = models
+        self._snapshot_due = False  # a peer joined: send it our approximate index once
         self._on_metrics = on_metrics
         self.settings = settings
         self._metrics = metrics
@@ -209,7 +215,8 @@ class StateSync:
         inflight = dict(self._inflight.snapshot())
         changed_inflight = inflight != self._last_inflight
         due = now - self._last_sent >= self.settings.heartbeat_s
-        if changed_inflight or self._blocks or self._charges or self._scrapes or due:
+        pending = self._blocks or self._charges or self._scrapes or self._snapshot_due
+        if changed_inflight or pending or due:
             self._seq += 1
             message: dict[str, Any] = {
                 "v": PROTOCOL_VERSION,
@@ -218,6 +225,11 @@ class StateSync:
                 "t": self._wall(),
                 "i": [[a, load.requests, load.tokens] for a, load in inflight.items()],
             }
+            if self._seq == 1:
+                message["h"] = True  # hello: peers answer with a snapshot of their index
+            if self._snapshot_due:
+                self._snapshot_due = False
+                self._add_snapshot()
             if self._blocks:
                 message["b"] = self._blocks
             if self._charges:
@@ -237,6 +249,17 @@ class StateSync:
             self._pending_blocks = 0
             self._scrapes = {}
         self._expire(now)
+
+    def _add_snapshot(self) -> None:
+        """Our approximate index (the most recent blocks per pod) for a replica that just
+        joined, so it does not start cold; applying blocks twice is harmless."""
+        for model in self._models():
+            index = self._approx(model)
+            if index is None:
+                continue
+            for pod, blocks in index.recent_blocks(SNAPSHOT_BLOCKS_PER_POD).items():
+                if blocks:
+                    self._blocks.append((model, pod, blocks))
 
     def _note_connection(self) -> None:
         connected = self._bus.connected
@@ -299,6 +322,8 @@ class StateSync:
             peer.seen.popitem(last=False)
         peer.last_seen = now
         self._count("messages", "received")
+        if message.get("h") is True:
+            self._snapshot_due = True
         sent_at = message.get("t")
         if isinstance(sent_at, int | float) and self._metrics is not None:
             self._metrics.lag.observe(max(0.0, self._wall() - sent_at))

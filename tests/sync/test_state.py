@@ -50,7 +50,8 @@ def make(name: str, net: MemoryNetwork, clock: Clock) -> Replica:
     registry = CollectorRegistry()
     sync = StateSync(
         replica=name, bus=net.bus(), inflight=inflight, fairness=fairness,
-        approx=lambda model: approx if model == "m" else None, settings=SETTINGS,
+        approx=lambda model: approx if model == "m" else None, models=lambda: ["m"],
+        settings=SETTINGS,
         metrics=SyncMetrics(registry), clock=clock,
     )  # fmt: skip
     fairness.on_charge = sync.note_charge
@@ -280,3 +281,26 @@ async def test_a_scrape_reaches_the_peers_with_its_age(clock: Clock) -> None:
     assert metrics.itl_avg_s is None  # unknown stays unknown
     # Rebased to b's clock: about as old as it was when a published it (ticks add a little).
     assert clock.now - metrics.updated_at == pytest.approx(0.25 + SETTINGS.tick_s, abs=0.05)
+
+
+async def test_a_replica_that_joins_late_gets_a_snapshot_of_the_approximate_index(
+    clock: Clock,
+) -> None:
+    net = MemoryNetwork()
+    a = make("r0", net, clock)
+    await a.sync._bus.start(a.sync.receive)
+    a.approx.record(PODS[0].address, [1, 2, 3, 4], clock.now)  # learnt before b existed
+    await tick_all([a], clock, rounds=3)
+    b = make("r1", net, clock)
+    await b.sync._bus.start(b.sync.receive)
+    assert b.approx.longest_prefix([1, 2, 3, 4], clock.now) == {}
+    clock.now += SETTINGS.heartbeat_s  # b says hello; a answers with its index
+    await tick_all([a, b], clock, rounds=2)
+    found = b.approx.longest_prefix([1, 2, 3, 4], clock.now, [PODS[0].address])
+    assert found == {PODS[0].address: 4}
+    sent_before = a.sample("extproc_sync_messages_total", direction="sent")
+    a.approx.record(PODS[1].address, [9], clock.now)
+    clock.now += SETTINGS.heartbeat_s
+    await tick_all([a, b], clock, rounds=3)  # heartbeats, but no hello since: no snapshot
+    assert b.approx.longest_prefix([9], clock.now) == {}
+    assert a.sample("extproc_sync_messages_total", direction="sent") > sent_before
