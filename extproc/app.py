@@ -54,7 +54,7 @@ from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
 from extproc.routing.builtin import default_registry
 from extproc.server.service import ExtProcServer, ServerOptions
-from extproc.sync import StateSync, SyncMetrics, SyncSettings
+from extproc.sync import StateSync, SyncMetrics
 from extproc.tokenization import (
     CharEstimateTokenizer,
     TokenizerLoadError,
@@ -142,8 +142,7 @@ class _Runtime:
     tokenizers: dict[str, TokenizerPool]
     exact: dict[str, ExactIndex]
     approx: dict[str, ApproximateIndex]
-    static: dict[str, tuple[Endpoint, ...]]
-    routes: dict[str, RouteSettings]
+    static: dict[str, tuple[Endpoint, ...]]  # endpoints from the config file, per model
 
 
 class App:
@@ -169,11 +168,8 @@ class App:
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
         self.fairness = FairnessCounters()
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
-        self._exact: dict[str, ExactIndex] = {}
-        self._approx: dict[str, ApproximateIndex] = {}
         self._route_settings: dict[str, RouteSettings] = {}
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
-        self._static: dict[str, tuple[Endpoint, ...]] = {}
         self._discovered: dict[str, tuple[Endpoint, ...]] = {}
         self._k8s_routes: dict[str, RouteSettings] = {}
         self._discoveries: list[PodDiscovery] = []
@@ -312,19 +308,14 @@ class App:
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
         )
-        return _Runtime(
-            config, director, tokenizers, exact_map, approx_map, static, dict(config.routes)
-        )
+        return _Runtime(config, director, tokenizers, exact_map, approx_map, static)
 
     def _install(self, rt: _Runtime) -> None:
         """Make `rt` the live runtime (start-up and reload). KV-event subscribers follow
         with `kv.set_indexes` (async). Tokenizer pools the new runtime dropped stay open:
         requests the old director is still tokenizing use them."""
         self._rt = rt
-        self._exact = rt.exact
-        self._approx = rt.approx
-        self._static = rt.static
-        self._route_settings = {**rt.routes, **self._k8s_routes}
+        self._route_settings = {**rt.config.routes, **self._k8s_routes}
         self._publish_endpoints()
 
     # -- replica sync ---------------------------------------------------------------------------
@@ -358,10 +349,10 @@ class App:
             bus=bus,
             inflight=self.inflight,
             fairness=self.fairness,
-            approx=self._approx.get,
-            models=lambda: list(self._approx),
+            approx=lambda model: self._rt.approx.get(model),  # the live runtime's
+            models=lambda: list(self._rt.approx),
             on_metrics=self._peer_scrape,
-            settings=SyncSettings(cfg.tick_s, cfg.heartbeat_s, cfg.expire_s),
+            settings=cfg,
             metrics=SyncMetrics(self.registry),
         )
         self.fairness.on_charge = sync.note_charge
@@ -390,20 +381,16 @@ class App:
         return False
 
     def _peer_scrape(self, model: str, address: str, metrics: EngineMetrics) -> None:
-        for ep in self.store.endpoints(model):
-            if ep.address == address:
-                state = self.store.state(ep)
-                if (
-                    state is None
-                    or state.metrics is None
-                    or (state.metrics.updated_at < metrics.updated_at)
-                ):
-                    self.store.record_success(ep, metrics)
-                return
+        ep = self.store.find(model, address)
+        if ep is None:
+            return
+        state = self.store.state(ep)
+        if state is None or state.metrics is None or state.metrics.updated_at < metrics.updated_at:
+            self.store.record_success(ep, metrics)
 
     def _kv_manager(self, config: Config) -> KVEventManager:
         manager = KVEventManager(
-            indexes=self._exact,
+            indexes=self._rt.exact,
             settings=SubscriberSettings.from_config(config.kv_events),
             metrics=self._kv_metrics,  # registered once; a manager rebuilt on reload reuses them
         )
@@ -428,7 +415,7 @@ class App:
         self._route_settings = {**self._rt.config.routes, **settings}
 
     def _publish_endpoints(self) -> None:
-        by_model = dict(self._static)
+        by_model = dict(self._rt.static)
         for model, eps in self._discovered.items():
             by_model[model] = (*by_model.get(model, ()), *eps)
         self.store.set_endpoints(by_model)
@@ -659,7 +646,7 @@ class App:
         out: dict[str, Any] = {}
         for address, st in self.kv.stats().items():
             out[address] = {"healthy": self.kv.is_healthy(address), **_plain(st)}
-        for model, index in self._exact.items():
+        for model, index in self._rt.exact.items():
             out.setdefault("_index", {})[model] = _plain(index.stats())
             if pod is not None:
                 out.setdefault("_blocks", {})[model] = sorted(index.blocks_of(pod))

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from extproc.wire import SYNC_SUBJECT_PREFIX
+
 __all__ = [
     "ANNOTATION_PREFIX",
     "AccountingConfig",
@@ -142,7 +144,7 @@ class SyncConfig:
     """Routing state shared between replicas over NATS (off when `url` is null)."""
 
     url: str | None = None  # nats://host:4222 (tls:// with TLS)
-    subject: str = "extproc.sync.default"  # one subject per gateway (replicas that share)
+    subject: str = f"{SYNC_SUBJECT_PREFIX}.default"  # one subject per gateway (its replicas)
     user: str | None = None
     password_file: str | None = None  # read at start; never logged
     tls: SyncTLSConfig | None = None

@@ -14,6 +14,7 @@ __all__ = [
     "REQUEST_NAMESPACE",
     "SUBSET_HINT_KEY",
     "SUBSET_HINT_NAMESPACE",
+    "SYNC_SUBJECT_PREFIX",
     "TOKEN_NAMESPACE",
     "USAGE_NAMESPACE",
 ]
@@ -31,5 +32,7 @@ REQUEST_NAMESPACE = "extproc.request"
 USAGE_NAMESPACE = "extproc.usage"
 # Envoy AI Gateway's token metadata, read by Envoy Gateway's usage-based rate limits.
 TOKEN_NAMESPACE = "io.envoy.ai_gateway"
+# Replica sync subjects: `<prefix>.<gateway>`; NATS permissions grant `<prefix>.>`.
+SYNC_SUBJECT_PREFIX = "extproc.sync"
 # The gRPC access log's log_name for accounting records.
 ACCESS_LOG_NAME = "extproc-accounting"

@@ -73,10 +73,7 @@ class FairnessCounters:
 
     def charge(self, user: str, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
         """Add tokens to a user's counter (e.g. the output tokens counted at end of stream)."""
-        u = self._users.get(user)
-        if u is None:
-            self._make_room()
-            u = self._users[user] = _User(tokens=self.active_min())
+        u = self._known(user)
         self._add(user, u, self._w_in * max(0, input_tokens) + self._w_out * max(0, output_tokens))
 
     def request_finished(self, user: str, output_tokens: int = 0) -> None:
@@ -98,11 +95,15 @@ class FairnessCounters:
 
     def add_remote(self, user: str, tokens: float) -> None:
         """Weighted tokens another replica charged `user` (not passed to `on_charge` again)."""
+        self._known(user).tokens += max(0.0, tokens)
+
+    def _known(self, user: str) -> _User:
+        """The user's counter; a new one starts at the active minimum (no banked credit)."""
         u = self._users.get(user)
         if u is None:
             self._make_room()
             u = self._users[user] = _User(tokens=self.active_min())
-        u.tokens += max(0.0, tokens)
+        return u
 
     def _make_room(self) -> None:
         """Forget least recently seen idle users until one more fits."""

@@ -59,6 +59,7 @@ class EndpointStore:
         self._max_failures = max_failures
         self._by_model: dict[str, tuple[Endpoint, ...]] = {}
         self._states: dict[Endpoint, EndpointState] = {}
+        self._by_address: dict[tuple[str, str], Endpoint] = {}  # (model, address), per set
         self._version = 0
 
     @property
@@ -79,6 +80,9 @@ class EndpointStore:
                 new_states[ep] = self._states.get(ep) or EndpointState(ep)
         self._by_model = new_by_model
         self._states = new_states
+        self._by_address = {
+            (model, ep.address): ep for model, eps in new_by_model.items() for ep in eps
+        }
         self._version += 1
 
     def models(self) -> tuple[str, ...]:
@@ -92,6 +96,10 @@ class EndpointStore:
 
     def state(self, endpoint: Endpoint) -> EndpointState | None:
         return self._states.get(endpoint)
+
+    def find(self, model: str, address: str) -> Endpoint | None:
+        """The endpoint of `model` at `address`, if it is in the set."""
+        return self._by_address.get((model, address))
 
     def record_success(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         """Store a good (possibly partial) scrape. Ignored for removed endpoints."""

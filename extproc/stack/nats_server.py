@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from extproc.wire import SYNC_SUBJECT_PREFIX
+
 __all__ = [
     "SYNC_SUBJECTS",
     "NatsServer",
@@ -32,7 +34,7 @@ __all__ = [
 
 # What the gateway user may publish and subscribe to (core NATS; no request/reply, so no
 # _INBOX.> either).
-SYNC_SUBJECTS = "extproc.sync.>"
+SYNC_SUBJECTS = f"{SYNC_SUBJECT_PREFIX}.>"
 HOST = "127.0.0.1"
 # Written inside a double-quoted NATS string: no quote, backslash or control characters.
 _SAFE_CREDENTIAL = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+")

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from extproc.sync.bus import Bus, MemoryBus, MemoryNetwork
-from extproc.sync.state import StateSync, SyncMetrics, SyncSettings
+from extproc.sync.state import StateSync, SyncMetrics
 
-__all__ = ["Bus", "MemoryBus", "MemoryNetwork", "StateSync", "SyncMetrics", "SyncSettings"]
+__all__ = ["Bus", "MemoryBus", "MemoryNetwork", "StateSync", "SyncMetrics"]

@@ -41,11 +41,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.inflight import InflightTracker, Load
+from extproc.config import SyncConfig
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.sync.bus import Bus
 from extproc.types import EngineMetrics
 
-__all__ = ["PROTOCOL_VERSION", "MetricsSink", "StateSync", "SyncMetrics", "SyncSettings", "owner"]
+__all__ = ["PROTOCOL_VERSION", "MetricsSink", "StateSync", "SyncMetrics", "owner"]
 
 # (model, address, metrics): a peer's scrape, on this replica's monotonic clock.
 MetricsSink = Callable[[str, str, EngineMetrics], None]
@@ -68,18 +69,8 @@ PROTOCOL_VERSION = 1
 _SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop duplicates
 MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
 SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
+DEFAULT_SETTINGS = SyncConfig()
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-@dataclass(frozen=True, slots=True)
-class SyncSettings:
-    tick_s: float = 0.01
-    heartbeat_s: float = 0.1
-    expire_s: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not 0 < self.tick_s <= self.heartbeat_s < self.expire_s:
-            raise ValueError("sync needs 0 < tick_s <= heartbeat_s < expire_s")
 
 
 class SyncMetrics:
@@ -131,7 +122,7 @@ class StateSync:
         approx: Callable[[str], ApproximateIndex | None],
         models: Callable[[], Iterable[str]] = tuple,
         on_metrics: MetricsSink | None = None,
-        settings: SyncSettings = SyncSettings(),
+        settings: SyncConfig = DEFAULT_SETTINGS,  # its tick_s, heartbeat_s and expire_s
         metrics: SyncMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,

@@ -121,11 +121,11 @@ async def test_a_new_block_size_moves_the_kv_subscribers_to_the_new_index(tmp_pa
     await app.start()
     try:
         sub = app.kv.subscriber("127.0.0.1:9")
-        assert sub is not None and sub.index is app._exact["m"]
-        old_index = app._exact["m"]
+        assert sub is not None and sub.index is app._rt.exact["m"]
+        old_index = app._rt.exact["m"]
         touch_later(path, kv_config_text(grpc, metrics, 32))
         await wait_reloads(metrics, "ok", 1)
-        new_index = app._exact["m"]
+        new_index = app._rt.exact["m"]
         assert new_index is not old_index and new_index.block_size == 32
         sub = app.kv.subscriber("127.0.0.1:9")
         assert sub is not None and sub.index is new_index  # events feed what decisions read
@@ -141,12 +141,12 @@ async def test_a_rejected_reload_leaves_the_live_runtime_untouched(tmp_path: Pat
     app = App(load_config(path), config_path=path)
     await app.start()
     try:
-        live = (app._rt, app._exact["m"], app.director, app.kv.subscriber("127.0.0.1:9"))
+        live = (app._rt, app._rt.exact["m"], app.director, app.kv.subscriber("127.0.0.1:9"))
         # A new block size (which would replace the index) and an unknown model strategy,
         # checked after the index was built: refused, and nothing live was replaced.
         touch_later(path, kv_config_text(grpc, metrics, 64, strategy="no-such-strategy"))
         await wait_reloads(metrics, "error", 1)
-        assert (app._rt, app._exact["m"], app.director, app.kv.subscriber("127.0.0.1:9")) == live
-        assert app._exact["m"].block_size == 16
+        assert (app._rt, app._rt.exact["m"], app.director, app.kv.subscriber("127.0.0.1:9")) == live
+        assert app._rt.exact["m"].block_size == 16
     finally:
         await app.stop()

@@ -14,8 +14,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.accounting import FairnessCounters, InflightTracker, Lease, Load
+from extproc.config import SyncConfig as SyncSettings
 from extproc.kvcache.approx import ApproximateIndex
-from extproc.sync import MemoryNetwork, StateSync, SyncMetrics, SyncSettings
+from extproc.sync import MemoryNetwork, StateSync, SyncMetrics
 from extproc.sync.state import owner
 from extproc.types import Endpoint, EngineMetrics
 
