@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -21,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -31,6 +28,7 @@ from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
+from extproc.admin import AdminServer
 from extproc.config import (
     Config,
     ConfigError,
@@ -48,7 +46,6 @@ from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
 from extproc.kvevents.metrics import KVEventMetrics
 from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
-from extproc.memdiag import MemoryDiagnostics
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
@@ -215,8 +212,7 @@ class App:
                 "(accounted|skipped|error)", "result", self.server.access_log.entries,
             )
         )  # fmt: skip
-        self._admin: web.AppRunner | None = None
-        self._memdiag = MemoryDiagnostics()
+        self._admin = AdminServer(self)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
 
@@ -227,6 +223,10 @@ class App:
     @property
     def director(self) -> Director:
         return self._rt.director
+
+    @property
+    def exact_indexes(self) -> Mapping[str, ExactIndex]:
+        return self._rt.exact
 
     # -- building ------------------------------------------------------------------------------
 
@@ -483,7 +483,7 @@ class App:
         self.poller.start()
         await self.kv.set_endpoints(self.store.endpoints())
         self._start_kubernetes()
-        await self._start_admin()
+        await self._admin.start(self.config.server.host, self.config.server.metrics_port)
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         if self._config_path is not None:
             self._tasks.append(asyncio.create_task(self._reload_loop(), name="config-reload"))
@@ -502,8 +502,7 @@ class App:
         if self.sync is not None:
             await self.sync.stop()
         await self.kv.close()
-        if self._admin is not None:
-            await self._admin.cleanup()
+        await self._admin.stop()
         await self._http.aclose()
         for pool in self._rt.tokenizers.values():
             pool.close()
@@ -570,119 +569,6 @@ class App:
             self.config_reloads.labels("ok").inc()
             log.info("config reloaded from %s", self._config_path)
 
-    # -- admin HTTP (metrics, probes, explain) -------------------------------------------------
-
-    async def _start_admin(self) -> None:
-        app = web.Application(client_max_size=self.config.server.max_body_bytes)
-        app.router.add_get("/metrics", self._h_metrics)
-        app.router.add_get("/healthz", self._h_healthz)
-        app.router.add_get("/readyz", self._h_readyz)
-        app.router.add_get("/debug/endpoints", self._h_endpoints)
-        app.router.add_get("/debug/sync", self._h_sync)
-        app.router.add_post("/debug/explain", self._h_explain)
-        app.router.add_get("/debug/kv", self._h_kv)
-        app.router.add_get("/debug/memory", self._h_memory)
-        self._admin = web.AppRunner(app, access_log=None)
-        await self._admin.setup()
-        site = web.TCPSite(self._admin, self.config.server.host, self.config.server.metrics_port)
-        await site.start()
-
-    async def _h_metrics(self, _request: web.Request) -> web.Response:
-        body = self.metrics.render()
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
-
-    async def _h_healthz(self, _request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _h_readyz(self, _request: web.Request) -> web.Response:
-        if self.is_ready():
-            return web.Response(text="ready")
-        return web.Response(status=503, text="not ready: no endpoint with fresh metrics")
-
-    async def _h_sync(self, _request: web.Request) -> web.Response:
-        if self.sync is None:
-            body: dict[str, Any] = {"enabled": False}
-        else:
-            body = {
-                "enabled": True,
-                "replica": self.replica,
-                "connected": self.sync._bus.connected,
-                "members": self.sync.members(),
-                "peers_last_heard_s": {k: round(v, 3) for k, v in self.sync.peers().items()},
-                "remote_in_flight": {
-                    a: [load.requests, load.tokens]
-                    for a, load in self.inflight.remote_snapshot().items()
-                },
-            }
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
-
-    async def _h_endpoints(self, _request: web.Request) -> web.Response:
-        now = time.monotonic()
-        out: list[dict[str, Any]] = []
-        for model in self.store.models():
-            for ep in self.store.endpoints(model):
-                state = self.store.state(ep)
-                load = self.inflight.load(ep.address)
-                out.append(
-                    {
-                        "model": model,
-                        "address": ep.address,
-                        "role": str(ep.role),
-                        "ready": state is not None and self.store.is_ready(state, now),
-                        "metrics_age_s": state.age(now) if state else None,
-                        "last_error": state.last_error if state else None,
-                        "in_flight": load.requests,
-                        "stalled": self.inflight.stalled(
-                            ep.address, self.config.routing.stall_after_s
-                        ),
-                        "kv_events_healthy": self._kv_healthy(ep.address),
-                    }
-                )
-        return web.Response(body=orjson.dumps(out), content_type="application/json")
-
-    async def _h_kv(self, request: web.Request) -> web.Response:
-        """The exact KV index: per pod health, event stats, and (with ?pod=) its engine hashes."""
-        pod = request.query.get("pod")
-        out: dict[str, Any] = {}
-        for address, st in self.kv.stats().items():
-            out[address] = {"healthy": self.kv.is_healthy(address), **_plain(st)}
-        for model, index in self._rt.exact.items():
-            out.setdefault("_index", {})[model] = _plain(index.stats())
-            if pod is not None:
-                out.setdefault("_blocks", {})[model] = sorted(index.blocks_of(pod))
-        return web.Response(body=orjson.dumps(out), content_type="application/json")
-
-    async def _h_memory(self, request: web.Request) -> web.Response:
-        """RSS, allocator and GC figures; growth by type and by allocation site since a baseline."""
-        q = request.query
-        try:
-            top = int(q.get("top", "20"))
-        except ValueError:
-            return web.json_response({"error": "top must be an integer"}, status=400)
-        report = self._memdiag.report(
-            top=top, types=q.get("types") == "1", reset=q.get("reset") == "1"
-        )
-        return web.Response(body=orjson.dumps(report), content_type="application/json")
-
-    async def _h_explain(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        head = RequestHead(
-            request_id="explain",
-            method="POST",
-            path=request.query.get("path", "/v1/chat/completions"),
-            headers=headers,
-            route_name=request.query.get("route"),
-        )
-        try:
-            result = await self.director.explain(head, body)
-        except GatewayError as err:
-            reply = Director.error_reply(err)
-            return web.Response(
-                status=reply.status, body=reply.body, content_type="application/json"
-            )
-        return web.Response(body=orjson.dumps(result), content_type="application/json")
-
 
 class _Tally(Collector):
     """A counter family read from one of the server's own tallies at scrape time."""
@@ -715,16 +601,6 @@ class _HandlerRef:
 
     def account(self, record: AccessRecord) -> None:
         self._app.director.account(record)
-
-
-def _plain(obj: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {
-            k: v
-            for k, v in dataclasses.asdict(obj).items()
-            if isinstance(v, int | float | str | bool | None)
-        }
-    return {}
 
 
 def _tok_key(model: ModelConfig) -> str:

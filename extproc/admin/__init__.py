@@ -1,0 +1,8 @@
+"""The admin HTTP server: metrics, probes, `/debug/*` and the status page.
+
+It reads the running app through `AdminSource` and never imports the composition root.
+"""
+
+from extproc.admin.http import AdminServer, AdminSource
+
+__all__ = ["AdminServer", "AdminSource"]

@@ -1,0 +1,185 @@
+"""Admin HTTP handlers (aiohttp): `/metrics`, `/healthz`, `/readyz` and `/debug/*`."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from extproc.accounting.gateway_metrics import GatewayMetrics
+from extproc.accounting.inflight import InflightTracker
+from extproc.config import Config
+from extproc.director.api import RequestHead
+from extproc.director.director import Director
+from extproc.kvcache.exact import ExactIndex
+from extproc.kvevents.subscriber import KVEventManager
+from extproc.memdiag import MemoryDiagnostics
+from extproc.metrics.store import EndpointStore
+from extproc.sync import StateSync
+from extproc.types import GatewayError
+
+__all__ = ["AdminServer", "AdminSource"]
+
+
+class AdminSource(Protocol):
+    """What the admin server reads from the running app (the live runtime at each call)."""
+
+    replica: str
+    metrics: GatewayMetrics
+    store: EndpointStore
+    inflight: InflightTracker
+    kv: KVEventManager
+    sync: StateSync | None
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def director(self) -> Director: ...
+
+    @property
+    def exact_indexes(self) -> Mapping[str, ExactIndex]: ...
+
+    def is_ready(self) -> bool: ...
+
+
+class AdminServer:
+    """Serves the admin port; every handler reads `source` afresh, so a reload shows at once."""
+
+    def __init__(self, source: AdminSource) -> None:
+        self._src = source
+        self._memdiag = MemoryDiagnostics()
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application(client_max_size=self._src.config.server.max_body_bytes)
+        app.router.add_get("/metrics", self._h_metrics)
+        app.router.add_get("/healthz", self._h_healthz)
+        app.router.add_get("/readyz", self._h_readyz)
+        app.router.add_get("/debug/endpoints", self._h_endpoints)
+        app.router.add_get("/debug/sync", self._h_sync)
+        app.router.add_post("/debug/explain", self._h_explain)
+        app.router.add_get("/debug/kv", self._h_kv)
+        app.router.add_get("/debug/memory", self._h_memory)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _h_metrics(self, _request: web.Request) -> web.Response:
+        body = self._src.metrics.render()
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _h_healthz(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _h_readyz(self, _request: web.Request) -> web.Response:
+        if self._src.is_ready():
+            return web.Response(text="ready")
+        return web.Response(status=503, text="not ready: no endpoint with fresh metrics")
+
+    async def _h_sync(self, _request: web.Request) -> web.Response:
+        sync = self._src.sync
+        if sync is None:
+            body: dict[str, Any] = {"enabled": False}
+        else:
+            body = {
+                "enabled": True,
+                "replica": self._src.replica,
+                "connected": sync._bus.connected,
+                "members": sync.members(),
+                "peers_last_heard_s": {k: round(v, 3) for k, v in sync.peers().items()},
+                "remote_in_flight": {
+                    a: [load.requests, load.tokens]
+                    for a, load in self._src.inflight.remote_snapshot().items()
+                },
+            }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _h_endpoints(self, _request: web.Request) -> web.Response:
+        src = self._src
+        now = time.monotonic()
+        out: list[dict[str, Any]] = []
+        for model in src.store.models():
+            for ep in src.store.endpoints(model):
+                state = src.store.state(ep)
+                load = src.inflight.load(ep.address)
+                out.append(
+                    {
+                        "model": model,
+                        "address": ep.address,
+                        "role": str(ep.role),
+                        "ready": state is not None and src.store.is_ready(state, now),
+                        "metrics_age_s": state.age(now) if state else None,
+                        "last_error": state.last_error if state else None,
+                        "in_flight": load.requests,
+                        "stalled": src.inflight.stalled(
+                            ep.address, src.config.routing.stall_after_s
+                        ),
+                        "kv_events_healthy": src.kv.is_healthy(ep.address),
+                    }
+                )
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _h_kv(self, request: web.Request) -> web.Response:
+        """The exact KV index: per pod health, event stats, and (with ?pod=) its engine hashes."""
+        pod = request.query.get("pod")
+        kv = self._src.kv
+        out: dict[str, Any] = {}
+        for address, st in kv.stats().items():
+            out[address] = {"healthy": kv.is_healthy(address), **_plain(st)}
+        for model, index in self._src.exact_indexes.items():
+            out.setdefault("_index", {})[model] = _plain(index.stats())
+            if pod is not None:
+                out.setdefault("_blocks", {})[model] = sorted(index.blocks_of(pod))
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _h_memory(self, request: web.Request) -> web.Response:
+        """RSS, allocator and GC figures; growth by type and by allocation site since a baseline."""
+        q = request.query
+        try:
+            top = int(q.get("top", "20"))
+        except ValueError:
+            return web.json_response({"error": "top must be an integer"}, status=400)
+        report = self._memdiag.report(
+            top=top, types=q.get("types") == "1", reset=q.get("reset") == "1"
+        )
+        return web.Response(body=orjson.dumps(report), content_type="application/json")
+
+    async def _h_explain(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        head = RequestHead(
+            request_id="explain",
+            method="POST",
+            path=request.query.get("path", "/v1/chat/completions"),
+            headers=headers,
+            route_name=request.query.get("route"),
+        )
+        try:
+            result = await self._src.director.explain(head, body)
+        except GatewayError as err:
+            reply = Director.error_reply(err)
+            return web.Response(
+                status=reply.status, body=reply.body, content_type="application/json"
+            )
+        return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            k: v
+            for k, v in dataclasses.asdict(obj).items()
+            if isinstance(v, int | float | str | bool | None)
+        }
+    return {}
