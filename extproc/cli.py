@@ -1,4 +1,4 @@
-"""Command line: `extproc serve | sim | up | explain | envoy-config`."""
+"""Command line: `extproc serve | sim | up | pod | explain | envoy-config`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ def _up(args: argparse.Namespace) -> int:
     from extproc.stack.cli import run_stack
 
     return run_stack(args)
+
+
+def _pod(args: argparse.Namespace) -> int:
+    from extproc.stack.pods import run_pod
+
+    return run_pod(args)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -105,6 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("up", help="start simulators, the ext_proc server and Envoy locally")
     add_up_arguments(up)
     up.set_defaults(func=_up)
+    from extproc.stack.pods import add_pod_arguments
+
+    pod = sub.add_parser(
+        "pod", help="inject a fault into a pod of the local stack (kill|hang|slow|errors|heal)"
+    )
+    add_pod_arguments(pod)
+    pod.set_defaults(func=_pod)
     e = sub.add_parser("explain", help="ask a running server why it would route a request body")
     e.add_argument("body", help="request body file, or - for stdin")
     e.add_argument(

@@ -8,8 +8,10 @@ parent stays alive for the whole life of the stack and tears everything down on 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,12 +34,15 @@ from extproc.stack.envoy_config import (
 )
 from extproc.stack.nats_server import NatsServer, write_password_file
 
-__all__ = ["LocalStack", "StackError", "StackOptions"]
+__all__ = ["FAULTS_DIR", "RESTART_DIR", "STATE_FILE", "LocalStack", "StackError", "StackOptions"]
 
 log = logging.getLogger("extproc.stack")
 
 
 NATS_USER = "extproc"
+STATE_FILE = "stack.json"  # children and pids, for `extproc pod`
+RESTART_DIR = "restart"  # one empty file per child that `extproc pod heal` wants back
+FAULTS_DIR = "faults"  # faults/<child>: the fraction of time `extproc pod slow` pauses it
 
 
 class StackError(RuntimeError):
@@ -187,6 +192,8 @@ class LocalStack:
     def start(self, timeout: float = 90.0) -> None:
         o = self.options
         self.workdir.mkdir(parents=True, exist_ok=True)
+        for leftover in (FAULTS_DIR, RESTART_DIR):  # requests to a previous stack
+            shutil.rmtree(self.workdir / leftover, ignore_errors=True)
         try:
             for i in range(o.sims):
                 self._spawn(f"sim-{i}", self._sim_args(i))
@@ -240,6 +247,7 @@ class LocalStack:
                 ],
             )
             self._wait_ready(timeout)
+            self.write_state()
         except BaseException:
             self.stop()
             raise
@@ -324,6 +332,8 @@ class LocalStack:
         for proc in reversed(list(self._procs.values())):
             self._terminate(proc)
         self._procs.clear()
+        with contextlib.suppress(FileNotFoundError):
+            self.state_path.unlink()
         if self.nats is not None:
             self.nats.stop()
 
@@ -331,6 +341,7 @@ class LocalStack:
     def _terminate(proc: _Proc, timeout: float = 10.0) -> None:
         if proc.popen is not None and proc.popen.poll() is None:
             proc.popen.send_signal(signal.SIGTERM)
+            proc.popen.send_signal(signal.SIGCONT)  # a child paused by `pod slow` must run to exit
             try:
                 proc.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -344,6 +355,16 @@ class LocalStack:
     def alive(self, name: str) -> bool:
         popen = self._procs[name].popen
         return popen is not None and popen.poll() is None
+
+    def exit_code(self, name: str) -> int | None:
+        """None while the child runs, else its exit status (negative: the killing signal)."""
+        popen = self._procs[name].popen
+        return None if popen is None else popen.poll()
+
+    def respawn(self, name: str) -> None:
+        """Start a child again (after it died) and record its new pid in the state file."""
+        self.restart(name)
+        self.write_state()
 
     def pid(self, name: str) -> int:
         popen = self._procs[name].popen
@@ -366,6 +387,60 @@ class LocalStack:
 
     def names(self) -> Sequence[str]:
         return list(self._procs)
+
+    # -- what `extproc pod` reads: children, their pids and addresses ------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.workdir / STATE_FILE
+
+    def address(self, name: str) -> str | None:
+        """The HTTP address a child serves on (simulators: the pod address the router uses)."""
+        o = self.options
+        kind, _, index = name.rpartition("-")
+        if kind == "sim":
+            return o.sim_address(int(index))
+        if kind == "extproc":
+            return f"{o.host}:{o.metrics_port + int(index)}"
+        return f"{o.host}:{o.admin_port}" if name == "envoy" else None
+
+    def write_state(self) -> None:
+        """`stack.json` in the workdir: who supervises, and each child's pid and address."""
+        children = [
+            {"name": name, "pid": p.popen.pid, "address": self.address(name)}
+            for name, p in self._procs.items()
+            if p.popen is not None
+        ]
+        state = {"supervisor_pid": os.getpid(), "children": children}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_path)  # readers never see half a file
+
+    def slowed(self) -> dict[str, float]:
+        """Children that `extproc pod slow` asked to pause, with the paused fraction."""
+        out = {}
+        for path in sorted((self.workdir / FAULTS_DIR).glob("*")):
+            with contextlib.suppress(OSError, ValueError):
+                duty = float(path.read_text())
+                if path.name in self._procs and 0 < duty < 1:
+                    out[path.name] = duty
+        return out
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send a signal to a running child (no-op once it exited)."""
+        proc = self._procs.get(name)  # absent for a moment while it restarts
+        popen = None if proc is None else proc.popen
+        if popen is not None and popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                popen.send_signal(sig)
+
+    def restart_requested(self, name: str) -> bool:
+        """True once after `extproc pod heal` asked for a dead child to be started again."""
+        try:
+            (self.workdir / RESTART_DIR / name).unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
     def with_options(self, **changes: Any) -> LocalStack:
         return LocalStack(replace(self.options, **changes))
