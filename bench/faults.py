@@ -46,11 +46,14 @@ __all__ = [
     "StreamedOpenLoad",
     "accounting_sink_restart",
     "accounting_sink_sigterm",
+    "bucket_quantile",
     "ext_proc_restart",
     "graceful_shutdown",
+    "nats_kill",
     "pod_hang",
     "pod_kill",
     "stack_options",
+    "sync_process_kill",
 ]
 
 CHAT = {
@@ -736,6 +739,242 @@ def accounting_sink_sigterm(
     )
 
 
+# -- shared state over NATS (the replica sync between ext_proc processes) ----------------------
+
+DECISION_HISTOGRAM = "extproc_routing_decision_seconds"
+
+
+def _decision_buckets(stack: LocalStack) -> dict[float, float] | None:
+    """Cumulative decision-time bucket counts (upper bound -> count), summed over processes."""
+    o = stack.options
+    total: dict[float, float] = {}
+    for i in range(o.extproc_processes):
+        try:
+            m = metric_samples(f"http://{o.host}:{o.metrics_port + i}/metrics", timeout=2)
+        except httpx.HTTPError:
+            return None
+        for (name, labels), v in m.items():
+            if name == DECISION_HISTOGRAM + "_bucket":
+                le = float(dict(labels)["le"])
+                total[le] = total.get(le, 0.0) + v
+    return total
+
+
+def bucket_quantile(
+    before: dict[float, float], after: dict[float, float], q: float
+) -> float | None:
+    """The q-quantile (ms) of the observations between two cumulative bucket snapshots,
+    interpolated linearly inside its bucket as Prometheus' histogram_quantile does."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    n = counts[-1] if counts else 0.0
+    if n <= 0:
+        return None
+    rank = q * n
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return round(lower_bound * 1000, 3)
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
+            return round((lower_bound + (bound - lower_bound) * share) * 1000, 3)
+        lower_bound, lower_count = bound, count
+    return None
+
+
+def _sync_state(stack: LocalStack, i: int) -> dict[str, Any] | None:
+    o = stack.options
+    try:
+        state = httpx.get(f"http://{o.host}:{o.metrics_port + i}/debug/sync", timeout=1).json()
+    except httpx.HTTPError:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _peer_counts(stack: LocalStack) -> list[int | None]:
+    states = [_sync_state(stack, i) for i in range(stack.options.extproc_processes)]
+    return [None if s is None else len(s.get("peers_last_heard_s") or {}) for s in states]
+
+
+def _sync_counters(stack: LocalStack) -> dict[str, float]:
+    o = stack.options
+    out: Counter[str] = Counter()
+    for i in range(o.extproc_processes):
+        try:
+            m = metric_samples(f"http://{o.host}:{o.metrics_port + i}/metrics", timeout=2)
+        except httpx.HTTPError:
+            continue
+        for name in ("extproc_sync_stale_total", "extproc_sync_dropped_total"):
+            out[name] += metric_sum(m, name)
+    return dict(out)
+
+
+def _latency_ms(xs: list[Outcome], q: float) -> float | None:
+    times = sorted(x.ended - x.started for x in xs if x.status == 200)
+    if not times:
+        return None
+    return round(times[min(len(times) - 1, int(q * len(times)))] * 1000, 1)
+
+
+def nats_kill(
+    stack: LocalStack,
+    *,
+    warmup_s: float = 3.0,
+    down_s: float = 3.0,
+    after_s: float = 3.0,
+    rate: float = 30.0,
+) -> dict[str, Any]:
+    """SIGKILL the NATS server that the ext_proc processes share state through, under open-loop
+    load, keep it down `down_s`, start it again on the same port.
+
+    Phases: before (the warm-up), down (signal to restart), recovering (restart until every
+    process has its peers back), after. Per phase: requests sent and failed, client latency,
+    and the routing decision time (p50/p99 from the servers' histogram, all processes)."""
+    n = stack.options.extproc_processes
+    nats = stack.nats
+    if n < 2 or nats is None:
+        raise ValueError("the NATS scenarios need extproc_processes >= 2 (which starts NATS)")
+    if _wait(lambda: _peer_counts(stack) == [n - 1] * n, 15.0, 0.1) is None:
+        raise RuntimeError(f"the processes do not see each other: {_peer_counts(stack)}")
+    sync_before = _sync_counters(stack)
+    marks: dict[str, dict[float, float] | None] = {}
+    with OpenLoad(f"{stack.base_url}/v1/chat/completions", rate=rate, timeout_s=30) as load:
+        started_at = time.monotonic()
+        marks["start"] = _decision_buckets(stack)
+        time.sleep(warmup_s)
+        marks["kill"] = _decision_buckets(stack)
+        killed_at = time.monotonic()
+        pid = nats.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        # The processes notice: the connection drops, the peers' shares expire.
+        disconnected_s = _wait(
+            lambda: all((_sync_state(stack, i) or {}).get("connected") is False for i in range(n)),
+            10.0,
+            0.02,
+        )
+        expired_s = _wait(lambda: _peer_counts(stack) == [0] * n, 10.0, 0.02)
+        time.sleep(max(0.0, down_s - (time.monotonic() - killed_at)))
+        marks["restart"] = _decision_buckets(stack)
+        restarted_at = time.monotonic()
+        nats.stop()  # reaps the killed process
+        nats.start()
+        listening_at = time.monotonic()
+        recovered_s = _wait(lambda: _peer_counts(stack) == [n - 1] * n, 30.0, 0.02)
+        recovered_at = time.monotonic()
+        marks["recovered"] = _decision_buckets(stack)
+        time.sleep(after_s)
+        marks["end"] = _decision_buckets(stack)
+        report = load.stop()
+    stopped_at = time.monotonic()
+    sync_after = _sync_counters(stack)
+    phases = {
+        "before": (started_at, killed_at, "start", "kill"),
+        "down": (killed_at, restarted_at, "kill", "restart"),
+        "recovering": (restarted_at, recovered_at, "restart", "recovered"),
+        "after": (recovered_at, stopped_at, "recovered", "end"),
+    }
+    by_phase: dict[str, dict[str, Any]] = {}
+    for phase, (t0, t1, m0, m1) in phases.items():
+        xs = [x for x in report.outcomes if t0 <= x.started < t1]
+        b0, b1 = marks.get(m0), marks.get(m1)
+        by_phase[phase] = {
+            "sent": len(xs),
+            "failed": sum(1 for x in xs if x.status != 200),
+            "client_p50_ms": _latency_ms(xs, 0.5),
+            "client_p99_ms": _latency_ms(xs, 0.99),
+            "decision_p50_ms": bucket_quantile(b0, b1, 0.5) if b0 and b1 else None,
+            "decision_p99_ms": bucket_quantile(b0, b1, 0.99) if b0 and b1 else None,
+        }
+    return {
+        **report.summary(),
+        "processes": n,
+        "rate": rate,
+        "strategy": stack.options.strategy,
+        "phases": by_phase,
+        "disconnected_after_s": disconnected_s,
+        "peers_expired_after_s": expired_s,
+        "nats_listening_after_restart_s": round(listening_at - restarted_at, 3),
+        # From the restart until every process hears all its peers again.
+        "recovered_after_restart_s": recovered_s,
+        "sync": {k: sync_after.get(k, 0.0) - sync_before.get(k, 0.0) for k in sync_after},
+    }
+
+
+def sync_process_kill(stack: LocalStack, *, held: int = 6, warmup_s: float = 1.0) -> dict[str, Any]:
+    """Hold `held` streamed requests open, SIGKILL one ext_proc process, and time how long the
+    survivors still count its in-flight share (it should leave within sync.expire_s). The
+    victim is a process that routed some of them, so its share is not zero."""
+    n = stack.options.extproc_processes
+    o = stack.options
+    if n < 2:
+        raise ValueError("sync_process_kill needs extproc_processes >= 2")
+    if _wait(lambda: _peer_counts(stack) == [n - 1] * n, 15.0, 0.1) is None:
+        raise RuntimeError(f"the processes do not see each other: {_peer_counts(stack)}")
+    expire_s = float(stack.server_config().get("sync", {}).get("expire_s", 0.5))
+    release = threading.Event()
+    body = {**CHAT, "stream": True, "max_tokens": 4000, "ignore_eos": True}
+    outcomes: list[str] = []
+
+    def one() -> None:
+        try:
+            with (
+                httpx.Client(timeout=60) as client,
+                client.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body) as r,
+            ):
+                for _ in r.iter_lines():
+                    if release.is_set():
+                        break
+                outcomes.append(str(r.status_code))
+        except httpx.HTTPError as exc:
+            outcomes.append(type(exc).__name__)
+
+    def own(i: int) -> float | None:
+        try:
+            m = metric_samples(f"http://{o.host}:{o.metrics_port + i}/metrics", timeout=1)
+        except httpx.HTTPError:
+            return None
+        return metric_sum(m, "extproc_in_flight_requests")
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(held)]
+    for t in threads:
+        t.start()
+    try:
+        seen = _wait(lambda: all(_in_flight(stack, i) == held for i in range(n)), 20.0, 0.05)
+        if seen is None:
+            raise RuntimeError(f"not every process sees {held} in flight")
+        time.sleep(warmup_s)
+        shares = [own(i) for i in range(n)]
+        victim = max(range(n), key=lambda i: shares[i] or 0.0)
+        survivors = [i for i in range(n) if i != victim]
+        stack.kill(f"extproc-{victim}", signal.SIGKILL)
+
+        def share_gone() -> bool:
+            return all(_in_flight(stack, i) == (own(i) or 0.0) for i in survivors)
+
+        gone_s = _wait(share_gone, 10.0, 0.01)
+        views = {f"extproc-{i}": _in_flight(stack, i) for i in survivors}
+    finally:
+        release.set()
+        for t in threads:
+            t.join(15)
+    stack.restart(f"extproc-{victim}")
+    return {
+        "processes": n,
+        "held": held,
+        "shares_at_kill": {f"extproc-{i}": s for i, s in enumerate(shares)},
+        "victim": f"extproc-{victim}",
+        "expire_s": expire_s,
+        # From the SIGKILL until every survivor counts only its own requests (its view of the
+        # pods' in-flight equals its own gauge): expire_s plus this loop's polling.
+        "share_left_after_s": gone_s,
+        "survivor_views_after": views,
+        # The held responses that the victim routed are cut with it (Envoy keeps the routing
+        # stream for the whole response and resets the response when that stream breaks).
+        "held_outcomes": dict(Counter(outcomes)),
+    }
+
+
 STALL_1S = {"routing": {"stall_after_s": 1.0}}  # the default is 10 s; 1 s fits a 5 s hang
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
@@ -771,6 +1010,15 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
     "accounting_sink_sigterm": (
         {"extproc_processes": 2},
         lambda s: accounting_sink_sigterm(s, warmup_s=3, down_s=3, after_s=3, rate=20),
+    ),
+    # Two ext_proc processes sharing state over the local stack's NATS server.
+    "nats_kill": (  # prefix-cache reads both shared parts: in-flight and approximate blocks
+        {"extproc_processes": 2, "kv_events": False, "strategy": "prefix-cache"},
+        lambda s: nats_kill(s, warmup_s=4, down_s=4, after_s=4, rate=30),
+    ),
+    "sync_process_kill": (
+        {"extproc_processes": 2, "kv_events": False},
+        lambda s: sync_process_kill(s, held=6),
     ),
 }
 

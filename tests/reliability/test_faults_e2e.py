@@ -3,7 +3,8 @@
 The scenarios are bench/faults.py's (the published figures come from its longer runs); here
 they run briefly and the figures are asserted. One fail-closed stack runs the scenarios in
 file order (the last one shuts its ext_proc down); fail-open and missing-tokenizer stacks
-are separate, and so is the two-process stack of the accounting-sink tests (`-k sink`).
+are separate, and so are the two-process stacks of the accounting-sink tests (`-k sink`) and
+of the shared-state tests (`-k "nats or share_leaves"`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from bench.faults import (
     accounting_sink_sigterm,
     ext_proc_restart,
     graceful_shutdown,
+    nats_kill,
     pod_hang,
     pod_kill,
     running,
     stack_options,
+    sync_process_kill,
 )
 from extproc.stack.local import LocalStack
 from tests.e2e.harness import metric_samples, metric_sum, wait_for
@@ -312,3 +315,53 @@ def test_sink_sigterm_fails_no_request_and_loses_at_most_one_batch(
     # victim's records after its last /metrics scrape). Before the drain fix: 0-148.
     assert sink_term["lost"] == 0, sink_term
     assert sink_term["records_lost"] <= 10, sink_term
+
+
+# -- shared state over NATS: the bus goes away, routing goes on -------------------------------
+
+
+@pytest.fixture(scope="module")
+def sync_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    opts = stack_options(
+        tmp_path_factory.mktemp("sync-faults"),
+        extproc_processes=2,
+        kv_events=False,
+        strategy="prefix-cache",
+    )
+    with running(opts) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def nats_killed(sync_stack: LocalStack) -> dict[str, Any]:
+    return nats_kill(sync_stack, warmup_s=1.5, down_s=1.5, after_s=1.5, rate=20)
+
+
+def test_nats_killed_fails_no_request_in_any_phase(nats_killed: dict[str, Any]) -> None:
+    fig = nats_killed
+    assert fig["lost"] == 0 and fig["sent"] > 40, fig
+    for phase in ("before", "down", "after"):
+        assert fig["phases"][phase]["sent"] > 0 and fig["phases"][phase]["failed"] == 0, fig
+        # Decisions were made (and timed) in every phase, on local state while the bus was down.
+        assert fig["phases"][phase]["decision_p99_ms"] is not None, fig
+
+
+def test_nats_killed_the_peers_expire_then_come_back_by_themselves(
+    nats_killed: dict[str, Any],
+) -> None:
+    fig = nats_killed
+    assert fig["disconnected_after_s"] is not None, fig
+    assert fig["peers_expired_after_s"] is not None, fig
+    assert fig["recovered_after_restart_s"] is not None, fig
+    assert fig["sync"]["extproc_sync_stale_total"] >= 2, fig  # each process saw its peer expire
+
+
+def test_a_killed_process_share_leaves_the_survivors_view(
+    sync_stack: LocalStack, nats_killed: dict[str, Any]
+) -> None:
+    # After nats_killed (which restarted NATS): the processes see each other again first.
+    fig = sync_process_kill(sync_stack, held=4, warmup_s=0.5)
+    assert sum(v or 0 for v in fig["shares_at_kill"].values()) == 4, fig
+    assert fig["shares_at_kill"][fig["victim"]] > 0, fig
+    # Every survivor's view came down to its own requests (None: the share never left).
+    assert fig["share_left_after_s"] is not None, fig
