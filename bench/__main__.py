@@ -10,6 +10,7 @@ run    named scenarios (file stems under bench/scenarios/, or `accounting`: benc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -21,7 +22,7 @@ from bench.scenario import load_scenario, run_scenario
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "bench" / "scenarios"
 # Order matters for the quick budget: cheapest and most important first.
-SUITE = ("overhead", "itl", "multiturn", "tenants", "docqa", "bursty")
+SUITE = ("overhead", "itl", "multiturn", "tenants", "docqa", "bursty", "trace")
 # Scenarios with their own module instead of a YAML file; only `full` runs them by default
 # (the quick suite's 10-minute budget has no room for one more stack).
 MODULES = ("accounting",)
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="named scenarios")
     r.add_argument("names", nargs="+")
     r.add_argument("--quick", action="store_true")
+    r.add_argument(
+        "--variants", default=None, help="comma-separated variant names to run (default: all)"
+    )
+    r.add_argument("--repetitions", type=int, default=None, help="override the scenario's")
     for sp in sub.choices.values():
         sp.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
         sp.add_argument("--no-docs", action="store_true", help="do not write docs/img plots")
@@ -57,7 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if _run_module(name, args.results, quick) != 0:
                 failed.append(name)
             continue
-        sc = load_scenario(SCENARIOS / f"{name}.yaml", quick=quick)
+        variants = getattr(args, "variants", None)
+        sc = load_scenario(
+            SCENARIOS / f"{name}.yaml",
+            quick=quick,
+            only_variants=variants.split(",") if variants else None,
+        )
+        if getattr(args, "repetitions", None):
+            sc = dataclasses.replace(sc, repetitions=args.repetitions)
         try:
             result = run_scenario(sc, results_dir=args.results, img_dir=img, repo_root=ROOT)
         except Exception:

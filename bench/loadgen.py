@@ -6,7 +6,8 @@ way real clients do). The arrival process decides when conversations start:
 
 - closed loop: `concurrency` conversations in flight, the next starts when one ends;
 - Poisson: conversations start at exponential gaps of mean 1/rate;
-- bursty: Poisson at `rate` during `on_s`, silence during `off_s`, repeated.
+- bursty: Poisson at `rate` during `on_s`, silence during `off_s`, repeated;
+- trace: each conversation starts at its own `at_s` (a replayed trace's schedule), open loop.
 
 Every run is bounded by the number of conversations and by `max_duration_s`. Per request it
 records TTFT, inter-token gaps, end-to-end latency, usage (prompt, completion, cached tokens),
@@ -45,6 +46,7 @@ class ArrivalKind(StrEnum):
     CLOSED = "closed"
     POISSON = "poisson"
     BURSTY = "bursty"
+    TRACE = "trace"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,7 @@ class Arrival:
     def __post_init__(self) -> None:
         if self.kind is ArrivalKind.CLOSED and self.concurrency < 1:
             raise ValueError("closed loop needs concurrency >= 1")
-        if self.kind is not ArrivalKind.CLOSED and self.rate <= 0:
+        if self.kind in (ArrivalKind.POISSON, ArrivalKind.BURSTY) and self.rate <= 0:
             raise ValueError("open-loop arrivals need rate > 0")
 
 
@@ -76,6 +78,7 @@ class Conversation:
     turns: tuple[Turn, ...]
     system: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    at_s: float | None = None  # start time since the run began (trace arrivals only)
 
 
 @dataclass(slots=True)
@@ -162,6 +165,8 @@ class LoadGenerator:
                 async with asyncio.timeout(self._max_duration + self._request_timeout):
                     if arrival.kind is ArrivalKind.CLOSED:
                         await self._closed(session, conversations, arrival.concurrency, records)
+                    elif arrival.kind is ArrivalKind.TRACE:
+                        await self._scheduled(session, conversations, arrival, records)
                     else:
                         await self._open(session, conversations, arrival, records)
             except TimeoutError:
@@ -211,20 +216,49 @@ class LoadGenerator:
     ) -> None:
         cap = asyncio.Semaphore(arrival.concurrency) if arrival.concurrency > 0 else None
 
-        async def one(conv: Conversation) -> None:
-            if cap is None:
-                await self._conversation(session, conv, records)
-                return
-            async with cap:
-                await self._conversation(session, conv, records)
-
         async with asyncio.TaskGroup() as tg:
             for conv in conversations:
                 now = time.perf_counter()
                 if now >= self._deadline:
                     break
-                tg.create_task(one(conv))
+                tg.create_task(self._capped(session, conv, records, cap))
                 await asyncio.sleep(self._next_gap(arrival, now - self._t0))
+
+    async def _capped(
+        self,
+        session: aiohttp.ClientSession,
+        conv: Conversation,
+        records: list[RequestRecord],
+        cap: asyncio.Semaphore | None,
+    ) -> None:
+        if cap is None:
+            await self._conversation(session, conv, records)
+            return
+        async with cap:
+            await self._conversation(session, conv, records)
+
+    async def _scheduled(
+        self,
+        session: aiohttp.ClientSession,
+        conversations: Sequence[Conversation],
+        arrival: Arrival,
+        records: list[RequestRecord],
+    ) -> None:
+        """Open loop on a fixed schedule: each conversation starts at its `at_s`."""
+        missing = [c.conversation_id for c in conversations if c.at_s is None]
+        if missing:
+            raise ValueError(f"trace arrivals need at_s on every conversation: {missing[:3]}")
+        cap = asyncio.Semaphore(arrival.concurrency) if arrival.concurrency > 0 else None
+
+        async with asyncio.TaskGroup() as tg:
+            for conv in sorted(conversations, key=lambda c: c.at_s or 0.0):
+                due = self._t0 + (conv.at_s or 0.0)
+                if due >= self._deadline:
+                    break
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                tg.create_task(self._capped(session, conv, records, cap))
 
     async def _conversation(
         self, session: aiohttp.ClientSession, conv: Conversation, records: list[RequestRecord]

@@ -119,7 +119,10 @@ def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_scenario(path: Path, *, quick: bool = False) -> Scenario:
+def load_scenario(
+    path: Path, *, quick: bool = False, only_variants: Sequence[str] | None = None
+) -> Scenario:
+    """Parse a scenario file; `only_variants` keeps those (in that order), e.g. for one check."""
     raw = yaml.safe_load(path.read_text())
     unknown = set(raw) - _TOP_KEYS
     if unknown:
@@ -131,6 +134,14 @@ def load_scenario(path: Path, *, quick: bool = False) -> Scenario:
         if keep is not None:  # the quick suite runs a named subset of the variants
             by_name = {v["name"]: v for v in raw["variants"]}
             raw["variants"] = [by_name[n] for n in keep]
+    if only_variants is not None:
+        by_name = {v["name"]: v for v in raw["variants"]}
+        wrong = [n for n in only_variants if n not in by_name]
+        if wrong:
+            raise ValueError(f"{path}: no variants {wrong}; known: {sorted(by_name)}")
+        raw["variants"] = [by_name[n] for n in only_variants]
+        if raw.get("baseline") not in only_variants:
+            raw.pop("baseline", None)  # ratios need the baseline in the same run
     workload = raw["workload"]
     loads = tuple(
         Load(

@@ -18,9 +18,11 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from bench.loadgen import Conversation, Turn
+from bench.traces import BlockText, TraceScaling, load_trace, scale_trace
 
 __all__ = ["WORKLOADS", "TextFactory", "build_workload", "qwen_tokenizer_dir"]
 
+_REPO = Path(__file__).resolve().parent.parent
 _SYLLABLES = (
     "ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "da", "go", "ha", "ji", "ku", "ma",
     "no", "ri", "se", "to", "wa", "be", "ci", "fu", "le", "zo",
@@ -44,6 +46,10 @@ class TextFactory:
     @classmethod
     def qwen(cls, seed: int) -> TextFactory:
         return cls(Tokenizer.from_file(str(qwen_tokenizer_dir() / "tokenizer.json")), seed)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tok
 
     def _words(self, n: int) -> str:
         r = self._rng
@@ -136,11 +142,41 @@ def _doc_qa(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
     return convs
 
 
+_TRACE_KEYS = {"path", "input_scale", "output_scale", "time_scale", "max_requests", "seed"}
+
+
+def _trace(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
+    """A Mooncake-format trace (bench/traces.py), one single-turn request per row, at its time."""
+    unknown = set(p) - _TRACE_KEYS
+    if unknown:
+        raise ValueError(f"trace workload: unknown params {sorted(unknown)}")
+    path = Path(str(p["path"]))
+    if not path.is_absolute():
+        path = _REPO / path
+    max_requests = p.get("max_requests")
+    scaling = TraceScaling(
+        input_scale=float(p.get("input_scale", 1.0)),
+        output_scale=float(p.get("output_scale", 1.0)),
+        time_scale=float(p.get("time_scale", 1.0)),
+        max_requests=int(max_requests) if max_requests is not None else None,
+    )
+    blocks = BlockText(ctx.text.tokenizer, seed=int(p.get("seed", 0)))
+    return [
+        Conversation(
+            f"r{req.line}",
+            (Turn(ctx.salt + blocks.prompt(req), req.output_tokens),),
+            at_s=req.start_s,
+        )
+        for req in scale_trace(load_trace(path), scaling)
+    ]
+
+
 WORKLOADS: dict[str, Callable[[_Ctx, Mapping[str, Any]], list[Conversation]]] = {
     "fixed_chat": _fixed_chat,
     "multi_turn": _multi_turn,
     "tenants": _tenants,
     "doc_qa": _doc_qa,
+    "trace": _trace,
 }
 
 
