@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -557,6 +558,13 @@ class App:
             assert self._config_path is not None
             try:
                 new = load_config(self._config_path)
+                if new.sync != self._rt.config.sync:
+                    # The bus and its membership live as long as the process (replicas must
+                    # agree on subjects and timings): the running settings stay in force.
+                    log.warning(
+                        "config reload: `sync` settings changed; they apply at the next restart"
+                    )
+                    new = dataclasses.replace(new, sync=self._rt.config.sync)
                 rt = self._build(new, previous=self._rt)
             except (ConfigError, GatewayError, ValueError) as exc:
                 log.error("config reload failed, keeping the running config: %s", exc)

@@ -150,3 +150,24 @@ async def test_a_rejected_reload_leaves_the_live_runtime_untouched(tmp_path: Pat
         assert app._rt.exact["m"].block_size == 16
     finally:
         await app.stop()
+
+
+async def test_changed_sync_settings_are_reported_as_applying_at_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    grpc, metrics = free_port(), free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text(grpc, metrics, "least-request"))
+    app = App(load_config(path), config_path=path)
+    await app.start()
+    try:
+        caplog.set_level(logging.WARNING, logger="extproc.app")
+        touch_later(path, config_text(grpc, metrics, "prefix-cache") + "sync: {expire_s: 1.0}\n")
+        await wait_reloads(metrics, "ok", 1)
+        # The rest of the file applies; the running sync settings stay in force (and shown).
+        assert app.config.routing.default_strategy == "prefix-cache"
+        assert app.config.sync.expire_s == 0.5
+        assert "`sync` settings changed; they apply at the next restart" in caplog.text
+        assert app.sync is None  # still off: no url at start-up
+    finally:
+        await app.stop()
