@@ -47,7 +47,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from extproc.stack.cli import run_stack
+    from extproc.stack.tools import missing_stack_tools
 
+    problem = missing_stack_tools()
+    if problem is not None:
+        print(f"extproc up: {problem}", file=sys.stderr)
+        return 2
     return run_stack(args)
 
 

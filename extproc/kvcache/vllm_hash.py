@@ -4,7 +4,7 @@ vLLM (v1 engine) names every *full* block of a request by chaining hashes:
 ``hash_i = H((hash_{i-1}, tuple(block_i_token_ids), extra_keys))`` with ``hash_{-1} = NONE_HASH``.
 The full 32-byte digest is chained; only the published (KV-event) form is cut to 64 bits:
 the last 8 bytes of the digest read big-endian (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``).
-Sources: vllm/utils/hashing.py, vllm/v1/core/kv_cache_utils.py (reference/engine.md §3.4).
+Sources: vllm/utils/hashing.py, vllm/v1/core/kv_cache_utils.py (docs/engines.md §1.3).
 """
 
 from __future__ import annotations

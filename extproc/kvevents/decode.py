@@ -1,4 +1,4 @@
-"""Decoding of vLLM KV-event messages (reference/engine.md §3.2).
+"""Decoding of vLLM KV-event messages (docs/engines.md §1.1).
 
 A live message is 3 ZMQ frames: `[topic, seq (8-byte big-endian), msgpack payload]`; the
 payload is the positional envelope `[ts, events, data_parallel_rank]`. Events come in two

@@ -1,7 +1,7 @@
 """Encoding of KV-event messages exactly as vLLM publishes them (the inverse of `decode`).
 
 Used by publishers we run ourselves (the engine simulator, tests, benchmarks), in either the
-current map encoding or the legacy positional array encoding (reference/engine.md §3.2).
+current map encoding or the legacy positional array encoding (docs/engines.md §1.1).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One `KVEventSubscriber` per pod: a SUB socket connected to the pod's PUB (all topics), and,
 when a sequence gap shows lost messages, a short-lived DEALER to the pod's replay ROUTER
-(reference/engine.md §3.3). What cannot be replayed is handled by dropping the pod's
+(docs/engines.md §1.2). What cannot be replayed is handled by dropping the pod's
 entries and rebuilding from live events; a sequence that goes backwards means the publisher
 restarted (its cache is empty), so the pod is cleared. Everything runs on the event loop
 and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved.

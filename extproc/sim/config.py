@@ -27,7 +27,7 @@ class StepTimeModel:
     step = overhead + weights_read + prefill_tokens * prefill_per_token
            + context_tokens * kv_read_per_token
 
-    Defaults approximate Llama-3-8B (BF16) on one H100 SXM (reference/engine.md §5):
+    Defaults approximate Llama-3-8B (BF16) on one H100 SXM (docs/engines.md §3):
     - weights_read 5.5 ms: 16 GB of weights / 3.35 TB/s = 4.8 ms per forward pass, plus LM head
       and sampling; vidur's H100 profile gives 5.6 ms for a 1-token step (linear layers only).
     - overhead 2.0 ms: scheduler, input preparation and detokenization on the CPU per step
@@ -72,7 +72,7 @@ class SimConfig:
     max_loras: int = 4
     role: SimRole = SimRole.BOTH
     engine_id: str = ""  # P/D remote_engine_id; defaults to "sim-<host>:<port>"
-    # Scheduler (vLLM defaults for an H100-class GPU are 8192 / 1024, reference/engine.md §4.4).
+    # Scheduler (vLLM defaults for an H100-class GPU are 8192 / 1024, docs/engines.md §2).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 32768

@@ -1,7 +1,7 @@
 """vLLM KV-cache events published by the simulator: the ZMQ PUB and its replay ROUTER.
 
 The event types and both msgpack encodings are the router's own (`extproc.kvevents`).
-Wire format (reference/engine.md §3.2-3.3): PUB frames ``[topic, seq (8-byte BE, from 0),
+Wire format (docs/engines.md §1.1-1.2): PUB frames ``[topic, seq (8-byte BE, from 0),
 msgpack [ts, events, dp_rank]]``; a ROUTER socket replays buffered batches with seq >= the
 requested start as ``[identity, b"", topic, seq, payload]`` and then the end marker
 ``[identity, b"", b"", 0xFF*8, b""]``.

