@@ -1,5 +1,8 @@
-"""The request lifecycle: parse -> resolve model and strategy -> tokenize -> candidates ->
-admit -> decide -> prepare (body rewrite, prefill for P/D) -> account the response.
+"""The request lifecycle: prepare (parse -> resolve model and strategy -> tokenize ->
+candidates) -> admit steps -> decide -> pre-request steps (record the pick, body rewrite, P/D
+prefill, session, explain, accounting metadata) -> claim; response-complete steps per
+access-log record. The step kinds are in `lifecycle.py`, the built-in steps in `steps.py` and
+`response.py`; `Director.__init__` lists the ones it runs, in order.
 
 The server calls `route()` once per request, closes the returned ticket when the request's
 routing stream ends, and hands every access-log record (any request's, from any process's
@@ -14,7 +17,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -28,14 +30,30 @@ from extproc.director.api import (
     AccessRecord,
     ImmediateReply,
     RequestHead,
-    RoutedRequest,
     RouteResult,
 )
-from extproc.director.explain import explain_header, explain_json
-from extproc.director.prefill import PrefillClient, PrefillError
-from extproc.director.response import RecordAccounting, Ticket
+from extproc.director.explain import explain_json
+from extproc.director.lifecycle import (
+    AdmitStep,
+    Claim,
+    ModelRuntime,
+    Outgoing,
+    PreparedRequest,
+    PreRequestStep,
+)
+from extproc.director.prefill import PrefillClient
+from extproc.director.response import RecordAccounting
+from extproc.director.steps import (
+    ClaimEndpoint,
+    ExplainHeader,
+    RecordPick,
+    RemotePrefill,
+    RewriteBody,
+    SessionAffinity,
+    ShedSheddable,
+    TagForAccounting,
+)
 from extproc.kvcache.hashing import block_hashes, lora_extra_key
-from extproc.kvcache.prefix import PrefixIndex
 from extproc.metrics.store import EndpointStore
 from extproc.protocol.errors import error_json
 from extproc.protocol.openai import parse_request
@@ -44,13 +62,10 @@ from extproc.routing.base import (
     PodState,
     RoutingRequest,
     Snapshot,
-    Strategy,
     uses_prompt_tokens,
 )
 from extproc.routing.registry import StrategyRegistry
-from extproc.routing.saturation import is_saturated
-from extproc.routing.session import decode_session, encode_session
-from extproc.tokenization import TokenizerPool
+from extproc.routing.session import decode_session
 from extproc.types import (
     BadRequest,
     Endpoint,
@@ -62,49 +77,16 @@ from extproc.types import (
     TooManyRequests,
 )
 
-__all__ = ["Director", "ModelRuntime", "RouteSettingsLookup"]
+__all__ = ["Director", "ModelRuntime", "PreparedRequest", "RouteSettingsLookup"]
 
 log = logging.getLogger("extproc.director")
 
 SENSITIVE_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"}
 )
-EXPLAIN_HEADER = "x-routing-explain"
-DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
-
-
-@dataclass
-class ModelRuntime:
-    """Everything the lifecycle needs for one served model."""
-
-    name: str
-    tokenizer: TokenizerPool
-    prefix: PrefixIndex
-    block_size: int = 16
-    default_strategy: str | None = None
-    lora_adapters: frozenset[str] = frozenset()
-    aliases: tuple[str, ...] = ()
 
 
 RouteSettingsLookup = Callable[[str | None], RouteSettings | None]
-
-
-@dataclass
-class _Prepared:
-    """Everything decided about a request before a strategy runs."""
-
-    req: InferenceRequest
-    runtime: ModelRuntime
-    served_model: str
-    lora: str | None
-    settings: RouteSettings
-    strategy_name: str
-    strategy: Strategy
-    routing: RoutingRequest
-    pods: tuple[PodState, ...]
-    tokenize_s: float
-    estimated: bool
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def redact(headers: Mapping[str, str]) -> dict[str, str]:
@@ -149,12 +131,25 @@ class Director:
         self._fairness = fairness
         self._metrics = metrics
         self._route_settings = route_settings or (lambda _name: None)
-        self._prefill = prefill
-        self._on_routed = on_routed
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
-        self._replica = replica
-        self._records = RecordAccounting(
+        # The lifecycle's steps, in the order they run (kinds: extproc.director.lifecycle).
+        cfg = config.routing
+        self._admit: tuple[AdmitStep, ...] = (
+            ShedSheddable(
+                queue_threshold=cfg.queue_threshold, kv_threshold=cfg.kv_threshold, metrics=metrics
+            ),
+        )
+        self._pre_request: tuple[PreRequestStep, ...] = (
+            RecordPick(metrics=metrics, clock=clock, on_routed=on_routed),
+            RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
+            RemotePrefill(client=prefill, metrics=metrics),
+            SessionAffinity(header=cfg.session_header),
+            ExplainHeader(allowed=config.server.allow_explain),
+            TagForAccounting(replica=replica),
+        )
+        self._claim: Claim = ClaimEndpoint(inflight=inflight, fairness=fairness, metrics=metrics)
+        self._records = RecordAccounting.default(
             metrics=metrics, fairness=fairness, podstats=podstats, inflight=inflight,
             clock=clock, wall_clock=wall_clock,
         )  # fmt: skip
@@ -230,11 +225,30 @@ class Director:
             return self._route_bodyless(head)
         prep = await self.prepare(head, body)
         decision = self._decide(prep)
-        result = await self._commit(head, prep, decision, body)
+        out = Outgoing()
+        for step in self._pre_request:
+            await step.pre_request(prep, decision, out)
+        body_out = out.body(prep.req.body)
+        destinations = self._destinations(decision)
+        # The claim comes last, after the last await and anything that can raise, so a
+        # cancelled stream cannot leave one behind: the ticket reaches the stream, which
+        # closes it when the request ends.
+        ticket = self._claim.claim(prep, decision)
+        log.debug(
+            "routed %s model=%s strategy=%s -> %s (prompt %d tokens%s)",
+            prep.routing.request_id, prep.runtime.name, decision.strategy, ",".join(destinations),
+            prep.routing.prompt_tokens, ", estimated" if prep.estimated else "",
+        )  # fmt: skip
         self._metrics.observe_decision(prep.strategy_name, time.perf_counter() - started)
-        return result
+        return RouteResult(
+            destinations=destinations,
+            set_headers=out.set_headers,
+            body=body_out,
+            ticket=ticket,
+            routed=out.routed,
+        )
 
-    async def prepare(self, head: RequestHead, body: bytes) -> _Prepared:
+    async def prepare(self, head: RequestHead, body: bytes) -> PreparedRequest:
         """Parse, resolve, tokenize and collect candidates (shared with `explain`)."""
         path = head.path.split("?", 1)[0]
         req = parse_request(path, body, max_body_bytes=self.max_body_bytes)
@@ -295,8 +309,8 @@ class Director:
             priority=self._priority(head),
             headers=head.headers,
         )
-        return _Prepared(
-            req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
+        return PreparedRequest(
+            head=head, req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
             strategy_name=strategy_name, strategy=strategy, routing=routing, pods=pods, tokenize_s=tokenize_s,
             estimated=estimated,
         )  # fmt: skip
@@ -376,111 +390,15 @@ class Director:
                 f"{self._config.routing.priority_header} must be an integer", param="priority"
             ) from None
 
-    def _decide(self, prep: _Prepared) -> Decision:
-        strategy = prep.strategy
-        cfg = self._config.routing
-        if (
-            prep.routing.priority < 0
-            and prep.settings.shed_sheddable
-            and is_saturated(prep.pods, cfg.queue_threshold, cfg.kv_threshold)
-        ):
-            self._metrics.observe_shed(prep.runtime.name)
-            raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
+    def _decide(self, prep: PreparedRequest) -> Decision:
+        """Admit steps, then the strategy ranks the candidates."""
+        for step in self._admit:
+            step.admit(prep)
         snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness)
-        decision = strategy.route(prep.routing, snap, self._rng)
+        decision = prep.strategy.route(prep.routing, snap, self._rng)
         if not decision.ranked:
-            raise ServiceUnavailable(f"strategy {strategy.name!r} found no endpoint")
+            raise ServiceUnavailable(f"strategy {prep.strategy.name!r} found no endpoint")
         return decision
-
-    async def _commit(
-        self, head: RequestHead, prep: _Prepared, decision: Decision, body: bytes
-    ) -> RouteResult:
-        req, runtime = prep.req, prep.runtime
-        endpoint = decision.endpoint
-        now = self._clock()
-        runtime.prefix.record(endpoint.address, prep.routing.block_hashes, now)
-        if self._on_routed is not None:
-            self._on_routed(endpoint.address)
-        for pod in prep.pods:
-            if pod.address == endpoint.address:
-                self._metrics.observe_prefix_match(
-                    runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
-                )
-        accounting = prep.settings.accounting
-        inject = (
-            prep.settings.inject_include_usage
-            if prep.settings.inject_include_usage is not None
-            else self._config.accounting.inject_include_usage
-        )
-        changes: dict[str, Any] = {}
-        if prep.served_model != req.model:
-            changes["model"] = prep.served_model
-        injected = accounting and inject and req.stream and not req.include_usage
-        if injected:
-            changes["stream_options"] = {
-                **_dict(req.body.get("stream_options")),
-                "include_usage": True,
-            }
-        if decision.prefill is not None:
-            params = await self._run_prefill(head, prep, decision.prefill, body)
-            if params is not None:
-                changes["kv_transfer_params"] = params
-        elif decision.strategy == "pd":
-            self._metrics.observe_pd_fallback(
-                runtime.name
-            )  # no ready prefill pod: decode does it all
-        new_body = orjson.dumps({**req.body, **changes}) if changes else None
-        # Claims start after the last await, so a cancelled stream cannot leave one behind:
-        # from here the ticket reaches the stream, which closes it when the request ends.
-        max_out = req.max_tokens if req.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
-        # A route with accounting off has no records: its requests never count towards the
-        # stall detector.
-        lease = self._inflight.start(
-            endpoint, prep.routing.prompt_tokens + max_out, watched=prep.settings.accounting
-        )
-        user = prep.routing.user
-        if user:
-            self._fairness.request_started(user, prep.routing.prompt_tokens)
-        ticket = Ticket(
-            lease, user=user, model=runtime.name, fairness=self._fairness, metrics=self._metrics
-        )
-        routed = None
-        if accounting:
-            routed = RoutedRequest(
-                model=runtime.name,
-                endpoint=endpoint.address,
-                strategy=decision.strategy,
-                route=head.route_name or "",
-                user=user or "",
-                prompt_tokens=prep.routing.prompt_tokens,
-                estimated=prep.estimated,
-                stream=req.stream,
-                replica=self._replica,
-            )
-        set_headers: dict[str, str] = {}
-        if decision.session_id is not None or prep.routing.session_id is not None:
-            sid = decision.session_id or encode_session(endpoint.address)
-            set_headers[self._config.routing.session_header] = sid
-        if (
-            self._config.server.allow_explain
-            and head.headers.get(EXPLAIN_HEADER, "").lower() == "true"
-        ):
-            text = explain_header(decision, prep.pods)
-            set_headers[EXPLAIN_HEADER] = text
-            log.debug("routing explain %s: %s", prep.routing.request_id, text)
-        destinations = self._destinations(decision)
-        log.debug(
-            "routed %s model=%s strategy=%s -> %s (prompt %d tokens%s)",
-            prep.routing.request_id, runtime.name, decision.strategy, ",".join(destinations),
-            prep.routing.prompt_tokens, ", estimated" if prep.estimated else "",
-        )  # fmt: skip
-        return RouteResult(
-            destinations=destinations,
-            set_headers=set_headers,
-            body=new_body,
-            ticket=ticket,
-            routed=routed,
-        )
 
     def _destinations(self, decision: Decision) -> tuple[str, ...]:
         seen: list[str] = []
@@ -490,21 +408,6 @@ class Director:
             if len(seen) > self._config.routing.max_fallbacks:
                 break
         return tuple(seen)
-
-    async def _run_prefill(
-        self, head: RequestHead, prep: _Prepared, prefill: Endpoint, body: bytes
-    ) -> dict[str, Any] | None:
-        if self._prefill is None:
-            self._metrics.observe_pd_fallback(prep.runtime.name)
-            return None
-        try:
-            return await self._prefill.prefill(prefill, head.path, prep.req.body, head.headers)
-        except PrefillError as exc:
-            log.warning(
-                "prefill on %s failed (%s); decoding without remote KV", prefill.address, exc
-            )
-            self._metrics.observe_pd_fallback(prep.runtime.name)
-            return None
 
     def _route_bodyless(self, head: RequestHead) -> RouteResult:
         """GET /health, /metrics etc.: any ready endpoint, least loaded first."""
@@ -584,7 +487,3 @@ def _estimate_tokens(req: InferenceRequest) -> int:
                 len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
             )
     return chars // 4 + 1
-
-
-def _dict(value: object) -> dict[str, Any]:
-    return dict(value) if isinstance(value, dict) else {}

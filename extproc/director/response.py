@@ -4,24 +4,32 @@
   held by the routing stream and released when that stream ends, on the process that
   routed the request, exactly once.
 - `RecordAccounting`: what the response was, from the request's access-log record, on
-  whatever process Envoy sent the record to: status, tokens, fairness charges, per-pod
-  latency and throughput, stall detection's answers. Every input it needs is in the record.
+  whatever process Envoy sent the record to. It runs the response-complete steps
+  (`CountResponse`: status and tokens; `ChargeUser`: fairness charges; `PodSamples`: per-pod
+  latency and throughput, stall detection's answers). Every input they need is in the record.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker, Lease
 from extproc.accounting.podstats import PodStatsTracker
-from extproc.director.api import AccessRecord, Outcome, RoutedRequest
-from extproc.types import TokenUsage
+from extproc.director.api import AccessRecord, Outcome
+from extproc.director.lifecycle import Completed, ResponseCompleteStep
 
-__all__ = ["CLIENT_CLOSED_STATUS", "RecordAccounting", "Ticket"]
+__all__ = [
+    "CLIENT_CLOSED_STATUS",
+    "ChargeUser",
+    "CountResponse",
+    "PodSamples",
+    "RecordAccounting",
+    "Ticket",
+]
 
 log = logging.getLogger("extproc.accounting")
 
@@ -64,10 +72,16 @@ class Ticket:
 
 
 class RecordAccounting:
-    """Accounts access-log records. `account` never raises for any record."""
+    """Accounts access-log records: runs the response-complete steps on each routed request's
+    record. `account` never raises for any record."""
 
-    def __init__(
-        self,
+    def __init__(self, steps: Sequence[ResponseCompleteStep], *, metrics: GatewayMetrics) -> None:
+        self._steps = tuple(steps)
+        self._metrics = metrics
+
+    @classmethod
+    def default(
+        cls,
         *,
         metrics: GatewayMetrics,
         fairness: FairnessCounters,
@@ -75,13 +89,23 @@ class RecordAccounting:
         inflight: InflightTracker,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-    ) -> None:
-        self._metrics = metrics
-        self._fairness = fairness
-        self._podstats = podstats
-        self._inflight = inflight
-        self._clock = clock
-        self._wall = wall_clock
+    ) -> RecordAccounting:
+        """The built-in consumers, in order: request and token counts, the user's charge,
+        per-pod samples."""
+        return cls(
+            (
+                CountResponse(metrics),
+                ChargeUser(fairness),
+                PodSamples(
+                    metrics=metrics,
+                    podstats=podstats,
+                    inflight=inflight,
+                    clock=clock,
+                    wall_clock=wall_clock,
+                ),
+            ),
+            metrics=metrics,
+        )
 
     def account(self, record: AccessRecord) -> None:
         routed = record.routed
@@ -90,58 +114,94 @@ class RecordAccounting:
             self._metrics.child(self._metrics.access_records, "unrouted").inc()
             return
         self._metrics.child(self._metrics.access_records, "accounted").inc()
-        model = routed.model
-        endpoint = record.upstream or routed.endpoint
         status = record.status
         if record.outcome is Outcome.CLIENT_ABORTED:
             status = CLIENT_CLOSED_STATUS
+        done = Completed(record, routed, endpoint=record.upstream or routed.endpoint, status=status)
+        for step in self._steps:
+            step.complete(done)
+
+
+class CountResponse:
+    """Requests by status and strategy, aborted responses, tokens (or their absence)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def complete(self, done: Completed) -> None:
+        m, record, model = self._metrics, done.record, done.routed.model
         if record.outcome is not Outcome.COMPLETE:
-            self._metrics.child(self._metrics.aborted_responses, model, record.outcome.value).inc()
-        self._metrics.observe_request(model, status or 502, routed.strategy)
+            m.child(m.aborted_responses, model, record.outcome.value).inc()
+        m.observe_request(model, done.status or 502, done.routed.strategy)
         usage = record.usage
         if usage.counted:
-            self._metrics.child(self._metrics.usage_counted, model).inc()
+            m.child(m.usage_counted, model).inc()
         if usage.prompt_tokens is None and usage.completion_tokens is None:
-            if record.outcome is Outcome.COMPLETE and 200 <= status < 300:
-                self._metrics.child(self._metrics.usage_unknown, model).inc()
+            if record.outcome is Outcome.COMPLETE and 200 <= done.status < 300:
+                m.child(m.usage_unknown, model).inc()
         else:
-            self._metrics.observe_usage(model, endpoint, usage)
-        self._charge_user(routed, usage)
-        self._pod_samples(record, model, endpoint, usage, ok=200 <= status < 400)
+            m.observe_usage(model, done.endpoint, usage)
 
-    def _charge_user(self, routed: RoutedRequest, usage: TokenUsage) -> None:
+
+class ChargeUser:
+    """The user's fair-share charge: output tokens, and the engine's correction of the
+    gateway's prompt count (charged at admission)."""
+
+    def __init__(self, fairness: FairnessCounters) -> None:
+        self._fairness = fairness
+
+    def complete(self, done: Completed) -> None:
+        routed, usage = done.routed, done.record.usage
         if not routed.user:
             return
         prompt = usage.prompt_tokens if usage.prompt_tokens is not None else routed.prompt_tokens
-        # The gateway's prompt count was charged at admission; correct it with the engine's.
         self._fairness.charge(
             routed.user,
             input_tokens=max(0, prompt - routed.prompt_tokens),
             output_tokens=usage.completion_tokens or 0,
         )
 
-    def _pod_samples(
-        self, record: AccessRecord, model: str, endpoint: str, usage: TokenUsage, *, ok: bool
+
+class PodSamples:
+    """Per-pod facts from the record: when the pod last answered (stall detection), and on a
+    complete success its TTFT, latency and throughput samples."""
+
+    def __init__(
+        self,
+        *,
+        metrics: GatewayMetrics,
+        podstats: PodStatsTracker,
+        inflight: InflightTracker,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        self._metrics = metrics
+        self._podstats = podstats
+        self._inflight = inflight
+        self._clock = clock
+        self._wall = wall_clock
+
+    def complete(self, done: Completed) -> None:
+        record, endpoint, usage = done.record, done.endpoint, done.record.usage
         now = self._clock()
-        done = record.upstream_done_s
-        if done is not None and record.start_time > 0:
+        last = record.upstream_done_s
+        if last is not None and record.start_time > 0:
             # Wall-clock time of the last upstream byte, on this tracker's monotonic clock.
-            ago = max(0.0, self._wall() - (record.start_time + done))
+            ago = max(0.0, self._wall() - (record.start_time + last))
             self._inflight.answered(endpoint, now - ago)
-        if not ok or record.outcome is not Outcome.COMPLETE:
+        if not 200 <= done.status < 400 or record.outcome is not Outcome.COMPLETE:
             return
         sent = record.upstream_sent_s
         ttft = latency = decode = None
         if sent is not None:
-            if done is not None:
-                latency = done - sent
+            if last is not None:
+                latency = last - sent
             if record.first_token_s is not None:
                 ttft = record.first_token_s - sent
-                if done is not None:
-                    decode = done - record.first_token_s
+                if last is not None:
+                    decode = last - record.first_token_s
         if ttft is not None:
-            self._metrics.observe_ttft(model, max(0.0, ttft))
+            self._metrics.observe_ttft(done.routed.model, max(0.0, ttft))
         self._podstats.observe_response(
             endpoint,
             now=now,

@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from extproc.protocol.errors import error_json
-from extproc.protocol.openai import (
-    kind_for_path,
-    parse_request,
-    rewrite_body,
-    set_include_usage,
-    set_model,
-)
+from extproc.protocol.openai import kind_for_path, parse_request, rewrite_body
 from extproc.protocol.sse import SSEDecoder
 from extproc.protocol.usage import StreamUsageAccumulator, usage_from_json, usage_from_object
 
@@ -20,8 +14,6 @@ __all__ = [
     "kind_for_path",
     "parse_request",
     "rewrite_body",
-    "set_include_usage",
-    "set_model",
     "usage_from_json",
     "usage_from_object",
 ]

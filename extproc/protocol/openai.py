@@ -13,7 +13,7 @@ import orjson
 
 from extproc.types import BadRequest, InferenceRequest, PayloadTooLarge, RequestKind
 
-__all__ = ["kind_for_path", "parse_request", "rewrite_body", "set_include_usage", "set_model"]
+__all__ = ["kind_for_path", "parse_request", "rewrite_body"]
 
 _KINDS = {
     "/v1/chat/completions": RequestKind.CHAT,
@@ -204,15 +204,26 @@ def parse_request(path: str, body: bytes, *, max_body_bytes: int) -> InferenceRe
 
 
 def rewrite_body(
-    body: Mapping[str, object], *, include_usage: bool = False, model: str | None = None
+    body: Mapping[str, Any],
+    *,
+    include_usage: bool = False,
+    model: str | None = None,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> bytes | None:
     """Serialized body with the requested changes, or None when nothing would change.
 
-    include_usage only applies to streaming requests: vLLM rejects stream_options when
-    stream is false. Other fields and their values are kept (key order preserved).
+    - `include_usage`: `stream_options.include_usage = true`, only on streaming requests (vLLM
+      rejects stream_options when stream is false); other stream options are kept.
+    - `model`: the served model name (model-name mapping).
+    - `kv_transfer_params`: the prefill's KV handle for the decode pod (P/D disaggregation).
+
+    Other fields and their values are kept, in their order; `body` is not mutated.
     """
     changed = False
     out = dict(body)
+    if model is not None and out.get("model") != model:
+        out["model"] = model
+        changed = True
     if include_usage and out.get("stream") is True:
         opts = out.get("stream_options")
         opts_d = dict(opts) if isinstance(opts, Mapping) else {}
@@ -220,31 +231,7 @@ def rewrite_body(
             opts_d["include_usage"] = True
             out["stream_options"] = opts_d
             changed = True
-    if model is not None and out.get("model") != model:
-        out["model"] = model
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = dict(kv_transfer_params)
         changed = True
     return orjson.dumps(out) if changed else None
-
-
-def set_include_usage(body: bytes) -> bytes:
-    """`stream_options.include_usage=true` on a streaming JSON body; other bodies unchanged."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body
-    if not isinstance(data, dict):
-        return body
-    new = rewrite_body(data, include_usage=True)
-    return body if new is None else new
-
-
-def set_model(body: bytes, model: str) -> bytes:
-    """The body with `model` replaced (model-name mapping); non-object bodies unchanged."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body
-    if not isinstance(data, dict):
-        return body
-    new = rewrite_body(data, model=model)
-    return body if new is None else new

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import orjson
 import pytest
@@ -13,8 +14,6 @@ from extproc.protocol import (
     kind_for_path,
     parse_request,
     rewrite_body,
-    set_include_usage,
-    set_model,
 )
 from extproc.types import GatewayError, InferenceRequest, RequestKind
 
@@ -197,29 +196,70 @@ def test_other_paths_never_rejected_for_body() -> None:
     assert err.value.status == 413
 
 
-def test_rewrite_include_usage_only_for_streams() -> None:
-    streaming = chat(stream=True, stream_options={"continuous_usage_stats": False})
-    out = orjson.loads(set_include_usage(streaming))
-    assert out["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
-    assert out["messages"] == MSG and out["model"] == "m"
-    plain = chat()
-    assert set_include_usage(plain) is plain  # vLLM rejects stream_options without stream
-    already = chat(stream=True, stream_options={"include_usage": True})
-    assert set_include_usage(already) is already
-    assert set_include_usage(b"{bad") == b"{bad"
+REWRITES = [
+    # (body, changes, the changed fields in the result or None for "unchanged")
+    pytest.param(
+        {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": False}},
+        {"include_usage": True},
+        {"stream_options": {"continuous_usage_stats": False, "include_usage": True}},
+        id="usage-on-a-stream-keeps-other-options",
+    ),
+    pytest.param(
+        {"model": "m"}, {"include_usage": True}, None, id="usage-never-on-a-plain-request"
+    ),  # vLLM rejects stream_options without stream
+    pytest.param(
+        {"model": "m", "stream": True, "stream_options": {"include_usage": True}},
+        {"include_usage": True},
+        None,
+        id="usage-already-asked",
+    ),
+    pytest.param(
+        {"model": "m", "stream": True, "stream_options": "bad"},
+        {"include_usage": True},
+        {"stream_options": {"include_usage": True}},
+        id="usage-replaces-a-non-object",
+    ),
+    pytest.param({"model": "m"}, {"model": "served"}, {"model": "served"}, id="model-mapped"),
+    pytest.param({"model": "m"}, {"model": "m"}, None, id="model-same"),
+    pytest.param(
+        {"model": "m", "stream": False},
+        {"kv_transfer_params": {"remote_host": "10.0.0.9", "do_remote_prefill": True}},
+        {"kv_transfer_params": {"remote_host": "10.0.0.9", "do_remote_prefill": True}},
+        id="prefill-handle",
+    ),
+    pytest.param(
+        {"model": "m", "stream": True},
+        {"model": "x", "include_usage": True, "kv_transfer_params": {}},
+        {"model": "x", "stream_options": {"include_usage": True}, "kv_transfer_params": {}},
+        id="all-at-once",
+    ),
+    pytest.param({"model": "m", "stream": True}, {}, None, id="nothing-asked"),
+]
 
 
-def test_rewrite_model() -> None:
-    out = orjson.loads(set_model(chat(), "served-name"))
-    assert out["model"] == "served-name" and out["messages"] == MSG
-    same = chat()
-    assert set_model(same, "m") is same
+@pytest.mark.parametrize(("body", "changes", "changed"), REWRITES)
+def test_rewrite_body(
+    body: dict[str, Any], changes: dict[str, Any], changed: dict[str, Any] | None
+) -> None:
+    original = json.loads(json.dumps({**body, "messages": MSG}))
+    out = rewrite_body(original, **changes)
+    assert original == {**body, "messages": MSG}  # the parsed request is not mutated
+    if changed is None:
+        assert out is None
+        return
+    assert out is not None
+    got = orjson.loads(out)
+    assert got == {**body, "messages": MSG, **changed}
+    assert list(got)[: len(body)] == list(body)  # existing fields keep their order
+
+
+def test_rewrite_a_parsed_request() -> None:
     req = parse_request(CHAT, chat(stream=True), max_body_bytes=LIMIT)
     new = rewrite_body(req.body, include_usage=True, model="x")
     assert new is not None
     assert orjson.loads(new)["stream_options"]["include_usage"] is True
     assert orjson.loads(new)["model"] == "x"
-    assert "stream_options" not in req.body  # the parsed request is not mutated
+    assert "stream_options" not in req.body
     assert rewrite_body(req.body) is None
 
 

@@ -1,0 +1,230 @@
+"""The built-in lifecycle steps (kinds in `lifecycle.py`), in the order the director runs them.
+
+admit:        ShedSheddable
+pre-request:  RecordPick, RewriteBody, RemotePrefill, SessionAffinity, ExplainHeader,
+              TagForAccounting
+claim:        ClaimEndpoint
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from extproc.accounting.fairness import FairnessCounters
+from extproc.accounting.gateway_metrics import GatewayMetrics
+from extproc.accounting.inflight import InflightTracker
+from extproc.director.api import RoutedRequest
+from extproc.director.explain import explain_header
+from extproc.director.lifecycle import Outgoing, PreparedRequest
+from extproc.director.prefill import PrefillClient, PrefillError
+from extproc.director.response import Ticket
+from extproc.routing.base import Decision
+from extproc.routing.saturation import is_saturated
+from extproc.routing.session import encode_session
+from extproc.types import RequestKind, TooManyRequests
+
+__all__ = [
+    "DEFAULT_OUTPUT_ESTIMATE",
+    "EXPLAIN_HEADER",
+    "ClaimEndpoint",
+    "ExplainHeader",
+    "RecordPick",
+    "RemotePrefill",
+    "RewriteBody",
+    "SessionAffinity",
+    "ShedSheddable",
+    "TagForAccounting",
+]
+
+log = logging.getLogger("extproc.director")
+
+EXPLAIN_HEADER = "x-routing-explain"
+DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no max_tokens
+
+
+# -- admit ---------------------------------------------------------------------------------------
+
+
+class ShedSheddable:
+    """429 for a sheddable request (priority < 0) when every candidate is saturated."""
+
+    def __init__(
+        self, *, queue_threshold: float, kv_threshold: float, metrics: GatewayMetrics
+    ) -> None:
+        self._queue = queue_threshold
+        self._kv = kv_threshold
+        self._metrics = metrics
+
+    def admit(self, req: PreparedRequest) -> None:
+        if (
+            req.routing.priority < 0
+            and req.settings.shed_sheddable
+            and is_saturated(req.pods, self._queue, self._kv)
+        ):
+            self._metrics.observe_shed(req.runtime.name)
+            raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
+
+
+# -- pre-request ---------------------------------------------------------------------------------
+
+
+class RecordPick:
+    """The pick now holds the prompt's blocks: record them in the approximate index, tell the
+    KV-event manager the pod has traffic, observe the pick's prefix match."""
+
+    def __init__(
+        self,
+        *,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        on_routed: Callable[[str], None] | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._on_routed = on_routed
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        address = decision.endpoint.address
+        req.runtime.prefix.record(address, req.routing.block_hashes, self._clock())
+        if self._on_routed is not None:
+            self._on_routed(address)
+        for pod in req.pods:
+            if pod.address == address:
+                self._metrics.observe_prefix_match(
+                    req.runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
+                )
+
+
+class RewriteBody:
+    """Model-name mapping, and `stream_options.include_usage` on streams whose usage the
+    route accounts (the engine only reports a stream's usage when asked)."""
+
+    def __init__(self, *, inject_include_usage: bool) -> None:
+        self._inject = inject_include_usage
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        if req.req.kind is RequestKind.OTHER:
+            return  # its body was not parsed: forward it as the client sent it
+        if req.served_model != req.req.model:
+            out.model = req.served_model
+        settings = req.settings
+        inject = (
+            settings.inject_include_usage
+            if settings.inject_include_usage is not None
+            else self._inject
+        )
+        out.include_usage = settings.accounting and inject
+
+
+class RemotePrefill:
+    """P/D disaggregation: run the prefill on the decision's prefill pod and hand its KV handle
+    to the decode pod. Without a prefill pod or on failure, the decode pod does it all."""
+
+    def __init__(self, *, client: PrefillClient | None, metrics: GatewayMetrics) -> None:
+        self._client = client
+        self._metrics = metrics
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        if decision.prefill is not None:
+            out.kv_transfer_params = await self._prefill(req, decision)
+        elif decision.strategy == "pd":
+            self._metrics.observe_pd_fallback(req.runtime.name)  # no ready prefill pod
+
+    async def _prefill(self, req: PreparedRequest, decision: Decision) -> dict[str, Any] | None:
+        prefill = decision.prefill
+        assert prefill is not None
+        if self._client is None:
+            self._metrics.observe_pd_fallback(req.runtime.name)
+            return None
+        head = req.head
+        try:
+            return await self._client.prefill(prefill, head.path, req.req.body, head.headers)
+        except PrefillError as exc:
+            log.warning(
+                "prefill on %s failed (%s); decoding without remote KV", prefill.address, exc
+            )
+            self._metrics.observe_pd_fallback(req.runtime.name)
+            return None
+
+
+class SessionAffinity:
+    """A request that came with a session id (or that a session rule routed) gets the id of
+    the pod it went to, so the client's next turn can ask for it."""
+
+    def __init__(self, *, header: str) -> None:
+        self._header = header
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        if decision.session_id is not None or req.routing.session_id is not None:
+            sid = decision.session_id or encode_session(decision.endpoint.address)
+            out.set_headers[self._header] = sid
+
+
+class ExplainHeader:
+    """`x-routing-explain: true` (when the server allows it): the decision in a header."""
+
+    def __init__(self, *, allowed: bool) -> None:
+        self._allowed = allowed
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        if not self._allowed or req.head.headers.get(EXPLAIN_HEADER, "").lower() != "true":
+            return
+        text = explain_header(decision, req.pods)
+        out.set_headers[EXPLAIN_HEADER] = text
+        log.debug("routing explain %s: %s", req.routing.request_id, text)
+
+
+class TagForAccounting:
+    """What the decision knew, as dynamic metadata the request's access-log record carries
+    back to whichever process accounts it. None on routes with accounting off."""
+
+    def __init__(self, *, replica: str) -> None:
+        self._replica = replica
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        if not req.settings.accounting:
+            return
+        out.routed = RoutedRequest(
+            model=req.runtime.name,
+            endpoint=decision.endpoint.address,
+            strategy=decision.strategy,
+            route=req.head.route_name or "",
+            user=req.routing.user or "",
+            prompt_tokens=req.routing.prompt_tokens,
+            estimated=req.estimated,
+            stream=req.req.stream,
+            replica=self._replica,
+        )
+
+
+# -- claim ---------------------------------------------------------------------------------------
+
+
+class ClaimEndpoint:
+    """An in-flight lease on the pick and the user's active count, held by the ticket."""
+
+    def __init__(
+        self, *, inflight: InflightTracker, fairness: FairnessCounters, metrics: GatewayMetrics
+    ) -> None:
+        self._inflight = inflight
+        self._fairness = fairness
+        self._metrics = metrics
+
+    def claim(self, req: PreparedRequest, decision: Decision) -> Ticket:
+        routing = req.routing
+        max_out = routing.max_tokens if routing.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
+        # A route with accounting off has no records: its requests never count towards the
+        # stall detector.
+        lease = self._inflight.start(
+            decision.endpoint, routing.prompt_tokens + max_out, watched=req.settings.accounting
+        )
+        if routing.user:
+            self._fairness.request_started(routing.user, routing.prompt_tokens)
+        return Ticket(
+            lease,
+            user=routing.user,
+            model=req.runtime.name,
+            fairness=self._fairness,
+            metrics=self._metrics,
+        )
