@@ -1,0 +1,148 @@
+"""Test builder: a `PreparedRequest` as `Director.prepare` makes it, without a tokenizer run
+or an endpoint store, so each lifecycle step can be called alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry
+
+from extproc.accounting.fairness import FairnessCounters
+from extproc.accounting.gateway_metrics import GatewayMetrics
+from extproc.accounting.inflight import InflightTracker
+from extproc.accounting.podstats import PodStatsTracker
+from extproc.config import RouteSettings
+from extproc.director.api import RequestHead
+from extproc.director.lifecycle import ModelRuntime, PreparedRequest
+from extproc.kvcache.approx import ApproximateIndex
+from extproc.kvcache.exact import ExactIndex
+from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.protocol.openai import parse_request
+from extproc.routing.base import Decision, PodState, RoutingRequest
+from extproc.routing.builtin import default_registry
+from extproc.tokenization import CharEstimateTokenizer, TokenizerPool
+from extproc.types import Endpoint, EngineMetrics
+
+PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Parts:
+    """The real collaborators steps are built with, and ways to read what they recorded."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    podstats: PodStatsTracker = field(default_factory=PodStatsTracker)
+    fairness: FairnessCounters = field(default_factory=FairnessCounters)
+    metrics: GatewayMetrics = field(init=False)
+    inflight: InflightTracker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = GatewayMetrics(self.registry)
+        self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
+
+    def sample(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+
+@contextmanager
+def model_runtime(name: str = "qwen3", block_size: int = 4) -> Iterator[ModelRuntime]:
+    pool = TokenizerPool(CharEstimateTokenizer(), max_workers=1)
+    try:
+        yield ModelRuntime(
+            name=name,
+            tokenizer=pool,
+            prefix=PrefixIndex(
+                mode=IndexMode.APPROXIMATE,
+                block_size=block_size,
+                exact=ExactIndex(block_size=block_size, max_blocks=1000),
+                approximate=ApproximateIndex(ttl_s=60.0, max_blocks=1000),
+            ),
+            block_size=block_size,
+        )
+    finally:
+        pool.close()
+
+
+def pod(address: str, *, waiting: float = 0.0, kv: float = 0.1, prefix: int = 0) -> PodState:
+    return PodState(
+        endpoint=Endpoint(address=address, model="qwen3"),
+        metrics=EngineMetrics(updated_at=0.0, running=1.0, waiting=waiting, kv_cache_usage=kv),
+        prefix_match_tokens=prefix,
+    )
+
+
+def prepared(
+    runtime: ModelRuntime,
+    *,
+    body: Mapping[str, Any] | None = None,
+    path: str = CHAT,
+    headers: Mapping[str, str] | None = None,
+    settings: RouteSettings | None = None,
+    served_model: str | None = None,
+    pods: tuple[PodState, ...] | None = None,
+    user: str | None = None,
+    session_id: str | None = None,
+    priority: int = 0,
+    block_hashes: tuple[int, ...] = (),
+    prompt_tokens: int = 10,
+    route_name: str | None = None,
+) -> PreparedRequest:
+    raw = orjson.dumps(
+        body
+        if body is not None
+        else {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    req = parse_request(path, raw, max_body_bytes=1 << 20)
+    head = RequestHead(
+        request_id="r1",
+        method="POST",
+        path=path,
+        headers=dict(headers or {}),
+        route_name=route_name,
+    )
+    strategy = default_registry().resolve("round-robin")
+    return PreparedRequest(
+        head=head,
+        req=req,
+        runtime=runtime,
+        served_model=served_model or req.model,
+        lora=None,
+        settings=settings or RouteSettings(),
+        strategy_name="round-robin",
+        strategy=strategy,
+        routing=RoutingRequest(
+            request_id="r1",
+            model=runtime.name,
+            kind=req.kind,
+            prompt_tokens=prompt_tokens,
+            block_hashes=block_hashes,
+            block_size=runtime.block_size,
+            max_tokens=req.max_tokens,
+            user=user,
+            session_id=session_id,
+            priority=priority,
+            headers=head.headers,
+        ),
+        pods=pods if pods is not None else tuple(pod(a) for a in PODS),
+        tokenize_s=0.0,
+        estimated=False,
+    )
+
+
+def decision(pick: str = PODS[0], *, strategy: str = "round-robin", **fields: Any) -> Decision:
+    ranked = (pick, *(a for a in PODS if a != pick))
+    return Decision(
+        ranked=tuple(Endpoint(address=a, model="qwen3") for a in ranked),
+        strategy=strategy,
+        **fields,
+    )
