@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from extproc._pb.envoy.config.core.v3 import base_pb2
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -36,7 +37,7 @@ from extproc.wire import (
     SUBSET_HINT_NAMESPACE,
 )
 
-__all__ = ["Phase", "StreamProcessor", "build_immediate"]
+__all__ = ["Phase", "StreamModes", "StreamProcessor", "build_immediate"]
 
 log = logging.getLogger("extproc.server")
 
@@ -128,8 +129,32 @@ class Phase(enum.Enum):
     HEADERS = "headers"  # waiting for the request headers
     BODY = "body"  # collecting the request body
     ROUTED = "routed"  # answered with a destination; holds the request's ticket
-    REJECTED = "rejected"  # answered with an immediate reply
+    REJECTED = "rejected"  # answered with an immediate reply: the server ends the RPC
+    RESPONSE_ENDED = "response_ended"  # observability mode saw the response end: end the RPC
     CLOSED = "closed"  # the stream ended; the ticket (if any) is closed
+
+
+@dataclass(frozen=True, slots=True)
+class StreamModes:
+    """How Envoy said it will talk on this stream (its first message's protocol_config)."""
+
+    request_body: BodyMode = BodyMode.BUFFERED
+    response_body: BodyMode = BodyMode.NONE
+    no_wait: bool = False  # STREAMED + send_body_without_waiting_for_header_response
+    observability: bool = False  # Envoy ignores our answers
+
+    @classmethod
+    def of(cls, msg: ep.ProcessingRequest) -> StreamModes:
+        if not msg.HasField("protocol_config"):
+            # Envoy older than protocol_config: BUFFERED is the only safe assumption for routing.
+            return cls(observability=msg.observability_mode)
+        pc = msg.protocol_config
+        return cls(
+            request_body=BodyMode(pc.request_body_mode),
+            response_body=BodyMode(pc.response_body_mode),
+            no_wait=pc.send_body_without_waiting_for_header_response,
+            observability=msg.observability_mode,
+        )
 
 
 class StreamProcessor:
@@ -138,22 +163,27 @@ class StreamProcessor:
     def __init__(self, handler: RequestHandler) -> None:
         self._handler = handler
         self.phase = Phase.HEADERS
-        self._request_body_mode = BodyMode.NONE
-        self._response_body_mode = BodyMode.NONE
-        self._no_wait = False  # STREAMED + send_body_without_waiting_for_header_response
-        self._observability = False
-        self._configured = False
+        self._modes: StreamModes | None = None  # set from the first message
         self._head: RequestHead | None = None
         self._body = bytearray()
         self._body_chunks = 0
         self._ticket: RequestTicket | None = None
-        self.done = False  # the server should end the RPC
+
+    @property
+    def done(self) -> bool:
+        """The server should end the RPC (this side has nothing more to say)."""
+        return self.phase in (Phase.REJECTED, Phase.RESPONSE_ENDED)
+
+    @property
+    def modes(self) -> StreamModes:
+        assert self._modes is not None, "set by the stream's first message"
+        return self._modes
 
     # -- public ----------------------------------------------------------------------------
 
     async def on_message(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
-        if not self._configured:
-            self._configure(msg)
+        if self._modes is None:
+            self._modes = StreamModes.of(msg)
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             return await self._on_request_headers(msg)
@@ -173,26 +203,11 @@ class StreamProcessor:
         if ticket is not None:
             ticket.close()
 
-    # -- configuration -----------------------------------------------------------------------
-
-    def _configure(self, msg: ep.ProcessingRequest) -> None:
-        self._configured = True
-        self._observability = msg.observability_mode
-        if msg.HasField("protocol_config"):
-            pc = msg.protocol_config
-            self._request_body_mode = BodyMode(pc.request_body_mode)
-            self._response_body_mode = BodyMode(pc.response_body_mode)
-            self._no_wait = pc.send_body_without_waiting_for_header_response
-        else:
-            # Envoy older than protocol_config: BUFFERED is the only safe assumption for routing.
-            self._request_body_mode = BodyMode.BUFFERED
+    # -- request path ------------------------------------------------------------------------
 
     def _reject(self, reply: ImmediateReply) -> list[ep.ProcessingResponse]:
         self.phase = Phase.REJECTED
-        self.done = True
         return [build_immediate(reply)]
-
-    # -- request path ------------------------------------------------------------------------
 
     async def _on_request_headers(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         if self.phase is not Phase.HEADERS:
@@ -208,15 +223,16 @@ class StreamProcessor:
             subset=_subset_hint(msg),
             has_body=not hdrs.end_of_stream,
         )
-        if hdrs.end_of_stream or self._request_body_mode == BodyMode.NONE:
+        mode = self.modes.request_body
+        if hdrs.end_of_stream or mode == BodyMode.NONE:
             result = await self._handler.route(self._head, None)
             if isinstance(result, ImmediateReply):
                 return self._reject(result)
             self._accept(result)
             return [self._headers_response(result)]
         self.phase = Phase.BODY
-        if self._request_body_mode in (BodyMode.FULL_DUPLEX_STREAMED,) or (
-            self._request_body_mode == BodyMode.STREAMED and self._no_wait
+        if mode == BodyMode.FULL_DUPLEX_STREAMED or (
+            mode == BodyMode.STREAMED and self.modes.no_wait
         ):
             return []  # hold the headers answer until the body is complete (pipelined)
         return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
@@ -232,7 +248,7 @@ class StreamProcessor:
             return self._reject(reply)
         self._body += body.body
         if not body.end_of_stream:
-            if self._request_body_mode == BodyMode.STREAMED and not self._no_wait:
+            if self.modes.request_body == BodyMode.STREAMED and not self.modes.no_wait:
                 return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
             return []
         return await self._route_with_body(trailers=False)
@@ -251,13 +267,13 @@ class StreamProcessor:
         if isinstance(result, ImmediateReply):
             return self._reject(result)
         self._accept(result)
-        mode = self._request_body_mode
+        mode = self.modes.request_body
         if mode == BodyMode.FULL_DUPLEX_STREAMED:
             out = [self._headers_response(result)]
             body = result.body if result.body is not None else bytes(self._body)
             out.extend(_streamed_chunks(body, end=not trailers))
             return out
-        if mode == BodyMode.STREAMED and self._no_wait:
+        if mode == BodyMode.STREAMED and self.modes.no_wait:
             # Headers answer first, then one (empty) answer per body chunk Envoy sent.
             out = [self._headers_response(result)]
             out.extend(
@@ -298,16 +314,16 @@ class StreamProcessor:
         """Usage comes from the access log, not from here. Answer so traffic flows (nothing in
         observability mode, where Envoy ignores answers) and end the stream at the response
         end, so a deferred-closed stream never holds the ext_proc cluster's budget."""
-        if self._observability:
-            end = kind == "response_trailers" or getattr(msg, kind).end_of_stream
-            self.done = self.done or end
+        if self.modes.observability:
+            if kind == "response_trailers" or getattr(msg, kind).end_of_stream:
+                self.phase = Phase.RESPONSE_ENDED
             return []
         if kind == "response_headers":
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
         if kind == "response_trailers":
             return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         resp = ep.ProcessingResponse()
-        if self._response_body_mode == BodyMode.FULL_DUPLEX_STREAMED:
+        if self.modes.response_body == BodyMode.FULL_DUPLEX_STREAMED:
             # In this mode Envoy forwards only what we send back: echo every chunk.
             sr = resp.response_body.response.body_mutation.streamed_response
             sr.body = msg.response_body.body
