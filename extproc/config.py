@@ -74,6 +74,8 @@ class ServerConfig:
     # check (every 0.5 s in our bootstraps) moves new streams and the access log elsewhere.
     shutdown_announce_s: float = 1.5
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
+    # The admin port's status page (`/`, `/status.json`): endpoints, recent decisions, config.
+    status_page: bool = False
     tls: TLSConfig | None = None
     tokenize_inline_bytes: int = (
         4096  # shorter prompts tokenize on the event loop (a thread hop costs more)

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -115,6 +115,7 @@ class Director:
         wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         replica: str = "",
+        pre_request_steps: Sequence[PreRequestStep] = (),
     ) -> None:
         self._config = config
         self._models = dict(models)
@@ -147,6 +148,7 @@ class Director:
             SessionAffinity(header=cfg.session_header),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=replica),
+            *pre_request_steps,  # the composition root's own (the status page's decision log)
         )
         self._claim: Claim = ClaimEndpoint(inflight=inflight, fairness=fairness, metrics=metrics)
         self._records = RecordAccounting.default(
