@@ -158,6 +158,7 @@ class LocalStack:
                 "grpc_port": o.grpc_port,
                 "metrics_port": o.metrics_port,
                 "allow_explain": True,
+                "status_page": True,  # http://127.0.0.1:9090/ (local only)
                 "log_level": o.log_level,
             },
             "routing": {"default_strategy": o.strategy},
