@@ -1,6 +1,6 @@
 """deploy/: every overlay renders with `kubectl kustomize` and every object matches its schema.
 
-Gateway API, Envoy Gateway and InferencePool kinds are checked against the real CRD
+Gateway API, Envoy Gateway, InferencePool and prometheus-operator kinds are checked against the real CRD
 schemas in tests/deploy/crds (upstream files, unmodified), with unknown fields rejected the way the
 API server's strict field validation does (a typo would otherwise be pruned silently).
 Core kinds are checked with `kubernetes-validate` (strict).
@@ -28,7 +28,14 @@ from extproc.wire import ACCESS_LOG_NAME, LB_NAMESPACE, REQUEST_NAMESPACE, TOKEN
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CRDS = Path(__file__).resolve().parent / "crds"  # upstream CRDs, unmodified (see its README)
-OVERLAYS = ["envoy-gateway", "envoy-gateway-token-limits", "inferencepool", "nats", "sim"]
+OVERLAYS = [
+    "envoy-gateway",
+    "envoy-gateway-token-limits",
+    "inferencepool",
+    "nats",
+    "observability",
+    "sim",
+]
 # The accounting Lua filter: one script for the local stack and for Envoy Gateway.
 USAGE_LUA = REPO / "extproc" / "stack" / "usage.lua"
 KUBERNETES_VERSION = "1.32"
