@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from extproc.routing.base import (
+    Capabilities,
     Decision,
     FairnessView,
     Filter,
     Picker,
+    PluginRef,
     PodState,
     PodStats,
+    ProfileResult,
     RoutingRequest,
     Scorer,
     Snapshot,
     Strategy,
 )
-from extproc.routing.builtin import builtin_strategies, default_plugins, default_registry
+from extproc.routing.builtin import default_plugins, default_registry
 from extproc.routing.framework import (
     MaxScorePicker,
     PluginConfigError,
@@ -30,16 +33,19 @@ from extproc.routing.saturation import is_saturated, saturation
 from extproc.routing.session import decode_session, encode_session
 
 __all__ = [
+    "Capabilities",
     "Decision",
     "FairnessView",
     "Filter",
     "MaxScorePicker",
     "Picker",
     "PluginConfigError",
+    "PluginRef",
     "PluginRegistry",
     "PodState",
     "PodStats",
     "Profile",
+    "ProfileResult",
     "RoutingRequest",
     "Scorer",
     "Snapshot",
@@ -48,7 +54,6 @@ __all__ = [
     "StrategyRegistry",
     "WeightedRandomPicker",
     "build_profile",
-    "builtin_strategies",
     "decode_session",
     "default_plugins",
     "default_registry",

@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from extproc.routing import signals
-from extproc.routing.base import Decision, PodState, RoutingRequest, Snapshot
+from extproc.routing.base import (
+    DECODE_PROFILE,
+    PREFILL_PROFILE,
+    Capabilities,
+    Decision,
+    PodState,
+    ProfileResult,
+    RoutingRequest,
+    Snapshot,
+)
 from extproc.routing.session import encode_session
-from extproc.routing.strategies import decision
+from extproc.routing.strategies import StrategyPlugin
 from extproc.types import EndpointRole
 
 __all__ = [
@@ -76,14 +87,19 @@ class PrefixCacheParams:
     match_threshold_percent: float = 0.0  # PR #641 used 50; current AIBrix has no threshold
 
 
-class PrefixCacheStrategy:
+class PrefixCacheStrategy(StrategyPlugin):
     """AIBrix prefix-cache: deepest match whose load is within mean + k*stddev, else least-request."""
 
-    def __init__(self, name: str = "prefix-cache", params: PrefixCacheParams | None = None) -> None:
-        self.name = name
+    type_name = "prefix-cache"
+    Params: ClassVar[type] = PrefixCacheParams
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
+
+    def __init__(self, name: str = "", params: PrefixCacheParams | None = None) -> None:
+        super().__init__(name, params)
         self.params = params or PrefixCacheParams()
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         prm = self.params
         pods = snap.pods
         notes: list[str] = []
@@ -118,7 +134,7 @@ class PrefixCacheStrategy:
             notes.insert(0, f"{why}: least-request")
             ranked = _least_request(cands, rng)
         ranked += _rest(ranked, pods, rng)
-        return decision(self.name, ranked, "; ".join(notes), scores)
+        return self.decision(t0, ranked, "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- prefix-cache-preble (Preble E2)
@@ -131,7 +147,7 @@ class PrebleParams:
     rebalance_ratio: float = 2.0  # holder "overloaded" at >= ratio * max(least in-flight, 1)
 
 
-class PrebleStrategy:
+class PrebleStrategy(StrategyPlugin):
     """Preble E2: exploit the longest cached prefix when it outweighs the rest, else explore by cost.
 
     Exploit: among pods holding the longest match, the one with least outstanding token work.
@@ -140,13 +156,16 @@ class PrebleStrategy:
     tokens (in-flight prompt + max_tokens estimates); lowest cost wins.
     """
 
-    def __init__(
-        self, name: str = "prefix-cache-preble", params: PrebleParams | None = None
-    ) -> None:
-        self.name = name
+    type_name = "prefix-cache-preble"
+    Params: ClassVar[type] = PrebleParams
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
+
+    def __init__(self, name: str = "", params: PrebleParams | None = None) -> None:
+        super().__init__(name, params)
         self.params = params or PrebleParams()
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         prm = self.params
         pods = snap.pods
         notes: list[str] = []
@@ -188,7 +207,7 @@ class PrebleStrategy:
             )
             ranked = explore_order
         ranked += _rest(ranked, pods, rng)
-        return decision(self.name, ranked, "; ".join(notes), scores)
+        return self.decision(t0, ranked, "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- kv-aware (Dynamo)
@@ -204,7 +223,7 @@ class KvAwareParams:
             raise ValueError("overlap_weight and temperature must be >= 0")
 
 
-class KvAwareStrategy:
+class KvAwareStrategy(StrategyPlugin):
     """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
 
     prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
@@ -213,11 +232,16 @@ class KvAwareStrategy:
     the smaller cache (cached_blocks), then random.
     """
 
-    def __init__(self, name: str = "kv-aware", params: KvAwareParams | None = None) -> None:
-        self.name = name
+    type_name = "kv-aware"
+    Params: ClassVar[type] = KvAwareParams
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
+
+    def __init__(self, name: str = "", params: KvAwareParams | None = None) -> None:
+        super().__init__(name, params)
         self.params = params or KvAwareParams()
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         prm = self.params
         bs = max(req.block_size, 1)
         total_blocks = math.ceil(req.prompt_tokens / bs)
@@ -255,7 +279,7 @@ class KvAwareStrategy:
             )
         if not any(p.prefix_match_tokens for p in snap.pods):
             reason += "; no cached prefix on any pod: cost is load only"
-        return decision(self.name, ranked, reason, scores)
+        return self.decision(t0, ranked, reason, scores)
 
 
 # ---------------------------------------------------------------- vtc-basic (AIBrix)
@@ -274,7 +298,7 @@ class VtcParams:
             raise ValueError("max_pod_load and min_tokens_floor must be > 0")
 
 
-class VtcStrategy:
+class VtcStrategy(StrategyPlugin):
     """AIBrix vtc-basic: score = w_f*|index - min(tokens/bucket, n-1)| + w_u*min(running/max, 1) + U[0, 0.1).
 
     Lowest wins. The user's counter is lifted to the smallest active counter (VTC counter lift)
@@ -282,17 +306,20 @@ class VtcStrategy:
     token band maps to a stable pod. Without a user or counters: least-request (AIBrix: random).
     """
 
-    uses_prompt_tokens = False  # reads no token ids or prefix matches
+    type_name = "vtc-basic"
+    Params: ClassVar[type] = VtcParams
+    capabilities = Capabilities(fairness=True)
 
-    def __init__(self, name: str = "vtc-basic", params: VtcParams | None = None) -> None:
-        self.name = name
+    def __init__(self, name: str = "", params: VtcParams | None = None) -> None:
+        super().__init__(name, params)
         self.params = params or VtcParams()
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         prm = self.params
         if req.user is None or snap.fairness is None:
             why = "no user on request" if req.user is None else "no fairness counters"
-            return decision(self.name, _least_request(snap.pods, rng), f"{why}: least-request")
+            return self.decision(t0, _least_request(snap.pods, rng), f"{why}: least-request")
         fair = snap.fairness
         active_min = fair.active_min()
         user_tokens = max(fair.tokens(req.user), active_min)
@@ -325,7 +352,7 @@ class VtcStrategy:
         if missing:
             notes.append(f"running unknown on {','.join(missing)}: used gateway in-flight")
         ranked = sorted(pods, key=lambda p: score[id(p)])
-        return decision(self.name, ranked, "; ".join(notes), scores)
+        return self.decision(t0, ranked, "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- pd (AIBrix)
@@ -336,16 +363,21 @@ class PdParams:
     stddev_factor: float = 1.0  # prefill pods above mean + k*stddev in-flight are skipped
 
 
-class PdStrategy:
+class PdStrategy(StrategyPlugin):
     """AIBrix pd: a prefill pod (role prefill) and a decode pod (role decode, else both).
 
     Prefill score (lowest wins) = (100 - match%) * 0.1 + in_flight / max in_flight, skipping pods
     above mean + k*stddev. Decode score = (running / max running) / (free KV / max free KV).
-    Without a prefill pod the request goes to a decode/both pod whole, and the reason says so.
+    The decision has two profiles, prefill and decode; without a prefill pod the prefill profile
+    is empty and the request goes to a decode/both pod whole, and the reason says so.
     """
 
-    def __init__(self, name: str = "pd", params: PdParams | None = None) -> None:
-        self.name = name
+    type_name = "pd"
+    Params: ClassVar[type] = PdParams
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True, disaggregated=True)
+
+    def __init__(self, name: str = "", params: PdParams | None = None) -> None:
+        super().__init__(name, params)
         self.params = params or PdParams()
 
     def _decode_order(
@@ -369,6 +401,7 @@ class PdStrategy:
         return signals.rank_by(pool, lambda p: (val[id(p)], float(p.in_flight)), rng), note
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         pods = snap.pods
         prefill = [p for p in pods if p.endpoint.role is EndpointRole.PREFILL]
         decode = [p for p in pods if p.endpoint.role is EndpointRole.DECODE]
@@ -378,15 +411,19 @@ class PdStrategy:
         pool = decode or both
         if not pool:
             ranked = _least_request(pods, rng)
-            return decision(
-                self.name,
+            return self.decision(
+                t0,
                 ranked,
                 "no decode or both pod: whole request on a prefill pod by least-request",
+                profiles=(
+                    ProfileResult(PREFILL_PROFILE, ()),
+                    ProfileResult(DECODE_PROFILE, tuple(p.endpoint for p in ranked)),
+                ),
             )
         decode_ranked, note = self._decode_order(pool, rng, scores)
         if note:
             notes.append(note)
-        pick_prefill: PodState | None = None
+        prefill_ranked: list[PodState] = []
         if prefill:
             loads = [float(p.in_flight) for p in prefill]
             bound = _mean_plus_std(loads, self.params.stddev_factor)
@@ -395,9 +432,9 @@ class PdStrategy:
             val = {id(p): (100.0 - _match_pct(req, p)) * 0.1 + p.in_flight / max_load for p in ok}
             for p in ok:
                 scores.setdefault(p.address, {})["prefill_score"] = round(val[id(p)], 4)
-            pick_prefill = signals.rank_by(ok, lambda p: (val[id(p)],), rng)[0]
+            prefill_ranked = signals.rank_by(ok, lambda p: (val[id(p)],), rng)
             notes.insert(
-                0, f"prefill on {pick_prefill.address}, decode on {decode_ranked[0].address}"
+                0, f"prefill on {prefill_ranked[0].address}, decode on {decode_ranked[0].address}"
             )
         else:
             notes.insert(
@@ -408,12 +445,15 @@ class PdStrategy:
             decode_ranked, [p for p in pods if p.endpoint.role is not EndpointRole.PREFILL], rng
         )
         ranked += _rest(ranked, pods, rng)
-        return Decision(
-            ranked=tuple(p.endpoint for p in ranked),
-            strategy=self.name,
-            scores=scores,
-            reason="; ".join(notes),
-            prefill=pick_prefill.endpoint if pick_prefill is not None else None,
+        return self.decision(
+            t0,
+            ranked,
+            "; ".join(notes),
+            scores,
+            profiles=(
+                ProfileResult(PREFILL_PROFILE, tuple(p.endpoint for p in prefill_ranked)),
+                ProfileResult(DECODE_PROFILE, tuple(p.endpoint for p in decode_ranked)),
+            ),
         )
 
 
@@ -431,17 +471,15 @@ def _fnv1a64(data: bytes) -> int:
     return h
 
 
-class SessionAffinityStrategy:
+class SessionAffinityStrategy(StrategyPlugin):
     """AIBrix session-affinity: honour `x-session-id` when it names a candidate; else rendezvous
     hashing on `x-aibrix-session-key`; else least-request. The id is always refreshed to the pick.
     """
 
-    uses_prompt_tokens = False  # reads no token ids or prefix matches
-
-    def __init__(self, name: str = "session-affinity") -> None:
-        self.name = name
+    type_name = "session-affinity"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         pods = snap.pods
         pick = next(
             (p for p in pods if req.session_id is not None and p.address == req.session_id), None
@@ -458,9 +496,4 @@ class SessionAffinityStrategy:
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
         ranked = [pick, *_rest([pick], pods, rng)]
-        return Decision(
-            ranked=tuple(p.endpoint for p in ranked),
-            strategy=self.name,
-            reason=reason,
-            session_id=encode_session(pick.address),
-        )
+        return self.decision(t0, ranked, reason, session_id=encode_session(pick.address))

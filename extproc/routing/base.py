@@ -7,7 +7,9 @@ own accounting and the KV-cache indexes, then asks a strategy for a Decision.
 Building blocks (GAIE style): filters narrow the candidates, scorers return one score in
 [0, 1] per candidate, a profile sums `weight * clamp(score)`, and a picker chooses (max with
 random tie-break, or softmax with temperature). Named strategies are built from these or
-implement `Strategy` directly when their rule is not a weighted sum.
+implement `Strategy` directly when their rule is not a weighted sum. Every plugin kind has one
+method that returns its values together with a note (the signal it missed, or None), and
+declares in `capabilities` which inputs it reads. See docs/architecture.md, "Extension points".
 """
 
 from __future__ import annotations
@@ -15,23 +17,79 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from extproc.types import EMPTY_LABELS, Endpoint, EngineMetrics, RequestKind
 
 __all__ = [
+    "DECODE_PROFILE",
+    "NO_CAPABILITIES",
+    "PREFILL_PROFILE",
+    "Capabilities",
     "Decision",
     "FairnessView",
     "Filter",
+    "FilterResult",
     "Picker",
+    "PluginRef",
+    "PluginTiming",
     "PodState",
     "PodStats",
+    "ProfileResult",
     "RoutingRequest",
+    "ScoreResult",
     "Scorer",
     "Snapshot",
     "Strategy",
     "uses_prompt_tokens",
 ]
+
+PREFILL_PROFILE = "prefill"
+DECODE_PROFILE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a plugin reads beyond the candidates' load signals; the director prepares only that.
+
+    The contract test (tests/routing/test_contract.py) checks each declaration: a plugin that
+    does not declare an input decides the same when that input changes.
+    """
+
+    prompt_tokens: bool = False  # the exact prompt length or token ids (else a chars/4 estimate)
+    prefix_matches: bool = False  # PodState.prefix_match_tokens / prefix_exact / cached_blocks
+    accounting: bool = False  # PodState.stats: what the gateway measured per pod
+    fairness: bool = False  # Snapshot.fairness: per-user token counters
+    disaggregated: bool = False  # answers with a prefill and a decode profile (P/D)
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the director must tokenize the prompt (prefix matches need its block hashes)."""
+        return self.prompt_tokens or self.prefix_matches
+
+    def __or__(self, other: Capabilities) -> Capabilities:
+        return Capabilities(
+            prompt_tokens=self.prompt_tokens or other.prompt_tokens,
+            prefix_matches=self.prefix_matches or other.prefix_matches,
+            accounting=self.accounting or other.accounting,
+            fairness=self.fairness or other.fairness,
+            disaggregated=self.disaggregated or other.disaggregated,
+        )
+
+
+NO_CAPABILITIES = Capabilities()
+
+
+@dataclass(frozen=True, slots=True)
+class PluginRef:
+    """One plugin instance as metrics and explain name it: kind and type (bounded), and name."""
+
+    kind: str  # filter, scorer, picker or strategy
+    type_name: str
+    name: str
+
+
+PluginTiming = tuple[PluginRef, int]  # (plugin, nanoseconds it took in this decision)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,37 +158,86 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """One profile's ranking inside a decision that ran several (GAIE `ProfileRunResult`)."""
+
+    name: str  # PREFILL_PROFILE or DECODE_PROFILE for P/D
+    ranked: tuple[Endpoint, ...]  # best first; empty when no candidate could serve the profile
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
-    """Ranked endpoints: the first is the pick, the rest are retry fallbacks."""
+    """Ranked endpoints: the first is the pick, the rest are retry fallbacks.
+
+    A strategy that runs more than one profile (P/D: prefill and decode) lists each profile's
+    ranking in `profiles`; `ranked` is then the primary (decode) profile's, plus fallbacks.
+    """
 
     ranked: tuple[Endpoint, ...]
     strategy: str
     scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     reason: str = ""
-    prefill: Endpoint | None = None  # set by `pd`: run the prefill here first
     session_id: str | None = None  # set by `session-affinity`: returned to the client
+    profiles: tuple[ProfileResult, ...] = ()
+    timings: tuple[PluginTiming, ...] = ()  # per plugin, in the order they ran
 
     @property
     def endpoint(self) -> Endpoint:
         return self.ranked[0]
 
+    def profile(self, name: str) -> ProfileResult | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when the strategy split prefill from decode (whether or not a prefill pod was found)."""
+        return self.profile(PREFILL_PROFILE) is not None
+
+    @property
+    def prefill(self) -> Endpoint | None:
+        """Where to run the prefill first (P/D), or None: the pick does the whole request."""
+        found = self.profile(PREFILL_PROFILE)
+        return found.ranked[0] if found is not None and found.ranked else None
+
+
+FilterResult = tuple[Sequence[PodState], str | None]  # kept pods, note (what it could not read)
+ScoreResult = tuple[Sequence[float], str | None]  # one score per pod in [0, 1], note
+
 
 class Filter(Protocol):
+    type_name: ClassVar[str]
     name: str
 
-    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]: ...
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
+        """The pods to keep (a subset of `pods`, in order), and a note or None."""
+        ...
 
 
 class Scorer(Protocol):
+    type_name: ClassVar[str]
     name: str
 
-    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[float]:
-        """One score per pod, each in [0, 1]; higher is better."""
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        """One score per pod, each in [0, 1] (higher is better), and a note or None.
+
+        The note says which signal was missing and what was used instead; the profile copies
+        it into `Decision.reason`.
+        """
         ...
 
 
 class Picker(Protocol):
+    type_name: ClassVar[str]
     name: str
+
+    @property
+    def capabilities(self) -> Capabilities: ...
 
     def rank(
         self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
@@ -140,20 +247,25 @@ class Picker(Protocol):
 
 
 class Strategy(Protocol):
-    """A named routing rule.
+    """A named routing rule: a registered strategy plugin or a profile.
 
-    A strategy may set a class attribute `uses_prompt_tokens = False` when its rule reads no
-    token ids, prefix matches or exact prompt lengths: the director then skips tokenization
-    for it (a chars/4 estimate fills `prompt_tokens`, labelled `tokens_estimated`).
+    `capabilities` says what it reads: without `needs_tokens` the director skips tokenization
+    (a chars/4 estimate fills `prompt_tokens`, labelled `tokens_estimated`).
     """
 
     name: str
 
+    @property
+    def capabilities(self) -> Capabilities: ...
+
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        """Pick for `req` among `snap.pods` (never empty: the director checks)."""
+        """Pick for `req` among `snap.pods` (never empty: the director checks).
+
+        The decision's `timings` should say how long each plugin took (`time.perf_counter_ns`).
+        """
         ...
 
 
-def uses_prompt_tokens(strategy: object) -> bool:
-    """Whether `strategy` needs exact prompt tokens (True unless it says otherwise)."""
-    return bool(getattr(strategy, "uses_prompt_tokens", True))
+def uses_prompt_tokens(strategy: Strategy) -> bool:
+    """Whether the director must tokenize the prompt for `strategy`."""
+    return strategy.capabilities.needs_tokens

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from extproc.routing import signals
-from extproc.routing.base import PodState, RoutingRequest
+from extproc.routing.base import (
+    NO_CAPABILITIES,
+    Capabilities,
+    FilterResult,
+    PodState,
+    RoutingRequest,
+)
 from extproc.routing.framework import EmptyParams
 from extproc.routing.saturation import DEFAULT_KV_THRESHOLD, DEFAULT_QUEUE_THRESHOLD, has_headroom
 from extproc.types import EndpointRole
@@ -37,20 +43,20 @@ class SaturationParams:
 class SaturationFilter:
     """GAIE utilization-detector as a filter: keep pods under both queue and KV thresholds."""
 
-    uses_prompt_tokens = False
-
     type_name: ClassVar[str] = "saturation"
     Params: ClassVar[type] = SaturationParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str, params: SaturationParams | None = None) -> None:
         self.name = name
         self.params = params or SaturationParams()
 
-    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
         p = self.params
-        return [
+        kept = [
             pod for pod in pods if has_headroom(pod, p.queue_threshold, p.kv_threshold, p.headroom)
         ]
+        return kept, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,21 +71,15 @@ class LowQueueParams:
 class LowQueueFilter:
     """Keep pods whose waiting queue is below `threshold`; pods with unknown queue are kept."""
 
-    uses_prompt_tokens = False
-
     type_name: ClassVar[str] = "low-queue"
     Params: ClassVar[type] = LowQueueParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str, params: LowQueueParams | None = None) -> None:
         self.name = name
         self.threshold = (params or LowQueueParams()).threshold
 
-    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
-        return self.filter_noted(req, pods)[0]
-
-    def filter_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[PodState], str | None]:
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
         kept = []
         unknown = []
         for pod in pods:
@@ -96,20 +96,14 @@ class LowQueueFilter:
 class LoraAffinityFilter:
     """GAIE v0 LoRA affinity: pods running the adapter; else pods with a free LoRA slot; else all."""
 
-    uses_prompt_tokens = False
-
     type_name: ClassVar[str] = "lora-affinity"
     Params: ClassVar[type] = EmptyParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str, params: object = None) -> None:
         self.name = name
 
-    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
-        return self.filter_noted(req, pods)[0]
-
-    def filter_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[PodState], str | None]:
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
         if req.lora is None:
             return list(pods), None
         states = [(p, signals.lora_state(req, p)) for p in pods]
@@ -134,16 +128,15 @@ class RoleParams:
 class RoleFilter:
     """Keep pods that can act in `role`: the role itself or `both`."""
 
-    uses_prompt_tokens = False
-
     type_name: ClassVar[str] = "role"
     Params: ClassVar[type] = RoleParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str, params: RoleParams | None = None) -> None:
         self.name = name
         self.role = EndpointRole((params or RoleParams()).role)
 
-    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
         if self.role is EndpointRole.BOTH:
-            return [p for p in pods if p.endpoint.role is EndpointRole.BOTH]
-        return [p for p in pods if p.endpoint.role in (self.role, EndpointRole.BOTH)]
+            return [p for p in pods if p.endpoint.role is EndpointRole.BOTH], None
+        return [p for p in pods if p.endpoint.role in (self.role, EndpointRole.BOTH)], None

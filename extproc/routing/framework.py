@@ -2,25 +2,33 @@
 
 A `Profile` is a `Strategy`: it runs its filters (an emptied set falls back to the unfiltered
 set, and the reason says so), sums `weight * clamp(score, 0, 1)` per candidate, then lets the
-picker rank every candidate best first. Plugins are small classes with a `type_name`, a frozen
-`Params` dataclass decoded strictly from a mapping, and a constructor `(name, params)`. They are
-registered explicitly in a `PluginRegistry` (see `extproc.routing.builtin.default_plugins`).
+picker rank every candidate best first, timing each plugin. Plugins of every kind (filter,
+scorer, picker, strategy) are small classes with a `type_name`, a frozen `Params` dataclass
+decoded strictly from a mapping, declared `capabilities`, and a constructor `(name, params)`.
+They are registered explicitly in a `PluginRegistry` (see `extproc.routing.builtin`); a plugin
+that needs more than its params (a model store, a clock) is registered with a factory closing
+over it.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from types import NoneType, UnionType
-from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from extproc.routing.base import (
+    NO_CAPABILITIES,
+    Capabilities,
     Decision,
     Filter,
     Picker,
+    PluginRef,
+    PluginTiming,
     PodState,
     RoutingRequest,
     Scorer,
@@ -32,10 +40,10 @@ __all__ = [
     "MaxScorePicker",
     "Plugin",
     "PluginConfigError",
+    "PluginFactory",
     "PluginKind",
     "PluginRegistry",
     "Profile",
-    "ScoreWithNote",
     "SoftmaxPicker",
     "WeightedRandomPicker",
     "build_profile",
@@ -46,7 +54,7 @@ __all__ = [
     "parse_weighted_header",
 ]
 
-PluginKind = Literal["filter", "scorer", "picker"]
+PluginKind = Literal["filter", "scorer", "picker", "strategy"]
 MAX_HEADER_WEIGHT = 1_000_000.0  # AIBrix accepts integer weights in [0, 1e6]
 
 
@@ -63,7 +71,7 @@ P = TypeVar("P")
 
 
 def _check_value(where: str, key: str, hint: object, value: object) -> object:
-    """Return `value` converted to `hint` or raise naming the key; bool is never an int here."""
+    """Return `value` converted to `hint` or raise naming the key path; bool is never an int here."""
     if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
         args = typing.get_args(hint)
         if value is None and NoneType in args:
@@ -74,7 +82,7 @@ def _check_value(where: str, key: str, hint: object, value: object) -> object:
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         result = float(value)
         if not math.isfinite(result):
-            raise PluginConfigError(f"{where}: key {key!r} must be a finite number, got {value!r}")
+            raise PluginConfigError(f"{where}.{key}: must be a finite number, got {value!r}")
         return result
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -86,13 +94,15 @@ def _check_value(where: str, key: str, hint: object, value: object) -> object:
         (elem,) = typing.get_args(hint)[:1]
         return tuple(_check_value(where, key, elem, v) for v in value)
     name = getattr(hint, "__name__", str(hint))
-    raise PluginConfigError(
-        f"{where}: key {key!r} must be {name}, got {type(value).__name__} {value!r}"
-    )
+    raise PluginConfigError(f"{where}.{key}: must be {name}, got {type(value).__name__} {value!r}")
 
 
 def decode_params(params_type: type[P], raw: Mapping[str, object] | None, where: str) -> P:
-    """Decode `raw` into the frozen dataclass `params_type`, strictly (unknown keys are errors)."""
+    """Decode `raw` into the frozen dataclass `params_type`, strictly (unknown keys are errors).
+
+    `where` is the key path of the params mapping (`routing.strategy_params.kv-aware`); errors
+    name the key below it.
+    """
     if not is_dataclass(params_type):
         raise TypeError(f"{params_type!r} is not a dataclass")
     raw = raw or {}
@@ -103,13 +113,13 @@ def decode_params(params_type: type[P], raw: Mapping[str, object] | None, where:
     for key in raw:
         if key not in known:
             allowed = ", ".join(sorted(known)) or "none"
-            raise PluginConfigError(f"{where}: unknown key {key!r} (allowed: {allowed})")
+            raise PluginConfigError(f"{where}.{key}: unknown key (allowed: {allowed})")
     values: dict[str, Any] = {}
     for name, f in known.items():
         if name in raw:
             values[name] = _check_value(where, name, hints[name], raw[name])
         elif f.default is MISSING and f.default_factory is MISSING:
-            raise PluginConfigError(f"{where}: missing required key {name!r}")
+            raise PluginConfigError(f"{where}.{name}: required key is missing")
     try:
         return params_type(**values)
     except ValueError as exc:  # __post_init__ range checks
@@ -141,26 +151,6 @@ def minmax_higher_better(values: Sequence[float]) -> list[float]:
     return [(v - lo) / (hi - lo) for v in values]
 
 
-@runtime_checkable
-class ScoreWithNote(Protocol):
-    """A scorer that can also say which signal it substituted (for Decision.reason)."""
-
-    name: str
-
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]: ...
-
-
-@runtime_checkable
-class FilterWithNote(Protocol):
-    name: str
-
-    def filter_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[PodState], str | None]: ...
-
-
 # ---------------------------------------------------------------- pickers
 
 
@@ -178,6 +168,7 @@ class MaxScorePicker:
 
     type_name: ClassVar[str] = "max-score"
     Params: ClassVar[type] = EmptyParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str = "max-score", params: EmptyParams | None = None) -> None:
         self.name = name
@@ -199,6 +190,7 @@ class SoftmaxPicker:
 
     type_name: ClassVar[str] = "softmax"
     Params: ClassVar[type] = SoftmaxParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str = "softmax", params: SoftmaxParams | None = None) -> None:
         self.name = name
@@ -221,6 +213,7 @@ class WeightedRandomPicker:
 
     type_name: ClassVar[str] = "weighted-random"
     Params: ClassVar[type] = EmptyParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
     def __init__(self, name: str = "weighted-random", params: EmptyParams | None = None) -> None:
         self.name = name
@@ -239,20 +232,9 @@ class WeightedRandomPicker:
 
 # ---------------------------------------------------------------- profile
 
-_NotedFilter = Callable[[RoutingRequest, Sequence[PodState]], tuple[Sequence[PodState], str | None]]
-_NotedScorer = Callable[[RoutingRequest, Sequence[PodState]], tuple[Sequence[float], str | None]]
 
-
-def _noted_filter(flt: Filter) -> _NotedFilter:
-    if isinstance(flt, FilterWithNote):
-        return flt.filter_noted
-    return lambda req, pods: (flt.filter(req, pods), None)
-
-
-def _noted_scorer(scorer: Scorer) -> _NotedScorer:
-    if isinstance(scorer, ScoreWithNote):
-        return scorer.score_noted
-    return lambda req, pods: (list(scorer.score(req, pods)), None)
+def _ref(kind: str, plugin: Filter | Scorer | Picker) -> PluginRef:
+    return PluginRef(kind, type(plugin).type_name, plugin.name)
 
 
 class Profile:
@@ -274,47 +256,60 @@ class Profile:
         self.filters = tuple(filters)
         self.scorers = tuple(scorers)
         self.picker = picker
-        # Resolve the noted/plain call once here: runtime Protocol isinstance costs ~5 us a call.
-        self._filter_fns = [(f.name, _noted_filter(f)) for f in self.filters]
-        # Only plugins that read prefix matches or prompt lengths need the prompt tokenized.
-        self.uses_prompt_tokens = any(
-            getattr(p, "uses_prompt_tokens", True)
-            for p in (*self.filters, *(s for s, _ in self.scorers))
-        )
-        self._scorer_fns = [(s.name, w, _noted_scorer(s)) for s, w in self.scorers]
+        caps = picker.capabilities
+        for flt in self.filters:
+            caps |= flt.capabilities
+        for scorer, _ in self.scorers:
+            caps |= scorer.capabilities
+        self.capabilities = caps
+        # Resolved once: the per-decision loop only calls and times.
+        self._filters = [(_ref("filter", f), f) for f in self.filters]
+        self._scorers = [(_ref("scorer", s), w, s) for s, w in self.scorers]
+        self._picker_ref = _ref("picker", picker)
+        weights = ",".join(f"{s.name}:{w:g}" for s, w in self.scorers)
+        self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        clock = time.perf_counter_ns
+        timings: list[PluginTiming] = []
         notes: list[str] = []
         pods: Sequence[PodState] = snap.pods
-        for fname, filter_fn in self._filter_fns:
-            kept, note = filter_fn(req, pods)
+        for ref, flt in self._filters:
+            t0 = clock()
+            kept, note = flt.filter(req, pods)
+            timings.append((ref, clock() - t0))
             if note:
                 notes.append(note)
             if not kept:
-                notes.append(f"filter {fname} removed every pod; kept all {len(pods)}")
+                notes.append(f"filter {ref.name} removed every pod; kept all {len(pods)}")
                 continue
             pods = kept
         totals = [0.0] * len(pods)
         per_pod: list[dict[str, float]] = [{} for _ in pods]
-        for sname, weight, score_fn in self._scorer_fns:
-            scores, note = score_fn(req, pods)
+        for ref, weight, scorer in self._scorers:
+            t0 = clock()
+            scores, note = scorer.score(req, pods)
+            timings.append((ref, clock() - t0))
             if note:
                 notes.append(note)
+            sname = ref.name
             for i, s in enumerate(scores):
                 c = clamp01(s)
                 per_pod[i][sname] = c
                 totals[i] += weight * c
         for i, t in enumerate(totals):
             per_pod[i]["total"] = t
+        t0 = clock()
         ranked = self.picker.rank(pods, totals, rng)
+        timings.append((self._picker_ref, clock() - t0))
         # Filtered-out pods are still valid retry fallbacks: they go after the filtered set.
-        chosen = {p.address for p in ranked}
-        rest = [p for p in snap.pods if p.address not in chosen]
-        rest.sort(key=lambda p: (p.in_flight, rng.random()))
-        ranked.extend(rest)
+        if len(ranked) < len(snap.pods):
+            chosen = {p.address for p in ranked}
+            rest = [p for p in snap.pods if p.address not in chosen]
+            rest.sort(key=lambda p: (p.in_flight, rng.random()))
+            ranked.extend(rest)
         scores_by_addr = {p.address: per_pod[i] for i, p in enumerate(pods)}
-        weights = ",".join(f"{s.name}:{w:g}" for s, w in self.scorers)
-        reason = f"profile {self.name} [{weights}] picker {self.picker.name}"
+        reason = self._reason
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
@@ -322,6 +317,7 @@ class Profile:
             strategy=self.name,
             scores=scores_by_addr,
             reason=reason,
+            timings=tuple(timings),
         )
 
 
@@ -329,15 +325,23 @@ class Profile:
 
 
 class Plugin(Protocol):
+    """What every plugin class has, whatever its kind (the kind adds one method)."""
+
     type_name: ClassVar[str]
     Params: ClassVar[type]
     name: str
 
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+
+PluginFactory = Callable[[str, Any], Any]  # (instance name, decoded Params) -> plugin
+
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    cls: type
     params_type: type
+    factory: PluginFactory
 
 
 class PluginRegistry:
@@ -347,13 +351,25 @@ class PluginRegistry:
         self._entries: dict[tuple[PluginKind, str], _Entry] = {}
         self._aliases: dict[tuple[PluginKind, str], str] = {}
 
-    def register(self, kind: PluginKind, cls: type, *aliases: str) -> None:
-        type_name: str = cls.type_name  # type: ignore[attr-defined]
-        params_type: type = cls.Params  # type: ignore[attr-defined]
+    def register(
+        self,
+        kind: PluginKind,
+        cls: type[Plugin],
+        *aliases: str,
+        factory: PluginFactory | None = None,
+    ) -> None:
+        """Register `cls` under its `type_name` (and `aliases`).
+
+        Instances are made by `factory(name, params)`, by default `cls(name, params)`: pass a
+        factory to inject what the params cannot carry (a shared model store, a clock).
+        """
+        type_name = cls.type_name
         for key in (type_name, *aliases):
             if (kind, key) in self._entries or (kind, key) in self._aliases:
                 raise ValueError(f"{kind} type {key!r} registered twice")
-        self._entries[(kind, type_name)] = _Entry(cls, params_type)
+        if not is_dataclass(cls.Params):
+            raise TypeError(f"{cls.__name__}.Params must be a frozen dataclass")
+        self._entries[(kind, type_name)] = _Entry(cls.Params, factory or cls)
         for alias in aliases:
             self._aliases[(kind, alias)] = type_name
 
@@ -363,20 +379,33 @@ class PluginRegistry:
     def canonical(self, kind: PluginKind, type_name: str) -> str:
         return self._aliases.get((kind, type_name), type_name)
 
+    def params_type(self, kind: PluginKind, type_name: str) -> type:
+        return self._entry(kind, type_name, None).params_type
+
+    def _entry(self, kind: PluginKind, type_name: str, where: str | None) -> _Entry:
+        entry = self._entries.get((kind, self.canonical(kind, type_name)))
+        if entry is None:
+            at = f"{where}.type: " if where else ""
+            known = ", ".join(self.type_names(kind))
+            raise PluginConfigError(f"{at}unknown {kind} {type_name!r} (known: {known})")
+        return entry
+
     def create(
         self,
         kind: PluginKind,
         type_name: str,
         params: Mapping[str, object] | None = None,
         name: str | None = None,
+        *,
+        where: str | None = None,
+        params_where: str | None = None,
     ) -> Any:
-        canonical = self.canonical(kind, type_name)
-        entry = self._entries.get((kind, canonical))
-        if entry is None:
-            known = ", ".join(self.type_names(kind))
-            raise PluginConfigError(f"unknown {kind} type {type_name!r} (known: {known})")
-        decoded: object = decode_params(entry.params_type, params, f"{kind} {type_name!r}")
-        return entry.cls(name or canonical, decoded)
+        """A new `kind` plugin. For errors: `where` is the key path of its config item (with
+        `type` and `params` keys), `params_where` that of its params when they sit elsewhere."""
+        entry = self._entry(kind, type_name, where)
+        at = params_where or (f"{where}.params" if where else f"{kind} {type_name!r} params")
+        decoded: object = decode_params(entry.params_type, params, at)
+        return entry.factory(name or self.canonical(kind, type_name), decoded)
 
 
 def _require_mapping(value: object, where: str) -> Mapping[str, object]:
@@ -397,38 +426,44 @@ def _plugin_fields(
     for key in item:
         if key not in allowed:
             raise PluginConfigError(
-                f"{where}: unknown key {key!r} (allowed: {', '.join(sorted(allowed))})"
+                f"{where}.{key}: unknown key (allowed: {', '.join(sorted(allowed))})"
             )
     type_name = item.get("type")
     if not isinstance(type_name, str) or not type_name:
-        raise PluginConfigError(f"{where}: key 'type' must be a non-empty string")
+        raise PluginConfigError(f"{where}.type: must be a non-empty string")
     params = item.get("params")
     if params is not None:
         params = _require_mapping(params, f"{where}.params")
     name = item.get("name")
     if name is not None and not isinstance(name, str):
-        raise PluginConfigError(f"{where}: key 'name' must be a string")
+        raise PluginConfigError(f"{where}.name: must be a string")
     return type_name, params, name
 
 
-def build_profile(name: str, spec: Mapping[str, object], plugins: PluginRegistry) -> Profile:
-    """Build a profile from `{filters: [{type, params}], scorers: [{type, weight, params}], picker}`."""
-    where = f"profile {name!r}"
+def build_profile(
+    name: str, spec: Mapping[str, object], plugins: PluginRegistry, where: str | None = None
+) -> Profile:
+    """Build a profile from `{filters: [{type, params}], scorers: [{type, weight, params}], picker}`.
+
+    `where` is the key path of `spec` in the config (default `profiles.<name>`); every error
+    names the offending key below it.
+    """
+    where = where or f"profiles.{name}"
     spec = _require_mapping(spec, where)
     for key in spec:
         if key not in ("filters", "scorers", "picker"):
             raise PluginConfigError(
-                f"{where}: unknown key {key!r} (allowed: filters, picker, scorers)"
+                f"{where}.{key}: unknown key (allowed: filters, picker, scorers)"
             )
     filters: list[Filter] = []
     for i, raw in enumerate(_require_list(spec.get("filters", []), f"{where}.filters")):
         at = f"{where}.filters[{i}]"
         t, params, n = _plugin_fields(_require_mapping(raw, at), at, {"type", "params", "name"})
-        filters.append(plugins.create("filter", t, params, n))
+        filters.append(plugins.create("filter", t, params, n, where=at))
     scorers: list[tuple[Scorer, float]] = []
     raw_scorers = _require_list(spec.get("scorers", []), f"{where}.scorers")
     if not raw_scorers:
-        raise PluginConfigError(f"{where}: key 'scorers' must list at least one scorer")
+        raise PluginConfigError(f"{where}.scorers: must list at least one scorer")
     for i, raw in enumerate(raw_scorers):
         at = f"{where}.scorers[{i}]"
         item = _require_mapping(raw, at)
@@ -436,15 +471,15 @@ def build_profile(name: str, spec: Mapping[str, object], plugins: PluginRegistry
         weight = _check_value(at, "weight", float, item.get("weight", 1.0))
         assert isinstance(weight, float)
         if weight < 0:
-            raise PluginConfigError(f"{at}: key 'weight' must be >= 0, got {weight}")
-        scorers.append((plugins.create("scorer", t, params, n), weight))
+            raise PluginConfigError(f"{at}.weight: must be >= 0, got {weight}")
+        scorers.append((plugins.create("scorer", t, params, n, where=at), weight))
     picker: Picker = MaxScorePicker()
     if "picker" in spec:
         at = f"{where}.picker"
         t, params, n = _plugin_fields(
             _require_mapping(spec["picker"], at), at, {"type", "params", "name"}
         )
-        picker = plugins.create("picker", t, params, n)
+        picker = plugins.create("picker", t, params, n, where=at)
     return Profile(name, filters, scorers, picker)
 
 

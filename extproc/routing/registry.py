@@ -18,45 +18,68 @@ from extproc.routing.framework import (
 )
 from extproc.types import BadRequest
 
-__all__ = ["EXCLUSIVE_STRATEGIES", "StrategyRegistry"]
+__all__ = ["StrategyRegistry"]
 
-# AIBrix multi-strategy: if a spec names one of these, that strategy alone is used.
-EXCLUSIVE_STRATEGIES = frozenset({"pd"})
 _SPEC_CACHE_SIZE = 256
 
 
 class StrategyRegistry:
     """Named strategies and profiles, plus a small cache of parsed ad hoc specs.
 
-    `resolve` has no await and mutates only the spec cache, so concurrent calls from one event
-    loop are safe; strategies keep their own tiny state (the round-robin counter).
+    One instance of every registered strategy type (named by its type name, configured by
+    `strategy_params[type name]`), then the built-in profiles, then the config's profiles.
+    Every error names its config key path. `resolve` has no await and mutates only the spec
+    cache, so concurrent calls from one event loop are safe; strategies keep their own tiny
+    state (the round-robin counter).
     """
 
     def __init__(
         self,
-        strategies: Iterable[Strategy],
         plugins: PluginRegistry,
+        *,
+        strategy_params: Mapping[str, Mapping[str, object]] | None = None,
         profiles: Mapping[str, Mapping[str, object]] | None = None,
+        builtin: Mapping[str, Mapping[str, object]] | None = None,
+        extra: Iterable[Strategy] = (),
+        where: str = "routing",
     ) -> None:
         self._plugins = plugins
         self._named: dict[str, Strategy] = {}
-        for s in strategies:
-            if s.name in self._named:
-                raise ValueError(f"strategy {s.name!r} registered twice")
-            self._named[s.name] = s
+        params = strategy_params or {}
+        types = plugins.type_names("strategy")
+        for key in params:
+            if plugins.canonical("strategy", key) not in types:
+                raise PluginConfigError(
+                    f"{where}.strategy_params.{key}: unknown strategy {key!r} "
+                    f"(known: {', '.join(types)})"
+                )
+        for type_name in types:
+            at = f"{where}.strategy_params.{type_name}"
+            strategy = plugins.create("strategy", type_name, params.get(type_name), params_where=at)
+            self._add(strategy, at)
+        for s in extra:
+            self._add(s, f"strategy {s.name!r}")
+        for name, spec in (builtin or {}).items():
+            self.add_profile(name, spec, where=f"builtin profile {name}")
         for name, spec in (profiles or {}).items():
-            self.add_profile(name, spec)
+            self.add_profile(name, spec, where=f"{where}.profiles.{name}")
         self._specs: dict[str, Strategy] = {}
 
-    def add_profile(self, name: str, spec: Mapping[str, object]) -> None:
+    def _add(self, strategy: Strategy, where: str) -> None:
+        if strategy.name in self._named:
+            raise PluginConfigError(f"{where}: name {strategy.name!r} is already used")
+        self._named[strategy.name] = strategy
+
+    def add_profile(self, name: str, spec: Mapping[str, object], where: str | None = None) -> None:
         """Add a YAML-declared profile; raises PluginConfigError naming the bad key."""
+        where = where or f"profiles.{name}"
         if name in self._named:
-            raise PluginConfigError(f"profile {name!r}: name already used by a strategy")
+            raise PluginConfigError(f"{where}: name {name!r} is already used by a strategy")
         if "," in name or ":" in name or not name.strip():
             raise PluginConfigError(
-                f"profile {name!r}: name must not be empty or contain ',' or ':'"
+                f"{where}: a profile name must not be empty or contain ',' or ':'"
             )
-        self._named[name] = build_profile(name, spec, self._plugins)
+        self._named[name] = build_profile(name, spec, self._plugins, where)
 
     def names(self) -> list[str]:
         return sorted(self._named)
@@ -65,29 +88,46 @@ class StrategyRegistry:
         return name in self._named
 
     def resolve(self, name_or_spec: str) -> Strategy:
+        """The strategy for a `routing-strategy` value; BadRequest for a bad one (client input)."""
         value = name_or_spec.strip()
         found = self._named.get(value) or self._specs.get(value)
         if found is not None:
             return found
-        if "," not in value and ":" not in value:
-            raise BadRequest(
-                f"incorrect routing strategy {value!r} (known: {', '.join(self.names())})",
-                param="routing-strategy",
-                code="invalid_routing_strategy",
-            )
-        for part in value.split(","):
-            head = part.partition(":")[0].strip()
-            if head in EXCLUSIVE_STRATEGIES and head in self._named:
-                return self._named[head]
         try:
-            profile = parse_weighted_header(value, self._plugins)
+            strategy = self._parse(value)
         except PluginConfigError as exc:
             raise BadRequest(
-                f"invalid routing strategy {value!r}: {exc}",
-                param="routing-strategy",
-                code="invalid_routing_strategy",
+                str(exc), param="routing-strategy", code="invalid_routing_strategy"
             ) from None
+        if strategy.name in self._named:
+            return strategy  # a P/D strategy named inside a spec: no need to cache
         if len(self._specs) >= _SPEC_CACHE_SIZE:
             self._specs.clear()  # bounded: clients control this string
-        self._specs[value] = profile
-        return profile
+        self._specs[value] = strategy
+        return strategy
+
+    def check(self, name_or_spec: str) -> str | None:
+        """What is wrong with a strategy name or spec from the config, or None (caches nothing)."""
+        value = name_or_spec.strip()
+        if value in self._named:
+            return None
+        try:
+            self._parse(value)
+        except PluginConfigError as exc:
+            return str(exc)
+        return None
+
+    def _parse(self, value: str) -> Strategy:
+        if "," not in value and ":" not in value:
+            raise PluginConfigError(
+                f"incorrect routing strategy {value!r} (known: {', '.join(self.names())})"
+            )
+        for part in value.split(","):
+            # AIBrix multi-strategy: a spec naming a P/D strategy routes by that strategy alone.
+            named = self._named.get(part.partition(":")[0].strip())
+            if named is not None and named.capabilities.disaggregated:
+                return named
+        try:
+            return parse_weighted_header(value, self._plugins)
+        except PluginConfigError as exc:
+            raise PluginConfigError(f"invalid routing strategy {value!r}: {exc}") from None

@@ -11,7 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from extproc.routing import signals
-from extproc.routing.base import PodState, RoutingRequest
+from extproc.routing.base import (
+    NO_CAPABILITIES,
+    Capabilities,
+    PodState,
+    RoutingRequest,
+    ScoreResult,
+)
 from extproc.routing.framework import (
     EmptyParams,
     clamp01,
@@ -53,20 +59,14 @@ def _with_unknown(
 
 
 class _Base:
-    uses_prompt_tokens = False  # most scorers read load signals only
+    """Scorers without params; a subclass sets `type_name`, `capabilities` and `score`."""
+
     type_name: ClassVar[str] = ""
     Params: ClassVar[type] = EmptyParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES  # most read load signals only
 
     def __init__(self, name: str, params: object = None) -> None:
         self.name = name
-
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
-        raise TypeError("subclass must override score_noted")  # pragma: no cover
-
-    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[float]:
-        return self.score_noted(req, pods)[0]
 
 
 class QueueScorer(_Base):
@@ -74,9 +74,7 @@ class QueueScorer(_Base):
 
     type_name = "queue"
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         return _with_unknown(
             self.name, pods, [signals.waiting(p) for p in pods], minmax_lower_better, "waiting"
         )
@@ -87,9 +85,7 @@ class KVCacheUtilizationScorer(_Base):
 
     type_name = "kv-cache-utilization"
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         return _with_unknown(
             self.name,
             pods,
@@ -102,13 +98,10 @@ class KVCacheUtilizationScorer(_Base):
 class PrefixScorer(_Base):
     """GAIE prefix-cache-scorer: matched / total prompt tokens (exact or approximate index)."""
 
-    uses_prompt_tokens = True  # reads the prefix match of the tokenized prompt
-
     type_name = "prefix"
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.prompt_tokens <= 0:
             return [0.0] * len(pods), f"{self.name}: request has no prompt tokens (0 for all)"
         return [clamp01(p.prefix_match_tokens / req.prompt_tokens) for p in pods], None
@@ -119,9 +112,7 @@ class LeastRequestScorer(_Base):
 
     type_name = "least-request"
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         return minmax_lower_better([float(p.in_flight) for p in pods]), None
 
 
@@ -130,9 +121,7 @@ class LoraAffinityScorer(_Base):
 
     type_name = "lora-affinity"
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.lora is None:
             return [1.0] * len(pods), None  # base-model request: every pod is equally fit
         return _with_unknown(
@@ -144,10 +133,9 @@ class LatencyScorer(_Base):
     """Min-max over predicted latency ttft + tpot * expected output tokens."""
 
     type_name = "latency"
+    capabilities = Capabilities(accounting=True)
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         values = [signals.predicted_latency_s(req, p)[0] for p in pods]
         return _with_unknown(self.name, pods, values, minmax_lower_better, "latency averages")
 
@@ -156,10 +144,9 @@ class ThroughputScorer(_Base):
     """Min-max over the gateway-measured token throughput: less token work in progress is better."""
 
     type_name = "throughput"
+    capabilities = Capabilities(accounting=True)
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         return minmax_lower_better([p.stats.throughput_tokens_per_s for p in pods]), None
 
 
@@ -167,10 +154,9 @@ class BusyTimeScorer(_Base):
     """Min-max over the gateway-measured busy time (AIBrix reads a GPU busy ratio vLLM lacks)."""
 
     type_name = "busy-time"
+    capabilities = Capabilities(accounting=True)
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         return minmax_lower_better([p.stats.busy_time_s for p in pods]), None
 
 
@@ -179,9 +165,7 @@ class RandomScorer(_Base):
 
     type_name = "random"
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         out = []
         for p in pods:
             digest = hashlib.blake2b(
@@ -196,9 +180,7 @@ class SessionAffinityScorer(_Base):
 
     type_name = "session-affinity"
 
-    def score_noted(
-        self, req: RoutingRequest, pods: Sequence[PodState]
-    ) -> tuple[list[float], str | None]:
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.session_id is None:
             return [0.0] * len(pods), None
         return [1.0 if p.address == req.session_id else 0.0 for p in pods], None

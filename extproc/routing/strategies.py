@@ -1,99 +1,132 @@
 """Load-based strategies: random, round-robin, least-*, power-of-two, throughput, higress-gpu.
 
-Each implements `Strategy` directly because its rule is an ordering, not a weighted sum.
-All of them rank every candidate (the tail are Envoy retry fallbacks) and break ties at random.
+Each is a strategy plugin (type name, strict `Params`, declared capabilities) implementing
+`Strategy` directly because its rule is an ordering, not a weighted sum. All of them rank every
+candidate (the tail are Envoy retry fallbacks), break ties at random, and time themselves.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from extproc.routing import signals
-from extproc.routing.base import Decision, PodState, RoutingRequest, Snapshot
+from extproc.routing.base import (
+    NO_CAPABILITIES,
+    Capabilities,
+    Decision,
+    PluginRef,
+    PodState,
+    ProfileResult,
+    RoutingRequest,
+    Snapshot,
+)
+from extproc.routing.framework import EmptyParams
 
 __all__ = [
     "HigressGpuParams",
     "HigressGpuStrategy",
+    "LeastBusyTimeStrategy",
+    "LeastKvCacheStrategy",
+    "LeastLatencyStrategy",
+    "LeastRequestStrategy",
     "LeastSignalStrategy",
     "PowerOfTwoStrategy",
     "RandomStrategy",
     "RoundRobinStrategy",
-    "decision",
-    "least_busy_time",
-    "least_kv_cache",
-    "least_latency",
-    "least_request",
-    "throughput",
+    "StrategyPlugin",
+    "ThroughputStrategy",
 ]
 
 
-def decision(
-    name: str,
-    ranked: Sequence[PodState],
-    reason: str,
-    scores: dict[str, dict[str, float]] | None = None,
-) -> Decision:
-    return Decision(
-        ranked=tuple(p.endpoint for p in ranked),
-        strategy=name,
-        scores=scores or {},
-        reason=reason,
-    )
+class StrategyPlugin:
+    """Base of the built-in strategy plugins: `(name, params)`, and a timed `decision()`.
+
+    A subclass sets `type_name`, `Params`, `capabilities` and implements `route`, calling
+    `self.decision(started_ns, ...)` with `time.perf_counter_ns()` read when `route` began.
+    Deriving from it is a convenience: the contract is the `Strategy` protocol.
+    """
+
+    type_name: ClassVar[str] = ""
+    Params: ClassVar[type] = EmptyParams
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
+
+    def __init__(self, name: str = "", params: object = None) -> None:
+        self.name = name or self.type_name
+        self.ref = PluginRef("strategy", self.type_name, self.name)
+
+    def decision(
+        self,
+        started_ns: int,
+        ranked: Sequence[PodState],
+        reason: str,
+        scores: dict[str, dict[str, float]] | None = None,
+        *,
+        session_id: str | None = None,
+        profiles: tuple[ProfileResult, ...] = (),
+    ) -> Decision:
+        return Decision(
+            ranked=tuple(p.endpoint for p in ranked),
+            strategy=self.name,
+            scores=scores or {},
+            reason=reason,
+            session_id=session_id,
+            profiles=profiles,
+            timings=((self.ref, time.perf_counter_ns() - started_ns),),
+        )
 
 
 def _least_request_order(pods: Sequence[PodState], rng: random.Random) -> list[PodState]:
     return signals.rank_by(pods, lambda p: (float(p.in_flight),), rng)
 
 
-class RandomStrategy:
+class RandomStrategy(StrategyPlugin):
     """AIBrix `random`: uniform order."""
 
-    uses_prompt_tokens = False  # reads load signals only
-
-    def __init__(self, name: str = "random") -> None:
-        self.name = name
+    type_name = "random"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         pods = list(snap.pods)
         rng.shuffle(pods)
-        return decision(self.name, pods, "uniform random")
+        return self.decision(t0, pods, "uniform random")
 
 
-class RoundRobinStrategy:
+class RoundRobinStrategy(StrategyPlugin):
     """Dynamo/production-stack round robin over candidates sorted by address.
 
     The counter is advanced synchronously (no await inside `route`), so concurrent calls from
     one event loop never interleave.
     """
 
-    uses_prompt_tokens = False  # reads load signals only
+    type_name = "round-robin"
 
-    def __init__(self, name: str = "round-robin") -> None:
-        self.name = name
+    def __init__(self, name: str = "", params: object = None) -> None:
+        super().__init__(name, params)
         self._counter = itertools.count()
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         pods = sorted(snap.pods, key=lambda p: p.address)
         k = next(self._counter) % len(pods)
         ranked = pods[k:] + pods[:k]
-        return decision(self.name, ranked, f"turn {k} of {len(pods)}")
+        return self.decision(t0, ranked, f"turn {k} of {len(pods)}")
 
 
-class PowerOfTwoStrategy:
+class PowerOfTwoStrategy(StrategyPlugin):
     """Two random candidates, the one with fewer in-flight requests (then fewer running) wins."""
 
-    uses_prompt_tokens = False  # reads load signals only
-
-    def __init__(self, name: str = "power-of-two") -> None:
-        self.name = name
+    type_name = "power-of-two"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         pods = list(snap.pods)
         if len(pods) == 1:
-            return decision(self.name, pods, "single candidate")
+            return self.decision(t0, pods, "single candidate")
         a, b = rng.sample(pods, 2)
 
         def load(p: PodState) -> tuple[float, float]:
@@ -104,73 +137,47 @@ class PowerOfTwoStrategy:
         first, second = (a, b) if la < lb or (la == lb and rng.random() < 0.5) else (b, a)
         rest = _least_request_order([p for p in pods if p is not a and p is not b], rng)
         reason = f"sampled {a.address} (in_flight {la[0]:g}) vs {b.address} (in_flight {lb[0]:g})"
-        return decision(self.name, [first, second, *rest], reason)
+        return self.decision(t0, [first, second, *rest], reason)
 
 
-Signal = Callable[[RoutingRequest, PodState], float | None]
-
-
-class LeastSignalStrategy:
+class LeastSignalStrategy(StrategyPlugin):
     """Lowest value of one signal wins; ties go to fewer in-flight requests, then random.
 
     Pods lacking the signal rank after those that have it; if no pod has it, the order is
-    least-request on the gateway's in-flight counts, and the reason says so.
+    least-request on the gateway's in-flight counts, and the reason says so. A subclass sets
+    `label` and `signal` (and `no_data` when an all-zero signal means "nothing measured yet").
     """
 
-    uses_prompt_tokens = False  # reads load signals only
+    label: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        name: str,
-        signal: Signal,
-        label: str,
-        no_data: Callable[[Sequence[PodState]], str | None] | None = None,
-    ) -> None:
-        self.name = name
-        self._signal = signal
-        self._label = label
-        self._no_data = no_data
+    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
+        raise NotImplementedError  # pragma: no cover
+
+    def no_data(self, pods: Sequence[PodState]) -> str | None:
+        return None
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        values = [(p, self._signal(req, p)) for p in snap.pods]
+        t0 = time.perf_counter_ns()
+        label = self.label
+        values = [(p, self.signal(req, p)) for p in snap.pods]
         known = [(p, v) for p, v in values if v is not None]
         unknown = [p for p, v in values if v is None]
-        scores = {p.address: {self._label: v, "in_flight": float(p.in_flight)} for p, v in known}
+        scores = {p.address: {label: v, "in_flight": float(p.in_flight)} for p, v in known}
         if not known:
             ranked = _least_request_order(snap.pods, rng)
-            reason = f"{self._label} unknown on every pod; used least-request (gateway in-flight)"
-            return decision(self.name, ranked, reason)
+            reason = f"{label} unknown on every pod; used least-request (gateway in-flight)"
+            return self.decision(t0, ranked, reason)
         vmap = {id(p): v for p, v in known}
         head = signals.rank_by(
             [p for p, _ in known], lambda p: (vmap[id(p)], float(p.in_flight)), rng
         )
         ranked = head + _least_request_order(unknown, rng)
-        reason = f"min {self._label}"
+        reason = f"min {label}"
         if unknown:
-            reason += f"; {self._label} unknown on {signals.addresses(unknown)} (ranked last)"
-        if self._no_data is not None and (extra := self._no_data(snap.pods)):
+            reason += f"; {label} unknown on {signals.addresses(unknown)} (ranked last)"
+        if extra := self.no_data(snap.pods):
             reason += f"; {extra}"
-        return decision(self.name, ranked, reason, scores)
-
-
-def _kv(req: RoutingRequest, p: PodState) -> float | None:
-    return signals.kv_usage(p)
-
-
-def _busy(req: RoutingRequest, p: PodState) -> float | None:
-    return p.stats.busy_time_s
-
-
-def _tput(req: RoutingRequest, p: PodState) -> float | None:
-    return p.stats.throughput_tokens_per_s
-
-
-def _latency(req: RoutingRequest, p: PodState) -> float | None:
-    return signals.predicted_latency_s(req, p)[0]
-
-
-def _in_flight(req: RoutingRequest, p: PodState) -> float | None:
-    return float(p.in_flight)
+        return self.decision(t0, ranked, reason, scores)
 
 
 def _no_accounting(pods: Sequence[PodState]) -> str | None:
@@ -179,29 +186,63 @@ def _no_accounting(pods: Sequence[PodState]) -> str | None:
     return None
 
 
-def least_request(name: str = "least-request") -> LeastSignalStrategy:
+class LeastRequestStrategy(LeastSignalStrategy):
     """AIBrix least-request: min gateway in-flight count, random tie-break."""
-    return LeastSignalStrategy(name, _in_flight, "in_flight")
+
+    type_name = "least-request"
+    label = "in_flight"
+
+    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
+        return float(p.in_flight)
 
 
-def least_kv_cache(name: str = "least-kv-cache") -> LeastSignalStrategy:
+class LeastKvCacheStrategy(LeastSignalStrategy):
     """AIBrix least-kv-cache: min KV usage (vLLM exports no separate CPU cache usage in V1)."""
-    return LeastSignalStrategy(name, _kv, "kv_cache_usage")
+
+    type_name = "least-kv-cache"
+    label = "kv_cache_usage"
+
+    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
+        return signals.kv_usage(p)
 
 
-def least_busy_time(name: str = "least-busy-time") -> LeastSignalStrategy:
+class LeastBusyTimeStrategy(LeastSignalStrategy):
     """AIBrix least-busy-time, with busy time measured by our accounting (vLLM has no metric)."""
-    return LeastSignalStrategy(name, _busy, "busy_time_s", _no_accounting)
+
+    type_name = "least-busy-time"
+    label = "busy_time_s"
+    capabilities = Capabilities(accounting=True)
+
+    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
+        return p.stats.busy_time_s
+
+    def no_data(self, pods: Sequence[PodState]) -> str | None:
+        return _no_accounting(pods)
 
 
-def throughput(name: str = "throughput") -> LeastSignalStrategy:
+class ThroughputStrategy(LeastSignalStrategy):
     """AIBrix throughput: least token work, from our accounting's tokens/s EWMA (no PromQL)."""
-    return LeastSignalStrategy(name, _tput, "throughput_tokens_per_s", _no_accounting)
+
+    type_name = "throughput"
+    label = "throughput_tokens_per_s"
+    capabilities = Capabilities(accounting=True)
+
+    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
+        return p.stats.throughput_tokens_per_s
+
+    def no_data(self, pods: Sequence[PodState]) -> str | None:
+        return _no_accounting(pods)
 
 
-def least_latency(name: str = "least-latency") -> LeastSignalStrategy:
+class LeastLatencyStrategy(LeastSignalStrategy):
     """AIBrix least-latency: min predicted ttft + tpot * expected output tokens."""
-    return LeastSignalStrategy(name, _latency, "predicted_latency_s")
+
+    type_name = "least-latency"
+    label = "predicted_latency_s"
+    capabilities = Capabilities(accounting=True)
+
+    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
+        return signals.predicted_latency_s(req, p)[0]
 
 
 # ---------------------------------------------------------------- higress
@@ -214,7 +255,7 @@ class HigressGpuParams:
     queueing_threshold_lora: float = 50.0
 
 
-class HigressGpuStrategy:
+class HigressGpuStrategy(StrategyPlugin):
     """Higress `endpoint_metrics` default policy: the GAIE v0.x filter tree, then a random pick.
 
     Critical requests: low queue (< queueing_threshold_lora) -> LoRA affinity -> least queue ->
@@ -223,10 +264,11 @@ class HigressGpuStrategy:
     "least" keeps pods within min + (max - min) / n of the best value, as GAIE v0 does.
     """
 
-    uses_prompt_tokens = False  # reads load signals only
+    type_name = "higress-gpu"
+    Params: ClassVar[type] = HigressGpuParams
 
-    def __init__(self, name: str = "higress-gpu", params: HigressGpuParams | None = None) -> None:
-        self.name = name
+    def __init__(self, name: str = "", params: HigressGpuParams | None = None) -> None:
+        super().__init__(name, params)
         self.params = params or HigressGpuParams()
 
     @staticmethod
@@ -248,6 +290,7 @@ class HigressGpuStrategy:
         return pods
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         prm = self.params
         known = [
             p
@@ -258,8 +301,8 @@ class HigressGpuStrategy:
         unknown = [p for p in snap.pods if id(p) not in known_ids]
         if not known:
             ranked = _least_request_order(snap.pods, rng)
-            return decision(
-                self.name, ranked, "queue/KV metrics unknown on every pod; used least-request"
+            return self.decision(
+                t0, ranked, "queue/KV metrics unknown on every pod; used least-request"
             )
 
         def q(p: PodState) -> float:
@@ -299,4 +342,4 @@ class HigressGpuStrategy:
         if unknown:
             notes.append(f"metrics unknown on {signals.addresses(unknown)} (ranked last)")
         scores = {p.address: {"waiting": q(p), "kv_cache_usage": kv(p)} for p in known}
-        return decision(self.name, head + rest, "; ".join(notes), scores)
+        return self.decision(t0, head + rest, "; ".join(notes), scores)

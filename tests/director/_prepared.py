@@ -22,7 +22,14 @@ from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
 from extproc.protocol.openai import parse_request
-from extproc.routing.base import Decision, PodState, RoutingRequest
+from extproc.routing.base import (
+    DECODE_PROFILE,
+    PREFILL_PROFILE,
+    Decision,
+    PodState,
+    ProfileResult,
+    RoutingRequest,
+)
 from extproc.routing.builtin import default_registry
 from extproc.tokenization import CharEstimateTokenizer, TokenizerPool
 from extproc.types import Endpoint, EngineMetrics
@@ -139,10 +146,21 @@ def prepared(
     )
 
 
-def decision(pick: str = PODS[0], *, strategy: str = "round-robin", **fields: Any) -> Decision:
-    ranked = (pick, *(a for a in PODS if a != pick))
-    return Decision(
-        ranked=tuple(Endpoint(address=a, model="qwen3") for a in ranked),
-        strategy=strategy,
-        **fields,
+def decision(
+    pick: str = PODS[0],
+    *,
+    strategy: str = "round-robin",
+    prefill: Endpoint | None = None,
+    **fields: Any,
+) -> Decision:
+    """Strategy "pd" answers with a prefill and a decode profile, as `PdStrategy` does (the
+    prefill profile is empty when `prefill` is None: no ready prefill pod)."""
+    ranked = tuple(
+        Endpoint(address=a, model="qwen3") for a in (pick, *(a for a in PODS if a != pick))
     )
+    if strategy == "pd":
+        fields["profiles"] = (
+            ProfileResult(PREFILL_PROFILE, (prefill,) if prefill is not None else ()),
+            ProfileResult(DECODE_PROFILE, ranked),
+        )
+    return Decision(ranked=ranked, strategy=strategy, **fields)

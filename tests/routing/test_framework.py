@@ -7,10 +7,18 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
-from extproc.routing.base import PodState, RoutingRequest
+from extproc.routing.base import (
+    NO_CAPABILITIES,
+    Capabilities,
+    FilterResult,
+    PodState,
+    RoutingRequest,
+    ScoreResult,
+)
 from extproc.routing.builtin import default_plugins
 from extproc.routing.filters import SaturationFilter, SaturationParams
 from extproc.routing.framework import (
@@ -53,18 +61,18 @@ def test_decode_params_good(raw: dict[str, object], want: P) -> None:
 @pytest.mark.parametrize(
     ("raw", "key"),
     [
-        ({"cuont": 1}, "'cuont'"),
-        ({"count": "3"}, "'count'"),
-        ({"count": True}, "'count'"),  # bool is not an int here
-        ({"count": 1.5}, "'count'"),
-        ({"ratio": "fast"}, "'ratio'"),
-        ({"ratio": math.inf}, "'ratio'"),
-        ({"flag": 1}, "'flag'"),
-        ({"label": 7}, "'label'"),
+        ({"cuont": 1}, "test.cuont: unknown key"),
+        ({"count": "3"}, "test.count: must be int"),
+        ({"count": True}, "test.count: must be int"),  # bool is not an int here
+        ({"count": 1.5}, "test.count: must be int"),
+        ({"ratio": "fast"}, "test.ratio: must be float"),
+        ({"ratio": math.inf}, "test.ratio: must be a finite number"),
+        ({"flag": 1}, "test.flag: must be bool"),
+        ({"label": 7}, "test.label: must be str"),
     ],
 )
-def test_decode_params_errors_name_the_key(raw: dict[str, object], key: str) -> None:
-    with pytest.raises(PluginConfigError, match=key):
+def test_decode_params_errors_name_the_key_path(raw: dict[str, object], key: str) -> None:
+    with pytest.raises(PluginConfigError, match=f"^{key}"):
         decode_params(P, raw, "test")
 
 
@@ -99,45 +107,46 @@ def test_build_profile_from_yaml_shape() -> None:
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
-        ({**GOOD_SPEC, "scorrers": []}, "'scorrers'"),
-        ({"scorers": []}, "'scorers'"),
-        ({"scorers": [{"type": "nope"}]}, "'nope'"),
-        ({"scorers": [{"type": "queue", "wieght": 1}]}, "'wieght'"),
-        ({"scorers": [{"type": "queue", "weight": "high"}]}, "'weight'"),
-        ({"scorers": [{"type": "queue", "weight": -1}]}, "'weight'"),
-        ({"scorers": [{"type": "queue", "params": {"x": 1}}]}, "'x'"),
-        ({"scorers": [{"weight": 1}]}, "'type'"),
-        ({"scorers": "queue"}, "scorers: must be a list"),
+        ({**GOOD_SPEC, "scorrers": []}, "p.scorrers: unknown key"),
+        ({"scorers": []}, "p.scorers: must list at least one scorer"),
+        ({"scorers": [{"type": "nope"}]}, "p.scorers[0].type: unknown scorer 'nope'"),
+        ({"scorers": [{"type": "queue", "wieght": 1}]}, "p.scorers[0].wieght: unknown key"),
+        ({"scorers": [{"type": "queue", "weight": "high"}]}, "p.scorers[0].weight: must be float"),
+        ({"scorers": [{"type": "queue", "weight": -1}]}, "p.scorers[0].weight: must be >= 0"),
+        ({"scorers": [{"type": "queue", "params": {"x": 1}}]}, "p.scorers[0].params.x: unknown"),
+        ({"scorers": [{"weight": 1}]}, "p.scorers[0].type: must be a non-empty string"),
+        ({"scorers": "queue"}, "p.scorers: must be a list"),
         (
             {
                 "scorers": [{"type": "queue"}],
                 "filters": [{"type": "saturation", "params": {"kv": 1}}],
             },
-            "'kv'",
+            "p.filters[0].params.kv: unknown key",
         ),
         (
             {"scorers": [{"type": "queue"}], "filters": [{"type": "queue"}]},
-            "unknown filter type 'queue'",
+            "p.filters[0].type: unknown filter 'queue' (known: lora-affinity, low-queue,",
         ),
         (
             {
                 "scorers": [{"type": "queue"}],
                 "picker": {"type": "softmax", "params": {"temperature": "hot"}},
             },
-            "'temperature'",
+            "p.picker.params.temperature: must be float",
         ),
         (
             {
                 "scorers": [{"type": "queue"}],
                 "filters": [{"type": "role", "params": {"role": "chef"}}],
             },
-            "role",
+            "p.filters[0].params: role must be one of",
         ),
     ],
 )
-def test_build_profile_errors_name_the_key(spec: dict[str, object], needle: str) -> None:
-    with pytest.raises(PluginConfigError, match=needle.replace("(", r"\(")):
-        build_profile("bad", spec, default_plugins())
+def test_build_profile_errors_name_the_key_path(spec: dict[str, object], needle: str) -> None:
+    with pytest.raises(PluginConfigError) as err:
+        build_profile("bad", spec, default_plugins(), where="p")
+    assert str(err.value).startswith(needle)
 
 
 @pytest.mark.parametrize(
@@ -162,7 +171,7 @@ def test_parse_weighted_header_good(header: str, want: list[tuple[str, float]]) 
         ("prefix-cache:-1", r"\[0, 1000000\]"),
         ("prefix-cache:2000000", r"\[0, 1000000\]"),
         ("prefix-cache:nan", r"\[0, 1000000\]"),
-        ("bogus:1", "'bogus'"),
+        ("bogus:1", "unknown scorer 'bogus'"),
         ("queue,,least-request", "empty item"),
         ("queue:1,queue-scorer:2", "listed twice"),
         ("queue:0", "no scorer with a weight above 0"),
@@ -174,19 +183,24 @@ def test_parse_weighted_header_bad(header: str, needle: str) -> None:
 
 
 class FixedScorer:
+    type_name: ClassVar[str] = "fixed"
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
+
     def __init__(self, name: str, values: Sequence[float]) -> None:
         self.name = name
         self.values = values
 
-    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[float]:
-        return list(self.values[: len(pods)])
+    def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        return list(self.values[: len(pods)]), None
 
 
 class DropAll:
+    type_name: ClassVar[str] = "drop-all"
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
     name = "drop-all"
 
-    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> Sequence[PodState]:
-        return []
+    def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
+        return [], None
 
 
 def test_profile_sums_clamped_weighted_scores_and_records_them() -> None:

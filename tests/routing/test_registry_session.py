@@ -78,28 +78,49 @@ def test_config_profiles_are_named_strategies() -> None:
 @pytest.mark.parametrize(
     ("profiles", "needle"),
     [
-        ({"gaie": {"scorers": [{"type": "queue"}]}}, "already used"),
-        ({"a,b": {"scorers": [{"type": "queue"}]}}, "must not"),
-        ({"x": {"scorers": [{"type": "queue", "params": {"depth": 1}}]}}, "'depth'"),
+        ({"gaie": {"scorers": [{"type": "queue"}]}}, "routing.profiles.gaie: name 'gaie' is"),
+        ({"pd": {"scorers": [{"type": "queue"}]}}, "routing.profiles.pd: name 'pd' is"),
+        ({"a,b": {"scorers": [{"type": "queue"}]}}, "routing.profiles.a,b: a profile name must"),
+        (
+            {"x": {"scorers": [{"type": "queue", "params": {"depth": 1}}]}},
+            "routing.profiles.x.scorers[0].params.depth: unknown key (allowed: none)",
+        ),
     ],
 )
 def test_bad_config_profiles(profiles: dict[str, dict[str, object]], needle: str) -> None:
-    with pytest.raises(PluginConfigError, match=needle):
+    with pytest.raises(PluginConfigError) as err:
         default_registry(profiles=profiles)
+    assert str(err.value).startswith(needle)
 
 
 @pytest.mark.parametrize(
     ("params", "needle"),
     [
-        ({"prefix-cache": {"imbalance": 3}}, "'imbalance'"),
-        ({"kv-aware": {"temperature": -1.0}}, "temperature"),
-        ({"random": {}}, "'random'"),
-        ({"vtc-basic": {"max_pod_load": "lots"}}, "'max_pod_load'"),
+        (
+            {"prefix-cache": {"imbalance": 3}},
+            "routing.strategy_params.prefix-cache.imbalance: unknown key",
+        ),
+        ({"kv-aware": {"temperature": -1.0}}, "routing.strategy_params.kv-aware: overlap_weight"),
+        ({"random": {"seed": 1}}, "routing.strategy_params.random.seed: unknown key"),
+        ({"prefx-cache": {}}, "routing.strategy_params.prefx-cache: unknown strategy"),
+        ({"gaie": {}}, "routing.strategy_params.gaie: unknown strategy"),  # a profile: no params
+        (
+            {"vtc-basic": {"max_pod_load": "lots"}},
+            "routing.strategy_params.vtc-basic.max_pod_load: must be float",
+        ),
     ],
 )
 def test_bad_strategy_params(params: dict[str, dict[str, object]], needle: str) -> None:
-    with pytest.raises(PluginConfigError, match=needle):
+    with pytest.raises(PluginConfigError) as err:
         default_registry(params=params)
+    assert str(err.value).startswith(needle)
+
+
+def test_strategy_params_reach_the_strategy() -> None:
+    reg = default_registry(params={"kv-aware": {"temperature": 0.5}, "random": {}})
+    pods = snap(pod(A, match=32), pod(B))
+    d = reg.resolve("kv-aware").route(req(prompt_tokens=32), pods, random.Random(0))
+    assert "T=0.5" in d.reason
 
 
 @pytest.mark.parametrize(
