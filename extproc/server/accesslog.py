@@ -13,7 +13,6 @@ what could be read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -23,6 +22,7 @@ import grpc
 from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.director.api import AccessRecord, Outcome, RequestHandler, RoutedRequest
+from extproc.server.timers import LoopTimers, Timers, within
 from extproc.types import TokenUsage
 from extproc.wire import ACCESS_LOG_NAME, REQUEST_NAMESPACE, USAGE_NAMESPACE
 
@@ -172,8 +172,9 @@ def record_from_entry(entry: al.HTTPAccessLogEntry) -> AccessRecord:
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Receives Envoy's access-log streams; hands each entry to the handler as a record."""
 
-    def __init__(self, handler: RequestHandler) -> None:
+    def __init__(self, handler: RequestHandler, *, timers: Timers | None = None) -> None:
         self._handler = handler
+        self._timers = timers or LoopTimers()
         self._closing: set[asyncio.Future[None]] = set()
         self.entries: Counter[str] = Counter()  # entries by result: accounted|skipped|error
 
@@ -191,8 +192,8 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
                     # Shutting down. Envoy flushes a batch every flush interval and would lose
                     # one sent while the stream ends: end it right after the next batch, so the
                     # following one goes to the stream Envoy opens on another process.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(read, CLOSE_AFTER_BATCH_WAIT_S)
+                    if not await within(self._timers, read, CLOSE_AFTER_BATCH_WAIT_S):
+                        read.cancel()
                     if read.done() and not read.cancelled():
                         msg = read.result()
                         if msg is not grpc.aio.EOF:

@@ -1,4 +1,8 @@
-"""The gRPC server: ExternalProcessor and AccessLogService, health, TLS, graceful shutdown."""
+"""The gRPC server: ExternalProcessor and AccessLogService, health, TLS, graceful shutdown.
+
+Constructing an `ExtProcServer` does no I/O: `start()` reads the TLS files, binds the port
+and serves. Its shutdown waits on injected `Timers`, so tests move time instead of sleeping.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as
 from extproc.director.api import RequestHandler
 from extproc.server.accesslog import AccessLogService
 from extproc.server.processor import StreamProcessor
+from extproc.server.timers import LoopTimers, Timers, within
 from extproc.server.tls import CertificateFiles
 
 __all__ = ["EXT_PROC_SERVICE", "ExtProcServer", "ServerOptions"]
@@ -44,16 +49,22 @@ class ServerOptions:
 
 class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
-        self, handler: RequestHandler, streams: set[asyncio.Task[Any]], ends: Counter[str]
+        self,
+        handler: RequestHandler,
+        streams: set[asyncio.Task[Any]],
+        ends: Counter[str],
+        drained: asyncio.Event,
     ) -> None:
         self._handler = handler
         self._streams = streams
         self._ends = ends
+        self._drained = drained  # set while no routing stream is open
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         task = asyncio.current_task()
         if task is not None:
             self._streams.add(task)
+            self._drained.clear()
         proc = StreamProcessor(self._handler)
         end = "error"
         try:
@@ -66,6 +77,7 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
                     # ~110 bytes per stream, measured by bench/stream_ends.py). A moment's wait
                     # lets the core's cancel notice arrive: it cancels this task, and no status
                     # is sent. After a real half-close nothing arrives and the status goes out.
+                    # (Real time on purpose: it waits for grpc's core, not for our schedule.)
                     await asyncio.sleep(EOF_GRACE_S)
                     end = "eof"
                     break
@@ -83,17 +95,46 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
             proc.close()
             if task is not None:
                 self._streams.discard(task)
+                if not self._streams:
+                    self._drained.set()
 
 
 class ExtProcServer:
-    """Owns the grpc.aio server. `start()`, then `stop(grace)` drains in-flight streams."""
+    """Owns the grpc.aio server. `start()` binds and serves, then `stop(grace)` drains
+    in-flight streams. Nothing is bound or read before `start()`."""
 
-    def __init__(self, handler: RequestHandler, options: ServerOptions) -> None:
+    def __init__(
+        self, handler: RequestHandler, options: ServerOptions, *, timers: Timers | None = None
+    ) -> None:
+        self._handler = handler
         self._options = options
+        self._timers = timers or LoopTimers()
         self._streams: set[asyncio.Task[Any]] = set()
+        self._drained = asyncio.Event()
+        self._drained.set()
         self.stream_ends: Counter[str] = Counter()  # how streams ended: done|eof|cancelled|error
         self._health = health.aio.HealthServicer()
-        self._server = grpc.aio.server(
+        # Envoy's access log for accounting records, on the same port: whichever process
+        # Envoy's access-log stream reaches can account any request.
+        self.access_log = AccessLogService(handler, timers=self._timers)
+        self.tls: CertificateFiles | None = None
+        self._server: grpc.aio.Server | None = None
+        self._port = 0
+
+    @property
+    def port(self) -> int:
+        """The bound port (the OS's pick when the options ask for port 0)."""
+        if self._server is None:
+            raise RuntimeError("the server is not started: no port is bound yet")
+        return self._port
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._streams)
+
+    def _bind(self) -> grpc.aio.Server:
+        options = self._options
+        server = grpc.aio.server(
             options=[
                 ("grpc.max_concurrent_streams", options.max_concurrent_streams),
                 ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -104,15 +145,12 @@ class ExtProcServer:
             ],
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            _ExternalProcessor(handler, self._streams, self.stream_ends), self._server
+            _ExternalProcessor(self._handler, self._streams, self.stream_ends, self._drained),
+            server,
         )
-        # Envoy's access log for accounting records, on the same port: whichever process
-        # Envoy's access-log stream reaches can account any request.
-        self.access_log = AccessLogService(handler)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{options.host}:{options.port}"
-        self.tls: CertificateFiles | None = None
         if options.tls_cert_file and options.tls_key_file:
             # Files are re-read on change (certificate rotation) at most every reload interval.
             self.tls = CertificateFiles(
@@ -121,21 +159,23 @@ class ExtProcServer:
                 options.tls_client_ca_file,
                 check_interval_s=options.tls_reload_interval_s,
             )
-            self.port = self._server.add_secure_port(address, self.tls.credentials())
+            port = server.add_secure_port(address, self.tls.credentials())
         else:
-            self.port = self._server.add_insecure_port(address)
-        if self.port == 0:
+            port = server.add_insecure_port(address)
+        if port == 0:
             raise OSError(f"cannot bind the gRPC server to {address}")
-
-    @property
-    def active_streams(self) -> int:
-        return len(self._streams)
+        self._port = port
+        return server
 
     async def start(self) -> None:
-        await self._server.start()
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
+        server = self._bind()
+        await server.start()
+        self._server = server
         await self._health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.set_ready(False)
-        log.info("ext_proc gRPC server listening on %s:%d", self._options.host, self.port)
+        log.info("ext_proc gRPC server listening on %s:%d", self._options.host, self._port)
 
     async def set_ready(self, ready: bool) -> None:
         status = (
@@ -155,29 +195,32 @@ class ExtProcServer:
     ) -> None:
         """Health goes NOT_SERVING; after `announce_s` (for Envoy's health check to see it and
         send new streams elsewhere) new streams are refused, in-flight ones get `grace`."""
+        server = self._server
+        if server is None:
+            return  # never started: nothing is bound, nothing to drain
         await self.set_ready(False)
         if on_draining is not None:
             on_draining()
         log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
         if announce_s > 0:
-            await asyncio.sleep(announce_s)
+            await self._timers.sleep(announce_s)
         # Access-log streams never end by themselves: keep reading them while routing streams
         # drain (their requests' records are still coming), then one flush interval more,
         # then end them so Envoy reconnects to another process.
         closer = asyncio.create_task(self._close_access_logs(grace))
         try:
-            await self._server.stop(grace)
+            await server.stop(grace)
         finally:
             closer.cancel()
         await self._health.enter_graceful_shutdown()
 
     async def _close_access_logs(self, grace: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        while self._streams and loop.time() < deadline:  # noqa: ASYNC110 (polls a set)
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(min(ACCESS_LOG_LINGER_S, max(0.0, deadline - loop.time())))
+        deadline = self._timers.now() + grace
+        if not self._drained.is_set():
+            await within(self._timers, self._drained.wait(), grace)
+        await self._timers.sleep(min(ACCESS_LOG_LINGER_S, max(0.0, deadline - self._timers.now())))
         self.access_log.close_streams()
 
     async def wait(self) -> None:
-        await self._server.wait_for_termination()
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -18,9 +18,11 @@ def record_for(
     first_token_s: float | None = 0.1,
     done_s: float | None = 0.4,
     upstream: str | None = None,
+    wall_now: float | None = None,
 ) -> AccessRecord:
-    """The record of `result`'s request: it started `started_ago_s` ago (wall clock), was
-    sent upstream 1 ms after, got its first token and its last byte at the given offsets."""
+    """The record of `result`'s request: it started `started_ago_s` before `wall_now` (the
+    wall clock, default the real one), was sent upstream 1 ms after, got its first token and
+    its last byte at the given offsets."""
     return AccessRecord(
         request_id="r",
         status=status,
@@ -28,7 +30,7 @@ def record_for(
         routed=result.routed,
         upstream=upstream or result.destinations[0],
         usage=usage if usage is not None else TokenUsage(9, 4, 0),
-        start_time=time.time() - started_ago_s,
+        start_time=(time.time() if wall_now is None else wall_now) - started_ago_s,
         upstream_sent_s=0.001,
         upstream_first_byte_s=0.002 if status else None,
         first_token_s=first_token_s,

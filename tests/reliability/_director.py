@@ -6,6 +6,8 @@ request path (parse, tokenize, score, decide, account) is entirely the productio
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,8 @@ def build_director(
     *,
     tokenizer: Tokenizer | None = None,
     inline_threshold_chars: int = 2048,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
 ) -> DirectorKit:
     config = load_config_text(text)
     registry = CollectorRegistry()
@@ -116,9 +120,11 @@ def build_director(
         models=runtimes,
         store=store,
         registry=default_registry(config.routing.profiles, config.routing.strategy_params),
-        inflight=InflightTracker(stats=podstats, metrics=metrics),
+        inflight=InflightTracker(stats=podstats, metrics=metrics, clock=clock),
         podstats=podstats,
         fairness=FairnessCounters(),
         metrics=metrics,
+        clock=clock,
+        wall_clock=wall_clock,
     )
     return DirectorKit(director, metrics, registry, pools, config)

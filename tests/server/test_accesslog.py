@@ -13,10 +13,11 @@ import pytest
 from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.director.api import Outcome, RoutedRequest
-from extproc.server.accesslog import record_from_entry
-from extproc.server.service import ExtProcServer, ServerOptions
+from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S, record_from_entry
+from extproc.server.service import ACCESS_LOG_LINGER_S, ExtProcServer, ServerOptions
 from extproc.types import TokenUsage
 from extproc.wire import ACCESS_LOG_NAME
+from tests._clock import ManualClock
 from tests.server.fake_handler import FakeHandler
 
 ROUTED = {
@@ -189,9 +190,22 @@ async def test_an_accounting_error_never_ends_the_stream(
     assert srv.access_log.entries["error"] == 3
 
 
-async def test_shutdown_ends_an_idle_access_log_stream() -> None:
+async def _wait_for(predicate: Any) -> None:
+    """Until gRPC has delivered (real I/O, bounded)."""
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not delivered")
+
+
+@pytest.mark.parametrize("batch_while_closing", [False, True])
+async def test_shutdown_ends_an_idle_access_log_stream_after_its_linger(
+    batch_while_closing: bool,
+) -> None:
+    clock = ManualClock()
     handler = FakeHandler()
-    srv = ExtProcServer(handler, ServerOptions(port=0))
+    srv = ExtProcServer(handler, ServerOptions(port=0), timers=clock)
     await srv.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         call = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
@@ -199,13 +213,28 @@ async def test_shutdown_ends_an_idle_access_log_stream() -> None:
         first.identifier.log_name = ACCESS_LOG_NAME
         first.http_logs.log_entry.append(entry(routed=ROUTED))
         await call.write(first)
-        for _ in range(200):
-            if handler.records:
-                break
-            await asyncio.sleep(0.01)
+        await _wait_for(lambda: handler.records)
         assert srv.access_log.streams == 1
-        # Envoy never closes it: shutdown must, after the routing streams have drained.
-        await asyncio.wait_for(srv.stop(30.0), timeout=5.0)
+        # Envoy never closes it: shutdown must, after the routing streams have drained (none
+        # here) and one flush interval more for their last records.
+        stopping = asyncio.create_task(srv.stop(30.0))
+        await clock.until_sleeping(1)
+        clock.advance(ACCESS_LOG_LINGER_S - 0.1)
+        await asyncio.sleep(0.05)
+        assert srv.access_log.streams == 1  # still lingering
+        clock.advance(0.1)
+        # Asked to close, it waits for Envoy's next batch so that batch is not lost.
+        await clock.until_sleeping(1)
+        assert srv.access_log.streams == 1
+        if batch_while_closing:
+            more = als_pb2.StreamAccessLogsMessage()
+            more.http_logs.log_entry.append(entry(routed=ROUTED))
+            await call.write(more)
+        else:
+            clock.advance(CLOSE_AFTER_BATCH_WAIT_S)
+        await asyncio.wait_for(stopping, timeout=5.0)
         assert srv.access_log.streams == 0
-        with pytest.raises(grpc.aio.AioRpcError):
+        assert len(handler.records) == (2 if batch_while_closing else 1)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # Envoy reconnects elsewhere

@@ -1,0 +1,83 @@
+"""ExtProcServer: no I/O before `start()`; its shutdown schedule runs on injected time."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.server.service import EXT_PROC_SERVICE, ExtProcServer, ServerOptions
+from tests._clock import ManualClock
+from tests.server.fake_handler import FakeHandler
+from tests.server.test_processor_grpc import body_msg, exchange, headers_msg
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port some other socket is listening on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_constructing_binds_nothing_and_start_binds(taken_port: int) -> None:
+    # On a port in use, the constructor succeeds (nothing bound yet); start() is what fails.
+    busy = ExtProcServer(FakeHandler(), ServerOptions(port=taken_port))
+    with pytest.raises(RuntimeError, match="not started"):
+        _ = busy.port
+    with pytest.raises((OSError, RuntimeError)):
+        await busy.start()
+    await busy.stop(0.1)  # never started: a no-op
+    # And a constructed server leaves its port free until it starts.
+    port = free_port()
+    server = ExtProcServer(FakeHandler(), ServerOptions(port=port))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", port))
+    await server.start()
+    try:
+        assert server.port == port
+        got = await exchange(port, [headers_msg(), body_msg(b"{}")])
+        assert got[-1].HasField("request_body")
+        with pytest.raises(RuntimeError, match="already started"):
+            await server.start()
+    finally:
+        await server.stop(0.5)
+
+
+async def _health(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        resp = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE), timeout=3.0
+        )
+        return int(resp.status)
+
+
+async def test_new_streams_are_served_while_not_serving_is_announced() -> None:
+    # For announce_s Envoy's health checks learn NOT_SERVING; streams that still arrive in that
+    # time are served, not refused.
+    clock = ManualClock()
+    server = ExtProcServer(FakeHandler(), ServerOptions(port=0), timers=clock)
+    await server.start()
+    await server.set_ready(True)
+    port = server.port
+    stopping = asyncio.create_task(server.stop(0.5, announce_s=1.5))
+    await clock.until_sleeping(1)
+    assert await _health(port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    got = await exchange(port, [headers_msg(), body_msg(b"{}")])
+    assert got[-1].HasField("request_body")  # routed
+    assert not stopping.done()
+    clock.advance(1.5)
+    await asyncio.wait_for(stopping, 5.0)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await exchange(port, [headers_msg(), body_msg(b"{}")])
