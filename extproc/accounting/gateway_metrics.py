@@ -3,7 +3,8 @@
 Labels stay bounded: `model` should be a configured model name (callers map anything
 else to "unknown"), `endpoint` an address from discovery (series of removed endpoints
 are dropped by `forget_endpoint`), `status` an HTTP status code, `strategy` a registered
-strategy name, `kind` hf|estimate, `result` one of SCRAPE_RESULTS.
+strategy name, `kind` hf|estimate, `result` one of SCRAPE_RESULTS, `plugin` a registered
+plugin type name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from extproc.metrics.poller import SCRAPE_RESULTS
 from extproc.metrics.store import EndpointStore
+from extproc.routing.base import PluginTiming
 from extproc.types import Endpoint, TokenUsage
 
 __all__ = ["DECISION_BUCKETS", "GatewayMetrics"]
@@ -27,6 +29,11 @@ DECISION_BUCKETS = (
 TTFT_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
     40.0, 80.0,
+)  # fmt: skip
+# One filter, scorer or picker takes a microsecond to tens of microseconds at 64 pods.
+PLUGIN_BUCKETS = (
+    0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.01,
 )  # fmt: skip
 PREFIX_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
@@ -78,6 +85,11 @@ class GatewayMetrics:
         self.decision_seconds = Histogram(
             "routing_decision_seconds", "Last request byte in to routing answer out",
             ["strategy"], buckets=DECISION_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.plugin_seconds = Histogram(
+            "routing_plugin_seconds", "Time one routing plugin took in a decision, by kind "
+            "(filter, scorer, picker, strategy) and type name",
+            ["kind", "plugin"], buckets=PLUGIN_BUCKETS, namespace=ns, registry=registry,
         )  # fmt: skip
         self.tokenization_seconds = Histogram(
             "tokenization_seconds", "Prompt tokenization time", ["kind"],
@@ -147,6 +159,11 @@ class GatewayMetrics:
 
     def observe_decision(self, strategy: str, seconds: float) -> None:
         self.decision_seconds.labels(strategy).observe(seconds)
+
+    def observe_plugins(self, timings: tuple[PluginTiming, ...]) -> None:
+        """Each plugin's time in one decision (`Decision.timings`), labelled by type name."""
+        for ref, ns in timings:
+            self.child(self.plugin_seconds, ref.kind, ref.type_name).observe(ns / 1e9)
 
     def observe_tokenization(self, kind: str, seconds: float) -> None:
         self.tokenization_seconds.labels(kind).observe(seconds)

@@ -242,6 +242,7 @@ class Director:
             prep.routing.prompt_tokens, ", estimated" if prep.estimated else "",
         )  # fmt: skip
         self._metrics.observe_decision(prep.strategy_name, time.perf_counter() - started)
+        self._metrics.observe_plugins(decision.timings)
         return RouteResult(
             destinations=destinations,
             set_headers=out.set_headers,

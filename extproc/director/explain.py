@@ -23,6 +23,10 @@ def explain_header(decision: Decision, pods: Sequence[PodState]) -> str:
         parts.append(
             f"{pod.address}={detail or '-'}|inflight:{pod.in_flight}|prefix:{pod.prefix_match_tokens}"
         )
+    if decision.timings:
+        parts.append(
+            "latency=" + "+".join(f"{r.name}:{ns / 1000:.3g}us" for r, ns in decision.timings)
+        )
     if decision.reason:
         parts.append(f"reason={decision.reason}")
     text = "; ".join(parts).replace("\r", " ").replace("\n", " ")
@@ -44,6 +48,13 @@ def explain_json(
         "fallbacks": [e.address for e in decision.ranked[1:]],
         "prefill": decision.prefill.address if decision.prefill is not None else None,
         "reason": decision.reason,
+        # A strategy that ran several profiles (P/D): each profile's ranking.
+        "profiles": {p.name: [e.address for e in p.ranked] for p in decision.profiles},
+        # Time each plugin took in this decision, in the order they ran.
+        "plugins": [
+            {"kind": r.kind, "type": r.type_name, "name": r.name, "us": round(ns / 1000, 3)}
+            for r, ns in decision.timings
+        ],
         "prompt_tokens": req.prompt_tokens,
         "tokens_estimated": estimated,
         "tokenize_ms": round(tokenize_s * 1000, 3),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
@@ -128,7 +129,7 @@ class RemotePrefill:
     async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
         if decision.prefill is not None:
             out.kv_transfer_params = await self._prefill(req, decision)
-        elif decision.strategy == "pd":
+        elif decision.disaggregated:
             self._metrics.observe_pd_fallback(req.runtime.name)  # no ready prefill pod
 
     async def _prefill(self, req: PreparedRequest, decision: Decision) -> dict[str, Any] | None:

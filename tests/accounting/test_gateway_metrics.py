@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
@@ -9,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.accounting import DECISION_BUCKETS, GatewayMetrics
 from extproc.metrics import EndpointStore, MetricsPoller
+from extproc.routing import PodState, RoutingRequest, Snapshot, default_registry
 from extproc.types import Endpoint, EngineMetrics, TokenUsage
 
 EP = "10.0.0.1:8000"
@@ -45,6 +48,28 @@ def test_unknown_usage_is_not_counted_as_zero(
     assert value(registry, "extproc_prompt_tokens_total", model="m", endpoint=EP) is None
     assert value(registry, "extproc_completion_tokens_total", model="m", endpoint=EP) == 3
     assert value(registry, "extproc_usage_unknown_total", model="m") == 1
+
+
+def test_plugin_latency_by_kind_and_type(registry: CollectorRegistry, gm: GatewayMetrics) -> None:
+    # A real decision's timings: the profile times each scorer and its picker.
+    profile = default_registry().resolve("gaie")
+    pods = tuple(
+        PodState(endpoint=Endpoint(address=a, model="m"), metrics=None)
+        for a in (EP, "10.0.0.2:8000")
+    )
+    d = profile.route(RoutingRequest("r", "m"), Snapshot(now=0.0, pods=pods), random.Random(0))
+    gm.observe_plugins(d.timings)
+    gm.observe_plugins(d.timings)
+    name = "extproc_routing_plugin_seconds"
+    for scorer in ("queue", "kv-cache-utilization", "prefix"):
+        assert value(registry, f"{name}_count", kind="scorer", plugin=scorer) == 2
+    assert value(registry, f"{name}_count", kind="picker", plugin="max-score") == 2
+    total = sum(ns for _, ns in d.timings) * 2 / 1e9
+    summed = sum(
+        value(registry, f"{name}_sum", kind=r.kind, plugin=r.type_name) or 0.0
+        for r in {r for r, _ in d.timings}
+    )
+    assert summed == pytest.approx(total)
 
 
 def test_requests_and_histograms(registry: CollectorRegistry, gm: GatewayMetrics) -> None:
