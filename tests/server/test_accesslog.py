@@ -20,7 +20,7 @@ from extproc.wire import ACCESS_LOG_NAME
 from tests._clock import ManualClock
 from tests.server.fake_handler import FakeHandler
 
-ROUTED = {
+ROUTED: dict[str, Any] = {
     "model": "qwen3",
     "endpoint": "10.0.0.1:8000",
     "strategy": "least-request",

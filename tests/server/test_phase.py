@@ -53,7 +53,8 @@ async def test_phases(
     if rejects:
         handler.reply = ImmediateReply(status=429, body=b"{}")
     proc = StreamProcessor(handler)
-    assert proc.phase is Phase.HEADERS and not proc.done
+    start = proc.phase
+    assert start is Phase.HEADERS and not proc.done
     seen = []
     for msg in messages:
         await proc.on_message(msg)
