@@ -142,13 +142,13 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                         res = await app.director.route(head, body)
                         if mode == "multi-turn" and k == 0:
                             assert isinstance(res, RouteResult), res
-                            assert res.observer is not None
-                            res.observer.finish(complete=False)
+                            assert res.ticket is not None
+                            res.ticket.close()
                             continue  # the warm-up turn: not timed
                         times.append(time.perf_counter() - t0)
                         assert isinstance(res, RouteResult), res
-                        assert res.observer is not None
-                        res.observer.finish(complete=False)
+                        assert res.ticket is not None
+                        res.ticket.close()
                         explained = await app.director.explain(head, body)
                         tokens.append(int(explained["prompt_tokens"]))
                 results[f"{size}/{mode}"] = {
