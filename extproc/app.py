@@ -29,7 +29,7 @@ from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
-from extproc.admin import AdminServer
+from extproc.admin import AdminServer, DecisionLog, ReloadStatus
 from extproc.config import (
     Config,
     ConfigError,
@@ -50,7 +50,8 @@ from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
-from extproc.routing.builtin import default_registry
+from extproc.routing.registry import StrategyRegistry
+from extproc.routing.settings import build_strategies, route_annotations
 from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.sync import StateSync, SyncMetrics
 from extproc.tokenization import (
@@ -141,6 +142,7 @@ class _Runtime:
     exact: dict[str, ExactIndex]
     approx: dict[str, ApproximateIndex]
     static: dict[str, tuple[Endpoint, ...]]  # endpoints from the config file, per model
+    strategies: StrategyRegistry
 
 
 class App:
@@ -151,6 +153,11 @@ class App:
         self._config_mtime = _mtime(config_path)
         # Who routed a request, in its access-log record (any process may account it).
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        # The status page: this process's last decisions, and how the config got in force.
+        self.decisions = DecisionLog()
+        self.reload_status = ReloadStatus(
+            path=str(config_path) if config_path else None, loaded_at=time.time()
+        )
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.state_gauge = Gauge(
@@ -229,6 +236,10 @@ class App:
     def exact_indexes(self) -> Mapping[str, ExactIndex]:
         return self._rt.exact
 
+    @property
+    def approx_indexes(self) -> Mapping[str, ApproximateIndex]:
+        return self._rt.approx
+
     # -- building ------------------------------------------------------------------------------
 
     def _build(self, config: Config, previous: _Runtime | None = None) -> _Runtime:
@@ -245,8 +256,7 @@ class App:
     def _build_runtime(
         self, config: Config, previous: _Runtime | None, created: list[TokenizerPool]
     ) -> _Runtime:
-        registry = default_registry(config.routing.profiles, config.routing.strategy_params)
-        registry.resolve(config.routing.default_strategy)  # fail fast on a bad default
+        registry = build_strategies(config)  # every routing setting checked (key path in errors)
         runtimes: dict[str, ModelRuntime] = {}
         tokenizers: dict[str, TokenizerPool] = {}
         exact_map: dict[str, ExactIndex] = {}
@@ -276,8 +286,6 @@ class App:
                     max_blocks=config.kv_events.approx_capacity_blocks,
                 )
             approx_map[model.name] = approx
-            if model.strategy is not None:
-                registry.resolve(model.strategy)
             runtimes[model.name] = ModelRuntime(
                 name=model.name,
                 tokenizer=pool,
@@ -308,8 +316,9 @@ class App:
             prefill=PrefillClient(self._http),
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
+            pre_request_steps=(self.decisions,) if config.server.status_page else (),
         )
-        return _Runtime(config, director, tokenizers, exact_map, approx_map, static)
+        return _Runtime(config, director, tokenizers, exact_map, approx_map, static, registry)
 
     def _install(self, rt: _Runtime) -> None:
         """Make `rt` the live runtime (start-up and reload). KV-event subscribers follow
@@ -453,8 +462,10 @@ class App:
             discovery.start()
             self._discoveries.append(discovery)
         if cfg.kubernetes.watch_httproutes:
+            # Annotations naming a strategy the live config lacks are reported on the route.
+            parse = route_annotations(parse_route_annotations, lambda: self._rt.strategies)
             self._route_watcher = HTTPRouteWatcher(
-                self._api_client, parse_route_annotations, self._on_routes,
+                self._api_client, parse, self._on_routes,
                 namespaces=cfg.kubernetes.namespaces, loop=loop,
             )  # fmt: skip
             self._route_watcher.start()
@@ -569,12 +580,14 @@ class App:
             except (ConfigError, GatewayError, ValueError) as exc:
                 log.error("config reload failed, keeping the running config: %s", exc)
                 self.config_reloads.labels("error").inc()
+                self.reload_status.failed(time.time(), str(exc))
                 continue
             self._install(rt)
             # Subscribers of a model whose index was replaced (block size) restart on the new one.
             await self.kv.set_indexes(rt.exact)
             await self.kv.set_endpoints(self.store.endpoints())
             self.config_reloads.labels("ok").inc()
+            self.reload_status.succeeded(time.time())
             log.info("config reloaded from %s", self._config_path)
 
 

@@ -1,50 +1,53 @@
-"""Admin HTTP handlers (aiohttp): `/metrics`, `/healthz`, `/readyz` and `/debug/*`."""
+"""Admin HTTP handlers (aiohttp): `/metrics`, `/healthz`, `/readyz`, `/debug/*` and the
+status page (`/`, `/status.json`, when `server.status_page` is on)."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
+import re
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
+from importlib import resources
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from extproc.accounting.gateway_metrics import GatewayMetrics
-from extproc.accounting.inflight import InflightTracker
-from extproc.config import Config
+from extproc.admin.source import AdminSource
+from extproc.admin.status import endpoint_rows, status_json
 from extproc.director.api import RequestHead
 from extproc.director.director import Director
-from extproc.kvcache.exact import ExactIndex
-from extproc.kvevents.subscriber import KVEventManager
 from extproc.memdiag import MemoryDiagnostics
-from extproc.metrics.store import EndpointStore
-from extproc.sync import StateSync
+from extproc.protocol.errors import error_json
 from extproc.types import GatewayError
 
-__all__ = ["AdminServer", "AdminSource"]
+__all__ = ["AdminServer", "status_page_html"]
 
 
-class AdminSource(Protocol):
-    """What the admin server reads from the running app (the live runtime at each call)."""
+def status_page_html() -> tuple[bytes, str]:
+    """The page and its Content-Security-Policy: only its own inline script and style run
+    (by hash), it may fetch from this origin only, and it loads nothing else."""
+    text = resources.files("extproc.admin").joinpath("status.html").read_text(encoding="utf-8")
 
-    replica: str
-    metrics: GatewayMetrics
-    store: EndpointStore
-    inflight: InflightTracker
-    kv: KVEventManager
-    sync: StateSync | None
+    def digest(tag: str) -> str:
+        found = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+        assert found is not None, f"status.html has no <{tag}>"
+        raw = hashlib.sha256(found.group(1).encode("utf-8")).digest()
+        return "'sha256-" + base64.b64encode(raw).decode("ascii") + "'"
 
-    @property
-    def config(self) -> Config: ...
+    csp = (
+        f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; "
+        "connect-src 'self'; img-src 'none'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    return text.encode("utf-8"), csp
 
-    @property
-    def director(self) -> Director: ...
 
-    @property
-    def exact_indexes(self) -> Mapping[str, ExactIndex]: ...
-
-    def is_ready(self) -> bool: ...
+class _StatusPageOff(GatewayError):
+    status = 404
+    error_type = "not_found_error"
+    code = "status_page_disabled"
 
 
 class AdminServer:
@@ -54,6 +57,7 @@ class AdminServer:
         self._src = source
         self._memdiag = MemoryDiagnostics()
         self._runner: web.AppRunner | None = None
+        self._page, self._page_csp = status_page_html()
 
     async def start(self, host: str, port: int) -> None:
         app = web.Application(client_max_size=self._src.config.server.max_body_bytes)
@@ -65,6 +69,8 @@ class AdminServer:
         app.router.add_post("/debug/explain", self._h_explain)
         app.router.add_get("/debug/kv", self._h_kv)
         app.router.add_get("/debug/memory", self._h_memory)
+        app.router.add_get("/", self._h_status_page)
+        app.router.add_get("/status.json", self._h_status_json)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -107,28 +113,45 @@ class AdminServer:
 
     async def _h_endpoints(self, _request: web.Request) -> web.Response:
         src = self._src
-        now = time.monotonic()
-        out: list[dict[str, Any]] = []
-        for model in src.store.models():
-            for ep in src.store.endpoints(model):
-                state = src.store.state(ep)
-                load = src.inflight.load(ep.address)
-                out.append(
-                    {
-                        "model": model,
-                        "address": ep.address,
-                        "role": str(ep.role),
-                        "ready": state is not None and src.store.is_ready(state, now),
-                        "metrics_age_s": state.age(now) if state else None,
-                        "last_error": state.last_error if state else None,
-                        "in_flight": load.requests,
-                        "stalled": src.inflight.stalled(
-                            ep.address, src.config.routing.stall_after_s
-                        ),
-                        "kv_events_healthy": src.kv.is_healthy(ep.address),
-                    }
-                )
+        rows = endpoint_rows(
+            src.store, src.inflight, src.kv.is_healthy, src.config.routing.stall_after_s,
+            time.monotonic(),
+        )  # fmt: skip
+        out = [row for row, _state in rows]
         return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    def _status_off(self) -> web.Response | None:
+        if self._src.config.server.status_page:
+            return None
+        err = _StatusPageOff("the status page is off (server.status_page: false)")
+        return web.Response(status=404, body=error_json(err), content_type="application/json")
+
+    async def _h_status_page(self, _request: web.Request) -> web.Response:
+        off = self._status_off()
+        if off is not None:
+            return off
+        return web.Response(
+            body=self._page,
+            content_type="text/html",
+            charset="utf-8",
+            headers={
+                "Content-Security-Policy": self._page_csp,
+                "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer",
+                "Cache-Control": "no-store",
+            },
+        )
+
+    async def _h_status_json(self, _request: web.Request) -> web.Response:
+        off = self._status_off()
+        if off is not None:
+            return off
+        body = status_json(self._src, now=time.monotonic(), wall=time.time())
+        return web.Response(
+            body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
+            content_type="application/json",
+            headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
+        )
 
     async def _h_kv(self, request: web.Request) -> web.Response:
         """The exact KV index: per pod health, event stats, and (with ?pod=) its engine hashes."""

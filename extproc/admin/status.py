@@ -1,0 +1,222 @@
+"""What the status page shows, as JSON: endpoints per model, this process's recent decisions,
+the config in force and its reload state.
+
+Decisions are kept per process in a bounded ring (`DecisionLog`, a pre-request step): the
+hot path appends a reference, and the JSON is built only when the page asks for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from extproc.accounting.inflight import InflightTracker
+from extproc.director.explain import explain_json
+from extproc.director.lifecycle import Outgoing, PreparedRequest
+from extproc.kvcache.approx import ApproximateIndex
+from extproc.kvcache.exact import ExactIndex
+from extproc.metrics.store import EndpointState, EndpointStore
+from extproc.routing.base import Decision, PodState, RoutingRequest
+
+if TYPE_CHECKING:
+    from extproc.admin.source import AdminSource
+
+__all__ = ["DecisionLog", "DecisionRecord", "ReloadStatus", "endpoint_rows", "status_json"]
+
+MAX_CANDIDATES_SHOWN = 32  # per decision: a 512-pod model would make every poll megabytes
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """One routing decision as the director made it (references, no copies)."""
+
+    at: float  # wall clock
+    request_id: str
+    route: str
+    model: str
+    prompt_tokens: int
+    estimated: bool
+    tokenize_s: float
+    decision: Decision
+    pods: tuple[PodState, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        req = RoutingRequest(
+            request_id=self.request_id, model=self.model, prompt_tokens=self.prompt_tokens
+        )
+        out = explain_json(
+            self.decision,
+            self.pods[:MAX_CANDIDATES_SHOWN],
+            req,
+            tokenize_s=self.tokenize_s,
+            estimated=self.estimated,
+        )
+        out["at"] = self.at
+        out["request_id"] = self.request_id
+        out["route"] = self.route
+        out["candidates_total"] = len(self.pods)
+        return out
+
+
+class DecisionLog:
+    """The last `size` decisions of this process, newest last (a pre-request step)."""
+
+    def __init__(self, size: int = 50, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self._ring: deque[DecisionRecord] = deque(maxlen=size)
+        self._wall_clock = wall_clock
+        self.size = size
+        self.total = 0  # decisions recorded since start (the ring keeps the last `size`)
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        self.record(req, decision)
+
+    def record(self, req: PreparedRequest, decision: Decision) -> None:
+        self._ring.append(
+            DecisionRecord(
+                at=self._wall_clock(),
+                request_id=req.head.request_id,
+                route=req.head.route_name or "",
+                model=req.runtime.name,
+                prompt_tokens=req.routing.prompt_tokens,
+                estimated=req.estimated,
+                tokenize_s=req.tokenize_s,
+                decision=decision,
+                pods=req.pods,
+            )
+        )
+        self.total += 1
+
+    def newest_first(self) -> Iterator[DecisionRecord]:
+        return reversed(self._ring)
+
+    def recent_scores(self) -> dict[str, dict[str, Any]]:
+        """Per endpoint address, its scores in the newest decision that ranked it."""
+        out: dict[str, dict[str, Any]] = {}
+        for rec in self.newest_first():
+            pick = rec.decision.endpoint.address
+            for pod in rec.pods:
+                if pod.address in out:
+                    continue
+                out[pod.address] = {
+                    "at": rec.at,
+                    "picked": pod.address == pick,
+                    "strategy": rec.decision.strategy,
+                    "scores": dict(rec.decision.scores.get(pod.address, {})),
+                }
+        return out
+
+
+@dataclass
+class ReloadStatus:
+    """The config in force: where it came from, when, and how the last reload went."""
+
+    path: str | None
+    loaded_at: float  # wall clock of the load that is in force
+    last_attempt_at: float | None = None
+    last_result: str | None = None  # "ok" | "error"; None: never reloaded
+    last_error: str | None = None
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+
+    def succeeded(self, now: float) -> None:
+        self.loaded_at = self.last_attempt_at = now
+        self.last_result, self.last_error = "ok", None
+        self.reloads_ok += 1
+
+    def failed(self, now: float, error: str) -> None:
+        self.last_attempt_at = now
+        self.last_result, self.last_error = "error", error
+        self.reloads_failed += 1
+
+
+def endpoint_rows(
+    store: EndpointStore,
+    inflight: InflightTracker,
+    kv_healthy: Callable[[str], bool],
+    stall_after_s: float,
+    now: float,
+) -> Iterator[tuple[dict[str, Any], EndpointState | None]]:
+    """Every endpoint the store knows, with its scrape state and our own load on it
+    (`/debug/endpoints` and the status page), and its state for more detail."""
+    for model in store.models():
+        for ep in store.endpoints(model):
+            state = store.state(ep)
+            load = inflight.load(ep.address)
+            row = {
+                "model": model,
+                "address": ep.address,
+                "role": str(ep.role),
+                "ready": state is not None and store.is_ready(state, now),
+                "metrics_age_s": state.age(now) if state else None,
+                "last_error": state.last_error if state else None,
+                "in_flight": load.requests,
+                "stalled": inflight.stalled(ep.address, stall_after_s),
+                "kv_events_healthy": kv_healthy(ep.address),
+            }
+            yield row, state
+
+
+def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
+    """Everything the status page shows, read from the live runtime at this moment."""
+    cfg = src.config
+    scores = src.decisions.recent_scores()
+    models: dict[str, list[dict[str, Any]]] = {}
+    for row, state in endpoint_rows(
+        src.store, src.inflight, src.kv.is_healthy, cfg.routing.stall_after_s, now
+    ):
+        model, address = row["model"], row["address"]
+        row.update(_engine_view(state))
+        row["in_flight_tokens"] = src.inflight.load(address).tokens
+        row["cached_blocks_exact"] = _pod_blocks(src.exact_indexes, model, address)
+        row["cached_blocks_approx"] = _pod_blocks(src.approx_indexes, model, address)
+        row["recent"] = scores.get(address)
+        models.setdefault(model, []).append(row)
+    strategies = {m.name: m.strategy or cfg.routing.default_strategy for m in cfg.models}
+    sync = src.sync
+    return {
+        "replica": src.replica,
+        "generated_at": wall,
+        "ready": src.is_ready(),
+        "stale_after_s": cfg.metrics.stale_after_s,
+        "processes": {
+            "shared_state": sync is not None,
+            "members": sync.members() if sync is not None else [src.replica],
+        },
+        "models": [
+            {"name": name, "strategy": strategies.get(name, ""), "endpoints": rows}
+            for name, rows in models.items()
+        ],
+        "decisions": {
+            "total": src.decisions.total,
+            "kept": src.decisions.size,
+            "recent": [rec.to_json() for rec in src.decisions.newest_first()],
+        },
+        "config": {"in_force": cfg, "reload": dataclasses.asdict(src.reload_status)},
+    }
+
+
+def _engine_view(state: EndpointState | None) -> dict[str, Any]:
+    """The engine's own figures from its last good scrape (None where it exports none)."""
+    m = state.metrics if state is not None else None
+    if m is None:
+        return {"running": None, "waiting": None, "kv_cache_usage": None, "prefix_hit_rate": None}
+    hit_rate = None
+    if m.prefix_cache_queries:
+        hit_rate = (m.prefix_cache_hits or 0.0) / m.prefix_cache_queries
+    return {
+        "running": m.running,
+        "waiting": m.waiting,
+        "kv_cache_usage": m.kv_cache_usage,
+        "prefix_hit_rate": hit_rate,
+    }
+
+
+def _pod_blocks(
+    indexes: Mapping[str, ExactIndex] | Mapping[str, ApproximateIndex], model: str, address: str
+) -> int | None:
+    index = indexes.get(model)
+    return None if index is None else index.pod_block_count(address)
