@@ -24,9 +24,11 @@ def _setup_logging(level: str) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from extproc.app import App
     from extproc.config import ConfigError, load_config
+    from extproc.routing.settings import build_strategies
 
     try:
         config = load_config(args.config)
+        build_strategies(config)  # routing names need the plugin registry, a layer above config
     except ConfigError as exc:
         print(f"extproc: invalid config: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from extproc.app import App
-from extproc.config import load_config
+from extproc.config import ConfigError, load_config, load_config_text
 
 
 def free_port() -> int:
@@ -169,5 +170,33 @@ async def test_changed_sync_settings_are_reported_as_applying_at_restart(
         assert app.config.sync.expire_s == 0.5
         assert "`sync` settings changed; they apply at the next restart" in caplog.text
         assert app.sync is None  # still off: no url at start-up
+    finally:
+        await app.stop()
+
+
+async def test_a_typo_in_a_profile_is_refused_at_start_and_on_reload_with_its_key_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    grpc, metrics = free_port(), free_port()
+    typo = "  profiles: {my-profile: {scorers: [{type: queue}, {type: prefx}]}}\n"
+    where = "routing.profiles.my-profile.scorers[1].type: unknown scorer 'prefx'"
+    bad = config_text(grpc, metrics, "least-request").replace(
+        "routing: {default_strategy: least-request}", "routing:\n" + typo
+    )
+    with pytest.raises(ConfigError, match=re.escape(where)):
+        App(load_config_text(bad))
+    good = bad.replace("prefx", "prefix")
+    path = tmp_path / "config.yaml"
+    path.write_text(good)
+    app = App(load_config(path), config_path=path)
+    await app.start()
+    try:
+        live = app._rt
+        assert "my-profile" in live.strategies
+        caplog.set_level(logging.ERROR, logger="extproc.app")
+        touch_later(path, bad)
+        await wait_reloads(metrics, "error", 1)
+        assert where in caplog.text
+        assert app._rt is live  # the running config (and its strategies) stay in force
     finally:
         await app.stop()
