@@ -7,7 +7,7 @@ request path (parse, tokenize, score, decide, account) is entirely the productio
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from extproc.accounting.podstats import PodStatsTracker
 from extproc.app import build_endpoints
 from extproc.config import Config, load_config_text
 from extproc.director.director import Director, ModelRuntime
+from extproc.director.lifecycle import PreRequestStep
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
@@ -88,6 +89,7 @@ def build_director(
     inline_threshold_chars: int = 2048,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
+    pre_request_steps: Sequence[PreRequestStep] = (),
 ) -> DirectorKit:
     config = load_config_text(text)
     registry = CollectorRegistry()
@@ -126,5 +128,6 @@ def build_director(
         metrics=metrics,
         clock=clock,
         wall_clock=wall_clock,
+        pre_request_steps=pre_request_steps,
     )
     return DirectorKit(director, metrics, registry, pools, config)
