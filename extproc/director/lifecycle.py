@@ -79,7 +79,9 @@ class Outgoing:
     model: str | None = None  # the served model name written into the body
     include_usage: bool = False  # ask a streaming engine for `usage` in its last event
     kv_transfer_params: Mapping[str, Any] | None = None  # P/D: the prefill's KV handle
-    set_headers: dict[str, str] = field(default_factory=dict)  # response to Envoy
+    # Headers Envoy sets on the request it forwards (it echoes the session and explain ones
+    # to the client).
+    set_headers: dict[str, str] = field(default_factory=dict)
     routed: RoutedRequest | None = None  # dynamic metadata for the access log
 
     def body(self, original: Mapping[str, Any]) -> bytes | None:
