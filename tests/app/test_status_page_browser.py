@@ -1,0 +1,142 @@
+"""The status page in a real headless Chromium against the real local stack: 4 simulated pods,
+2 server processes sharing state over NATS, Envoy in front. The page shows the 4 pods, then,
+without being reloaded, the decisions and counters that traffic produces; the model's name
+is hostile markup and is shown as text, never run.
+
+Set EXTPROC_STATUS_SCREENSHOT=docs/img/status-page.png to refresh the documentation's image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from extproc.stack.local import LocalStack
+from tests.app._browser import CHROMIUM, chromium_page
+from tests.e2e.harness import running_stack, stack_options, wait_for
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        shutil.which(CHROMIUM) is None,
+        reason=f"no Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does)",
+    ),
+]
+
+HOSTILE = 'qwen3<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+REQUESTS = 24
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    opts = stack_options(
+        tmp_path_factory.mktemp("status-page"), sims=4, extproc_processes=2, model=HOSTILE
+    )
+    with running_stack(opts) as s:
+        yield s
+
+
+def admin_url(stack: LocalStack, process: int) -> str:
+    o = stack.options
+    return f"http://{o.host}:{o.metrics_port + process}"
+
+
+async def send_traffic(stack: LocalStack, n: int) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+
+        async def one(i: int) -> None:
+            body = {
+                "model": HOSTILE,
+                "messages": [{"role": "user", "content": f"tell me about request {i}"}],
+                "max_tokens": 8,
+            }
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStack) -> None:
+    o = stack.options
+    pods = {o.sim_address(i) for i in range(o.sims)}
+    # Both processes see every pod before the page opens (Envoy spreads the traffic over both).
+    for process in (0, 1):
+        assert wait_for(
+            lambda p=process: all(
+                e["ready"] for e in httpx.get(f"{admin_url(stack, p)}/debug/endpoints").json()
+            ),
+            timeout=20,
+        )
+    async with chromium_page() as page:
+        await page.navigate(f"{admin_url(stack, 0)}/")
+        await page.wait_for("document.querySelectorAll('tr.endpoint').length === 4")
+        shown = await page.evaluate(
+            "[...document.querySelectorAll('tr.endpoint')].map(tr => tr.dataset.address)"
+        )
+        assert set(shown) == pods
+        states = await page.evaluate(
+            "[...document.querySelectorAll('tr.endpoint .badge')].map(b => b.textContent)"
+        )
+        assert states == ["ready"] * 4
+        assert await page.evaluate("document.getElementById('conn').textContent") == "live"
+        assert await page.evaluate("document.querySelectorAll('tr.decision').length") == 0
+        count_before = await page.evaluate("document.getElementById('decisions-count').textContent")
+        assert count_before.startswith("(0 since start")
+
+        # The hostile model name is text: shown verbatim, nothing from it ran or was parsed.
+        heading = await page.evaluate("document.querySelector('#endpoints h3').textContent")
+        assert HOSTILE in heading
+        assert await page.evaluate("typeof window.__pwned") == "undefined"
+        assert await page.evaluate("document.querySelectorAll('script').length") == 1
+        assert await page.evaluate("document.querySelectorAll('img').length") == 0
+
+        # A marker that a reload would wipe: the page must update in place.
+        await page.evaluate("window.__sameDocument = 'yes'")
+        await send_traffic(stack, REQUESTS)
+
+        rows = await page.wait_for(
+            "document.querySelectorAll('tr.decision').length > 0 && "
+            "document.querySelectorAll('tr.decision').length"
+        )
+        count_after = await page.evaluate("document.getElementById('decisions-count').textContent")
+        assert count_after != count_before
+        await page.wait_for(
+            "[...document.querySelectorAll('tr.endpoint')]"
+            ".some(tr => tr.lastChild.textContent.startsWith('picked'))"
+        )
+        assert await page.evaluate("window.__sameDocument") == "yes"
+        assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
+        picks = await page.evaluate(
+            "[...document.querySelectorAll('tr.decision')].map(tr => tr.children[4].textContent)"
+        )
+        assert set(picks) <= pods and len(picks) == rows
+        models = await page.evaluate(
+            "[...document.querySelectorAll('tr.decision')].map(tr => tr.children[2].textContent)"
+        )
+        assert set(models) == {HOSTILE}
+        assert await page.evaluate("typeof window.__pwned") == "undefined"
+        note = await page.evaluate("document.getElementById('process-note').textContent")
+        assert "2 processes share routing state" in note
+
+        config = await page.evaluate("document.getElementById('config').textContent")
+        assert orjson.loads(config)["models"][0]["name"] == HOSTILE
+
+        png = await page.screenshot()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+        target = os.environ.get("EXTPROC_STATUS_SCREENSHOT")
+        if target:
+            await asyncio.to_thread(Path(target).write_bytes, png)
+
+    # Each process keeps its own decisions: together they made exactly one per request.
+    async with httpx.AsyncClient() as client:
+        totals = [(await client.get(f"{admin_url(stack, p)}/status.json")).json() for p in (0, 1)]
+    assert sum(t["decisions"]["total"] for t in totals) == REQUESTS
+    assert totals[0]["replica"] != totals[1]["replica"]
+    assert sorted(totals[0]["processes"]["members"]) == sorted(t["replica"] for t in totals)
