@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.base import PodState, PodStats, ProfileResult, RoutingRequest, Snapshot
 from extproc.routing.builtin import default_registry
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.session import decode_session
@@ -457,6 +457,11 @@ def test_pd_splits_prefill_and_decode(registry: StrategyRegistry) -> None:
     assert d.prefill is not None and d.prefill.address == B  # cache hit outweighs one request
     assert d.endpoint.address == D
     assert [e.address for e in d.ranked][:2] == [D, C]
+    # Two profiles, each ranked best first: prefill pods only, decode pods only.
+    assert [p.name for p in d.profiles] == ["prefill", "decode"] and d.disaggregated
+    prefill, decode = d.profiles
+    assert [e.address for e in prefill.ranked] == [B, A]
+    assert [e.address for e in decode.ranked] == [D, C]
 
 
 def test_pd_without_prefill_pod_says_so(registry: StrategyRegistry) -> None:
@@ -469,12 +474,39 @@ def test_pd_without_prefill_pod_says_so(registry: StrategyRegistry) -> None:
     assert d.prefill is None
     assert d.endpoint.address == C
     assert "no prefill pod" in d.reason
+    # Still a P/D answer (the director counts the fallback): an empty prefill profile.
+    assert d.disaggregated and d.profile("prefill") == ProfileResult("prefill", ())
 
 
 def test_pd_only_prefill_pods(registry: StrategyRegistry) -> None:
     d = route(registry, "pd", req(), snap(pod(A, role=EndpointRole.PREFILL)))
     assert d.prefill is None and d.endpoint.address == A
     assert "no decode or both pod" in d.reason
+
+
+def test_only_pd_answers_with_profiles(registry: StrategyRegistry) -> None:
+    pods = snap(pod(A, role=EndpointRole.PREFILL), pod(B, role=EndpointRole.DECODE))
+    for name in registry.names():
+        d = route(registry, name, req(prompt_tokens=16), pods)
+        assert d.disaggregated is (name == "pd"), name
+        assert d.disaggregated is registry.resolve(name).capabilities.disaggregated
+
+
+def test_profile_times_each_plugin_in_order(registry: StrategyRegistry) -> None:
+    spec = {
+        "filters": [{"type": "low-queue"}],
+        "scorers": [{"type": "queue", "weight": 2}, {"type": "prefix", "name": "cache"}],
+        "picker": {"type": "softmax"},
+    }
+    registry.add_profile("timed", spec)
+    d = route(registry, "timed", req(prompt_tokens=16), snap(pod(A, waiting=1), pod(B)))
+    assert [(r.kind, r.type_name, r.name) for r, _ in d.timings] == [
+        ("filter", "low-queue", "low-queue"),
+        ("scorer", "queue", "queue"),
+        ("scorer", "prefix", "cache"),
+        ("picker", "softmax", "softmax"),
+    ]
+    assert all(ns >= 0 for _, ns in d.timings)
 
 
 def test_session_affinity_honours_known_and_replaces_unknown(registry: StrategyRegistry) -> None:
