@@ -5,9 +5,11 @@ Enough of the real wire behaviour for the official `kubernetes` client: JSON lis
 that resume after a resourceVersion, honour label/field selectors (an object leaving the
 selector is DELETED for that watch, entering it is ADDED), send BOOKMARKs on request, and
 answer an expired resourceVersion with an ERROR event carrying a 410 Status; POST of core
-Events (409 on a duplicate name). It runs aiohttp on its own thread and loop, so tests
-can drive blocking client code; `go_down()`/`come_back()` simulate an outage on the
-same port.
+Events (409 on a duplicate name); GET of one object by name; and the pod proxy
+(`/api/v1/namespaces/{ns}/pods/{name}[:{port}]/proxy/{path}`), which forwards the request to
+the pod's IP and port over real HTTP, as the API server does (503 when the pod does not
+answer). It runs aiohttp on its own thread and loop, so tests can drive blocking client
+code; `go_down()`/`come_back()` simulate an outage on the same port.
 """
 
 from __future__ import annotations
@@ -22,16 +24,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-__all__ = ["PODS", "POOLS", "ROUTES", "FakeApiServer"]
+__all__ = ["CONFIGMAPS", "EVENTS", "PODS", "POOLS", "ROUTES", "FakeApiServer"]
 
 Resource = tuple[str, str, str]  # (group, version, plural); group "" is the core API
 PODS: Resource = ("", "v1", "pods")
 POOLS: Resource = ("inference.networking.k8s.io", "v1", "inferencepools")
 ROUTES: Resource = ("gateway.networking.k8s.io", "v1", "httproutes")
 EVENTS: Resource = ("", "v1", "events")
-_KINDS = {PODS: "Pod", POOLS: "InferencePool", ROUTES: "HTTPRoute", EVENTS: "Event"}
+CONFIGMAPS: Resource = ("", "v1", "configmaps")
+_KINDS = {
+    PODS: "Pod",
+    POOLS: "InferencePool",
+    ROUTES: "HTTPRoute",
+    EVENTS: "Event",
+    CONFIGMAPS: "ConfigMap",
+}
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,17 +249,79 @@ class FakeApiServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path, dict(request.query)))
         self.headers.append(dict(request.headers))
+        proxied = self._parse_proxy_path(request.path)
+        if proxied is not None:
+            return await self._proxy(request, *proxied)
         parsed = self._parse_path(request.path)
         if parsed is None or parsed[0] not in _KINDS:
             return self._status(404, "NotFound", f"the server could not find {request.path}")
         resource, namespace, name = parsed
         if request.method == "POST" and resource == EVENTS and namespace and name is None:
             return await self._create_event(request, namespace)
+        if request.method == "GET" and name is not None and namespace is not None:
+            return self._get(resource, namespace, name)
         if request.method != "GET" or name is not None:
             return self._status(405, "MethodNotAllowed", "not supported by the fake")
         if request.query.get("watch") in ("true", "1"):
             return await self._watch(request, resource, namespace)
         return self._list(request, resource, namespace)
+
+    def _get(self, resource: Resource, namespace: str, name: str) -> web.Response:
+        with self._lock:
+            obj = copy.deepcopy(self._objects.get(resource, {}).get((namespace, name)))
+        if obj is None:
+            plural = resource[2]
+            return self._status(404, "NotFound", f'{plural} "{name}" not found')
+        return web.json_response(obj)
+
+    @staticmethod
+    def _parse_proxy_path(path: str) -> tuple[str, str, int | None, str] | None:
+        """(namespace, pod, port or None, path on the pod) of a pod proxy request."""
+        parts = path.split("/")
+        # "", "api", "v1", "namespaces", ns, "pods", name[:port], "proxy", rest...
+        if parts[1:3] != ["api", "v1"] or len(parts) < 8:
+            return None
+        if parts[3] != "namespaces" or parts[5] != "pods" or parts[7] != "proxy":
+            return None
+        target = parts[6].split(":")  # name, name:port or scheme:name:port
+        if target[0] in ("http", "https") and len(target) == 3:
+            target = target[1:]
+        if len(target) > 2 or (len(target) == 2 and not target[1].isdigit()):
+            return None
+        port = int(target[1]) if len(target) == 2 else None
+        return parts[4], target[0], port, "/" + "/".join(parts[8:])
+
+    async def _proxy(
+        self, request: web.Request, namespace: str, name: str, port: int | None, path: str
+    ) -> web.Response:
+        with self._lock:
+            pod = copy.deepcopy(self._objects.get(PODS, {}).get((namespace, name)))
+        if pod is None:
+            return self._status(404, "NotFound", f'pods "{name}" not found')
+        ip = (pod.get("status") or {}).get("podIP")
+        if port is None:  # the API server takes the pod's first declared port
+            containers = (pod.get("spec") or {}).get("containers") or [{}]
+            port = ((containers[0].get("ports") or [{}])[0]).get("containerPort", 80)
+        if not ip:
+            return self._status(503, "ServiceUnavailable", f"pod {name} has no IP yet")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers.pop("Authorization", None)  # the API server's credentials stay with it
+        url = f"http://{ip}:{port}{path}"
+        body = await request.read()
+        try:
+            async with (
+                ClientSession(timeout=ClientTimeout(total=30)) as session,
+                session.request(
+                    request.method, url, params=request.query, data=body, headers=headers
+                ) as upstream,
+            ):
+                data = await upstream.read()
+                ctype = upstream.headers.get("Content-Type", "application/octet-stream")
+                return web.Response(
+                    status=upstream.status, body=data, headers={"Content-Type": ctype}
+                )
+        except (ClientError, OSError) as exc:
+            return self._status(503, "ServiceUnavailable", f"error trying to reach service: {exc}")
 
     def _status(self, code: int, reason: str, message: str) -> web.Response:
         return web.json_response(self._status_body(code, reason, message), status=code)

@@ -1,0 +1,474 @@
+"""`kubectl extproc`: the router's view from the command line, through the Kubernetes API.
+
+    kubectl extproc status [--pod NAME] [-o table|json]
+    kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME]
+    kubectl extproc config [--pod NAME] [-o yaml|json]
+
+Installed with the package as the `kubectl-extproc` script, which kubectl finds on PATH.
+The router replicas are the pods matching `--selector` in `--namespace`; each one's admin
+port (the container port named `metrics`, or `--port`) is reached through the API server's
+pod proxy (`/api/v1/namespaces/NS/pods/NAME:PORT/proxy/...`) with the kubeconfig's
+credentials: the caller needs `get` and `create` on `pods/proxy` in that namespace, nothing
+is exposed further. Every string that came from the cluster is stripped of control
+characters before it reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import quote
+
+import yaml
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from extproc.config import ANNOTATION_PREFIX, parse_route_annotations
+from extproc.discovery.kubernetes import (
+    ROUTE_GROUP,
+    ROUTE_PLURAL,
+    ROUTE_VERSION,
+    make_api_client,
+    pod_is_routable,
+)
+
+__all__ = ["KubectlError", "Replica", "main"]
+
+DEFAULT_NAMESPACE = "extproc"  # deploy/base
+DEFAULT_SELECTOR = "app.kubernetes.io/name=extproc"
+ADMIN_PORT_NAME = "metrics"
+DEFAULT_ADMIN_PORT = 9090
+TIMEOUT_S = 10.0
+
+
+class KubectlError(RuntimeError):
+    """Something the user can act on: printed as one line, exit status 1."""
+
+
+def _printable(value: object) -> str:
+    """A cluster-supplied value made safe for a terminal: no escape sequences."""
+    text = str(value)
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replica:
+    name: str
+    port: int
+    ready: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Cluster:
+    """The calls the plugin makes, on one configured `ApiClient`."""
+
+    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.core = k8s.CoreV1Api(api)
+        self.custom = k8s.CustomObjectsApi(api)
+
+    def replicas(self, selector: str, port: int | None) -> list[Replica]:
+        listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
+        pods = [self.api.sanitize_for_serialization(p) for p in listed.items]  # type: ignore[no-untyped-call]
+        out = []
+        for pod in sorted(pods, key=lambda p: str(p["metadata"]["name"])):
+            admin = port or _named_port(pod) or DEFAULT_ADMIN_PORT
+            out.append(Replica(str(pod["metadata"]["name"]), admin, pod_is_routable(pod)))
+        return out
+
+    def proxy(
+        self,
+        replica: Replica,
+        path: str,
+        *,
+        method: str = "GET",
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        """One request to the replica's admin port through the API server's pod proxy."""
+        resource = (
+            f"/api/v1/namespaces/{quote(self.namespace, safe='')}/pods/"
+            f"{quote(replica.name, safe='')}:{replica.port}/proxy{path}"
+        )
+        request = self.api.param_serialize(
+            method,
+            resource,
+            query_params=list((query or {}).items()),
+            header_params={"Accept": "application/json", **(headers or {})},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self.api.call_api(*request, _request_timeout=TIMEOUT_S)
+            data = response.read()  # type: ignore[no-untyped-call]
+        except (ApiException, Urllib3Error, OSError) as exc:
+            raise KubectlError(f"{replica.name}: the API server did not answer: {exc}") from exc
+        return Reply(response.status, bytes(data or b""))
+
+    def routes(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+        listed: Any
+        if not namespaces:
+            listed = self.custom.list_cluster_custom_object(
+                ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL
+            )
+            return list(listed.get("items") or [])
+        items: list[dict[str, Any]] = []
+        for ns in namespaces:
+            listed = self.custom.list_namespaced_custom_object(
+                ROUTE_GROUP, ROUTE_VERSION, ns, ROUTE_PLURAL
+            )
+            items += listed.get("items") or []
+        return items
+
+    def route_events(self, namespace: str) -> list[Any]:
+        events = self.core.list_namespaced_event(namespace).items
+        return [
+            e
+            for e in events
+            if e.reason == "InvalidAnnotation"
+            and e.involved_object is not None
+            and e.involved_object.kind == "HTTPRoute"
+        ]
+
+    def config_map(self, name: str) -> dict[str, str]:
+        cm = self.core.read_namespaced_config_map(name, self.namespace)
+        return dict(cm.data or {})
+
+    def mounted_config_maps(self, pod: str) -> list[str]:
+        spec = self.core.read_namespaced_pod(pod, self.namespace).spec
+        volumes = (spec.volumes if spec is not None else None) or []
+        return [str(v.config_map.name) for v in volumes if v.config_map is not None]
+
+
+def _named_port(pod: Mapping[str, Any]) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == ADMIN_PORT_NAME:
+                return int(port["containerPort"])
+    return None
+
+
+def _pick(replicas: Sequence[Replica], name: str | None) -> list[Replica]:
+    if name is not None:
+        chosen = [r for r in replicas if r.name == name]
+        if not chosen:
+            known = ", ".join(r.name for r in replicas) or "none"
+            raise KubectlError(f"no router pod {name!r} (pods: {known})")
+        return chosen
+    ready = [r for r in replicas if r.ready]
+    if not ready:
+        raise KubectlError("no ready router pod (check `kubectl get pods` and --selector)")
+    return ready
+
+
+# -- status ------------------------------------------------------------------------------
+
+STATUS_COLUMNS = (
+    ("REPLICA", "replica"),
+    ("MODEL", "model"),
+    ("ENDPOINT", "address"),
+    ("ROLE", "role"),
+    ("READY", "ready"),
+    ("METRICS AGE", "metrics_age_s"),
+    ("IN FLIGHT", "in_flight"),
+    ("STALLED", "stalled"),
+    ("KV EVENTS", "kv_events_healthy"),
+    ("LAST ERROR", "last_error"),
+)
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "metrics_age_s" and isinstance(value, int | float):
+        return f"{value:.1f}s"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return _printable(value)
+
+
+def _table(rows: Iterable[Sequence[str]], out: TextIO) -> None:
+    rows = list(rows)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
+    failed = 0
+    report: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    chosen = _pick(replicas, args.pod)
+    for replica in replicas:
+        if replica not in chosen and not args.pod:
+            notes.append(f"{replica.name}: not ready, skipped")
+    for replica in chosen:
+        try:
+            reply = cluster.proxy(replica, "/debug/endpoints")
+        except KubectlError as exc:
+            notes.append(str(exc))
+            failed += 1
+            continue
+        if reply.status != 200:
+            notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(reply.body[:200])}")
+            failed += 1
+            continue
+        endpoints = reply.json()
+        report[replica.name] = endpoints
+        rows += [{"replica": replica.name, **e} for e in endpoints]
+    if args.output == "json":
+        json.dump({"replicas": report, "errors": notes}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        if rows:
+            header = [title for title, _ in STATUS_COLUMNS]
+            body = [[_cell(k, r.get(k)) for _, k in STATUS_COLUMNS] for r in rows]
+            _table([header, *body], sys.stdout)
+            for model, (ready, total) in _ready_by_model(report).items():
+                sys.stdout.write(
+                    f"{_printable(model)}: {ready}/{total} endpoints ready "
+                    f"(on at least one replica)\n"
+                )
+        elif not notes:
+            sys.stdout.write("no endpoints\n")
+        for note in notes:
+            sys.stderr.write(_printable(note) + "\n")
+    return 1 if failed else 0
+
+
+def _ready_by_model(report: Mapping[str, list[dict[str, Any]]]) -> dict[str, tuple[int, int]]:
+    seen: dict[str, dict[str, bool]] = {}
+    for endpoints in report.values():
+        for e in endpoints:
+            by_address = seen.setdefault(str(e.get("model")), {})
+            address = str(e.get("address"))
+            by_address[address] = by_address.get(address, False) or bool(e.get("ready"))
+    return {m: (sum(v.values()), len(v)) for m, v in sorted(seen.items())}
+
+
+# -- explain -----------------------------------------------------------------------------
+
+
+def _error_json(message: str, param: str | None = None) -> str:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param}}
+    return json.dumps(body)
+
+
+def cmd_explain(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
+    raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        sys.stdout.write(_error_json(f"BODY is not valid JSON: {exc}", "body") + "\n")
+        return 2
+    if not isinstance(body, dict):
+        sys.stdout.write(_error_json("BODY must be a JSON object", "body") + "\n")
+        return 2
+    replica = _pick(replicas, args.pod)[0]
+    query = {"path": args.path, **({"route": args.route} if args.route else {})}
+    headers = {"Content-Type": "application/json"}
+    if args.strategy:
+        headers["routing-strategy"] = args.strategy
+    reply = cluster.proxy(
+        replica, "/debug/explain", method="POST", query=query, body=body, headers=headers
+    )
+    try:
+        shown = json.dumps(reply.json(), indent=2)
+    except ValueError:
+        shown = _printable(reply.body.decode(errors="replace"))
+    sys.stdout.write(f"# {replica.name}\n{shown}\n")
+    return 0 if reply.status == 200 else 1
+
+
+# -- config ------------------------------------------------------------------------------
+
+
+def _in_force(cluster: Cluster, replica: Replica) -> tuple[dict[str, Any] | None, str]:
+    """(the config the replica runs with and its reload state, where it came from)."""
+    reply = cluster.proxy(replica, "/status.json")
+    if reply.status == 200:
+        config = reply.json().get("config")
+        if isinstance(config, dict):
+            return config, f"{replica.name} /status.json"
+    # The status page is off (server.status_page): show what the pod mounts instead.
+    for name in cluster.mounted_config_maps(replica.name):
+        data = cluster.config_map(name)
+        if "config.yaml" in data:
+            loaded = yaml.safe_load(data["config.yaml"])
+            where = (
+                f"ConfigMap {name} mounted by {replica.name} (the admin port's /status.json "
+                f"answered {reply.status}: enable server.status_page for the config in force "
+                f"and its reload state)"
+            )
+            return {"in_force": loaded, "reload": None}, where
+    return None, f"{replica.name}: no /status.json and no mounted config.yaml"
+
+
+def _route_report(cluster: Cluster, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+    out = []
+    events_by_ns: dict[str, list[Any]] = {}
+    for route in cluster.routes(namespaces):
+        meta = route.get("metadata") or {}
+        annotations = {
+            k: v
+            for k, v in (meta.get("annotations") or {}).items()
+            if k.startswith(ANNOTATION_PREFIX)
+        }
+        ns, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+        if ns not in events_by_ns:
+            events_by_ns[ns] = cluster.route_events(ns)
+        reported = sorted(
+            {
+                str(e.message)
+                for e in events_by_ns[ns]
+                if e.involved_object.name == name
+                and (not e.involved_object.uid or e.involved_object.uid == meta.get("uid"))
+            }
+        )
+        if not annotations and not reported:
+            continue
+        settings, errors = parse_route_annotations(annotations)
+        out.append(
+            {
+                "route": f"{ns}/{name}",
+                "annotations": annotations,
+                "settings": {
+                    k: v for k, v in dataclasses.asdict(settings).items() if v not in (None, {})
+                },
+                "errors": errors,
+                "reported_by_router": reported,
+            }
+        )
+    return out
+
+
+def cmd_config(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
+    replica = _pick(replicas, args.pod)[0]
+    config, source = _in_force(cluster, replica)
+    namespaces: list[str] = []
+    if config is not None:
+        kube = ((config.get("in_force") or {}).get("kubernetes")) or {}
+        namespaces = [str(n) for n in kube.get("namespaces") or []]
+    try:
+        routes = _route_report(cluster, namespaces)
+    except ApiException as exc:
+        routes = []
+        sys.stderr.write(f"cannot list HTTPRoutes: HTTP {exc.status} {_printable(exc.reason)}\n")
+    if args.output == "json":
+        json.dump({"source": source, "config": config, "httproutes": routes}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    out = sys.stdout
+    out.write(f"# config in force, from {_printable(source)}\n")
+    if config is not None:
+        reload = config.get("reload")
+        if reload:
+            out.write(
+                f"# reloads: {reload.get('reloads_ok', 0)} ok, {reload.get('reloads_failed', 0)} "
+                f"failed; last: {_printable(reload.get('last_result') or 'none')}"
+                + (f" ({_printable(reload['last_error'])})" if reload.get("last_error") else "")
+                + "\n"
+            )
+        out.write(yaml.safe_dump(config.get("in_force"), sort_keys=False))
+    out.write(f"# HTTPRoutes with {ANNOTATION_PREFIX}* annotations: {len(routes)}\n")
+    bad = 0
+    for r in routes:
+        problems = sorted(set(r["errors"]) | set(r["reported_by_router"]))
+        bad += bool(problems)
+        settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items())
+        out.write(f"{_printable(r['route'])}: {_printable(settings) or 'defaults'}\n")
+        for problem in problems:
+            out.write(f"  error: {_printable(problem)}\n")
+    return 1 if bad else 0
+
+
+# -- entry point -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kubectl extproc", description="The extproc router's view, through the API server"
+    )
+    p.add_argument("-n", "--namespace", default=None, help="the router's namespace")
+    p.add_argument("--context", default=None)
+    p.add_argument("--kubeconfig", default=None)
+    p.add_argument("-l", "--selector", default=DEFAULT_SELECTOR, help="the router's pods")
+    p.add_argument("--port", type=int, default=None, help="admin port (default: named 'metrics')")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="endpoints and their state, from every ready replica")
+    s.add_argument("--pod", default=None, help="one replica only")
+    s.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    s.set_defaults(func=cmd_status)
+    e = sub.add_parser("explain", help="why the router would route a request body so")
+    e.add_argument("body", help="request body file, or - for stdin")
+    e.add_argument("--path", default="/v1/chat/completions")
+    e.add_argument("--strategy", default=None)
+    e.add_argument("--route", default=None, help="an xDS route name, for that route's settings")
+    e.add_argument("--pod", default=None)
+    e.set_defaults(func=cmd_explain)
+    c = sub.add_parser("config", help="the config in force and HTTPRoute annotation errors")
+    c.add_argument("--pod", default=None)
+    c.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    c.set_defaults(func=cmd_config)
+    return p
+
+
+def _context_namespace(kubeconfig: str | None, context: str | None) -> str | None:
+    try:
+        contexts, active = k8s_config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    except (k8s_config.ConfigException, OSError):
+        return None
+    chosen = next((c for c in contexts if c["name"] == context), active) if context else active
+    namespace = (chosen or {}).get("context", {}).get("namespace")
+    return str(namespace) if namespace else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        api = make_api_client(kubeconfig=args.kubeconfig, context=args.context)
+    except (k8s_config.ConfigException, OSError) as exc:
+        print(f"kubectl extproc: no cluster configuration: {exc}", file=sys.stderr)
+        return 1
+    namespace = (
+        args.namespace or _context_namespace(args.kubeconfig, args.context) or DEFAULT_NAMESPACE
+    )
+    try:
+        with api:
+            cluster = Cluster(api, namespace)
+            replicas = cluster.replicas(args.selector, args.port)
+            if not replicas:
+                raise KubectlError(f"no pod matches {args.selector!r} in namespace {namespace!r}")
+            result: int = args.func(cluster, replicas, args)
+            return result
+    except KubectlError as exc:
+        print(f"kubectl extproc: {_printable(exc)}", file=sys.stderr)
+        return 1
+    except ApiException as exc:
+        print(
+            f"kubectl extproc: API error: HTTP {exc.status} {_printable(exc.reason)}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""`kubectl extproc` against the fake API server, whose pod proxy forwards to the real router
+(a local stack with two server processes): the real `kubernetes` client library, the real
+proxy path and the real admin endpoints; one test runs it through kubectl itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from extproc.kubectl import main
+from extproc.stack.local import LocalStack
+from tests.e2e.harness import running_stack, stack_options, wait_for
+from tests.k8s.fake_apiserver import CONFIGMAPS, EVENTS, PODS, ROUTES, FakeApiServer
+
+pytestmark = pytest.mark.e2e
+
+NS = "extproc"
+LABELS = {"app.kubernetes.io/name": "extproc"}
+BIN = Path(sys.executable).parent
+
+
+def router_pod(
+    name: str, port: int, *, ready: bool = True, namespace: str = NS, config_map: str = "cfg"
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(LABELS)},
+        "spec": {
+            "containers": [
+                {
+                    "name": "extproc",
+                    "ports": [
+                        {"name": "grpc", "containerPort": 9002},
+                        {"name": "metrics", "containerPort": port},
+                    ],
+                }
+            ],
+            "volumes": [{"name": "config", "configMap": {"name": config_map}}],
+        },
+        "status": {
+            "podIP": "127.0.0.1",
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def route(name: str, annotations: dict[str, str], uid: str = "") -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "llm",
+            "uid": uid or f"uid-{name}",
+            "annotations": annotations,
+        },
+        "spec": {},
+    }
+
+
+@dataclass
+class Env:
+    stack: LocalStack
+    api: FakeApiServer
+    kubeconfig: Path
+
+    def run(self, *argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+        code = main(["--kubeconfig", str(self.kubeconfig), *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def proxied(self) -> list[str]:
+        return [path for _, path, _ in self.api.requests if "/proxy/" in path]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("kubectl")
+    opts = stack_options(tmp / "stack", sims=2, extproc_processes=2)
+    api = FakeApiServer()
+    api.start()
+    kubeconfig = tmp / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+                "users": [{"name": "u", "user": {"token": "secret-token-k1"}}],
+                "contexts": [
+                    {"name": "x", "context": {"cluster": "c", "user": "u", "namespace": NS}}
+                ],
+                "current-context": "x",
+            }
+        )
+    )
+    try:
+        with running_stack(opts) as stack:
+            api.apply(PODS, router_pod("extproc-0", opts.metrics_port))
+            api.apply(PODS, router_pod("extproc-1", opts.metrics_port + 1))
+            api.apply(PODS, router_pod("extproc-2", opts.metrics_port + 2, ready=False))
+            api.apply(
+                CONFIGMAPS,
+                {
+                    "metadata": {"name": "cfg", "namespace": NS},
+                    "data": {"config.yaml": stack.config_path.read_text()},
+                },
+            )
+            api.apply(
+                ROUTES,
+                route(
+                    "chat",
+                    {"lb.extproc.io/strategy": "kv-aware", "lb.extproc.io/accounting": "maybe"},
+                    uid="uid-chat",
+                ),
+            )
+            api.apply(ROUTES, route("plain", {"other.io/x": "y"}))
+            api.apply(ROUTES, route("typo", {"lb.extproc.io/strategi": "least-request"}))
+            api.apply(
+                ROUTES,
+                route(
+                    "shady",
+                    {"lb.extproc.io/strategy": "evil\x1b[31m", "lb.extproc.io/profile": "ok"},
+                ),
+            )
+            # What the router posts for a bad annotation (extproc/discovery/kubernetes.py).
+            api.apply(
+                EVENTS,
+                {
+                    "metadata": {"name": "chat.0123", "namespace": "llm"},
+                    "involvedObject": {"kind": "HTTPRoute", "name": "chat", "uid": "uid-chat"},
+                    "reason": "InvalidAnnotation",
+                    "type": "Warning",
+                    "message": "lb.extproc.io/accounting: 'maybe' must be true or false "
+                    "(the route keeps its default for this setting)",
+                },
+            )
+            yield Env(stack, api, kubeconfig)
+    finally:
+        api.close()
+
+
+def test_status_shows_every_ready_replica_through_the_pod_proxy(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = env.run("status", capsys=capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["REPLICA", "MODEL", "ENDPOINT"]
+    o = env.stack.options
+    for replica in ("extproc-0", "extproc-1"):
+        for i in range(o.sims):
+            row = next(ln for ln in lines if ln.startswith(replica) and o.sim_address(i) in ln)
+            assert row.split()[1] == "qwen3" and row.split()[4] == "yes"
+    assert "qwen3: 2/2 endpoints ready" in out
+    assert "extproc-2: not ready, skipped" in err
+    proxied = env.proxied()
+    assert (
+        f"/api/v1/namespaces/{NS}/pods/extproc-0:{o.metrics_port}/proxy/debug/endpoints" in proxied
+    )
+    assert (
+        f"/api/v1/namespaces/{NS}/pods/extproc-1:{o.metrics_port + 1}/proxy/debug/endpoints"
+        in proxied
+    )
+    # The client authenticated with the kubeconfig's token; the proxy did not forward it.
+    assert any(h.get("Authorization") == "Bearer secret-token-k1" for h in env.api.headers)
+
+
+def test_status_json_of_one_replica(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = env.run("status", "--pod", "extproc-1", "-o", "json", capsys=capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert list(report["replicas"]) == ["extproc-1"]
+    addresses = {e["address"] for e in report["replicas"]["extproc-1"]}
+    o = env.stack.options
+    assert addresses == {o.sim_address(i) for i in range(o.sims)}
+
+
+def test_explain_asks_a_replica_why(
+    env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}))
+    code, out, err = env.run("explain", str(body), capsys=capsys)
+    assert code == 0, out + err
+    header, _, shown = out.partition("\n")
+    assert header.startswith("# extproc-")
+    explained = json.loads(shown)
+    o = env.stack.options
+    sims = {o.sim_address(i) for i in range(o.sims)}
+    assert explained["model"] == "qwen3" and explained["pick"] in sims
+    assert {c["address"] for c in explained["candidates"]} == sims
+    assert any(p.endswith("/proxy/debug/explain") for p in env.proxied())
+
+
+def test_explain_reports_bad_input_as_openai_errors(
+    env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = tmp_path / "bad.json"
+    body.write_text("{not json")
+    code, out, _ = env.run("explain", str(body), capsys=capsys)
+    assert code == 2
+    assert json.loads(out)["error"]["type"] == "invalid_request_error"
+    body.write_text(json.dumps({"model": "qwen3", "messages": []}))
+    code, out, _ = env.run("explain", str(body), "--strategy", "no-such-strategy", capsys=capsys)
+    assert code == 1
+    assert "error" in json.loads(out.partition("\n")[2])  # the router's own error, as JSON
+
+
+def test_config_shows_what_is_in_force_and_annotation_errors_per_route(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = env.run("config", capsys=capsys)
+    assert code == 1, err  # routes with errors
+    assert "\x1b" not in out and "\x1b" not in err  # escape sequences from the cluster are cut
+    header = out.splitlines()[0]
+    assert "/status.json" in header
+    assert "models:" in out and "qwen3" in out
+    routes = out[out.index("# HTTPRoutes") :]
+    assert "llm/plain" not in routes
+    chat = routes[routes.index("llm/chat:") :].splitlines()
+    assert "strategy=kv-aware" in chat[0]
+    assert any("lb.extproc.io/accounting: 'maybe' must be true or false" in ln for ln in chat[1:3])
+    assert any("(the route keeps its default" in ln for ln in chat[1:3])  # the router's Event
+    typo = routes[routes.index("llm/typo:") :].splitlines()
+    assert "strategi" in typo[1]
+    assert "llm/shady:" in routes
+
+
+def test_config_json(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = env.run("config", "-o", "json", capsys=capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["reload"] is not None
+    assert [m["name"] for m in report["config"]["in_force"]["models"]] == ["qwen3"]
+    by_route = {r["route"]: r for r in report["httproutes"]}
+    assert set(by_route) == {"llm/chat", "llm/typo", "llm/shady"}
+    assert by_route["llm/chat"]["settings"]["strategy"] == "kv-aware"
+    assert by_route["llm/chat"]["reported_by_router"]
+
+
+def test_config_falls_back_to_the_mounted_config_map_when_the_status_page_is_off(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A replica whose admin port has no /status.json (a simulator answers 404 there).
+    o = env.stack.options
+    env.api.apply(PODS, router_pod("old-0", o.sim_port(0), namespace="old", config_map="old-cfg"))
+    env.api.apply(
+        CONFIGMAPS,
+        {
+            "metadata": {"name": "old-cfg", "namespace": "old"},
+            "data": {"config.yaml": "models: []\n"},
+        },
+    )
+    code, out, _ = env.run("-n", "old", "config", capsys=capsys)
+    assert "ConfigMap old-cfg mounted by old-0" in out and "answered 404" in out
+    assert "models: []" in out
+    assert code == 1  # the routes' errors are still listed
+
+
+def test_a_replica_that_does_not_answer_is_reported_and_the_others_shown(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    o = env.stack.options
+    env.api.apply(PODS, router_pod("a-0", o.metrics_port, namespace="split"))
+    env.api.apply(PODS, router_pod("a-1", 1, namespace="split"))  # nothing listens on port 1
+    code, out, err = env.run("-n", "split", "status", capsys=capsys)
+    assert code == 1
+    assert "a-0" in out and "a-1" not in out
+    assert "a-1" in err
+
+
+def test_no_router_pod_is_a_clear_error(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.run("-l", "app=nothing", "status", capsys=capsys)
+    assert code == 1 and "no pod matches 'app=nothing'" in err
+
+
+def test_a_stale_pod_shows_as_not_ready(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    stack, o = env.stack, env.stack.options
+    stack.kill("sim-1")
+    try:
+
+        def stale() -> bool:
+            eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
+            return any(e["address"] == o.sim_address(1) and not e["ready"] for e in eps)
+
+        assert wait_for(stale, 15)
+        code, out, _ = env.run("status", "--pod", "extproc-0", capsys=capsys)
+        assert code == 0
+        row = next(ln for ln in out.splitlines() if o.sim_address(1) in ln)
+        assert row.split()[4] == "no"
+        assert "qwen3: 1/2 endpoints ready" in out
+    finally:
+        stack.restart("sim-1")
+
+
+def test_kubectl_finds_the_installed_plugin(env: Env) -> None:
+    plugin = shutil.which("kubectl-extproc", path=str(BIN))
+    assert plugin is not None, "kubectl-extproc is not installed: run `make install`"
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run(
+        [kubectl, "extproc", "status", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "KUBECONFIG": str(env.kubeconfig),
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)["replicas"]) == {"extproc-0", "extproc-1"}
