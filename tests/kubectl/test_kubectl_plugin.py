@@ -322,3 +322,38 @@ def test_kubectl_finds_the_installed_plugin(env: Env) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)["replicas"]) == {"extproc-0", "extproc-1"}
+
+
+def _verb_and_resource(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
+    """(verb, api group, resource[/subresource]) of one request, as RBAC sees it."""
+    parts = [p for p in path.split("/") if p]
+    group = "" if parts[0] == "api" else parts[1]
+    rest = parts[2:] if parts[0] == "api" else parts[3:]
+    if rest[:1] == ["namespaces"]:
+        rest = rest[2:]
+    resource = rest[0]
+    if len(rest) >= 3:  # name, then a subresource
+        resource += "/" + rest[2]
+    named = len(rest) >= 2
+    verb = {"GET": "get" if named else "list", "POST": "create"}[method]
+    if query.get("watch") == "true":
+        verb = "watch"
+    return verb, group, resource
+
+
+def test_the_operator_roles_grant_every_call_the_plugin_made(env: Env) -> None:
+    from tests.deploy.test_manifests import render
+
+    granted = {
+        (verb, group, resource)
+        for doc in render("observability")
+        if doc["kind"] in ("Role", "ClusterRole")
+        for rule in doc["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    made = {_verb_and_resource(m, p, q) for m, p, q in env.api.requests}
+    assert ("create", "", "pods/proxy") in made and ("list", "", "events") in made
+    assert made <= granted, f"not granted: {sorted(made - granted)}"
+    assert not {g for g in granted if g[0] not in ("get", "list")} - {("create", "", "pods/proxy")}
