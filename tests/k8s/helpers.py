@@ -5,9 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Recorder", "make_pod", "wait_until"]
+import yaml
+
+__all__ = ["Recorder", "make_pod", "wait_until", "write_kubeconfig"]
 
 
 class Recorder:
@@ -70,3 +73,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+def write_kubeconfig(path: Path, server: str, *, token: str, namespace: str | None = None) -> Path:
+    """A kubeconfig with one context: `server`, a bearer `token`, and a default namespace."""
+    context: dict[str, str] = {"cluster": "c", "user": "u"}
+    if namespace is not None:
+        context["namespace"] = namespace
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "x", "context": context}],
+        "current-context": "x",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path

@@ -6,13 +6,11 @@ import asyncio
 import socket
 from pathlib import Path
 
-import yaml
-
 from extproc.app import App
 from extproc.config import load_config_text
 
 from .fake_apiserver import PODS, ROUTES, FakeApiServer
-from .helpers import make_pod
+from .helpers import make_pod, write_kubeconfig
 
 
 def free_port() -> int:
@@ -32,19 +30,7 @@ async def eventually(cond, within: float = 15.0) -> bool:  # type: ignore[no-unt
 async def test_app_follows_pods_and_httproute_annotations(
     apiserver: FakeApiServer, tmp_path: Path
 ) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": apiserver.url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", apiserver.url, token="t")
     cfg = load_config_text(f"""
 server: {{grpc_port: {free_port()}, metrics_port: {free_port()}}}
 kubernetes: {{watch_httproutes: true, in_cluster: false, kubeconfig: "{kubeconfig}"}}

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client as k8s
 
 from extproc.config import KubernetesDiscoveryConfig
@@ -24,7 +23,7 @@ from extproc.discovery.kubernetes import (
 from extproc.types import Endpoint, EndpointRole
 
 from .fake_apiserver import PODS, POOLS, FakeApiServer
-from .helpers import Recorder, make_pod, wait_until
+from .helpers import Recorder, make_pod, wait_until, write_kubeconfig
 
 SOURCE = PodSource(namespace="llm", selector={"app": "vllm"}, target_ports=(8000,))
 
@@ -285,19 +284,7 @@ async def test_callbacks_run_on_the_given_event_loop(
 def test_a_kubeconfig_client_reaches_the_api_server_with_its_token(
     apiserver: FakeApiServer, recorder: Recorder, tmp_path: Path
 ) -> None:
-    kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": apiserver.url}}],
-                "users": [{"name": "u", "user": {"token": "t0k3n"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "config", apiserver.url, token="t0k3n")
     api = make_api_client(kubeconfig=str(kubeconfig))
     apiserver.apply(PODS, make_pod("p1", "10.0.0.1"))
     discovery = PodDiscovery("qwen", SOURCE, api, recorder)

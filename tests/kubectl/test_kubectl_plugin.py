@@ -9,19 +9,19 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from extproc.kubectl import main
 from extproc.stack.local import LocalStack
 from tests.e2e.harness import running_stack, stack_options, wait_for
 from tests.k8s.fake_apiserver import CONFIGMAPS, EVENTS, PODS, ROUTES, FakeApiServer
+from tests.k8s.helpers import write_kubeconfig
 
 pytestmark = pytest.mark.e2e
 
@@ -88,20 +88,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     opts = stack_options(tmp / "stack", sims=2, extproc_processes=2)
     api = FakeApiServer()
     api.start()
-    kubeconfig = tmp / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-                "users": [{"name": "u", "user": {"token": "secret-token-k1"}}],
-                "contexts": [
-                    {"name": "x", "context": {"cluster": "c", "user": "u", "namespace": NS}}
-                ],
-                "current-context": "x",
-            }
-        )
+    kubeconfig = write_kubeconfig(
+        tmp / "kubeconfig", api.url, token="secret-token-k1", namespace=NS
     )
     try:
         with running_stack(opts) as stack:
@@ -324,7 +312,7 @@ def test_kubectl_finds_the_installed_plugin(env: Env) -> None:
     assert set(json.loads(result.stdout)["replicas"]) == {"extproc-0", "extproc-1"}
 
 
-def _verb_and_resource(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
+def _verb_and_resource(method: str, path: str, query: Mapping[str, str]) -> tuple[str, str, str]:
     """(verb, api group, resource[/subresource]) of one request, as RBAC sees it."""
     parts = [p for p in path.split("/") if p]
     group = "" if parts[0] == "api" else parts[1]
