@@ -417,7 +417,7 @@ class PdStrategy(StrategyPlugin):
                 "no decode or both pod: whole request on a prefill pod by least-request",
                 profiles=(
                     ProfileResult(PREFILL_PROFILE, ()),
-                    ProfileResult(DECODE_PROFILE, tuple(p.endpoint for p in ranked)),
+                    ProfileResult(DECODE_PROFILE, tuple([p.endpoint for p in ranked])),
                 ),
             )
         decode_ranked, note = self._decode_order(pool, rng, scores)
@@ -451,8 +451,8 @@ class PdStrategy(StrategyPlugin):
             "; ".join(notes),
             scores,
             profiles=(
-                ProfileResult(PREFILL_PROFILE, tuple(p.endpoint for p in prefill_ranked)),
-                ProfileResult(DECODE_PROFILE, tuple(p.endpoint for p in decode_ranked)),
+                ProfileResult(PREFILL_PROFILE, tuple([p.endpoint for p in prefill_ranked])),
+                ProfileResult(DECODE_PROFILE, tuple([p.endpoint for p in decode_ranked])),
             ),
         )
 

@@ -313,7 +313,7 @@ class Profile:
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
-            ranked=tuple(p.endpoint for p in ranked),
+            ranked=tuple([p.endpoint for p in ranked]),
             strategy=self.name,
             scores=scores_by_addr,
             reason=reason,

@@ -70,7 +70,7 @@ class StrategyPlugin:
         profiles: tuple[ProfileResult, ...] = (),
     ) -> Decision:
         return Decision(
-            ranked=tuple(p.endpoint for p in ranked),
+            ranked=tuple([p.endpoint for p in ranked]),
             strategy=self.name,
             scores=scores or {},
             reason=reason,
