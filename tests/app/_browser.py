@@ -82,13 +82,19 @@ class Page:
                 raise AssertionError(f"timed out waiting for: {expression}")
             await asyncio.sleep(0.1)
 
-    async def screenshot(self, width: int = 1400, height: int = 900) -> bytes:
-        """The whole page as PNG bytes, laid out `width` pixels wide."""
+    async def screenshot(
+        self, width: int = 1400, height: int = 900, *, max_height: int | None = None
+    ) -> bytes:
+        """The page as PNG bytes, laid out `width` pixels wide: all of it, or its top
+        `max_height` pixels."""
         await self.send(
             "Emulation.setDeviceMetricsOverride",
             width=width, height=height, deviceScaleFactor=1, mobile=False,
         )  # fmt: skip
-        shot = await self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+        params: dict[str, Any] = {"format": "png", "captureBeyondViewport": True}
+        if max_height is not None:
+            params["clip"] = {"x": 0, "y": 0, "width": width, "height": max_height, "scale": 1}
+        shot = await self.send("Page.captureScreenshot", **params)
         return base64.b64decode(shot["data"])
 
     async def close(self) -> None:
