@@ -165,8 +165,6 @@ class LoadGenerator:
                 async with asyncio.timeout(self._max_duration + self._request_timeout):
                     if arrival.kind is ArrivalKind.CLOSED:
                         await self._closed(session, conversations, arrival.concurrency, records)
-                    elif arrival.kind is ArrivalKind.TRACE:
-                        await self._scheduled(session, conversations, arrival, records)
                     else:
                         await self._open(session, conversations, arrival, records)
             except TimeoutError:
@@ -214,51 +212,35 @@ class LoadGenerator:
         arrival: Arrival,
         records: list[RequestRecord],
     ) -> None:
+        """Open loop: Poisson or bursty gaps drawn as it goes, or each conversation's `at_s`."""
+        scheduled = arrival.kind is ArrivalKind.TRACE
+        if scheduled:
+            missing = [c.conversation_id for c in conversations if c.at_s is None]
+            if missing:
+                raise ValueError(f"trace arrivals need at_s on every conversation: {missing[:3]}")
+            conversations = sorted(conversations, key=lambda c: c.at_s or 0.0)
         cap = asyncio.Semaphore(arrival.concurrency) if arrival.concurrency > 0 else None
+
+        async def one(conv: Conversation) -> None:
+            if cap is None:
+                await self._conversation(session, conv, records)
+                return
+            async with cap:
+                await self._conversation(session, conv, records)
 
         async with asyncio.TaskGroup() as tg:
             for conv in conversations:
+                if scheduled:
+                    due = self._t0 + (conv.at_s or 0.0)
+                    if due >= self._deadline:
+                        break
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
                 now = time.perf_counter()
                 if now >= self._deadline:
                     break
-                tg.create_task(self._capped(session, conv, records, cap))
-                await asyncio.sleep(self._next_gap(arrival, now - self._t0))
-
-    async def _capped(
-        self,
-        session: aiohttp.ClientSession,
-        conv: Conversation,
-        records: list[RequestRecord],
-        cap: asyncio.Semaphore | None,
-    ) -> None:
-        if cap is None:
-            await self._conversation(session, conv, records)
-            return
-        async with cap:
-            await self._conversation(session, conv, records)
-
-    async def _scheduled(
-        self,
-        session: aiohttp.ClientSession,
-        conversations: Sequence[Conversation],
-        arrival: Arrival,
-        records: list[RequestRecord],
-    ) -> None:
-        """Open loop on a fixed schedule: each conversation starts at its `at_s`."""
-        missing = [c.conversation_id for c in conversations if c.at_s is None]
-        if missing:
-            raise ValueError(f"trace arrivals need at_s on every conversation: {missing[:3]}")
-        cap = asyncio.Semaphore(arrival.concurrency) if arrival.concurrency > 0 else None
-
-        async with asyncio.TaskGroup() as tg:
-            for conv in sorted(conversations, key=lambda c: c.at_s or 0.0):
-                due = self._t0 + (conv.at_s or 0.0)
-                if due >= self._deadline:
-                    break
-                wait = due - time.perf_counter()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                tg.create_task(self._capped(session, conv, records, cap))
+                tg.create_task(one(conv))
+                if not scheduled:
+                    await asyncio.sleep(self._next_gap(arrival, now - self._t0))
 
     async def _conversation(
         self, session: aiohttp.ClientSession, conv: Conversation, records: list[RequestRecord]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -11,17 +10,7 @@ from tokenizers import Tokenizer
 from bench.loadgen import Arrival, ArrivalKind, Conversation, LoadGenerator, RequestRecord, Turn
 from bench.stats import imbalance, percentile, summarize_records
 from bench.workloads import TextFactory, build_workload
-from extproc.sim import SimConfig, SimServer, StepTimeModel
-from extproc.tokenization import load_tokenizer
-
-
-@pytest.fixture
-async def sim(qwen_tokenizer_dir: Path) -> AsyncIterator[SimServer]:
-    cfg = SimConfig(tokenizer_dir=qwen_tokenizer_dir, port=0, step=StepTimeModel(time_scale=0.01))
-    server = SimServer(cfg, tokenizer=load_tokenizer(qwen_tokenizer_dir))
-    await server.start()
-    yield server
-    await server.stop()
+from extproc.sim import SimServer
 
 
 async def test_multi_turn_records_tokens_timings_and_prefix_reuse(sim: SimServer) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,7 @@ from bench.traces import (
     scale_trace,
 )
 from bench.workloads import TextFactory, build_workload
-from extproc.sim import SimConfig, SimServer, StepTimeModel
-from extproc.tokenization import load_tokenizer
+from extproc.sim import SimServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "bench" / "scenarios"
@@ -262,15 +260,6 @@ def test_the_sample_trace_has_multi_turn_reuse_and_shared_system_prompts(
 
 
 # -- trace arrivals against a real simulator -------------------------------------------------
-
-
-@pytest.fixture
-async def sim(qwen_tokenizer_dir: Path) -> AsyncIterator[SimServer]:
-    cfg = SimConfig(tokenizer_dir=qwen_tokenizer_dir, port=0, step=StepTimeModel(time_scale=0.01))
-    server = SimServer(cfg, tokenizer=load_tokenizer(qwen_tokenizer_dir))
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def test_trace_arrivals_start_in_schedule_order_and_reuse_the_prefix(
