@@ -35,6 +35,7 @@ from extproc.config import (
     ConfigError,
     ModelConfig,
     RouteSettings,
+    RouteTable,
     load_config,
     parse_route_annotations,
 )
@@ -173,10 +174,9 @@ class App:
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
         self.fairness = FairnessCounters()
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
-        self._route_settings: dict[str, RouteSettings] = {}
+        self._routes = RouteTable()  # config-file routes + HTTPRoute annotations
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
         self._discovered: dict[str, tuple[Endpoint, ...]] = {}
-        self._k8s_routes: dict[str, RouteSettings] = {}
         self._discoveries: list[PodDiscovery] = []
         self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
         self._api_client: Any = None
@@ -325,7 +325,7 @@ class App:
         with `kv.set_indexes` (async). Tokenizer pools the new runtime dropped stay open:
         requests the old director is still tokenizing use them."""
         self._rt = rt
-        self._route_settings = {**rt.config.routes, **self._k8s_routes}
+        self._routes = self._routes.with_local(rt.config.routes)
         self._publish_endpoints()
 
     # -- replica sync ---------------------------------------------------------------------------
@@ -408,21 +408,12 @@ class App:
         return manager
 
     def route_settings_for(self, route_name: str | None) -> RouteSettings | None:
-        """Settings of the route Envoy matched: exact route name first, then `<ns>/<name>`."""
-        if not route_name:
-            return self._route_settings.get("default")
-        found = self._route_settings.get(route_name)
-        if found is not None:
-            return found
-        parts = route_name.split("/")
-        if len(parts) >= 3 and parts[0] == "httproute":
-            return self._route_settings.get(f"{parts[1]}/{parts[2]}")
-        return self._route_settings.get("default")
+        """Settings of the route Envoy matched (`RouteTable.lookup` on the live table)."""
+        return self._routes.lookup(route_name)
 
     def set_route_settings(self, settings: Mapping[str, RouteSettings]) -> None:
         """Replace per-route settings (from the HTTPRoute watcher), keeping config-file routes."""
-        self._k8s_routes = dict(settings)
-        self._route_settings = {**self._rt.config.routes, **settings}
+        self._routes = self._routes.with_kubernetes(settings)
 
     def _publish_endpoints(self) -> None:
         by_model = dict(self._rt.static)

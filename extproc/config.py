@@ -34,6 +34,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "RouteSettings",
+    "RouteTable",
     "RoutingConfig",
     "ServerConfig",
     "SyncConfig",
@@ -411,3 +412,41 @@ def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettin
                 "model-map, shed-sheddable, accounting, inject-include-usage)"
             )
     return RouteSettings(**kwargs), errors
+
+
+class RouteTable:
+    """Per-route settings by the route name Envoy sends (the `xds.route_name` attribute): the
+    config file's `routes:` and HTTPRoute annotations (keyed `<namespace>/<name>`; they win on
+    a clash). Immutable: a reload or an HTTPRoute change builds a new table that replaces the
+    old one in one assignment."""
+
+    __slots__ = ("_by_name", "kubernetes", "local")
+
+    def __init__(
+        self,
+        local: Mapping[str, RouteSettings] | None = None,
+        kubernetes: Mapping[str, RouteSettings] | None = None,
+    ) -> None:
+        self.local: Mapping[str, RouteSettings] = dict(local or {})
+        self.kubernetes: Mapping[str, RouteSettings] = dict(kubernetes or {})
+        self._by_name = {**self.local, **self.kubernetes}
+
+    def with_local(self, routes: Mapping[str, RouteSettings]) -> RouteTable:
+        return RouteTable(routes, self.kubernetes)
+
+    def with_kubernetes(self, routes: Mapping[str, RouteSettings]) -> RouteTable:
+        return RouteTable(self.local, routes)
+
+    def lookup(self, route_name: str | None) -> RouteSettings | None:
+        """The exact route name first; for an Envoy Gateway HTTPRoute route name
+        (`httproute/<ns>/<name>/rule/...`) then its `<ns>/<name>`; for any other name, or
+        none, the `default` route's settings."""
+        if not route_name:
+            return self._by_name.get("default")
+        found = self._by_name.get(route_name)
+        if found is not None:
+            return found
+        parts = route_name.split("/")
+        if len(parts) >= 3 and parts[0] == "httproute":
+            return self._by_name.get(f"{parts[1]}/{parts[2]}")
+        return self._by_name.get("default")
