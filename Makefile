@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint proto bench bench-full fuzz soak clean chromium
+.PHONY: install run test test-fast lint proto bench bench-full fuzz soak clean chromium promtool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ install: $(STAMP)
 # Debian's Chromium for the status page's browser test (skipped without it); needs root (CI is).
 chromium:
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+# promtool (from Debian's prometheus package, unpacked: no service is installed or started) for
+# the alert and dashboard PromQL tests.
+promtool: install
+	test -x $(BIN)/promtool || (d=$$(mktemp -d) && cd $$d && \
+	  (apt-get download -qq prometheus || (apt-get update -qq && apt-get download -qq prometheus)) && \
+	  dpkg-deb -x prometheus_*.deb . && install -m 755 usr/bin/promtool $(CURDIR)/$(BIN)/promtool && \
+	  rm -rf $$d)
 
 run: install
 	$(BIN)/extproc up
