@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import Arrival, ArrivalKind, LoadGenerator
-from bench.stats import imbalance, median_of, summarize_records
+from bench.stats import imbalance, median_of, percentile, summarize_records
 from bench.targets import Cluster, FrontDoor, cpu_seconds
 from bench.workloads import TextFactory, build_workload
 from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
@@ -216,6 +216,23 @@ def _mean_ms(before: Mapping[str, float], after: Mapping[str, float], h: str) ->
     return round((after.get(f"{h}_sum", 0.0) - before.get(f"{h}_sum", 0.0)) * 1000 / n, 4)
 
 
+def _engine_ttft_ms(
+    before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]], q: float
+) -> float | None:
+    """TTFT percentile in the engines' model time (queue + prefill steps, no router, no CPU
+    contention) over the requests the simulators finished during the run (last 256 per pod)."""
+    ttfts = []
+    for addr, st in after.items():
+        seen = {r["request_id"] for r in before.get(addr, {}).get("recent", ())}
+        ttfts += [
+            r["sim_ttft_s"] * 1000
+            for r in st.get("recent", ())
+            if r["request_id"] not in seen and r["sim_ttft_s"] >= 0
+        ]
+    v = percentile(ttfts, q)
+    return round(v, 3) if v is not None else None
+
+
 def _steal() -> tuple[float, float]:
     """(steal, total) jiffies from /proc/stat, for the steal share during a run."""
     parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -285,6 +302,8 @@ def _one_run(
         router_cpu_ms_per_req=round(router_cpu * 1000 / n_ok, 4) if door.cpu_pids else None,
         server_decision_ms_mean=_mean_ms(server0, server1, _SERVER_HISTOGRAMS[0]),
         server_tokenize_ms_mean=_mean_ms(server0, server1, _SERVER_HISTOGRAMS[1]),
+        engine_ttft_p50_ms=_engine_ttft_ms(before_sims, after_sims, 50),
+        engine_ttft_p90_ms=_engine_ttft_ms(before_sims, after_sims, 90),
         router_cpu_util=round((cpu1 - cpu0) / result.duration_s, 3) if door.cpu_pids else None,
         proxy_cpu_ms_per_req=round((proxy1 - proxy0) * 1000 / n_ok, 4) if door.proxy_pids else None,
         steal_pct=round(100 * (steal1[0] - steal0[0]) / total_jiffies, 1)
@@ -304,7 +323,7 @@ _AGG_KEYS = (
     "req_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
     "e2e_p99_ms", "itl_p50_ms", "itl_p99_ms", "cache_hit_rate", "engine_hit_rate", "imbalance",
     "router_cpu_ms_per_req", "router_cpu_util", "proxy_cpu_ms_per_req", "steal_pct",
-    "server_decision_ms_mean", "server_tokenize_ms_mean",
+    "server_decision_ms_mean", "server_tokenize_ms_mean", "engine_ttft_p50_ms", "engine_ttft_p90_ms",
 )  # fmt: skip
 
 

@@ -303,13 +303,3 @@ def test_the_new_scenarios_load_full_and_quick(name: str) -> None:
         "sessions": 60, "turns": 5, "user_tokens": 200, "output_tokens": 800
     }  # fmt: skip
     assert higress.loads[0].arrival.concurrency == 20
-
-
-def test_a_run_can_keep_named_variants_only() -> None:
-    sc = load_scenario(SCENARIOS / "higress.yaml", only_variants=["envoy-rr", "prefix-cache"])
-    assert [v.name for v in sc.variants] == ["envoy-rr", "prefix-cache"]
-    assert sc.baseline == "envoy-rr"
-    sc = load_scenario(SCENARIOS / "higress.yaml", only_variants=["prefix-cache"])
-    assert sc.baseline is None  # no ratios without the baseline in the run
-    with pytest.raises(ValueError, match="no variants"):
-        load_scenario(SCENARIOS / "higress.yaml", only_variants=["nope"])

@@ -1,0 +1,37 @@
+"""The scenario runner's own pieces: variant selection and the engine-side TTFT split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.scenario import _engine_ttft_ms, load_scenario
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
+
+
+def test_a_run_can_keep_named_variants_only() -> None:
+    sc = load_scenario(SCENARIOS / "higress.yaml", only_variants=["envoy-rr", "prefix-cache"])
+    assert [v.name for v in sc.variants] == ["envoy-rr", "prefix-cache"]
+    assert sc.baseline == "envoy-rr"
+    sc = load_scenario(SCENARIOS / "higress.yaml", only_variants=["prefix-cache"])
+    assert sc.baseline is None  # no ratios without the baseline in the run
+    with pytest.raises(ValueError, match="no variants"):
+        load_scenario(SCENARIOS / "higress.yaml", only_variants=["nope"])
+
+
+def _stats(*reqs: tuple[str, float]) -> dict[str, Any]:
+    return {"recent": [{"request_id": i, "sim_ttft_s": t} for i, t in reqs]}
+
+
+def test_engine_ttft_counts_only_requests_finished_during_the_run() -> None:
+    before = {"a": _stats(("old", 9.0))}
+    after = {
+        "a": _stats(("old", 9.0), ("a1", 0.010), ("a2", 0.030)),
+        "b": _stats(("b1", 0.020), ("b2", -1.0)),  # -1: aborted before its first token
+    }
+    assert _engine_ttft_ms(before, after, 50) == 20.0
+    assert _engine_ttft_ms(before, after, 100) == 30.0
+    assert _engine_ttft_ms(after, after, 50) is None
