@@ -232,6 +232,7 @@ async def test_the_decision_ring_keeps_the_newest_and_counts_all() -> None:
     assert scores["10.0.0.1:8000"]["scores"] == {"x": 0.4} and scores["10.0.0.1:8000"]["picked"]
     assert scores["10.0.0.2:8000"]["scores"] == {} and not scores["10.0.0.2:8000"]["picked"]
     assert next(log.newest_first()).to_json()["pick"] == "10.0.0.1:8000"
+    assert list(log.recent_scores(endpoints=2)) == ["10.0.0.1:8000", "10.0.0.2:8000"]
 
 
 def test_the_page_builds_its_dom_with_text_only() -> None:
