@@ -49,7 +49,7 @@ def _params(kind: PluginKind, type_name: str) -> st.SearchStrategy[dict[str, Any
     return st.dictionaries(st.sampled_from([*keys, "bogus"]), values, max_size=3)
 
 
-def _item(kind: PluginKind, weight: bool = False) -> st.SearchStrategy[dict[str, Any]]:
+def _item(kind: PluginKind, weight: bool = False) -> st.SearchStrategy[Any]:
     def build(type_name: str) -> st.SearchStrategy[dict[str, Any]]:
         optional: dict[str, st.SearchStrategy[Any]] = {
             "params": _params(kind, type_name) | values,
@@ -59,7 +59,8 @@ def _item(kind: PluginKind, weight: bool = False) -> st.SearchStrategy[dict[str,
             optional["weight"] = values
         return st.fixed_dictionaries({"type": st.just(type_name)}, optional=optional)
 
-    return _names(kind).flatmap(build) | values
+    items: st.SearchStrategy[Any] = _names(kind).flatmap(build)
+    return items | values
 
 
 profile = st.fixed_dictionaries(
