@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,18 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.app import App
 from extproc.config import load_config_text
+from tests.app._engines import free_port, serve_metrics
 
 VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 1.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -36,12 +30,7 @@ async def engine_metrics() -> AsyncIterator[tuple[int, dict[str, bool]]]:
             return web.Response(status=500)
         return web.Response(text=VLLM_METRICS)
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await serve_metrics(metrics)
     try:
         yield port, state
     finally:

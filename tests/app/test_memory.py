@@ -11,7 +11,7 @@ import pytest
 from extproc.app import App
 from extproc.config import load_config_text
 from extproc.memdiag import MemoryDiagnostics, rss_bytes
-from tests.app.test_health import free_port
+from tests.app._engines import free_port
 
 
 class Retained:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -24,15 +23,10 @@ from extproc.config import load_config, load_config_text
 from extproc.director.api import RequestHead, RouteResult
 from extproc.director.lifecycle import Outgoing
 from extproc.routing.base import Decision
+from tests.app._engines import free_port, serve_metrics
 from tests.director._prepared import model_runtime, pod, prepared
 
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def exposition(running: int, kv: float) -> str:
@@ -53,12 +47,7 @@ async def engines() -> AsyncIterator[list[int]]:
         async def metrics(_r: web.Request, text: str = exposition(running, kv)) -> web.Response:
             return web.Response(text=text)
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await serve_metrics(metrics)
         runners.append(runner)
         ports.append(port)
     try:
