@@ -33,6 +33,7 @@ from extproc.routing.base import (
 from extproc.routing.builtin import default_registry
 from extproc.tokenization import CharEstimateTokenizer, TokenizerPool
 from extproc.types import Endpoint, EngineMetrics
+from tests.reliability._director import sample
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 CHAT = "/v1/chat/completions"
@@ -53,12 +54,7 @@ class Parts:
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
 
     def sample(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for family in self.registry.collect():
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return sample(self.registry, name, **labels)
 
 
 @contextmanager

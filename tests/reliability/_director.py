@@ -73,12 +73,17 @@ class DirectorKit:
             pool.close()
 
     def sample(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for family in self.registry.collect():
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return sample(self.registry, name, **labels)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
 
 
 def build_director(
