@@ -69,7 +69,6 @@ class PreparedRequest:
     pods: tuple[PodState, ...]
     tokenize_s: float
     estimated: bool  # prompt_tokens is an estimate, not the tokenizer's count
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
