@@ -227,11 +227,15 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
             notes.append(str(exc))
             failed += 1
             continue
-        if reply.status != 200:
-            notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(reply.body[:200])}")
+        try:
+            endpoints = reply.json() if reply.status == 200 else None
+        except ValueError:
+            endpoints = None
+        if not isinstance(endpoints, list):
+            text = reply.body[:200].decode(errors="replace")
+            notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(text)}")
             failed += 1
             continue
-        endpoints = reply.json()
         report[replica.name] = endpoints
         rows += [{"replica": replica.name, **e} for e in endpoints]
     if args.output == "json":

@@ -261,10 +261,11 @@ def test_a_replica_that_does_not_answer_is_reported_and_the_others_shown(
     o = env.stack.options
     env.api.apply(PODS, router_pod("a-0", o.metrics_port, namespace="split"))
     env.api.apply(PODS, router_pod("a-1", 1, namespace="split"))  # nothing listens on port 1
+    env.api.apply(PODS, router_pod("a-2", o.sim_port(0), namespace="split"))  # not a router
     code, out, err = env.run("-n", "split", "status", capsys=capsys)
     assert code == 1
-    assert "a-0" in out and "a-1" not in out
-    assert "a-1" in err
+    assert "a-0" in out and "a-1" not in out and "a-2" not in out
+    assert "a-1: HTTP 503" in err and "a-2: HTTP 404" in err
 
 
 def test_no_router_pod_is_a_clear_error(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
