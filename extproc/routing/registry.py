@@ -7,7 +7,7 @@ specs raise `BadRequest` with param "routing-strategy" (AIBrix answers 400 too).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from extproc.routing.base import Strategy
 from extproc.routing.framework import (
@@ -40,35 +40,29 @@ class StrategyRegistry:
         strategy_params: Mapping[str, Mapping[str, object]] | None = None,
         profiles: Mapping[str, Mapping[str, object]] | None = None,
         builtin: Mapping[str, Mapping[str, object]] | None = None,
-        extra: Iterable[Strategy] = (),
         where: str = "routing",
     ) -> None:
         self._plugins = plugins
         self._named: dict[str, Strategy] = {}
-        params = strategy_params or {}
         types = plugins.type_names("strategy")
-        for key in params:
+        params: dict[str, Mapping[str, object]] = {}
+        for key, value in (strategy_params or {}).items():
             if plugins.canonical("strategy", key) not in types:
                 raise PluginConfigError(
                     f"{where}.strategy_params.{key}: unknown strategy {key!r} "
                     f"(known: {', '.join(types)})"
                 )
-        for type_name in types:
+            params[plugins.canonical("strategy", key)] = value
+        for type_name in types:  # one instance per type, named by it (unique by registration)
             at = f"{where}.strategy_params.{type_name}"
-            strategy = plugins.create("strategy", type_name, params.get(type_name), params_where=at)
-            self._add(strategy, at)
-        for s in extra:
-            self._add(s, f"strategy {s.name!r}")
+            self._named[type_name] = plugins.create(
+                "strategy", type_name, params.get(type_name), params_where=at
+            )
         for name, spec in (builtin or {}).items():
             self.add_profile(name, spec, where=f"builtin profile {name}")
         for name, spec in (profiles or {}).items():
             self.add_profile(name, spec, where=f"{where}.profiles.{name}")
         self._specs: dict[str, Strategy] = {}
-
-    def _add(self, strategy: Strategy, where: str) -> None:
-        if strategy.name in self._named:
-            raise PluginConfigError(f"{where}: name {strategy.name!r} is already used")
-        self._named[strategy.name] = strategy
 
     def add_profile(self, name: str, spec: Mapping[str, object], where: str | None = None) -> None:
         """Add a YAML-declared profile; raises PluginConfigError naming the bad key."""
