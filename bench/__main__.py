@@ -4,7 +4,8 @@ quick  the reduced suite (`make bench`, under 10 minutes on 2 cores)
 full   every scenario at full size (about an hour; see docs/benchmarks.md), then `accounting`
 run    named scenarios (file stems under bench/scenarios/, or `accounting`: bench/accounting.py,
        ~3 minutes with --quick, ~8 without; or `replicas`: bench/replicas.py, 1 against 2
-       and 4 server processes with and without state sync), full size unless --quick
+       and 4 server processes with and without state sync), full size unless --quick;
+       --variants a,b and --repetitions N narrow a run (e.g. one check of an engine profile)
 """
 
 from __future__ import annotations
