@@ -252,6 +252,20 @@ def test_every_expression_names_only_exported_series(scraped: set[str]) -> None:
 
 
 @pytest.mark.e2e
+def test_every_series_the_router_exports_is_on_the_dashboard_or_an_alert(
+    scraped: set[str],
+) -> None:
+    # A new metric gets a panel (or a conscious entry here): the dashboard stays complete.
+    shown = {n for _, expr in every_expr() for n in metric_names(expr)}
+    ours = {
+        n
+        for n in scraped
+        if n.startswith("extproc_") and not n.endswith(("_created", "_sum", "_count"))
+    }
+    assert sorted(ours - shown) == []
+
+
+@pytest.mark.e2e
 def test_the_scrape_saw_every_process(scraped: set[str]) -> None:
     # Router, replica sync, KV events, engines and Envoy: a scrape that missed one would make
     # the check above vacuous for that part.
