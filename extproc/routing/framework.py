@@ -16,7 +16,7 @@ import math
 import random
 import time
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
@@ -44,6 +44,7 @@ __all__ = [
     "PluginKind",
     "PluginRegistry",
     "Profile",
+    "ScoreTable",
     "SoftmaxPicker",
     "WeightedRandomPicker",
     "build_profile",
@@ -233,6 +234,40 @@ class WeightedRandomPicker:
 # ---------------------------------------------------------------- profile
 
 
+class ScoreTable(Mapping[str, Mapping[str, float]]):
+    """A profile's scores as `Decision.scores` (address -> {scorer: score, "total": sum}).
+
+    Stored by column, one list per scorer as the scorer returned it (a vectorised scorer may
+    return an array), and turned into a per-pod mapping only when read (explain, the status
+    page): a decision builds no per-pod dicts.
+    """
+
+    __slots__ = ("_columns", "_index", "_names", "_pods")
+
+    def __init__(
+        self,
+        pods: Sequence[PodState],
+        names: Sequence[str],
+        columns: Sequence[Sequence[float]],
+    ) -> None:
+        self._pods = pods
+        self._names = names
+        self._columns = columns
+        self._index: dict[str, int] | None = None
+
+    def __getitem__(self, address: str) -> Mapping[str, float]:
+        if self._index is None:
+            self._index = {p.address: i for i, p in enumerate(self._pods)}
+        i = self._index[address]
+        return {name: col[i] for name, col in zip(self._names, self._columns, strict=True)}
+
+    def __iter__(self) -> Iterator[str]:
+        return (p.address for p in self._pods)
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+
 def _ref(kind: str, plugin: Filter | Scorer | Picker) -> PluginRef:
     return PluginRef(kind, type(plugin).type_name, plugin.name)
 
@@ -266,6 +301,7 @@ class Profile:
         self._filters = [(_ref("filter", f), f) for f in self.filters]
         self._scorers = [(_ref("scorer", s), w, s) for s, w in self.scorers]
         self._picker_ref = _ref("picker", picker)
+        self._score_names = (*(ref.name for ref, _, _ in self._scorers), "total")
         weights = ",".join(f"{s.name}:{w:g}" for s, w in self.scorers)
         self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
@@ -285,20 +321,18 @@ class Profile:
                 continue
             pods = kept
         totals = [0.0] * len(pods)
-        per_pod: list[dict[str, float]] = [{} for _ in pods]
+        columns: list[Sequence[float]] = []
         for ref, weight, scorer in self._scorers:
             t0 = clock()
             scores, note = scorer.score(req, pods)
             timings.append((ref, clock() - t0))
             if note:
                 notes.append(note)
-            sname = ref.name
-            for i, s in enumerate(scores):
-                c = clamp01(s)
-                per_pod[i][sname] = c
+            column = [clamp01(s) for s in scores]
+            columns.append(column)
+            for i, c in enumerate(column):
                 totals[i] += weight * c
-        for i, t in enumerate(totals):
-            per_pod[i]["total"] = t
+        columns.append(totals)
         t0 = clock()
         ranked = self.picker.rank(pods, totals, rng)
         timings.append((self._picker_ref, clock() - t0))
@@ -308,14 +342,13 @@ class Profile:
             rest = [p for p in snap.pods if p.address not in chosen]
             rest.sort(key=lambda p: (p.in_flight, rng.random()))
             ranked.extend(rest)
-        scores_by_addr = {p.address: per_pod[i] for i, p in enumerate(pods)}
         reason = self._reason
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
             ranked=tuple([p.endpoint for p in ranked]),
             strategy=self.name,
-            scores=scores_by_addr,
+            scores=ScoreTable(pods, self._score_names, columns),
             reason=reason,
             timings=tuple(timings),
         )
