@@ -223,7 +223,9 @@ def test_slow_pauses_the_pod_part_of_the_time_until_heal(up: Up) -> None:
     assert httpx.get(f"http://{up.sim(0)}/health", timeout=5).status_code == 200
 
 
-def test_with_restart_a_killed_simulator_comes_back_by_itself(tmp_path: Path) -> None:
+def test_with_restart_a_killed_simulator_and_envoy_come_back_by_themselves(
+    tmp_path: Path,
+) -> None:
     u = start_up(tmp_path / "up-restart", "--restart")
     try:
         address = u.sim(0)
@@ -237,5 +239,21 @@ def test_with_restart_a_killed_simulator_comes_back_by_itself(tmp_path: Path) ->
                 r = client.post(f"{u.gateway}/v1/chat/completions", json=CHAT)
                 assert r.status_code == 200
         assert u.served(0) > 0 and u.proc.poll() is None
+        # The gateway itself comes back too.
+        state = json.loads((u.workdir / "stack.json").read_text())
+        envoy = next(c for c in state["children"] if c["name"] == "envoy")
+        os.kill(envoy["pid"], signal.SIGKILL)
+        assert wait_for(lambda: "envoy (" in u.stderr() and "killed by SIGKILL" in u.stderr(), 10)
+        assert wait_for(lambda: u.stderr().count("started again") == 2, 15), u.stderr()[-2000:]
+
+        def serves() -> bool:
+            try:
+                r = httpx.post(f"{u.gateway}/v1/chat/completions", json=CHAT, timeout=10)
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
+
+        assert wait_for(serves, 30, 0.5)
+        assert u.proc.poll() is None
     finally:
         stop_up(u)
