@@ -216,6 +216,7 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
     report: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+    sync: dict[str, dict[str, Any] | None] = {}
     chosen = _pick(replicas, args.pod)
     for replica in replicas:
         if replica not in chosen and not args.pod:
@@ -238,8 +239,9 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
             continue
         report[replica.name] = endpoints
         rows += [{"replica": replica.name, **e} for e in endpoints]
+        sync[replica.name] = _sync_state(cluster, replica)
     if args.output == "json":
-        json.dump({"replicas": report, "errors": notes}, sys.stdout, indent=2)
+        json.dump({"replicas": report, "sync": sync, "errors": notes}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         if rows:
@@ -251,11 +253,26 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
                     f"{_printable(model)}: {ready}/{total} endpoints ready "
                     f"(on at least one replica)\n"
                 )
+            for name, state in sync.items():
+                if state is not None and state.get("enabled"):
+                    peers = len(state.get("peers_last_heard_s") or {})
+                    link = "connected" if state.get("connected") else "DISCONNECTED"
+                    sys.stdout.write(f"{name}: replica sync {link}, peers heard from: {peers}\n")
         elif not notes:
             sys.stdout.write("no endpoints\n")
         for note in notes:
             sys.stderr.write(_printable(note) + "\n")
     return 1 if failed else 0
+
+
+def _sync_state(cluster: Cluster, replica: Replica) -> dict[str, Any] | None:
+    """The replica's `/debug/sync` (None if it does not answer it: an older router)."""
+    try:
+        reply = cluster.proxy(replica, "/debug/sync")
+        state = reply.json() if reply.status == 200 else None
+    except (KubectlError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _ready_by_model(report: Mapping[str, list[dict[str, Any]]]) -> dict[str, tuple[int, int]]:

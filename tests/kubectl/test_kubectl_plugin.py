@@ -150,6 +150,7 @@ def test_status_shows_every_ready_replica_through_the_pod_proxy(
             row = next(ln for ln in lines if ln.startswith(replica) and o.sim_address(i) in ln)
             assert row.split()[1] == "qwen3" and row.split()[4] == "yes"
     assert "qwen3: 2/2 endpoints ready" in out
+    assert "extproc-0: replica sync connected, peers heard from: 1" in out
     assert "extproc-2: not ready, skipped" in err
     proxied = env.proxied()
     assert (
@@ -169,6 +170,7 @@ def test_status_json_of_one_replica(env: Env, capsys: pytest.CaptureFixture[str]
     report = json.loads(out)
     assert list(report["replicas"]) == ["extproc-1"]
     addresses = {e["address"] for e in report["replicas"]["extproc-1"]}
+    assert report["sync"]["extproc-1"]["connected"] is True
     o = env.stack.options
     assert addresses == {o.sim_address(i) for i in range(o.sims)}
 
