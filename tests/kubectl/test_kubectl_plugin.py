@@ -332,8 +332,15 @@ def _verb_and_resource(method: str, path: str, query: Mapping[str, str]) -> tupl
     return verb, group, resource
 
 
-def test_the_operator_roles_grant_every_call_the_plugin_made(env: Env) -> None:
+def test_the_operator_roles_grant_every_call_the_plugin_made(
+    env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tests.deploy.test_manifests import render
+
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"model": "qwen3", "messages": []}))
+    for argv in (["status"], ["explain", str(body)], ["config"], ["-n", "old", "config"]):
+        env.run(*argv, capsys=capsys)
 
     granted = {
         (verb, group, resource)
