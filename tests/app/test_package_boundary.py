@@ -152,6 +152,7 @@ def env_without_stack_extra(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _clean_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["PATH"] = f"{home}:/usr/bin:/bin"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ in the source tree
     return env
 
 
