@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import base64
 import random
+import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
-from extproc.routing.builtin import default_registry
+from extproc.routing.base import Capabilities, Decision, RoutingRequest, Snapshot
+from extproc.routing.builtin import default_plugins, default_registry
 from extproc.routing.framework import PluginConfigError, Profile
+from extproc.routing.registry import StrategyRegistry
 from extproc.routing.saturation import is_saturated, saturation
 from extproc.routing.session import decode_session, encode_session
+from extproc.routing.strategies import StrategyPlugin
 from extproc.types import BadRequest
 from tests.routing._builders import pod, req, snap
 
@@ -179,3 +185,50 @@ def test_saturation_level_is_gaie_mean() -> None:
         ]
     )
     assert level == pytest.approx((1.0 + 0.25 + 1.0) / 3)
+
+
+@dataclass(frozen=True, slots=True)
+class _LatencyParams:
+    horizon_s: float = 60.0
+
+
+class _LatencyStore:
+    """What a learned-latency strategy would read: predictions per pod, fed elsewhere."""
+
+    def __init__(self, predicted: dict[str, float]) -> None:
+        self.predicted = predicted
+
+
+class _PredictedLatency(StrategyPlugin):
+    type_name: ClassVar[str] = "learned-latency"
+    Params: ClassVar[type] = _LatencyParams
+    capabilities: ClassVar[Capabilities] = Capabilities(accounting=True)
+
+    def __init__(self, name: str, params: _LatencyParams, store: _LatencyStore) -> None:
+        super().__init__(name, params)
+        self.params = params
+        self.store = store
+
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
+        ranked = sorted(snap.pods, key=lambda p: self.store.predicted.get(p.address, 1e9))
+        return self.decision(t0, ranked, f"min predicted latency over {self.params.horizon_s:g}s")
+
+
+def test_a_strategy_with_an_injected_store_is_registered_with_a_factory() -> None:
+    store = _LatencyStore({A: 0.9, B: 0.2})
+    plugins = default_plugins()
+    plugins.register(
+        "strategy",
+        _PredictedLatency,
+        factory=lambda name, params: _PredictedLatency(name, params, store),
+    )
+    reg = StrategyRegistry(plugins, strategy_params={"learned-latency": {"horizon_s": 30}})
+    strategy = reg.resolve("learned-latency")
+    assert isinstance(strategy, _PredictedLatency) and strategy.store is store
+    d = strategy.route(req(), snap(pod(A), pod(B)), random.Random(0))
+    assert d.endpoint.address == B and d.reason == "min predicted latency over 30s"
+    store.predicted[A] = 0.1  # the store learns; the same instance decides with it
+    assert strategy.route(req(), snap(pod(A), pod(B)), random.Random(0)).endpoint.address == A
+    with pytest.raises(PluginConfigError, match=r"learned-latency\.horizon: unknown key"):
+        StrategyRegistry(plugins, strategy_params={"learned-latency": {"horizon": 30}})
