@@ -237,9 +237,9 @@ class WeightedRandomPicker:
 class ScoreTable(Mapping[str, Mapping[str, float]]):
     """A profile's scores as `Decision.scores` (address -> {scorer: score, "total": sum}).
 
-    Stored by column, one list per scorer as the scorer returned it (a vectorised scorer may
-    return an array), and turned into a per-pod mapping only when read (explain, the status
-    page): a decision builds no per-pod dicts.
+    Stored by column (one clamped list per scorer, then the totals) and turned into a per-pod
+    mapping only when read (explain, the status page): a decision builds no per-pod dicts, and
+    a vectorised profile can hand its arrays over as they are.
     """
 
     __slots__ = ("_columns", "_index", "_names", "_pods")
