@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
+from extproc.accounting.latency_model import LatencyMetrics, LatencyModels
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.admin import AdminServer, DecisionLog, ReloadStatus
 from extproc.config import (
@@ -41,6 +42,7 @@ from extproc.config import (
 )
 from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.director import Director, ModelRuntime
+from extproc.director.latency import LearnLatency, TagLatency
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
 from extproc.kvcache.approx import ApproximateIndex
@@ -51,6 +53,7 @@ from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
+from extproc.routing.builtin import default_plugins
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.settings import build_strategies, route_annotations
 from extproc.server.service import ExtProcServer, ServerOptions
@@ -173,6 +176,10 @@ class App:
         self.podstats = PodStatsTracker()
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
         self.fairness = FairnessCounters()
+        # predicted-latency's per-pod models: learned from the records this process accounts,
+        # kept across reloads (the strategy instances are rebuilt, the models are not).
+        self.latency = LatencyModels()
+        self.latency_metrics = LatencyMetrics(self.registry)
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
         self._routes = RouteTable()  # config-file routes + HTTPRoute annotations
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
@@ -256,7 +263,8 @@ class App:
     def _build_runtime(
         self, config: Config, previous: _Runtime | None, created: list[TokenizerPool]
     ) -> _Runtime:
-        registry = build_strategies(config)  # every routing setting checked (key path in errors)
+        # Every routing setting checked (key path in errors).
+        registry = build_strategies(config, default_plugins(latency=self.latency))
         runtimes: dict[str, ModelRuntime] = {}
         tokenizers: dict[str, TokenizerPool] = {}
         exact_map: dict[str, ExactIndex] = {}
@@ -316,7 +324,13 @@ class App:
             prefill=PrefillClient(self._http),
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
-            pre_request_steps=(self.decisions,) if config.server.status_page else (),
+            pre_request_steps=(
+                TagLatency(models=self.latency),
+                *((self.decisions,) if config.server.status_page else ()),
+            ),
+            response_complete_steps=(
+                LearnLatency(models=self.latency, metrics=self.latency_metrics),
+            ),
         )
         return _Runtime(config, director, tokenizers, exact_map, approx_map, static, registry)
 

@@ -69,6 +69,7 @@ class AdminServer:
         app.router.add_post("/debug/explain", self._h_explain)
         app.router.add_get("/debug/kv", self._h_kv)
         app.router.add_get("/debug/memory", self._h_memory)
+        app.router.add_get("/debug/latency-model", self._h_latency_model)
         app.router.add_get("/", self._h_status_page)
         app.router.add_get("/status.json", self._h_status_json)
         self._runner = web.AppRunner(app, access_log=None)
@@ -177,6 +178,11 @@ class AdminServer:
             top=top, types=q.get("types") == "1", reset=q.get("reset") == "1"
         )
         return web.Response(body=orjson.dumps(report), content_type="application/json")
+
+    async def _h_latency_model(self, _request: web.Request) -> web.Response:
+        """predicted-latency's per-pod models as this process learned them."""
+        body = orjson.dumps(self._src.latency.state())
+        return web.Response(body=body, content_type="application/json")
 
     async def _h_explain(self, request: web.Request) -> web.Response:
         body = await request.read()

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
+from extproc.accounting.latency_model import LatencyModels
 from extproc.admin.status import DecisionLog, ReloadStatus
 from extproc.config import Config
 from extproc.director.director import Director
@@ -31,6 +32,7 @@ class AdminSource(Protocol):
     sync: StateSync | None
     decisions: DecisionLog  # this process's recent decisions (the status page)
     reload_status: ReloadStatus
+    latency: LatencyModels  # predicted-latency's per-pod models (/debug/latency-model)
 
     @property
     def config(self) -> Config: ...

@@ -87,6 +87,8 @@ class RoutedRequest:
     estimated: bool = False
     stream: bool = False
     replica: str = ""  # the process that routed it (host:pid)
+    # The pick's latency features and prediction (accounting.latency_model.DecisionTag), or "".
+    latency: str = ""
 
     def metadata(self) -> dict[str, MetadataValue]:
         out: dict[str, MetadataValue] = {
@@ -97,7 +99,7 @@ class RoutedRequest:
             "estimated": self.estimated,
             "stream": self.stream,
         }
-        for key in ("route", "user", "replica"):
+        for key in ("route", "user", "replica", "latency"):
             value = getattr(self, key)
             if value:
                 out[key] = value

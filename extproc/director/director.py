@@ -40,6 +40,7 @@ from extproc.director.lifecycle import (
     Outgoing,
     PreparedRequest,
     PreRequestStep,
+    ResponseCompleteStep,
 )
 from extproc.director.prefill import PrefillClient
 from extproc.director.response import RecordAccounting
@@ -116,6 +117,7 @@ class Director:
         rng: random.Random | None = None,
         replica: str = "",
         pre_request_steps: Sequence[PreRequestStep] = (),
+        response_complete_steps: Sequence[ResponseCompleteStep] = (),
     ) -> None:
         self._config = config
         self._models = dict(models)
@@ -153,7 +155,7 @@ class Director:
         self._claim: Claim = ClaimEndpoint(inflight=inflight, fairness=fairness, metrics=metrics)
         self._records = RecordAccounting.default(
             metrics=metrics, fairness=fairness, podstats=podstats, inflight=inflight,
-            clock=clock, wall_clock=wall_clock,
+            clock=clock, wall_clock=wall_clock, extra=response_complete_steps,
         )  # fmt: skip
         self._deciding = 0  # requests inside route(): parsed, tokenizing or prefilling
 

@@ -89,9 +89,10 @@ class RecordAccounting:
         inflight: InflightTracker,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        extra: Sequence[ResponseCompleteStep] = (),
     ) -> RecordAccounting:
         """The built-in consumers, in order: request and token counts, the user's charge,
-        per-pod samples."""
+        per-pod samples; then `extra` (the composition root's, e.g. the latency models)."""
         return cls(
             (
                 CountResponse(metrics),
@@ -103,6 +104,7 @@ class RecordAccounting:
                     clock=clock,
                     wall_clock=wall_clock,
                 ),
+                *extra,
             ),
             metrics=metrics,
         )

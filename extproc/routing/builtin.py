@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from extproc.routing import affinity, filters, scorers, strategies
+from extproc.routing import affinity, filters, predicted, scorers, strategies
 from extproc.routing.framework import (
     MaxScorePicker,
     PluginRegistry,
@@ -37,8 +37,11 @@ BUILTIN_PROFILES: Mapping[str, Mapping[str, object]] = {
 }
 
 
-def default_plugins() -> PluginRegistry:
-    """Every built-in filter, scorer, picker and strategy, by type name (and aliases)."""
+def default_plugins(latency: predicted.LatencyPredictor | None = None) -> PluginRegistry:
+    """Every built-in filter, scorer, picker and strategy, by type name (and aliases).
+
+    `latency`: the learned per-pod latency models `predicted-latency` reads (the app's
+    `LatencyModels`); without it that strategy always runs its cold-start cost rule."""
     reg = PluginRegistry()
     reg.register("scorer", scorers.QueueScorer, "queue-scorer")
     reg.register(
@@ -74,6 +77,13 @@ def default_plugins() -> PluginRegistry:
     reg.register("strategy", affinity.VtcStrategy)
     reg.register("strategy", affinity.PdStrategy)
     reg.register("strategy", affinity.SessionAffinityStrategy)
+    reg.register(
+        "strategy",
+        predicted.PredictedLatencyStrategy,
+        factory=lambda name, params: predicted.PredictedLatencyStrategy(
+            name, params, predictor=latency
+        ),
+    )
     return reg
 
 

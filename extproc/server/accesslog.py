@@ -105,6 +105,7 @@ def _routed(fields: Any) -> RoutedRequest | None:
         estimated=_flag(fields, "estimated"),
         stream=_flag(fields, "stream"),
         replica=_str(fields, "replica"),
+        latency=_str(fields, "latency"),
     )
 
 

@@ -72,6 +72,8 @@ class StackOptions:
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
+    # Per-simulator extra arguments after `sim_args` (a heterogeneous pool: other speeds).
+    sim_args_each: tuple[tuple[str, ...], ...] = ()
     server_config: dict[str, Any] = field(
         default_factory=dict
     )  # deep-merged into the generated config
@@ -278,7 +280,8 @@ class LocalStack:
             ]
         if i < len(o.sim_roles):
             args += ["--role", o.sim_roles[i]]
-        return args + list(o.sim_args)
+        each = list(o.sim_args_each[i]) if i < len(o.sim_args_each) else []
+        return args + list(o.sim_args) + each
 
     def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> None:
         proc = _Proc(name, args, self.workdir / f"{name}.log", dict(env or {}))

@@ -1,0 +1,325 @@
+"""Per-pod latency models learned online from accounting records (no sidecar, no numpy).
+
+For each (model, pod): TTFT and time per output token as linear functions of what the routing
+decision knew (`extproc.routing.predicted.LatencyFeatures`: uncached prompt tokens, in-flight
+requests and tokens, the engine's queue, running requests and KV usage), fitted by exponentially
+weighted ridge regression. The weighted sums X'WX and X'Wy are kept (d = 7) and the normal
+equations solved by Cholesky after each sample (~30 µs in pure Python, on the accounting path);
+a prediction is one dot product (~1 µs, on the decision path).
+
+Why this shape: every pod gets its own coefficients, so a slower pod predicts slower
+(heterogeneous pools are the point); the forgetting factor tracks a pod that changes (a new
+engine version, a noisy neighbour); the ridge term keeps the solve well-posed when a feature
+never varies (a pod that never queued), and sums instead of a recursive-least-squares covariance
+cannot wind up. Robust: a record with a non-finite, negative or absurd value is ignored; once a
+model is warm, a residual far outside its recent scale is down-weighted (Huber), so one stalled
+request does not move the coefficients much; predictions are clamped to [0, a few times the
+largest seen] and never NaN.
+
+The decision's features and prediction travel in the request's metadata as one compact string
+(`DecisionTag.encode`), so whichever process gets the record learns from it and measures the
+prediction's error (`extproc_latency_prediction_error_seconds{pod,kind}`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from extproc.routing.predicted import FEATURE_NAMES, LatencyFeatures, LatencyPrediction
+
+__all__ = [
+    "DecisionTag",
+    "LatencyMetrics",
+    "LatencyModels",
+    "OnlineRidge",
+    "PodLatencyModel",
+]
+
+MAX_LATENCY_S = 600.0  # a TTFT or TPOT sample above this is a broken record, not a sample
+MAX_TAG_CHARS = 200
+ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def _ok(value: float) -> bool:
+    return math.isfinite(value) and 0.0 <= value <= MAX_LATENCY_S
+
+
+class OnlineRidge:
+    """Exponentially weighted ridge regression: minimises sum_i lambda^(n-i) w_i (y_i - x_i.b)^2
+    + ridge |b[1:]|^2, from its sufficient statistics."""
+
+    __slots__ = ("_a", "_b", "_forgetting", "_ridge", "coef", "dim", "weight")
+
+    def __init__(self, dim: int, *, forgetting: float = 0.98, ridge: float = 1e-3) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        self.dim = dim
+        self._forgetting = forgetting
+        self._ridge = ridge
+        self._a = [[0.0] * dim for _ in range(dim)]
+        self._b = [0.0] * dim
+        self.coef = [0.0] * dim
+        self.weight = 0.0  # effective number of samples (sum of decayed weights)
+
+    def observe(self, x: tuple[float, ...], y: float, weight: float = 1.0) -> None:
+        lam, a, b = self._forgetting, self._a, self._b
+        for i in range(self.dim):
+            xi = x[i] * weight
+            row = a[i]
+            for j in range(i + 1):
+                row[j] = lam * row[j] + xi * x[j]
+            b[i] = lam * b[i] + xi * y
+        self.weight = lam * self.weight + weight
+        self._solve()
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        c = self.coef
+        return sum(c[i] * x[i] for i in range(self.dim))
+
+    def _solve(self) -> None:
+        """Cholesky on (A + ridge I); the intercept gets a token ridge only. Keeps the last
+        good coefficients when the system is not positive definite (cannot happen with
+        ridge > 0 in exact arithmetic; a guard against rounding)."""
+        n, a = self.dim, self._a
+        low = [[0.0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(i + 1):
+                s = a[i][j]
+                if i == j:
+                    s += self._ridge if i > 0 else 1e-9
+                for k in range(j):
+                    s -= low[i][k] * low[j][k]
+                if i == j:
+                    if not s > 0.0 or not math.isfinite(s):
+                        return
+                    low[i][i] = math.sqrt(s)
+                else:
+                    low[i][j] = s / low[j][j]
+        z = [0.0] * n
+        for i in range(n):
+            z[i] = (self._b[i] - sum(low[i][k] * z[k] for k in range(i))) / low[i][i]
+        coef = [0.0] * n
+        for i in reversed(range(n)):
+            coef[i] = (z[i] - sum(low[k][i] * coef[k] for k in range(i + 1, n))) / low[i][i]
+        if all(math.isfinite(c) for c in coef):
+            self.coef = coef
+
+
+class _Target:
+    """One learned quantity (TTFT or TPOT) of one pod: the regression and its residual scale."""
+
+    __slots__ = ("max_seen", "reg", "samples", "scale")
+
+    def __init__(self, dim: int, forgetting: float, ridge: float) -> None:
+        self.reg = OnlineRidge(dim, forgetting=forgetting, ridge=ridge)
+        self.samples = 0
+        self.scale = 0.0  # EW mean of |residual|
+        self.max_seen = 0.0
+
+    def observe(self, x: tuple[float, ...], y: float, min_samples: int, huber_k: float) -> None:
+        weight = 1.0
+        if self.samples >= min_samples:
+            r = abs(y - self.reg.predict(x))
+            bound = huber_k * max(self.scale, 1e-3 * max(y, 1e-3))
+            if r > bound:
+                weight = bound / r  # an outlier moves the fit like a sample at the bound
+            self.scale = 0.9 * self.scale + 0.1 * min(r, 4 * bound)
+        elif self.samples > 0:
+            self.scale = 0.9 * self.scale + 0.1 * abs(y - self.reg.predict(x))
+        self.reg.observe(x, y, weight)
+        self.samples += 1
+        self.max_seen = max(self.max_seen * 0.999, y)
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        value = self.reg.predict(x)
+        if not math.isfinite(value):
+            return self.max_seen
+        return min(max(value, 0.0), 4.0 * self.max_seen + 1e-3)
+
+
+class PodLatencyModel:
+    """TTFT and TPOT of one pod."""
+
+    __slots__ = ("_forgetting", "_huber", "_min", "_ridge", "tpot", "ttft", "updated_at")
+
+    def __init__(
+        self, *, forgetting: float, ridge: float, min_samples: int, huber_k: float
+    ) -> None:
+        dim = len(FEATURE_NAMES)
+        self.ttft = _Target(dim, forgetting, ridge)
+        self.tpot = _Target(dim, forgetting, ridge)
+        self._min = min_samples
+        self._huber = huber_k
+        self.updated_at = 0.0
+
+    def observe(self, x: tuple[float, ...], ttft_s: float | None, tpot_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(x, ttft_s, self._min, self._huber)
+        if tpot_s is not None:
+            self.tpot.observe(x, tpot_s, self._min, self._huber)
+
+    def predict(self, x: tuple[float, ...]) -> LatencyPrediction | None:
+        if self.ttft.samples < self._min:
+            return None
+        tpot = self.tpot.predict(x) if self.tpot.samples >= self._min else None
+        return LatencyPrediction(self.ttft.predict(x), tpot, self.ttft.samples)
+
+    def state(self) -> dict[str, Any]:
+        def target(t: _Target) -> dict[str, Any]:
+            return {
+                "samples": t.samples,
+                "effective_samples": round(t.reg.weight, 2),
+                "mean_abs_residual_s": round(t.scale, 6),
+                "coefficients": {
+                    n: round(c, 6) for n, c in zip(FEATURE_NAMES, t.reg.coef, strict=True)
+                },
+            }
+
+        return {"warm": self.ttft.samples >= self._min, "ttft": target(self.ttft),
+                "tpot": target(self.tpot)}  # fmt: skip
+
+
+class LatencyModels:
+    """Every pod's latency model, by (model name, pod address). Implements
+    `extproc.routing.predicted.LatencyPredictor`. Bounded: past `max_pods` models, the one
+    updated longest ago is dropped (a pod that left the pool)."""
+
+    def __init__(
+        self,
+        *,
+        min_samples: int = 8,
+        forgetting: float = 0.98,
+        ridge: float = 1e-3,
+        huber_k: float = 4.0,
+        max_pods: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if min_samples < 1 or max_pods < 1:
+            raise ValueError("min_samples and max_pods must be >= 1")
+        self.min_samples = min_samples
+        self._forgetting = forgetting
+        self._ridge = ridge
+        self._huber = huber_k
+        self._max = max_pods
+        self._clock = clock
+        self._pods: dict[tuple[str, str], PodLatencyModel] = {}
+        self.ignored = 0  # records with an unusable value
+
+    def predict(
+        self, model: str, address: str, features: LatencyFeatures
+    ) -> LatencyPrediction | None:
+        pod = self._pods.get((model, address))
+        return None if pod is None else pod.predict(features.vector())
+
+    def observe(
+        self,
+        model: str,
+        address: str,
+        features: LatencyFeatures,
+        *,
+        ttft_s: float | None,
+        tpot_s: float | None,
+    ) -> bool:
+        """Learn from one finished request; False (and counted) when its values are unusable."""
+        if ttft_s is not None and not _ok(ttft_s):
+            ttft_s = None
+        if tpot_s is not None and not _ok(tpot_s):
+            tpot_s = None
+        x = features.vector()
+        if (ttft_s is None and tpot_s is None) or not all(
+            math.isfinite(v) and abs(v) < 1e6 for v in x
+        ):
+            self.ignored += 1
+            return False
+        key = (model, address)
+        pod = self._pods.get(key)
+        if pod is None:
+            if len(self._pods) >= self._max:
+                oldest = min(self._pods, key=lambda k: self._pods[k].updated_at)
+                del self._pods[oldest]
+            pod = self._pods[key] = PodLatencyModel(
+                forgetting=self._forgetting, ridge=self._ridge,
+                min_samples=self.min_samples, huber_k=self._huber,
+            )  # fmt: skip
+        pod.observe(x, ttft_s, tpot_s)
+        pod.updated_at = self._clock()
+        return True
+
+    def state(self) -> dict[str, Any]:
+        """The debug view (`/debug/latency-model`): per model and pod, samples and coefficients."""
+        out: dict[str, Any] = {
+            "min_samples": self.min_samples,
+            "forgetting": self._forgetting,
+            "features": list(FEATURE_NAMES),
+            "ignored_records": self.ignored,
+            "models": {},
+        }
+        for (model, address), pod in sorted(self._pods.items()):
+            out["models"].setdefault(model, {})[address] = pod.state()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionTag:
+    """What the decision knew about the pick and what it predicted, as one metadata string:
+    `u,f,t,q,r,kv[,ttft,tpot]` (tokens, counts, KV fraction, predicted seconds or `-`)."""
+
+    features: LatencyFeatures
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def encode(self) -> str:
+        f = self.features
+        text = (
+            f"{f.uncached_tokens},{f.in_flight},{f.in_flight_tokens},"
+            f"{f.waiting:.6g},{f.running:.6g},{f.kv_usage:.4g}"
+        )
+        if self.ttft_s is not None:
+            tpot = f"{self.tpot_s:.6g}" if self.tpot_s is not None else "-"
+            text += f",{self.ttft_s:.6g},{tpot}"
+        return text
+
+    @staticmethod
+    def decode(text: str) -> DecisionTag | None:
+        """The tag in `text`, or None for anything malformed (never raises)."""
+        if not text or len(text) > MAX_TAG_CHARS:
+            return None
+        parts = text.split(",")
+        if len(parts) not in (6, 8):
+            return None
+        try:
+            u, f, t = (int(p) for p in parts[:3])
+            q, r, kv = (float(p) for p in parts[3:6])
+            ttft = float(parts[6]) if len(parts) == 8 else None
+            tpot = float(parts[7]) if len(parts) == 8 and parts[7] != "-" else None
+        except ValueError:
+            return None
+        numbers = [v for v in (q, r, kv, ttft, tpot) if v is not None]
+        if min(u, f, t) < 0 or not all(math.isfinite(v) and 0 <= v < 1e9 for v in numbers):
+            return None
+        return DecisionTag(LatencyFeatures(u, f, t, q, r, min(kv, 1.0)), ttft, tpot)
+
+
+class LatencyMetrics:
+    """The calibration of the predictions: |predicted - actual| per pod and kind (ttft, tpot)."""
+
+    def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
+        self.error = Histogram(
+            "latency_prediction_error_seconds",
+            "Absolute error of the predicted-latency model's prediction for the routed pod, "
+            "measured when the request's access-log record arrives (kind: ttft, tpot)",
+            ["pod", "kind"], buckets=ERROR_BUCKETS, namespace=namespace, registry=registry,
+        )  # fmt: skip
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def observe_error(self, pod: str, kind: str, seconds: float) -> None:
+        child = self._children.get((pod, kind))
+        if child is None:
+            child = self._children[(pod, kind)] = self.error.labels(pod, kind)
+        child.observe(seconds)

@@ -1,0 +1,224 @@
+"""The online per-pod latency models: they converge on known coefficients, resist noise and
+outliers, forget a pod that changed, ignore broken records, and travel as a compact tag."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.accounting.latency_model import (
+    DecisionTag,
+    LatencyMetrics,
+    LatencyModels,
+    OnlineRidge,
+)
+from extproc.routing.predicted import FEATURE_NAMES, LatencyFeatures
+from tests._clock import ManualClock
+from tests.reliability._director import sample
+
+MODEL = "qwen3"
+
+
+def features(rng: random.Random) -> LatencyFeatures:
+    return LatencyFeatures(
+        uncached_tokens=rng.randrange(0, 4000),
+        in_flight=rng.randrange(0, 12),
+        in_flight_tokens=rng.randrange(0, 20000),
+        waiting=float(rng.randrange(0, 4)),
+        running=float(rng.randrange(0, 8)),
+        kv_usage=rng.random(),
+    )
+
+
+def ttft_of(f: LatencyFeatures, speed: float = 1.0) -> float:
+    """A pod whose TTFT is 20 ms + 50 ms per 1k uncached tokens + 10 ms per request queued,
+    all divided by `speed`."""
+    return (0.02 + 0.05 * f.uncached_tokens / 1000 + 0.01 * f.in_flight) / speed
+
+
+def tpot_of(f: LatencyFeatures, speed: float = 1.0) -> float:
+    return (0.005 + 0.001 * f.running) / speed
+
+
+def train(
+    models: LatencyModels,
+    address: str,
+    n: int,
+    *,
+    speed: float = 1.0,
+    noise: float = 0.0,
+    seed: int = 1,
+) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        f = features(rng)
+        ttft = ttft_of(f, speed) * (1 + noise * rng.gauss(0, 1))
+        models.observe(MODEL, address, f, ttft_s=max(ttft, 0.0), tpot_s=tpot_of(f, speed))
+
+
+def coefficients(models: LatencyModels, address: str, kind: str = "ttft") -> dict[str, float]:
+    state = models.state()["models"][MODEL][address][kind]["coefficients"]
+    return dict(state)
+
+
+def test_it_recovers_known_coefficients_from_exact_samples() -> None:
+    models = LatencyModels()
+    train(models, "a", 200)
+    c = coefficients(models, "a")
+    assert c["intercept"] == pytest.approx(0.02, abs=2e-3)
+    assert c["uncached_ktokens"] == pytest.approx(0.05, abs=2e-3)
+    assert c["in_flight"] == pytest.approx(0.01, abs=1e-3)
+    for name in ("waiting", "running", "kv_usage", "in_flight_10ktokens"):
+        assert abs(c[name]) < 3e-3, name
+    assert coefficients(models, "a", "tpot")["running"] == pytest.approx(0.001, abs=2e-4)
+
+
+def test_with_noise_the_predictions_stay_close_to_the_truth() -> None:
+    models = LatencyModels()
+    train(models, "a", 400, noise=0.1)
+    rng = random.Random(99)
+    errors = []
+    for _ in range(100):
+        f = features(rng)
+        pred = models.predict(MODEL, "a", f)
+        assert pred is not None
+        errors.append(abs(pred.ttft_s - ttft_of(f)) / ttft_of(f))
+    assert sum(errors) / len(errors) < 0.1  # 10 % noise per sample, far less on average
+
+
+def test_outliers_barely_move_a_warm_model() -> None:
+    clean, dirty = LatencyModels(), LatencyModels()
+    train(clean, "a", 300, seed=3)
+    rng = random.Random(3)
+    for i in range(300):
+        f = features(rng)
+        ttft = ttft_of(f) * (50.0 if i % 20 == 19 else 1.0)  # 5 % stalled requests
+        dirty.observe(MODEL, "a", f, ttft_s=ttft, tpot_s=tpot_of(f))
+    probe = LatencyFeatures(2000, 3, 0, 0.0, 2.0, 0.5)
+    truth = ttft_of(probe)
+    got = dirty.predict(MODEL, "a", probe)
+    assert got is not None
+    robust = abs(got.ttft_s - truth) / truth
+    assert robust < 0.25
+    # Without the down-weighting the same data lands far off: the fit really is robust.
+    plain = OnlineRidge(len(FEATURE_NAMES))
+    rng = random.Random(3)
+    for i in range(300):
+        f = features(rng)
+        plain.observe(f.vector(), ttft_of(f) * (50.0 if i % 20 == 19 else 1.0))
+    plain_error = abs(plain.predict(probe.vector()) - truth) / truth
+    assert plain_error > 0.5 and plain_error > 4 * robust
+
+
+def test_it_forgets_a_pod_that_became_slower() -> None:
+    models = LatencyModels(forgetting=0.95)
+    train(models, "a", 200, speed=1.0)
+    probe = LatencyFeatures(1000, 2, 0, 0.0, 1.0, 0.2)
+    before = models.predict(MODEL, "a", probe)
+    train(models, "a", 150, speed=0.5, seed=7)  # the pod now takes twice as long
+    after = models.predict(MODEL, "a", probe)
+    assert before is not None and after is not None
+    assert before.ttft_s == pytest.approx(ttft_of(probe), rel=0.1)
+    assert after.ttft_s == pytest.approx(ttft_of(probe, 0.5), rel=0.1)
+
+
+def test_each_pod_learns_its_own_speed() -> None:
+    models = LatencyModels()
+    train(models, "fast", 100, speed=4.0)
+    train(models, "slow", 100, speed=1.0, seed=2)
+    probe = LatencyFeatures(1500, 1, 0, 0.0, 1.0, 0.1)
+    fast, slow = models.predict(MODEL, "fast", probe), models.predict(MODEL, "slow", probe)
+    assert fast is not None and slow is not None
+    assert slow.ttft_s / fast.ttft_s == pytest.approx(4.0, rel=0.1)
+    assert models.predict("other-model", "fast", probe) is None  # per model, too
+
+
+def test_cold_until_min_samples_then_warm() -> None:
+    models = LatencyModels(min_samples=5)
+    probe = LatencyFeatures(100, 0, 0, 0.0, 0.0, 0.0)
+    train(models, "a", 4)
+    assert models.predict(MODEL, "a", probe) is None
+    train(models, "a", 1, seed=5)
+    pred = models.predict(MODEL, "a", probe)
+    assert pred is not None and pred.samples == 5
+
+
+@pytest.mark.parametrize(
+    ("ttft", "tpot", "learned"),
+    [
+        pytest.param(math.nan, None, False, id="nan"),
+        pytest.param(math.inf, math.inf, False, id="inf"),
+        pytest.param(-0.5, None, False, id="negative"),
+        pytest.param(10_000.0, None, False, id="absurd"),
+        pytest.param(None, None, False, id="nothing"),
+        pytest.param(0.1, math.nan, True, id="good-ttft-bad-tpot"),
+    ],
+)
+def test_bad_values_are_ignored(ttft: float | None, tpot: float | None, learned: bool) -> None:
+    models = LatencyModels(min_samples=1)
+    probe = LatencyFeatures(100, 0, 0, 0.0, 0.0, 0.0)
+    assert models.observe(MODEL, "a", probe, ttft_s=ttft, tpot_s=tpot) is learned
+    assert models.ignored == (0 if learned else 1)
+    pred = models.predict(MODEL, "a", probe)
+    if learned:
+        assert pred is not None and pred.ttft_s == pytest.approx(0.1, rel=0.01)
+        assert pred.tpot_s is None  # the bad TPOT taught nothing
+    else:
+        assert pred is None
+
+
+def test_a_feature_that_never_varies_keeps_predictions_finite() -> None:
+    models = LatencyModels(min_samples=2)
+    flat = LatencyFeatures(0, 0, 0, 0.0, 0.0, 0.0)  # only the intercept is ever excited
+    for y in (0.1, 0.12, 0.11, 0.1):
+        models.observe(MODEL, "a", flat, ttft_s=y, tpot_s=0.01)
+    wild = LatencyFeatures(10**6, 500, 10**7, 100.0, 100.0, 1.0)
+    pred = models.predict(MODEL, "a", wild)
+    assert pred is not None
+    assert math.isfinite(pred.ttft_s) and 0.0 <= pred.ttft_s <= 4 * 0.12 + 1e-3
+
+
+def test_the_number_of_pods_is_bounded_dropping_the_least_recently_updated() -> None:
+    clock = ManualClock()
+    models = LatencyModels(min_samples=1, max_pods=2, clock=clock.now)
+    probe = LatencyFeatures(0, 0, 0, 0.0, 0.0, 0.0)
+    for address in ("a", "b", "c"):
+        clock.advance(1.0)
+        models.observe(MODEL, address, probe, ttft_s=0.1, tpot_s=None)
+    assert sorted(models.state()["models"][MODEL]) == ["b", "c"]
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        DecisionTag(LatencyFeatures(812, 3, 5200, 0.0, 2.0, 0.25)),
+        DecisionTag(LatencyFeatures(0, 0, 0, 1.5, 0.0, 1.0), 0.1234, None),
+        DecisionTag(LatencyFeatures(5, 1, 2, 0.0, 0.0, 0.0), 0.5, 0.0125),
+    ],
+)
+def test_the_tag_round_trips(tag: DecisionTag) -> None:
+    text = tag.encode()
+    assert len(text) < 80
+    assert DecisionTag.decode(text) == tag
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "1,2,3", "a,b,c,d,e,f", "1,2,3,4,5,6,7", "-1,0,0,0,0,0", "1,1,1,nan,0,0",
+     "1,1,1,0,0,0,inf,-", "1,1,1,0,0,0," + "9" * 300],
+)  # fmt: skip
+def test_a_malformed_tag_decodes_to_none(text: str) -> None:
+    assert DecisionTag.decode(text) is None
+
+
+def test_prediction_errors_are_exported_per_pod_and_kind() -> None:
+    registry = CollectorRegistry()
+    metrics = LatencyMetrics(registry)
+    metrics.observe_error("10.0.0.1:8000", "ttft", 0.02)
+    metrics.observe_error("10.0.0.1:8000", "ttft", 0.2)
+    name = "extproc_latency_prediction_error_seconds_count"
+    assert sample(registry, name, pod="10.0.0.1:8000", kind="ttft") == 2
+    assert sample(registry, name, pod="10.0.0.1:8000", kind="tpot") == 0

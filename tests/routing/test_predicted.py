@@ -1,0 +1,182 @@
+"""predicted-latency: the fast pod once learned, load-aware, SLO filtering, 429 for a sheddable
+request no pod can serve in time, the cost rule while cold."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from extproc.accounting.latency_model import LatencyModels
+from extproc.routing.affinity import KvAwareStrategy
+from extproc.routing.base import PodState, RoutingRequest, Snapshot
+from extproc.routing.builtin import default_plugins, default_registry
+from extproc.routing.predicted import (
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+    LatencyFeatures,
+    PredictedLatencyParams,
+    PredictedLatencyStrategy,
+)
+from extproc.types import BadRequest, Endpoint, EngineMetrics, TooManyRequests
+
+MODEL = "qwen3"
+FAST, SLOW = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def pod(address: str, *, in_flight: int = 0, prefix: int = 0) -> PodState:
+    return PodState(
+        endpoint=Endpoint(address=address, model=MODEL),
+        metrics=EngineMetrics(updated_at=0.0, running=1.0, waiting=0.0, kv_cache_usage=0.2),
+        in_flight=in_flight,
+        prefix_match_tokens=prefix,
+    )
+
+
+def request(
+    headers: dict[str, str] | None = None, *, priority: int = 0, prompt: int = 1000
+) -> RoutingRequest:
+    return RoutingRequest(
+        request_id="r",
+        model=MODEL,
+        prompt_tokens=prompt,
+        priority=priority,
+        headers=headers or {},
+    )
+
+
+def learned(speeds: dict[str, float], samples: int = 60) -> LatencyModels:
+    """Models trained on pods whose TTFT is (30 ms + 40 ms per 1k uncached tokens + 15 ms per
+    in-flight request) / speed and TPOT 10 ms / speed."""
+    models = LatencyModels()
+    rng = random.Random(5)
+    for address, speed in speeds.items():
+        for _ in range(samples):
+            f = LatencyFeatures(
+                uncached_tokens=rng.randrange(0, 3000),
+                in_flight=rng.randrange(0, 10),
+                in_flight_tokens=0,
+                waiting=0.0,
+                running=1.0,
+                kv_usage=0.2,
+            )
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
+            models.observe(MODEL, address, f, ttft_s=ttft, tpot_s=0.01 / speed)
+    return models
+
+
+def strategy(models: LatencyModels | None, temperature: float = 0.05) -> PredictedLatencyStrategy:
+    return PredictedLatencyStrategy(
+        "predicted-latency", PredictedLatencyParams(temperature=temperature), predictor=models
+    )
+
+
+def picks(
+    s: PredictedLatencyStrategy, snap: Snapshot, req: RoutingRequest, n: int = 200
+) -> Counter[str]:
+    return Counter(s.route(req, snap, random.Random(seed)).endpoint.address for seed in range(n))
+
+
+def test_once_learned_it_sends_the_fast_pod_almost_everything() -> None:
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}))
+    counts = picks(s, Snapshot(0.0, (pod(FAST), pod(SLOW))), request())
+    assert counts[FAST] >= 195
+    decision = s.route(request(), Snapshot(0.0, (pod(FAST), pod(SLOW))), random.Random(0))
+    assert decision.reason.startswith("min predicted ttft (softmax T=0.05)")
+    scores = decision.scores
+    assert scores[SLOW]["pred_ttft_ms"] == pytest.approx(3 * scores[FAST]["pred_ttft_ms"], rel=0.05)
+    assert scores[FAST]["pred_tpot_ms"] == pytest.approx(10 / 3, rel=0.05)
+    assert scores[FAST]["samples"] == 60
+
+
+def test_a_loaded_fast_pod_loses_to_an_idle_slow_one() -> None:
+    # Fast: (30 + 40 + 15 * 12) / 3 = 83 ms; slow, idle: 30 + 40 = 70 ms.
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}), temperature=0.0)
+    snap = Snapshot(0.0, (pod(FAST, in_flight=12), pod(SLOW)))
+    assert s.route(request(), snap, random.Random(0)).endpoint.address == SLOW
+
+
+def test_a_cached_prefix_counts_as_less_prefill() -> None:
+    # Same speed; the slow-in-name pod holds 2,900 of the 3,000 prompt tokens.
+    s = strategy(learned({FAST: 1.0, SLOW: 1.0}), temperature=0.0)
+    snap = Snapshot(0.0, (pod(FAST), pod(SLOW, prefix=2900)))
+    assert s.route(request(prompt=3000), snap, random.Random(0)).endpoint.address == SLOW
+
+
+@pytest.mark.parametrize(
+    ("models", "why"),
+    [
+        pytest.param(None, "cold start (2 of 2 pods", id="no-model"),
+        pytest.param(learned({FAST: 3.0}), "cold start (1 of 2 pods", id="one-pod-cold"),
+        pytest.param(learned({FAST: 3.0, SLOW: 1.0}, samples=7), "cold start (2 of 2", id="few"),
+    ],
+)
+def test_cold_start_is_the_cost_rule(models: LatencyModels | None, why: str) -> None:
+    s = strategy(models)
+    cost = KvAwareStrategy("kv-aware")
+    snap = Snapshot(0.0, (pod(FAST, in_flight=2), pod(SLOW, prefix=600)))
+    headers = {SLO_TTFT_HEADER: "1"}
+    for seed in range(20):
+        got = s.route(request(headers, priority=-1), snap, random.Random(seed))
+        want = cost.route(request(), snap, random.Random(seed))
+        assert got.ranked == want.ranked
+        assert got.strategy == "predicted-latency"
+        assert got.reason.startswith(why)
+        assert "SLO headers not applied" in got.reason  # and nothing is shed without a model
+
+
+def test_slo_keeps_only_pods_predicted_to_meet_it() -> None:
+    # Fast ~ 70/3 = 23 ms TTFT, 3.3 ms TPOT; slow 70 ms, 10 ms.
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}), temperature=10.0)  # nearly uniform otherwise
+    snap = Snapshot(0.0, (pod(SLOW), pod(FAST)))
+    for headers in ({SLO_TTFT_HEADER: "50"}, {SLO_TPOT_HEADER: "5"}):
+        counts = picks(s, snap, request(headers), n=50)
+        assert counts == {FAST: 50}, headers
+    decision = s.route(request({SLO_TTFT_HEADER: "50"}), snap, random.Random(0))
+    assert [e.address for e in decision.ranked] == [FAST, SLOW]  # the miss stays a fallback
+    assert "1 of 2 pods predicted to meet ttft <= 50 ms" in decision.reason
+    both = picks(s, snap, request({SLO_TTFT_HEADER: "500", SLO_TPOT_HEADER: "50"}), n=100)
+    assert both[SLOW] > 20  # a loose SLO filters nothing
+
+
+def test_no_pod_meets_the_slo_sheddable_gets_429_others_the_best_pod() -> None:
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}), temperature=0.0)
+    snap = Snapshot(0.0, (pod(SLOW), pod(FAST)))
+    tight = {SLO_TTFT_HEADER: "5"}
+    with pytest.raises(TooManyRequests, match="no endpoint is predicted to meet"):
+        s.route(request(tight, priority=-1), snap, random.Random(0))
+    decision = s.route(request(tight), snap, random.Random(0))
+    assert decision.endpoint.address == FAST
+    assert "no pod predicted to meet ttft <= 5 ms: best predicted pod anyway" in decision.reason
+
+
+@pytest.mark.parametrize("value", ["fast", "-3", "0", "nan", "inf", "1e12"])
+def test_a_bad_slo_header_is_a_400_naming_it(value: str) -> None:
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}))
+    with pytest.raises(BadRequest) as err:
+        s.route(request({SLO_TTFT_HEADER: value}), Snapshot(0.0, (pod(FAST),)), random.Random(0))
+    assert err.value.param == SLO_TTFT_HEADER
+
+
+def test_registered_with_its_params_and_the_app_predictor() -> None:
+    assert "predicted-latency" in default_registry().names()
+    models = learned({FAST: 3.0, SLOW: 1.0})
+    plugin = default_plugins(latency=models).create(
+        "strategy", "predicted-latency", {"temperature": 0.0}
+    )
+    decision = plugin.route(request(), Snapshot(0.0, (pod(SLOW), pod(FAST))), random.Random(0))
+    assert decision.endpoint.address == FAST
+    with pytest.raises(ValueError, match="temperature"):
+        PredictedLatencyParams(temperature=-1.0)
+
+
+def test_warm_decisions_are_deterministic_for_a_seed_and_rank_every_candidate() -> None:
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0, "10.0.0.3:8000": 2.0}))
+    snap = Snapshot(0.0, (pod(FAST, in_flight=3), pod(SLOW), pod("10.0.0.3:8000", prefix=500)))
+    for seed in range(10):
+        a = s.route(request(), snap, random.Random(seed))
+        b = s.route(request(), snap, random.Random(seed))
+        assert a.ranked == b.ranked
+        assert sorted(e.address for e in a.ranked) == sorted(p.address for p in snap.pods)
+        assert a.timings and a.timings[0][0].type_name == "predicted-latency"
