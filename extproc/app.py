@@ -329,7 +329,9 @@ class App:
                 *((self.decisions,) if config.server.status_page else ()),
             ),
             response_complete_steps=(
-                LearnLatency(models=self.latency, metrics=self.latency_metrics),
+                LearnLatency(
+                    models=self.latency, metrics=self.latency_metrics, share=self._shared_latency
+                ),
             ),
         )
         return _Runtime(config, director, tokenizers, exact_map, approx_map, static, registry)
@@ -376,6 +378,7 @@ class App:
             approx=lambda model: self._rt.approx.get(model),  # the live runtime's
             models=lambda: list(self._rt.approx),
             on_metrics=self._peer_scrape,
+            on_latency=self.latency.observe_tagged,
             settings=cfg,
             metrics=SyncMetrics(self.registry),
         )
@@ -389,6 +392,12 @@ class App:
     def _shared_blocks(self, model: str, pod: str, hashes: Sequence[int]) -> None:
         if self.sync is not None:
             self.sync.note_blocks(model, pod, hashes)
+
+    def _shared_latency(
+        self, model: str, pod: str, tag: str, ttft_s: float | None, tpot_s: float | None
+    ) -> None:
+        if self.sync is not None:
+            self.sync.note_latency(model, pod, tag, ttft_s, tpot_s)
 
     def _should_scrape(self, url: str, endpoints: Sequence[Endpoint]) -> bool:
         """The pod's owner scrapes it; anyone whose copy is older than 2 polls does too."""

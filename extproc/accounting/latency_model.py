@@ -251,6 +251,16 @@ class LatencyModels:
         pod.updated_at = self._clock()
         return True
 
+    def observe_tagged(
+        self, model: str, address: str, tag: str, ttft_s: float | None, tpot_s: float | None
+    ) -> bool:
+        """`observe` with the features in a `DecisionTag` string (a peer replica's sample)."""
+        decoded = DecisionTag.decode(tag)
+        if decoded is None:
+            self.ignored += 1
+            return False
+        return self.observe(model, address, decoded.features, ttft_s=ttft_s, tpot_s=tpot_s)
+
     def state(self) -> dict[str, Any]:
         """The debug view (`/debug/latency-model`): per model and pod, samples and coefficients."""
         out: dict[str, Any] = {
@@ -281,8 +291,8 @@ class DecisionTag:
             f"{f.waiting:.6g},{f.running:.6g},{f.kv_usage:.4g}"
         )
         if self.ttft_s is not None:
-            tpot = f"{self.tpot_s:.6g}" if self.tpot_s is not None else "-"
-            text += f",{self.ttft_s:.6g},{tpot}"
+            tpot = f"{self.tpot_s:.4g}" if self.tpot_s is not None else "-"
+            text += f",{self.ttft_s:.4g},{tpot}"  # 4 digits: well below the model's error
         return text
 
     @staticmethod

@@ -16,6 +16,7 @@ no tag: their uncached-token count would be a guess.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from extproc.accounting.latency_model import DecisionTag, LatencyMetrics, LatencyModels
 from extproc.director.api import AccessRecord, Outcome
@@ -23,7 +24,10 @@ from extproc.director.lifecycle import Completed, Outgoing, PreparedRequest
 from extproc.routing.base import Decision
 from extproc.routing.predicted import latency_features
 
-__all__ = ["LearnLatency", "TagLatency", "observed_latency"]
+__all__ = ["LatencyShare", "LearnLatency", "TagLatency", "observed_latency"]
+
+# (model, pod, decision tag, ttft_s, tpot_s) to the peer replicas (StateSync.note_latency).
+LatencyShare = Callable[[str, str, str, float | None, float | None], None]
 
 
 class TagLatency:
@@ -63,11 +67,16 @@ def observed_latency(record: AccessRecord) -> tuple[float | None, float | None]:
 
 
 class LearnLatency:
-    """Response-complete: the prediction's error per pod, then the pod's model learns."""
+    """Response-complete: the prediction's error per pod, then the pod's model learns, and
+    the sample goes to the peer replicas (`share`), which learn it too (Envoy sends a worker's
+    records to one process only)."""
 
-    def __init__(self, *, models: LatencyModels, metrics: LatencyMetrics) -> None:
+    def __init__(
+        self, *, models: LatencyModels, metrics: LatencyMetrics, share: LatencyShare | None = None
+    ) -> None:
         self._models = models
         self._metrics = metrics
+        self._share = share
 
     def complete(self, done: Completed) -> None:
         routed, record = done.routed, done.record
@@ -85,4 +94,8 @@ class LearnLatency:
             self._metrics.observe_error(done.endpoint, "ttft", abs(tag.ttft_s - ttft))
         if tpot is not None and tag.tpot_s is not None and tpot >= 0:
             self._metrics.observe_error(done.endpoint, "tpot", abs(tag.tpot_s - tpot))
-        self._models.observe(routed.model, done.endpoint, tag.features, ttft_s=ttft, tpot_s=tpot)
+        learned = self._models.observe(
+            routed.model, done.endpoint, tag.features, ttft_s=ttft, tpot_s=tpot
+        )
+        if learned and self._share is not None:
+            self._share(routed.model, done.endpoint, routed.latency, ttft, tpot)

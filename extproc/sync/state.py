@@ -9,6 +9,9 @@ decision path, and publishes one combined message per tick (~10 ms):
 - VTC fairness charges per user (weighted tokens), kept until a publish succeeds;
 - once, for a replica that just joined (its first message says hello), a snapshot of the
   approximate index (the most recent blocks per pod), so it does not start cold;
+- the latency samples this replica learnt from its access-log records (features, TTFT, TPOT),
+  since Envoy sends each worker's records to one process: every replica's predicted-latency
+  models learn from every record;
 - the engine metrics of the pods this replica owns: each pod is scraped by one live replica,
   chosen by rendezvous hashing over the membership the heartbeats give (`owns`), which
   publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
@@ -46,10 +49,19 @@ from extproc.kvcache.approx import ApproximateIndex
 from extproc.sync.bus import Bus
 from extproc.types import EngineMetrics
 
-__all__ = ["PROTOCOL_VERSION", "MetricsSink", "StateSync", "SyncMetrics", "owner"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "LatencySink",
+    "MetricsSink",
+    "StateSync",
+    "SyncMetrics",
+    "owner",
+]
 
 # (model, address, metrics): a peer's scrape, on this replica's monotonic clock.
 MetricsSink = Callable[[str, str, EngineMetrics], None]
+# (model, pod, decision tag, ttft_s, tpot_s): a latency sample a peer learnt from a record.
+LatencySink = Callable[[str, str, str, float | None, float | None], object]
 _METRIC_FIELDS = (
     "running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries",
     "prompt_tokens_total", "generation_tokens_total", "ttft_avg_s", "itl_avg_s",
@@ -68,6 +80,7 @@ log = logging.getLogger("extproc.sync")
 PROTOCOL_VERSION = 1
 _SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop duplicates
 MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
+MAX_PENDING_SAMPLES = 10_000  # latency samples per tick at most (the models forget anyway)
 SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
 DEFAULT_SETTINGS = SyncConfig()
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -122,6 +135,7 @@ class StateSync:
         approx: Callable[[str], ApproximateIndex | None],
         models: Callable[[], Iterable[str]] = tuple,
         on_metrics: MetricsSink | None = None,
+        on_latency: LatencySink | None = None,
         settings: SyncConfig = DEFAULT_SETTINGS,  # its tick_s, heartbeat_s and expire_s
         metrics: SyncMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -135,6 +149,7 @@ class StateSync:
         self._models = models
         self._snapshot_due = False  # a peer joined: send it our approximate index once
         self._on_metrics = on_metrics
+        self._on_latency = on_latency
         self.settings = settings
         self._metrics = metrics
         self._clock = clock
@@ -144,6 +159,7 @@ class StateSync:
         self._pending_blocks = 0
         self._charges: dict[str, float] = {}
         self._scrapes: dict[tuple[str, str], list[Any]] = {}
+        self._samples: list[list[Any]] = []
         self._members: list[str] = [replica]
         self._last_inflight: dict[str, Load] | None = None
         self._last_sent = float("-inf")
@@ -170,6 +186,13 @@ class StateSync:
         row.append(list(metrics.running_lora_adapters))
         row.append(list(metrics.waiting_lora_adapters))
         self._scrapes[(model, address)] = row
+
+    def note_latency(
+        self, model: str, pod: str, tag: str, ttft_s: float | None, tpot_s: float | None
+    ) -> None:
+        """A latency sample this replica learnt from an access-log record, for the peers."""
+        if len(self._samples) < MAX_PENDING_SAMPLES:
+            self._samples.append([model, pod, tag, ttft_s, tpot_s])
 
     def owns(self, key: str) -> bool:
         """Whether this replica scrapes `key` (a metrics URL) among the live members."""
@@ -206,7 +229,9 @@ class StateSync:
         inflight = dict(self._inflight.snapshot())
         changed_inflight = inflight != self._last_inflight
         due = now - self._last_sent >= self.settings.heartbeat_s
-        pending = self._blocks or self._charges or self._scrapes or self._snapshot_due
+        pending = (
+            self._blocks or self._charges or self._scrapes or self._samples or self._snapshot_due
+        )
         if changed_inflight or pending or due:
             self._seq += 1
             message: dict[str, Any] = {
@@ -227,6 +252,8 @@ class StateSync:
                 message["f"] = list(self._charges.items())
             if self._scrapes:
                 message["m"] = list(self._scrapes.values())
+            if self._samples:
+                message["l"] = self._samples
             ok = await self._bus.publish(msgpack.packb(message))
             if ok:
                 self._last_inflight = inflight
@@ -239,6 +266,7 @@ class StateSync:
             self._blocks = []
             self._pending_blocks = 0
             self._scrapes = {}
+            self._samples = []  # lost with the bus: the models learn from the next ones
         self._expire(now)
 
     def _add_snapshot(self) -> None:
@@ -327,6 +355,9 @@ class StateSync:
                 index.record(pod, [int(h) for h in hashes], now)
         for user, tokens in message.get("f", ()):
             self._fairness.add_remote(str(user), float(tokens))
+        if self._on_latency is not None:
+            for model, pod, tag, ttft, tpot in message.get("l", ()):
+                self._on_latency(str(model), str(pod), str(tag), _seconds(ttft), _seconds(tpot))
         if self._on_metrics is not None:
             for row in message.get("m", ()):
                 model, address, metrics = self._metrics_from(row, now)
@@ -367,6 +398,10 @@ class StateSync:
     def _count(self, name: str, label: str) -> None:
         if self._metrics is not None:
             getattr(self._metrics, name).labels(label).inc()
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _loads(rows: Iterable[Any]) -> dict[str, Load]:

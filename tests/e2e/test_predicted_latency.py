@@ -1,0 +1,108 @@
+"""predicted-latency end to end: real Envoy, real simulators of different speeds, the models
+learned from Envoy's access-log records. Once warm, the fast pod gets most of the traffic,
+explain shows each candidate's predicted TTFT, and the prediction error is exported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.harness import (
+    metric_samples,
+    metric_sum,
+    running_stack,
+    served_counts,
+    stack_options,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+
+# Every simulated step takes 5x longer on sim 1 (sim 0 keeps the harness's 0.2 time scale).
+SLOW_SIM = ("--time-scale", "1.0")
+WARMUP = 24
+MEASURED = 30
+
+
+def chat(i: int) -> dict[str, object]:
+    # ~1,500 distinct prompt tokens: no prefix is shared, so the cost rule has no cache to
+    # prefer, and prefill time (5x longer on the slow pod) dominates the TTFT.
+    words = " ".join(f"w{i}x{j}" for j in range(600))
+    return {
+        "model": "qwen3",
+        "messages": [{"role": "user", "content": f"request {i}: {words}"}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+
+
+def post_streamed(client: httpx.Client, url: str, body: dict[str, object]) -> None:
+    with client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        for _ in r.iter_bytes():
+            pass
+
+
+def models_state(client: httpx.Client, admin: list[str]) -> list[dict[str, object]]:
+    return [client.get(f"{a}/debug/latency-model").json() for a in admin]
+
+
+def warm_pods(state: dict[str, object]) -> set[str]:
+    models = state["models"]
+    assert isinstance(models, dict)
+    return {pod for pod, m in models.get("qwen3", {}).items() if m["warm"]}
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["1-process", "2-processes"])
+def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path, processes: int) -> None:
+    opts = stack_options(
+        tmp_path,
+        sims=2,
+        strategy="predicted-latency",
+        extproc_processes=processes,
+        sim_args_each=((), SLOW_SIM),
+    )
+    fast, slow = opts.sim_address(0), opts.sim_address(1)
+    admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in range(processes)]
+    with running_stack(opts) as stack, httpx.Client(timeout=60) as client:
+        url = f"{stack.base_url}/v1/chat/completions"
+        for i in range(WARMUP):  # cold: the cost rule spreads these over both pods
+            post_streamed(client, url, chat(i))
+
+        def learned(state: dict[str, object]) -> int:
+            models = state["models"]
+            assert isinstance(models, dict)
+            return sum(int(m["ttft"]["samples"]) for m in models.get("qwen3", {}).values())
+
+        def every_process_learned_every_record() -> bool:
+            states = models_state(client, admin)
+            return all(warm_pods(s) == {fast, slow} and learned(s) == WARMUP for s in states)
+
+        # Each process learns from every record: its own, and (2 processes) its peer's over
+        # the sync bus, whichever process Envoy's access log stream went to.
+        assert wait_for(every_process_learned_every_record, timeout=15), models_state(client, admin)
+
+        explained = client.post(
+            f"{admin[0]}/debug/explain", content=json.dumps(chat(999)).encode()
+        ).json()
+        predicted = {c["address"]: c["scores"]["pred_ttft_ms"] for c in explained["candidates"]}
+        assert predicted[slow] > 2 * predicted[fast] > 0, explained
+
+        before = served_counts(stack)
+        for i in range(WARMUP, WARMUP + MEASURED):
+            post_streamed(client, url, chat(i))
+        after = served_counts(stack)
+        to_fast = after[fast] - before[fast]
+        to_slow = after[slow] - before[slow]
+        assert to_fast + to_slow == MEASURED
+        assert to_fast >= 0.8 * MEASURED, (to_fast, to_slow)
+
+        def errors_exported() -> bool:
+            samples = [metric_samples(f"{a}/metrics") for a in admin]
+            name = "extproc_latency_prediction_error_seconds_count"
+            return sum(metric_sum(s, name, pod=fast, kind="ttft") for s in samples) > 0
+
+        assert wait_for(errors_exported, timeout=10)
