@@ -24,6 +24,7 @@ prediction's error (`extproc_latency_prediction_error_seconds{pod,kind}`).
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,17 +137,31 @@ class _Target:
         self.samples += 1
         self.max_seen = max(self.max_seen * 0.999, y)
 
+    @property
+    def cap(self) -> float:
+        """The largest prediction: a few times the largest sample seen (extrapolation bound)."""
+        return 4.0 * self.max_seen + 1e-3
+
     def predict(self, x: tuple[float, ...]) -> float:
-        value = self.reg.predict(x)
-        if not math.isfinite(value):
-            return self.max_seen
-        return min(max(value, 0.0), 4.0 * self.max_seen + 1e-3)
+        return _clamped(self.reg.predict(x), self.cap)
+
+
+def _clamped(value: float, cap: float) -> float:
+    """`value` within [0, cap]; NaN (cannot happen with finite inputs) becomes the cap."""
+    if value != value:
+        return cap
+    return 0.0 if value < 0.0 else cap if value > cap else value
+
+
+# What a warm pod's prediction needs, refreshed after each sample: (TTFT coefficients, cap,
+# TPOT coefficients or None while TPOT is cold, cap, samples).
+_Fit = tuple[tuple[float, ...], float, tuple[float, ...] | None, float, int]
 
 
 class PodLatencyModel:
     """TTFT and TPOT of one pod."""
 
-    __slots__ = ("_forgetting", "_huber", "_min", "_ridge", "tpot", "ttft", "updated_at")
+    __slots__ = ("_huber", "_min", "fit", "tpot", "ttft", "updated_at")
 
     def __init__(
         self, *, forgetting: float, ridge: float, min_samples: int, huber_k: float
@@ -157,18 +172,29 @@ class PodLatencyModel:
         self._min = min_samples
         self._huber = huber_k
         self.updated_at = 0.0
+        self.fit: _Fit | None = None  # None while cold
 
     def observe(self, x: tuple[float, ...], ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:
             self.ttft.observe(x, ttft_s, self._min, self._huber)
         if tpot_s is not None:
             self.tpot.observe(x, tpot_s, self._min, self._huber)
+        ttft, tpot = self.ttft, self.tpot
+        if ttft.samples >= self._min:
+            tpot_coef = tuple(tpot.reg.coef) if tpot.samples >= self._min else None
+            self.fit = (tuple(ttft.reg.coef), ttft.cap, tpot_coef, tpot.cap, ttft.samples)
 
     def predict(self, x: tuple[float, ...]) -> LatencyPrediction | None:
-        if self.ttft.samples < self._min:
+        fit = self.fit
+        if fit is None:
             return None
-        tpot = self.tpot.predict(x) if self.tpot.samples >= self._min else None
-        return LatencyPrediction(self.ttft.predict(x), tpot, self.ttft.samples)
+        ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples = fit
+        ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_cap)
+        if tpot_coef is None:
+            return LatencyPrediction(ttft, None, samples)
+        return LatencyPrediction(
+            ttft, _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap), samples
+        )
 
     def state(self) -> dict[str, Any]:
         def target(t: _Target) -> dict[str, Any]:
