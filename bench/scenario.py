@@ -399,6 +399,8 @@ def run_scenario(
         workdir=out_dir / "run",
         sims=int(c.get("sims", 4)),
         sim_args=tuple(str(a) for a in c.get("sim_args", ())),
+        # per simulator, after sim_args: a heterogeneous pool (e.g. one slower GPU)
+        sim_args_each=tuple(tuple(str(a) for a in each) for each in c.get("sim_args_each", ())),
         extproc_processes=max(
             [int(c.get("extproc_processes", 1))] + [v.processes for v in sc.variants]
         ),

@@ -225,6 +225,26 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
         assert client.post(url, json={"model": "qwen3"}).status_code == 400
         processes = range(opts.extproc_processes)
         admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in processes]
+        # predicted-latency's error histogram: tokenized streams warm the models, more check them.
+        learn = {**CHAT, "stream": True}
+        tokenized = {"routing-strategy": "predicted-latency"}
+
+        def stream(i: int) -> None:
+            body = {**learn, "messages": [{"role": "user", "content": f"learn {i}"}]}
+            with client.stream("POST", url, json=body, headers=tokenized) as r:
+                assert r.status_code == 200
+                r.read()
+
+        for i in range(30):
+            stream(i)
+
+        def some_pod_warm() -> bool:
+            state = client.get(f"{admin[0]}/debug/latency-model").json()
+            return any(m["warm"] for m in state["models"].get("qwen3", {}).values())
+
+        assert wait_for(some_pod_warm, 10)
+        for i in range(30, 36):
+            stream(i)
 
         def accounted() -> bool:
             text = "".join(client.get(f"{a}/metrics").text for a in admin)
