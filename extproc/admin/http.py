@@ -32,7 +32,8 @@ def status_page_html() -> tuple[bytes, str]:
 
     def digest(tag: str) -> str:
         found = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.S)
-        assert found is not None, f"status.html has no <{tag}>"
+        if found is None:
+            raise RuntimeError(f"extproc/admin/status.html has no <{tag}>")
         raw = hashlib.sha256(found.group(1).encode("utf-8")).digest()
         return "'sha256-" + base64.b64encode(raw).decode("ascii") + "'"
 
@@ -57,9 +58,10 @@ class AdminServer:
         self._src = source
         self._memdiag = MemoryDiagnostics()
         self._runner: web.AppRunner | None = None
-        self._page, self._page_csp = status_page_html()
+        self._page, self._page_csp = b"", ""
 
     async def start(self, host: str, port: int) -> None:
+        self._page, self._page_csp = status_page_html()
         app = web.Application(client_max_size=self._src.config.server.max_body_bytes)
         app.router.add_get("/metrics", self._h_metrics)
         app.router.add_get("/healthz", self._h_healthz)
