@@ -287,7 +287,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
 class _PredictionScores(Mapping[str, Mapping[str, float]]):
     """`Decision.scores` built only when read (explain, the status page), not per decision."""
 
-    __slots__ = ("_pods", "_preds", "_totals", "_uncached")
+    __slots__ = ("_index", "_pods", "_preds", "_totals", "_uncached")
 
     def __init__(
         self,
@@ -297,19 +297,20 @@ class _PredictionScores(Mapping[str, Mapping[str, float]]):
         totals: Sequence[float],
     ) -> None:
         self._pods, self._preds, self._uncached, self._totals = pods, preds, uncached, totals
+        self._index: dict[str, int] | None = None
 
     def __getitem__(self, address: str) -> Mapping[str, float]:
-        for i, p in enumerate(self._pods):
-            if p.address == address:
-                pr = self._preds[i]
-                return {
-                    "pred_ttft_ms": _ms(pr.ttft_s),
-                    "pred_tpot_ms": _ms(pr.tpot_s),
-                    "uncached_tokens": float(self._uncached[i]),
-                    "samples": float(pr.samples),
-                    "score": round(self._totals[i], 4),
-                }
-        raise KeyError(address)
+        if self._index is None:
+            self._index = {p.address: i for i, p in enumerate(self._pods)}
+        i = self._index[address]
+        pr = self._preds[i]
+        return {
+            "pred_ttft_ms": _ms(pr.ttft_s),
+            "pred_tpot_ms": _ms(pr.tpot_s),  # -1: TPOT not learned yet
+            "uncached_tokens": float(self._uncached[i]),
+            "samples": float(pr.samples),
+            "score": round(self._totals[i], 4),
+        }
 
     def __iter__(self) -> Iterator[str]:
         return (p.address for p in self._pods)
