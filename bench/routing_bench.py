@@ -1,28 +1,60 @@
-"""Micro-benchmark: time one routing decision per strategy for 4, 16 and 64 pods.
+"""Micro-benchmark: time one routing decision per strategy for 4 to 512 pods.
 
-Usage: .venv/bin/python bench/routing_bench.py [--iterations N] [--json out.json]
-Pure CPU (no I/O); numbers are per decision, median and p99 over the iterations.
+Usage: .venv/bin/python bench/routing_bench.py [--iterations N] [--pods 4,16,64,256,512]
+       [--json out.json] [--tree DIR]
+
+Pure CPU (no I/O); numbers are per decision, median and p99 over the iterations. Two parts:
+
+- `route`: the strategy's own `route(req, snap, rng)` on a prepared snapshot (an 8k-token
+  prompt; every pod holds a random prefix of it: 0, 256, 1k, 2k or 4k tokens).
+- `snapshot`: what the director does per request before the strategy runs, with the real
+  parts: the ready endpoints from the metrics store, the in-flight counts, the gateway's pod
+  stats, and the prefix lookup for every pod over the 8k-token prompt's 512 block hashes in
+  the exact (KV-event) index.
+
+`--tree DIR` runs the same benchmark against another checkout (e.g. a `git worktree` of the
+commit before a change): the before/after numbers then come from one script.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
 
-from extproc.accounting.latency_model import LatencyModels
-from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
-from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
-from extproc.routing.predicted import latency_features
-from extproc.routing.registry import StrategyRegistry
-from extproc.types import Endpoint, EndpointRole, EngineMetrics
+ROOT = Path(__file__).resolve().parent.parent
+TREE_ENV = "ROUTING_BENCH_TREE"  # set by --tree for the child process
+sys.path.insert(0, os.environ.get(TREE_ENV) or str(ROOT))
+
+from extproc.accounting.inflight import InflightTracker  # noqa: E402
+from extproc.accounting.latency_model import LatencyModels  # noqa: E402
+from extproc.accounting.podstats import PodStatsTracker  # noqa: E402
+from extproc.kvcache.exact import ExactIndex  # noqa: E402
+from extproc.kvcache.hashing import block_hashes  # noqa: E402
+from extproc.kvcache.prefix import IndexMode, PrefixIndex  # noqa: E402
+from extproc.metrics.store import EndpointStore  # noqa: E402
+from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot  # noqa: E402
+from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins  # noqa: E402
+from extproc.routing.predicted import latency_features  # noqa: E402
+from extproc.routing.registry import StrategyRegistry  # noqa: E402
+from extproc.types import Endpoint, EndpointRole, EngineMetrics  # noqa: E402
 
 EXTRA_SPECS = [
     "prefix-cache:3,least-request:1",
     "queue:2,kv-cache-utilization:2,prefix:3,latency:1",
 ]
+PODS = (4, 16, 64, 256, 512)
+PROMPT_TOKENS = 8192
+BLOCK_SIZE = 16
 
 
 class _Fairness:
@@ -33,29 +65,38 @@ class _Fairness:
         return 3_000.0
 
 
+def _address(i: int) -> str:
+    return f"10.0.{i // 250}.{i % 250 + 1}:8000"
+
+
+def _role(i: int, n: int) -> EndpointRole:
+    return (EndpointRole.PREFILL, EndpointRole.DECODE)[i % 2] if n > 1 else EndpointRole.BOTH
+
+
+def _metrics(i: int, rng: random.Random) -> EngineMetrics:
+    return EngineMetrics(
+        updated_at=1.0,
+        running=float(rng.randint(0, 40)),
+        waiting=float(rng.randint(0, 8)),
+        kv_cache_usage=rng.random(),
+        ttft_avg_s=rng.uniform(0.05, 0.5),
+        itl_avg_s=rng.uniform(0.01, 0.05),
+        running_lora_adapters=("a1",) if i % 3 == 0 else (),
+        max_lora=4,
+    )
+
+
 def make_snapshot(n: int, rng: random.Random) -> Snapshot:
     pods = []
     for i in range(n):
-        role = (EndpointRole.PREFILL, EndpointRole.DECODE)[i % 2] if n > 1 else EndpointRole.BOTH
-        metrics = EngineMetrics(
-            updated_at=1.0,
-            running=float(rng.randint(0, 40)),
-            waiting=float(rng.randint(0, 8)),
-            kv_cache_usage=rng.random(),
-            ttft_avg_s=rng.uniform(0.05, 0.5),
-            itl_avg_s=rng.uniform(0.01, 0.05),
-            running_lora_adapters=("a1",) if i % 3 == 0 else (),
-            max_lora=4,
-        )
+        metrics = _metrics(i, rng)
         pods.append(
             PodState(
-                endpoint=Endpoint(
-                    address=f"10.0.{i // 250}.{i % 250 + 1}:8000", model="m", role=role
-                ),
+                endpoint=Endpoint(address=_address(i), model="m", role=_role(i, n)),
                 metrics=metrics,
                 in_flight=rng.randint(0, 30),
                 in_flight_tokens=rng.randint(0, 60_000),
-                prefix_match_tokens=rng.choice([0, 0, 256, 1024, 2048]),
+                prefix_match_tokens=rng.choice([0, 0, 256, 1024, 2048, 4096]),
                 cached_blocks=rng.randint(0, 30_000),
                 stats=PodStats(
                     requests_total=100,
@@ -69,11 +110,11 @@ def make_snapshot(n: int, rng: random.Random) -> Snapshot:
     return Snapshot(now=2.0, pods=tuple(pods), fairness=_Fairness())
 
 
-def warm_latency_models(req: RoutingRequest, rng: random.Random) -> LatencyModels:
+def warm_latency_models(req: RoutingRequest, rng: random.Random, sizes: list[int]) -> Any:
     """Models with enough samples for every pod of every snapshot: predicted-latency is timed
     predicting, not on its cold-start cost rule."""
     models = LatencyModels()
-    for n in (4, 16, 64):
+    for n in sizes:
         for pod in make_snapshot(n, random.Random(n)).pods:
             f = latency_features(req, pod)
             for _ in range(models.min_samples):
@@ -81,43 +122,138 @@ def warm_latency_models(req: RoutingRequest, rng: random.Random) -> LatencyModel
     return models
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--iterations", type=int, default=2000)
-    ap.add_argument("--json", help="write results to this file")
-    args = ap.parse_args()
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    samples.sort()
+    p99 = samples[max(0, int(len(samples) * 0.99) - 1)]
+    return {"p50_us": round(statistics.median(samples), 2), "p99_us": round(p99, 2)}
+
+
+def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
+    for _ in range(min(100, iterations)):  # warm-up
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(iterations):
+        t0 = clock()
+        fn()
+        samples.append((clock() - t0) / 1000.0)
+    return _percentiles(samples)
+
+
+class _SnapshotFixture:
+    """The director's per-request inputs for `n` pods, built from the real components."""
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.now = 2.0
+        endpoints = [
+            Endpoint(address=_address(i), model="m", metrics_url=f"http://{_address(i)}/metrics")
+            for i in range(n)
+        ]
+        self.store = EndpointStore(stale_after=10.0, clock=lambda: self.now)
+        self.store.set_endpoints({"m": endpoints})
+        for i, ep in enumerate(endpoints):
+            self.store.record_success(ep, _metrics(i, rng))
+        self.podstats = PodStatsTracker()
+        self.inflight = InflightTracker(clock=lambda: self.now, stats=self.podstats)
+        self.leases = []
+        for ep in endpoints:
+            for _ in range(rng.randint(0, 4)):
+                self.leases.append(self.inflight.start(ep, rng.randint(100, 9000)))
+            self.podstats.observe_response(
+                ep.address, now=1.5, latency_s=1.0, ttft_s=0.2, decode_s=0.8,
+                tokens=2000, completion_tokens=100,
+            )  # fmt: skip
+        tokens = [rng.randrange(150_000) for _ in range(PROMPT_TOKENS)]
+        self.hashes = block_hashes(tokens, BLOCK_SIZE)
+        exact = ExactIndex(block_size=BLOCK_SIZE)
+        nblocks = len(self.hashes)
+        for i, ep in enumerate(endpoints):
+            held = rng.choice([0, 0, 16, 64, 128, 256, nblocks])
+            if held:
+                engine = [i * 1_000_000 + b for b in range(held)]
+                exact.stored(ep.address, engine, None, tokens[: held * BLOCK_SIZE])
+        self.prefix = PrefixIndex(
+            mode=IndexMode.EXACT, block_size=BLOCK_SIZE, exact=exact, approximate=None
+        )
+        self.build = self._director_build()
+
+    def _director_build(self) -> Callable[[], tuple[PodState, ...]]:
+        """The snapshot builder the director uses at this tree's commit."""
+        try:
+            from extproc.director.snapshot import PodStateBuilder  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            return self._head_build
+        builder = PodStateBuilder(self.inflight, self.podstats)
+        return lambda: builder.build(self.store.ready("m"), self.prefix, self.hashes, self.now)
+
+    def _head_build(self) -> tuple[PodState, ...]:
+        """The director's loop before `extproc.director.snapshot` existed (commit 372daa0)."""
+        candidates = self.store.ready("m")
+        now = self.now
+        matches = self.prefix.match((e.address for e, _ in candidates), self.hashes, now)
+        return tuple(
+            PodState(
+                endpoint=ep,
+                metrics=metrics,
+                in_flight=(load := self.inflight.load(ep.address)).requests,
+                in_flight_tokens=load.tokens,
+                prefix_match_tokens=matches[ep.address].tokens,
+                prefix_exact=matches[ep.address].exact,
+                cached_blocks=self.prefix.cached_blocks(ep.address),
+                stats=self.podstats.stats(ep.address, now),
+            )
+            for ep, metrics in candidates
+        )
+
+
+def run(iterations: int, sizes: list[int]) -> dict[str, dict[str, dict[str, float]]]:
     req = RoutingRequest(
         request_id="bench",
         model="m",
-        prompt_tokens=2048,
+        prompt_tokens=PROMPT_TOKENS,
         max_tokens=256,
         user="u",
         lora="a1",
         session_id="10.0.0.3:8000",
     )
-    plugins = default_plugins(latency=warm_latency_models(req, random.Random(0)))
+    plugins = default_plugins(latency=warm_latency_models(req, random.Random(0), sizes))
     reg = StrategyRegistry(plugins, builtin=BUILTIN_PROFILES)
     results: dict[str, dict[str, dict[str, float]]] = {}
-    names = [*reg.names(), *EXTRA_SPECS]
-    print(f"{'strategy':<52} {'pods':>4} {'p50 us':>8} {'p99 us':>8}")
-    for name in names:
+    print(f"{'strategy':<52} {'pods':>4} {'p50 us':>8} {'p99 us':>8}", flush=True)
+    results["(snapshot)"] = {}
+    for n in sizes:
+        fixture = _SnapshotFixture(n, random.Random(n))
+        res = _time(fixture.build, iterations)
+        results["(snapshot)"][str(n)] = res
+        print(f"{'(snapshot)':<52} {n:>4} {res['p50_us']:>8.1f} {res['p99_us']:>8.1f}", flush=True)
+    for name in [*reg.names(), *EXTRA_SPECS]:
         strategy = reg.resolve(name)
         results[name] = {}
-        for n in (4, 16, 64):
+        for n in sizes:
             rng = random.Random(n)
             snap = make_snapshot(n, rng)
-            for _ in range(100):  # warm-up
-                strategy.route(req, snap, rng)
-            samples = []
-            for _ in range(args.iterations):
-                t0 = time.perf_counter_ns()
-                strategy.route(req, snap, rng)
-                samples.append((time.perf_counter_ns() - t0) / 1000.0)
-            samples.sort()
-            p50 = statistics.median(samples)
-            p99 = samples[int(len(samples) * 0.99) - 1]
-            results[name][str(n)] = {"p50_us": round(p50, 2), "p99_us": round(p99, 2)}
-            print(f"{name:<52} {n:>4} {p50:>8.1f} {p99:>8.1f}")
+            res = _time(partial(strategy.route, req, snap, rng), iterations)
+            results[name][str(n)] = res
+            print(f"{name:<52} {n:>4} {res['p50_us']:>8.1f} {res['p99_us']:>8.1f}", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--iterations", type=int, default=1000)
+    ap.add_argument("--pods", default=",".join(map(str, PODS)), help="comma-separated pod counts")
+    ap.add_argument("--json", help="write results to this file")
+    ap.add_argument("--tree", help="run this script against the extproc package of DIR")
+    args = ap.parse_args()
+    if args.tree:
+        argv = list(sys.argv[1:])
+        i = argv.index("--tree")
+        del argv[i : i + 2]
+        env = {**os.environ, TREE_ENV: str(Path(args.tree).resolve())}
+        subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
+        return
+    sizes = [int(x) for x in args.pods.split(",") if x]
+    results = run(args.iterations, sizes)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=2)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+import numpy as np
 
 from extproc.routing import signals
 from extproc.routing.base import (
@@ -22,8 +24,18 @@ from extproc.routing.base import (
     RoutingRequest,
     Snapshot,
 )
+from extproc.routing.columns import (
+    FloatArray,
+    IntArray,
+    PodColumns,
+    columns_of,
+    draws,
+    rank_order,
+    vectorised,
+)
+from extproc.routing.framework import ScoreTable
 from extproc.routing.session import encode_session
-from extproc.routing.strategies import StrategyPlugin
+from extproc.routing.strategies import StrategyPlugin, least_request_at
 from extproc.types import EndpointRole
 
 __all__ = [
@@ -77,6 +89,72 @@ def _rest(
     return _least_request([p for p in pods if id(p) not in taken], rng)
 
 
+# ---------------------------------------------------------------- the same rules on columns
+
+
+def _seq_sum(values: FloatArray) -> float:
+    """Left-to-right sum, as Python's `sum` adds (numpy's `sum` pairs, so its last bit differs)."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
+
+
+def _mean_plus_std_array(values: FloatArray, k: float) -> float:
+    """`_mean_plus_std` on an array, with the same float steps."""
+    n = len(values)
+    mean = _seq_sum(values) / n
+    var = _seq_sum((values - mean) ** 2) / n
+    return mean + k * math.sqrt(var)
+
+
+def _match_pct_array(req: RoutingRequest, cols: PodColumns) -> FloatArray:
+    if req.prompt_tokens <= 0:
+        return np.zeros(cols.n)
+    out: FloatArray = np.minimum(100.0, 100.0 * cols.prefix_match_tokens / req.prompt_tokens)
+    return out
+
+
+def _imbalance_guard_at(cols: PodColumns, abs_count: int) -> tuple[IntArray, str | None]:
+    """`_imbalance_guard` as indices."""
+    loads = cols.in_flight
+    lo, hi = loads.min(), loads.max()
+    if hi - lo > abs_count:
+        spread = int(hi - lo)
+        return np.flatnonzero(loads == lo), (
+            f"load imbalance (spread {spread} > {abs_count}): least-loaded only"
+        )
+    return np.arange(cols.n), None
+
+
+def _rest_at(chosen: IntArray, at: IntArray, cols: PodColumns, rng: random.Random) -> IntArray:
+    """`_rest`: the pods at `at` not in `chosen`, least-request first, as indices."""
+    free = np.ones(cols.n, dtype=bool)
+    free[chosen] = False
+    return least_request_at(cols, at[free[at]], rng)
+
+
+def _cat(*parts: IntArray) -> IntArray:
+    return np.concatenate(parts).astype(np.intp, copy=False)
+
+
+class _JoinedScores(Mapping[str, Mapping[str, float]]):
+    """Several score tables over disjoint pods, read as one (P/D: decode and prefill pools)."""
+
+    def __init__(self, *tables: Mapping[str, Mapping[str, float]]) -> None:
+        self._tables = tables
+
+    def __getitem__(self, address: str) -> Mapping[str, float]:
+        for table in self._tables:
+            if address in table:
+                return table[address]
+        raise KeyError(address)
+
+    def __iter__(self) -> Iterator[str]:
+        for table in self._tables:
+            yield from table
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tables)
+
+
 # ---------------------------------------------------------------- prefix-cache (AIBrix)
 
 
@@ -100,6 +178,8 @@ class PrefixCacheStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng, t0)
         prm = self.params
         pods = snap.pods
         notes: list[str] = []
@@ -136,6 +216,39 @@ class PrefixCacheStrategy(StrategyPlugin):
         ranked += _rest(ranked, pods, rng)
         return self.decision(t0, ranked, "; ".join(notes), scores)
 
+    def _route_columns(
+        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
+    ) -> Decision:
+        prm = self.params
+        cols = columns_of(snap.pods)
+        notes: list[str] = []
+        cands, note = _imbalance_guard_at(cols, prm.imbalance_abs_count)
+        if note:
+            notes.append(note)
+        loads = cols.in_flight
+        bound = _mean_plus_std_array(loads, prm.stddev_factor)
+        pct = _match_pct_array(req, cols)
+        scores = ScoreTable(snap.pods, ("match_pct", "in_flight"), (pct, loads), (2, None))
+        hit = (cols.prefix_match_tokens[cands] > 0) & (pct[cands] > prm.match_threshold_percent)
+        matched = cands[hit]
+        ordered = matched[rank_order([-pct[matched], loads[matched]], rng)]
+        within = ordered[loads[ordered] <= bound]
+        if len(within):
+            pick = within[:1]
+            notes.insert(0, f"prefix match {pct[pick[0]]:.0f}% within load bound {bound:.2f}")
+            ranked = _cat(pick, _rest_at(pick, cands, cols, rng))
+        else:
+            if req.prompt_tokens <= 0:
+                why = "no prompt tokens"
+            elif not len(matched):
+                why = "no prefix match"
+            else:
+                why = f"every match over load bound {bound:.2f}"
+            notes.insert(0, f"{why}: least-request")
+            ranked = least_request_at(cols, cands, rng)
+        ranked = _cat(ranked, _rest_at(ranked, np.arange(cols.n), cols, rng))
+        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+
 
 # ---------------------------------------------------------------- prefix-cache-preble (Preble E2)
 
@@ -166,6 +279,8 @@ class PrebleStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng, t0)
         prm = self.params
         pods = snap.pods
         notes: list[str] = []
@@ -209,6 +324,43 @@ class PrebleStrategy(StrategyPlugin):
         ranked += _rest(ranked, pods, rng)
         return self.decision(t0, ranked, "; ".join(notes), scores)
 
+    def _route_columns(
+        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
+    ) -> Decision:
+        prm = self.params
+        cols = columns_of(snap.pods)
+        notes: list[str] = []
+        cands, note = _imbalance_guard_at(cols, prm.imbalance_abs_count)
+        if note:
+            notes.append(note)
+        match, loads = cols.prefix_match_tokens, cols.in_flight
+        cost = np.maximum(req.prompt_tokens - match, 0.0) + cols.in_flight_tokens
+        scores = ScoreTable(snap.pods, ("match_tokens", "cost", "in_flight"), (match, cost, loads))
+        longest = int(match[cands].max())
+        explore_order = cands[rank_order([cost[cands], loads[cands]], rng)]
+        if req.prompt_tokens > 0 and longest / req.prompt_tokens > prm.exploit_ratio:
+            holders = cands[match[cands] == longest]
+            order = rank_order([cols.in_flight_tokens[holders], loads[holders]], rng)
+            best = int(holders[order[0]])
+            least = int(loads.min())
+            best_load = int(loads[best])
+            if best_load >= prm.rebalance_ratio * max(least, 1):
+                notes.insert(
+                    0,
+                    f"rebalance: holder {cols.addresses[best]} overloaded (in_flight {best_load} vs least {least}); explore by cost",
+                )
+                ranked = explore_order
+            else:
+                notes.insert(0, f"exploit: {longest}/{req.prompt_tokens} tokens cached")
+                ranked = _cat(np.array([best]), explore_order[explore_order != best])
+        else:
+            notes.insert(
+                0, f"explore: longest cached {longest}/{req.prompt_tokens} tokens; min cost"
+            )
+            ranked = explore_order
+        ranked = _cat(ranked, _rest_at(ranked, np.arange(cols.n), cols, rng))
+        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+
 
 # ---------------------------------------------------------------- kv-aware (Dynamo)
 
@@ -242,6 +394,8 @@ class KvAwareStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng, t0)
         prm = self.params
         bs = max(req.block_size, 1)
         total_blocks = math.ceil(req.prompt_tokens / bs)
@@ -280,6 +434,46 @@ class KvAwareStrategy(StrategyPlugin):
         if not any(p.prefix_match_tokens for p in snap.pods):
             reason += "; no cached prefix on any pod: cost is load only"
         return self.decision(t0, ranked, reason, scores)
+
+    def _route_columns(
+        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
+    ) -> Decision:
+        prm = self.params
+        cols = columns_of(snap.pods)
+        bs = max(req.block_size, 1)
+        total_blocks = math.ceil(req.prompt_tokens / bs)
+        overlap = np.minimum(cols.prefix_match_tokens, float(req.prompt_tokens)) // bs
+        prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
+        decode_blocks = np.ceil(cols.in_flight_tokens / bs) + (total_blocks - overlap)
+        costs = prm.overlap_weight * prefill_blocks + decode_blocks
+        scores = ScoreTable(
+            snap.pods,
+            ("overlap_blocks", "prefill_blocks", "decode_blocks", "cost"),
+            (overlap, prefill_blocks, decode_blocks, costs),
+            (None, 3, None, 3),
+        )
+        lo, hi = float(costs.min()), float(costs.max())
+        if prm.temperature > 0 and hi > lo:
+            span = (hi - lo) * prm.temperature
+            # rank_by draws the key's number, then the tie-break, pod by pod: keep that order.
+            pairs = draws(rng, 2 * cols.n)
+            u, tie = pairs[0::2].tolist(), pairs[1::2]
+            keys = np.array(
+                [
+                    -(-(c - lo) / span - math.log(-math.log(x or 1e-300)))
+                    for c, x in zip(costs.tolist(), u, strict=True)
+                ]
+            )
+            ranked = np.lexsort((tie, keys))
+            reason = f"softmax over cost, T={prm.temperature:g}"
+        else:
+            ranked = rank_order([costs, cols.cached_blocks], rng)
+            reason = "min cost" + (
+                " (all equal: uniform)" if hi == lo and prm.temperature > 0 else ""
+            )
+        if not cols.prefix_match_tokens.any():
+            reason += "; no cached prefix on any pod: cost is load only"
+        return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
 
 
 # ---------------------------------------------------------------- vtc-basic (AIBrix)
@@ -325,6 +519,8 @@ class VtcStrategy(StrategyPlugin):
         user_tokens = max(fair.tokens(req.user), active_min)
         min_tokens = max(prm.min_tokens_floor, active_min)
         bucket = max(prm.min_tokens_floor, (min_tokens + prm.max_tokens_floor) / 2)
+        if vectorised(snap.pods):
+            return self._route_columns(snap, rng, t0, user_tokens, bucket)
         pods = sorted(snap.pods, key=lambda p: p.address)
         target = min(user_tokens / bucket, len(pods) - 1)
         notes = [f"user tokens {user_tokens:.0f} bucket {bucket:.0f} -> target index {target:.2f}"]
@@ -353,6 +549,34 @@ class VtcStrategy(StrategyPlugin):
             notes.append(f"running unknown on {','.join(missing)}: used gateway in-flight")
         ranked = sorted(pods, key=lambda p: score[id(p)])
         return self.decision(t0, ranked, "; ".join(notes), scores)
+
+    def _route_columns(
+        self, snap: Snapshot, rng: random.Random, t0: int, user_tokens: float, bucket: float
+    ) -> Decision:
+        prm = self.params
+        cols = columns_of(snap.pods)
+        addresses = cols.addresses
+        by_address = np.array(sorted(range(cols.n), key=addresses.__getitem__), dtype=np.intp)
+        target = min(user_tokens / bucket, cols.n - 1)
+        notes = [f"user tokens {user_tokens:.0f} bucket {bucket:.0f} -> target index {target:.2f}"]
+        running = cols.running[by_address]
+        unknown = np.isnan(running)
+        run = np.where(unknown, cols.in_flight[by_address], running)
+        util = np.minimum(run / prm.max_pod_load, 1.0)
+        fairness = np.abs(np.arange(cols.n) - target)
+        jitter = 0.0 + (0.1 - 0.0) * draws(rng, cols.n)  # rng.uniform(0.0, 0.1), pod by pod
+        s = prm.fairness_weight * fairness + prm.utilization_weight * util + jitter
+        if unknown.any():
+            missing = ",".join([addresses[i] for i in by_address[unknown].tolist()])
+            notes.append(f"running unknown on {missing}: used gateway in-flight")
+        scores = ScoreTable(
+            cols.take(by_address),
+            ("fairness", "utilization", "score"),
+            (fairness, util, s),
+            (3, 3, 3),
+        )
+        ranked = by_address[np.argsort(s, kind="stable")]
+        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- pd (AIBrix)
@@ -402,6 +626,8 @@ class PdStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng, t0)
         pods = snap.pods
         prefill = [p for p in pods if p.endpoint.role is EndpointRole.PREFILL]
         decode = [p for p in pods if p.endpoint.role is EndpointRole.DECODE]
@@ -456,6 +682,77 @@ class PdStrategy(StrategyPlugin):
             ),
         )
 
+    def _route_columns(
+        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
+    ) -> Decision:
+        cols = columns_of(snap.pods)
+        is_prefill = cols.role_is(EndpointRole.PREFILL)
+        is_decode = cols.role_is(EndpointRole.DECODE)
+        prefill = np.flatnonzero(is_prefill)
+        decode = np.flatnonzero(is_decode)
+        both = np.flatnonzero(~is_prefill & ~is_decode)
+        pool = decode if len(decode) else both
+        everyone = np.arange(cols.n)
+        if not len(pool):
+            ranked = least_request_at(cols, everyone, rng)
+            eps = cols.endpoints_at(ranked)
+            return self.decision_of(
+                t0,
+                eps,
+                "no decode or both pod: whole request on a prefill pod by least-request",
+                profiles=(ProfileResult(PREFILL_PROFILE, ()), ProfileResult(DECODE_PROFILE, eps)),
+            )
+        notes: list[str] = []
+        loads = cols.in_flight
+        running = cols.running[pool]
+        unknown = np.isnan(running)
+        runs = np.where(unknown, loads[pool], running)
+        kv = np.nan_to_num(cols.kv_usage[pool], nan=0.0)  # `kv_usage(p) or 0.0`
+        frees = np.maximum(1.0 - kv, 0.01)
+        max_run, max_free = max(float(runs.max()), 1.0), float(frees.max())
+        decode_val = (runs / max_run) / (frees / max_free)
+        decode_ranked = pool[rank_order([decode_val, loads[pool]], rng)]
+        tables: list[Mapping[str, Mapping[str, float]]] = [
+            ScoreTable(cols.take(pool), ("decode_score",), (decode_val,), (4,))
+        ]
+        if unknown.any():
+            missing = ",".join([cols.addresses[i] for i in pool[unknown].tolist()])
+            notes.append(f"running unknown on {missing}: used in-flight")
+        prefill_ranked = np.empty(0, dtype=np.intp)
+        if len(prefill):
+            pl = loads[prefill]
+            bound = _mean_plus_std_array(pl, self.params.stddev_factor)
+            max_load = max(float(pl.max()), 1.0)
+            ok = prefill[pl <= bound]
+            if not len(ok):
+                ok = prefill
+            val = (100.0 - _match_pct_array(req, cols)[ok]) * 0.1 + loads[ok] / max_load
+            tables.append(ScoreTable(cols.take(ok), ("prefill_score",), (val,), (4,)))
+            prefill_ranked = ok[rank_order([val], rng)]
+            notes.insert(
+                0,
+                f"prefill on {cols.addresses[prefill_ranked[0]]}, decode on {cols.addresses[decode_ranked[0]]}",
+            )
+        else:
+            notes.insert(
+                0,
+                f"no prefill pod: whole request on {'decode' if len(decode) else 'both'} pod {cols.addresses[decode_ranked[0]]}",
+            )
+        ranked = _cat(
+            decode_ranked, _rest_at(decode_ranked, np.flatnonzero(~is_prefill), cols, rng)
+        )
+        ranked = _cat(ranked, _rest_at(ranked, everyone, cols, rng))
+        return self.decision_of(
+            t0,
+            cols.endpoints_at(ranked),
+            "; ".join(notes),
+            _JoinedScores(*tables),
+            profiles=(
+                ProfileResult(PREFILL_PROFILE, cols.endpoints_at(prefill_ranked)),
+                ProfileResult(DECODE_PROFILE, cols.endpoints_at(decode_ranked)),
+            ),
+        )
+
 
 # ---------------------------------------------------------------- session-affinity (AIBrix)
 
@@ -495,5 +792,10 @@ class SessionAffinityStrategy(StrategyPlugin):
             reason = (
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
+        if vectorised(pods):
+            cols = columns_of(pods)
+            at = np.array([next(i for i, p in enumerate(pods) if p is pick)])
+            eps = cols.endpoints_at(_cat(at, _rest_at(at, np.arange(cols.n), cols, rng)))
+            return self.decision_of(t0, eps, reason, session_id=encode_session(pick.address))
         ranked = [pick, *_rest([pick], pods, rng)]
         return self.decision(t0, ranked, reason, session_id=encode_session(pick.address))

@@ -19,6 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from extproc.types import EMPTY_LABELS, Endpoint, EngineMetrics, RequestKind
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "ProfileResult",
     "RoutingRequest",
     "ScoreResult",
+    "ScoreValues",
     "Scorer",
     "Snapshot",
     "Strategy",
@@ -202,7 +206,9 @@ class Decision:
 
 
 FilterResult = tuple[Sequence[PodState], str | None]  # kept pods, note (what it could not read)
-ScoreResult = tuple[Sequence[float], str | None]  # one score per pod in [0, 1], note
+# One value per pod: a list, or a float64 array (what the vectorised built-ins answer with).
+ScoreValues = Sequence[float] | npt.NDArray[np.float64]
+ScoreResult = tuple[ScoreValues, str | None]  # one score per pod in [0, 1], note
 
 
 class Filter(Protocol):
@@ -241,7 +247,7 @@ class Picker(Protocol):
     def capabilities(self) -> Capabilities: ...
 
     def rank(
-        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
     ) -> list[PodState]:
         """Order all pods best first (the tail gives retry fallbacks)."""
         ...

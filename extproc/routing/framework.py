@@ -21,6 +21,8 @@ from dataclasses import MISSING, dataclass, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
+import numpy as np
+
 from extproc.routing.base import (
     NO_CAPABILITIES,
     Capabilities,
@@ -32,8 +34,10 @@ from extproc.routing.base import (
     PodState,
     RoutingRequest,
     Scorer,
+    ScoreValues,
     Snapshot,
 )
+from extproc.routing.columns import PodRows, draws, vectorised
 
 __all__ = [
     "EmptyParams",
@@ -175,8 +179,11 @@ class MaxScorePicker:
         self.name = name
 
     def rank(
-        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
     ) -> list[PodState]:
+        if isinstance(totals, np.ndarray):  # a vectorised profile's totals: same draws, one sort
+            order = np.lexsort((draws(rng, len(totals)), -totals))
+            return [pods[i] for i in order.tolist()]
         keyed = [(-t, rng.random(), i) for i, t in enumerate(totals)]
         keyed.sort()
         return [pods[i] for _, _, i in keyed]
@@ -198,7 +205,7 @@ class SoftmaxPicker:
         self.temperature = (params or SoftmaxParams()).temperature
 
     def rank(
-        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
     ) -> list[PodState]:
         t = self.temperature
         keyed = []
@@ -220,7 +227,7 @@ class WeightedRandomPicker:
         self.name = name
 
     def rank(
-        self, pods: Sequence[PodState], totals: Sequence[float], rng: random.Random
+        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
     ) -> list[PodState]:
         keyed = []
         for i, total in enumerate(totals):
@@ -242,24 +249,33 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
     a vectorised profile can hand its arrays over as they are.
     """
 
-    __slots__ = ("_columns", "_index", "_names", "_pods")
+    __slots__ = ("_columns", "_digits", "_index", "_names", "_pods")
 
     def __init__(
         self,
         pods: Sequence[PodState],
         names: Sequence[str],
-        columns: Sequence[Sequence[float]],
+        columns: Sequence[ScoreValues],
+        digits: Sequence[int | None] | None = None,
     ) -> None:
         self._pods = pods
         self._names = names
-        self._columns = columns
+        self._columns = columns  # lists or float64 arrays
+        self._digits = digits  # per column: round(value, digits) when read, None = as is
         self._index: dict[str, int] | None = None
 
     def __getitem__(self, address: str) -> Mapping[str, float]:
         if self._index is None:
             self._index = {p.address: i for i, p in enumerate(self._pods)}
         i = self._index[address]
-        return {name: col[i] for name, col in zip(self._names, self._columns, strict=True)}
+        if self._digits is None:
+            return {
+                name: float(col[i]) for name, col in zip(self._names, self._columns, strict=True)
+            }
+        return {
+            name: float(col[i]) if d is None else round(float(col[i]), d)
+            for name, col, d in zip(self._names, self._columns, self._digits, strict=True)
+        }
 
     def __iter__(self) -> Iterator[str]:
         return (p.address for p in self._pods)
@@ -306,6 +322,8 @@ class Profile:
         self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng)
         clock = time.perf_counter_ns
         timings: list[PluginTiming] = []
         notes: list[str] = []
@@ -337,6 +355,59 @@ class Profile:
         ranked = self.picker.rank(pods, totals, rng)
         timings.append((self._picker_ref, clock() - t0))
         # Filtered-out pods are still valid retry fallbacks: they go after the filtered set.
+        if len(ranked) < len(snap.pods):
+            chosen = {p.address for p in ranked}
+            rest = [p for p in snap.pods if p.address not in chosen]
+            rest.sort(key=lambda p: (p.in_flight, rng.random()))
+            ranked.extend(rest)
+        reason = self._reason
+        if notes:
+            reason += "; " + "; ".join(notes)
+        return Decision(
+            ranked=tuple([p.endpoint for p in ranked]),
+            strategy=self.name,
+            scores=ScoreTable(pods, self._score_names, columns),
+            reason=reason,
+            timings=tuple(timings),
+        )
+
+    def _route_columns(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        """`route` over many pods: scorers may answer with arrays (the pods are `PodRows`,
+        whose columns they share), totals are one array, the same order and floats result."""
+        clock = time.perf_counter_ns
+        timings: list[PluginTiming] = []
+        notes: list[str] = []
+        pods: Sequence[PodState] = (
+            snap.pods if isinstance(snap.pods, PodRows) else PodRows(snap.pods)
+        )
+        for ref, flt in self._filters:
+            t0 = clock()
+            kept, note = flt.filter(req, pods)
+            timings.append((ref, clock() - t0))
+            if note:
+                notes.append(note)
+            if not kept:
+                notes.append(f"filter {ref.name} removed every pod; kept all {len(pods)}")
+                continue
+            pods = kept if isinstance(kept, PodRows) else PodRows(kept)
+        totals = np.zeros(len(pods))
+        columns: list[ScoreValues] = []
+        for ref, weight, scorer in self._scorers:
+            t0 = clock()
+            scores, note = scorer.score(req, pods)
+            timings.append((ref, clock() - t0))
+            if note:
+                notes.append(note)
+            raw = np.asarray(scores, dtype=np.float64)
+            column = np.where(np.isfinite(raw), np.clip(raw, 0.0, 1.0), 0.0)  # clamp01
+            columns.append(column)
+            totals += weight * column
+        columns.append(totals)
+        t0 = clock()
+        ranked = self.picker.rank(
+            pods, totals if isinstance(self.picker, MaxScorePicker) else totals.tolist(), rng
+        )
+        timings.append((self._picker_ref, clock() - t0))
         if len(ranked) < len(snap.pods):
             chosen = {p.address for p in ranked}
             rest = [p for p in snap.pods if p.address not in chosen]

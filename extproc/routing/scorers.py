@@ -10,6 +10,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+import numpy as np
+
 from extproc.routing import signals
 from extproc.routing.base import (
     NO_CAPABILITIES,
@@ -17,6 +19,13 @@ from extproc.routing.base import (
     PodState,
     RoutingRequest,
     ScoreResult,
+)
+from extproc.routing.columns import (
+    FloatArray,
+    PodColumns,
+    columns_of,
+    predicted_latency_column,
+    vectorised,
 )
 from extproc.routing.framework import (
     EmptyParams,
@@ -58,6 +67,46 @@ def _with_unknown(
     return scores, f"{name}: {what} unknown on {','.join(missing)} (neutral {NEUTRAL})"
 
 
+def _minmax_lower_array(values: FloatArray) -> FloatArray:
+    """`minmax_lower_better` on an array (the same float steps)."""
+    if not len(values):
+        return values
+    lo, hi = values.min(), values.max()
+    if hi == lo:
+        return np.ones(len(values))
+    out: FloatArray = (hi - values) / (hi - lo)
+    return out
+
+
+def _same(values: FloatArray) -> FloatArray:
+    return values
+
+
+def _kv_free_array(values: FloatArray) -> FloatArray:
+    out: FloatArray = np.clip(1.0 - values, 0.0, 1.0)
+    return out
+
+
+def _with_unknown_columns(
+    name: str,
+    cols: PodColumns,
+    values: FloatArray,
+    normalise: Callable[[FloatArray], FloatArray],
+    what: str,
+) -> tuple[FloatArray, str | None]:
+    """`_with_unknown` over a column whose unknown values are NaN."""
+    unknown = np.isnan(values)
+    if not unknown.any():
+        return normalise(values), None
+    scores = np.full(len(values), NEUTRAL)
+    known = ~unknown
+    if not known.any():
+        return scores, f"{name}: {what} unknown on every pod (neutral {NEUTRAL}, no effect)"
+    scores[known] = normalise(values[known])
+    missing = ",".join([cols.addresses[i] for i in np.flatnonzero(unknown).tolist()])
+    return scores, f"{name}: {what} unknown on {missing} (neutral {NEUTRAL})"
+
+
 class _Base:
     """Scorers without params; a subclass sets `type_name`, `capabilities` and `score`."""
 
@@ -75,6 +124,11 @@ class QueueScorer(_Base):
     type_name = "queue"
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        if vectorised(pods):
+            cols = columns_of(pods)
+            return _with_unknown_columns(
+                self.name, cols, cols.waiting, _minmax_lower_array, "waiting"
+            )
         return _with_unknown(
             self.name, pods, [signals.waiting(p) for p in pods], minmax_lower_better, "waiting"
         )
@@ -86,6 +140,11 @@ class KVCacheUtilizationScorer(_Base):
     type_name = "kv-cache-utilization"
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        if vectorised(pods):
+            cols = columns_of(pods)
+            return _with_unknown_columns(
+                self.name, cols, cols.kv_usage, _kv_free_array, "kv_cache_usage"
+            )
         return _with_unknown(
             self.name,
             pods,
@@ -104,6 +163,9 @@ class PrefixScorer(_Base):
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.prompt_tokens <= 0:
             return [0.0] * len(pods), f"{self.name}: request has no prompt tokens (0 for all)"
+        if vectorised(pods):
+            ratio = columns_of(pods).prefix_match_tokens / req.prompt_tokens
+            return np.clip(ratio, 0.0, 1.0), None
         return [clamp01(p.prefix_match_tokens / req.prompt_tokens) for p in pods], None
 
 
@@ -113,6 +175,8 @@ class LeastRequestScorer(_Base):
     type_name = "least-request"
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        if vectorised(pods):
+            return _minmax_lower_array(columns_of(pods).in_flight), None
         return minmax_lower_better([float(p.in_flight) for p in pods]), None
 
 
@@ -124,6 +188,11 @@ class LoraAffinityScorer(_Base):
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.lora is None:
             return [1.0] * len(pods), None  # base-model request: every pod is equally fit
+        if vectorised(pods):
+            cols = columns_of(pods)
+            return _with_unknown_columns(
+                self.name, cols, cols.lora_states(req.lora), _same, "lora info"
+            )
         return _with_unknown(
             self.name, pods, [signals.lora_state(req, p) for p in pods], list, "lora info"
         )
@@ -136,6 +205,15 @@ class LatencyScorer(_Base):
     capabilities = Capabilities(accounting=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        if vectorised(pods):
+            cols = columns_of(pods)
+            return _with_unknown_columns(
+                self.name,
+                cols,
+                predicted_latency_column(req, cols),
+                _minmax_lower_array,
+                "latency averages",
+            )
         values = [signals.predicted_latency_s(req, p)[0] for p in pods]
         return _with_unknown(self.name, pods, values, minmax_lower_better, "latency averages")
 
@@ -147,6 +225,8 @@ class ThroughputScorer(_Base):
     capabilities = Capabilities(accounting=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        if vectorised(pods):
+            return _minmax_lower_array(columns_of(pods).throughput), None
         return minmax_lower_better([p.stats.throughput_tokens_per_s for p in pods]), None
 
 
@@ -157,6 +237,8 @@ class BusyTimeScorer(_Base):
     capabilities = Capabilities(accounting=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
+        if vectorised(pods):
+            return _minmax_lower_array(columns_of(pods).busy_time), None
         return minmax_lower_better([p.stats.busy_time_s for p in pods]), None
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+import numpy as np
 
 from extproc.routing import signals
 from extproc.routing.base import (
@@ -25,7 +27,17 @@ from extproc.routing.base import (
     RoutingRequest,
     Snapshot,
 )
-from extproc.routing.framework import EmptyParams
+from extproc.routing.columns import (
+    FloatArray,
+    IntArray,
+    PodColumns,
+    columns_of,
+    predicted_latency_column,
+    rank_order,
+    vectorised,
+)
+from extproc.routing.framework import EmptyParams, ScoreTable
+from extproc.types import Endpoint
 
 __all__ = [
     "HigressGpuParams",
@@ -64,13 +76,33 @@ class StrategyPlugin:
         started_ns: int,
         ranked: Sequence[PodState],
         reason: str,
-        scores: dict[str, dict[str, float]] | None = None,
+        scores: Mapping[str, Mapping[str, float]] | None = None,
         *,
         session_id: str | None = None,
         profiles: tuple[ProfileResult, ...] = (),
     ) -> Decision:
+        return self.decision_of(
+            started_ns,
+            tuple([p.endpoint for p in ranked]),
+            reason,
+            scores,
+            session_id=session_id,
+            profiles=profiles,
+        )
+
+    def decision_of(
+        self,
+        started_ns: int,
+        ranked: tuple[Endpoint, ...],
+        reason: str,
+        scores: Mapping[str, Mapping[str, float]] | None = None,
+        *,
+        session_id: str | None = None,
+        profiles: tuple[ProfileResult, ...] = (),
+    ) -> Decision:
+        """`decision` with the endpoints already ranked (a vectorised rule's `endpoints_at`)."""
         return Decision(
-            ranked=tuple([p.endpoint for p in ranked]),
+            ranked=ranked,
             strategy=self.name,
             scores=scores or {},
             reason=reason,
@@ -82,6 +114,11 @@ class StrategyPlugin:
 
 def _least_request_order(pods: Sequence[PodState], rng: random.Random) -> list[PodState]:
     return signals.rank_by(pods, lambda p: (float(p.in_flight),), rng)
+
+
+def least_request_at(cols: PodColumns, at: IntArray, rng: random.Random) -> IntArray:
+    """`_least_request_order` of the pods at `at` (indices into `cols`), as indices."""
+    return at[rank_order([cols.in_flight[at]], rng)]
 
 
 class RandomStrategy(StrategyPlugin):
@@ -135,8 +172,15 @@ class PowerOfTwoStrategy(StrategyPlugin):
 
         la, lb = load(a), load(b)
         first, second = (a, b) if la < lb or (la == lb and rng.random() < 0.5) else (b, a)
-        rest = _least_request_order([p for p in pods if p is not a and p is not b], rng)
         reason = f"sampled {a.address} (in_flight {la[0]:g}) vs {b.address} (in_flight {lb[0]:g})"
+        if vectorised(pods):
+            cols = columns_of(snap.pods)
+            others = np.array(
+                [i for i, p in enumerate(pods) if p is not a and p is not b], dtype=np.intp
+            )
+            tail = cols.endpoints_at(least_request_at(cols, others, rng))
+            return self.decision_of(t0, (first.endpoint, second.endpoint, *tail), reason)
+        rest = _least_request_order([p for p in pods if p is not a and p is not b], rng)
         return self.decision(t0, [first, second, *rest], reason)
 
 
@@ -153,11 +197,17 @@ class LeastSignalStrategy(StrategyPlugin):
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
         raise NotImplementedError  # pragma: no cover
 
+    def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
+        """`signal` for every pod at once, NaN where it is None."""
+        raise NotImplementedError  # pragma: no cover
+
     def no_data(self, pods: Sequence[PodState]) -> str | None:
         return None
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng, t0)
         label = self.label
         values = [(p, self.signal(req, p)) for p in snap.pods]
         known = [(p, v) for p, v in values if v is not None]
@@ -179,11 +229,46 @@ class LeastSignalStrategy(StrategyPlugin):
             reason += f"; {extra}"
         return self.decision(t0, ranked, reason, scores)
 
+    def _route_columns(
+        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
+    ) -> Decision:
+        label = self.label
+        cols = columns_of(snap.pods)
+        values = self.column(req, cols)
+        unknown_mask = np.isnan(values)
+        known = np.flatnonzero(~unknown_mask)
+        if not len(known):
+            ranked = least_request_at(cols, np.arange(cols.n), rng)
+            reason = f"{label} unknown on every pod; used least-request (gateway in-flight)"
+            return self.decision_of(t0, cols.endpoints_at(ranked), reason)
+        unknown = np.flatnonzero(unknown_mask)
+        vals, loads = values[known], cols.in_flight[known]
+        head = known[rank_order([vals, loads], rng)]
+        tail = least_request_at(cols, unknown, rng)
+        reason = f"min {label}"
+        if len(unknown):
+            reason += f"; {label} unknown on {signals.addresses(cols.take(unknown))} (ranked last)"
+        if extra := self.no_data_columns(cols):
+            reason += f"; {extra}"
+        scores = ScoreTable(cols.take(known), (label, "in_flight"), (vals, loads))
+        return self.decision_of(t0, cols.endpoints_at(np.concatenate((head, tail))), reason, scores)
+
+    def no_data_columns(self, cols: PodColumns) -> str | None:
+        """`no_data` read from the columns."""
+        return None
+
+
+_NO_ACCOUNTING = "no request finished yet on any pod: all equal, tie broken by in-flight"
+
 
 def _no_accounting(pods: Sequence[PodState]) -> str | None:
     if all(p.stats.requests_total == 0 for p in pods):
-        return "no request finished yet on any pod: all equal, tie broken by in-flight"
+        return _NO_ACCOUNTING
     return None
+
+
+def _no_accounting_columns(cols: PodColumns) -> str | None:
+    return _NO_ACCOUNTING if not cols.requests_total.any() else None
 
 
 class LeastRequestStrategy(LeastSignalStrategy):
@@ -195,6 +280,9 @@ class LeastRequestStrategy(LeastSignalStrategy):
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
         return float(p.in_flight)
 
+    def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
+        return cols.in_flight
+
 
 class LeastKvCacheStrategy(LeastSignalStrategy):
     """AIBrix least-kv-cache: min KV usage (vLLM exports no separate CPU cache usage in V1)."""
@@ -204,6 +292,9 @@ class LeastKvCacheStrategy(LeastSignalStrategy):
 
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
         return signals.kv_usage(p)
+
+    def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
+        return cols.kv_usage
 
 
 class LeastBusyTimeStrategy(LeastSignalStrategy):
@@ -216,8 +307,14 @@ class LeastBusyTimeStrategy(LeastSignalStrategy):
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
         return p.stats.busy_time_s
 
+    def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
+        return cols.busy_time
+
     def no_data(self, pods: Sequence[PodState]) -> str | None:
         return _no_accounting(pods)
+
+    def no_data_columns(self, cols: PodColumns) -> str | None:
+        return _no_accounting_columns(cols)
 
 
 class ThroughputStrategy(LeastSignalStrategy):
@@ -230,8 +327,14 @@ class ThroughputStrategy(LeastSignalStrategy):
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
         return p.stats.throughput_tokens_per_s
 
+    def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
+        return cols.throughput
+
     def no_data(self, pods: Sequence[PodState]) -> str | None:
         return _no_accounting(pods)
+
+    def no_data_columns(self, cols: PodColumns) -> str | None:
+        return _no_accounting_columns(cols)
 
 
 class LeastLatencyStrategy(LeastSignalStrategy):
@@ -243,6 +346,9 @@ class LeastLatencyStrategy(LeastSignalStrategy):
 
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
         return signals.predicted_latency_s(req, p)[0]
+
+    def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
+        return predicted_latency_column(req, cols)
 
 
 # ---------------------------------------------------------------- higress
@@ -291,6 +397,8 @@ class HigressGpuStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if vectorised(snap.pods):
+            return self._route_columns(req, snap, rng, t0)
         prm = self.params
         known = [
             p
@@ -343,3 +451,80 @@ class HigressGpuStrategy(StrategyPlugin):
             notes.append(f"metrics unknown on {signals.addresses(unknown)} (ranked last)")
         scores = {p.address: {"waiting": q(p), "kv_cache_usage": kv(p)} for p in known}
         return self.decision(t0, head + rest, "; ".join(notes), scores)
+
+    @staticmethod
+    def _least_at(at: IntArray, values: FloatArray) -> IntArray:
+        """`_least` on the pods at `at`, as indices."""
+        vals = values[at]
+        lo, hi = vals.min(), vals.max()
+        bound = lo + (hi - lo) / len(at)
+        kept: IntArray = at[vals <= bound]
+        return kept
+
+    @staticmethod
+    def _lora_at(req: RoutingRequest, cols: PodColumns, at: IntArray) -> IntArray:
+        if req.lora is None:
+            return at
+        states = cols.lora_states(req.lora)[at]
+        for wanted in (1.0, 0.8):
+            hit: IntArray = at[states == wanted]
+            if len(hit):
+                return hit
+        return at
+
+    def _route_columns(
+        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
+    ) -> Decision:
+        prm = self.params
+        cols = columns_of(snap.pods)
+        waiting, kv_usage = cols.waiting, cols.kv_usage
+        known_mask = ~np.isnan(waiting) & ~np.isnan(kv_usage)
+        known = np.flatnonzero(known_mask)
+        unknown = np.flatnonzero(~known_mask)
+        if not len(known):
+            ranked = least_request_at(cols, np.arange(cols.n), rng)
+            return self.decision_of(
+                t0,
+                cols.endpoints_at(ranked),
+                "queue/KV metrics unknown on every pod; used least-request",
+            )
+        notes = []
+        pool = known
+        if req.priority < 0:
+            ok = known[
+                (waiting[known] <= prm.queue_threshold_critical)
+                & (kv_usage[known] <= prm.kv_cache_threshold)
+            ]
+            if len(ok):
+                pool = ok
+            else:
+                notes.append(
+                    "sheddable request and every pod over thresholds (admission should shed)"
+                )
+        low = pool[waiting[pool] < prm.queueing_threshold_lora]
+        if len(low):
+            chosen = self._least_at(
+                self._least_at(self._lora_at(req, cols, low), waiting), kv_usage
+            )
+            notes.insert(0, "low-queue branch")
+        else:
+            chosen = self._least_at(
+                self._lora_at(req, cols, self._least_at(pool, waiting)), kv_usage
+            )
+            notes.insert(0, "all queues high: least-queue branch")
+        head = chosen.tolist()
+        rng.shuffle(head)
+        taken = np.zeros(cols.n, dtype=bool)
+        taken[chosen] = True
+        others = known[~taken[known]]
+        rest = others[rank_order([waiting[others], kv_usage[others]], rng)]
+        tail = least_request_at(cols, unknown, rng)
+        if len(unknown):
+            notes.append(
+                f"metrics unknown on {signals.addresses(cols.take(unknown))} (ranked last)"
+            )
+        scores = ScoreTable(
+            cols.take(known), ("waiting", "kv_cache_usage"), (waiting[known], kv_usage[known])
+        )
+        ranked = np.concatenate((np.array(head, dtype=np.intp), rest, tail))
+        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)

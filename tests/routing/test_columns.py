@@ -1,0 +1,129 @@
+"""The vectorised path (many pods) decides exactly as the per-pod path (few pods).
+
+Every registered strategy and profile is run twice on the same snapshot and seed: once with
+the columns forced on, once forced off. Ranking, scores (as explain reads them), reason,
+profiles and session must be identical, on snapshots with unknown signals, ties, P/D roles,
+LoRA adapters and users.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from extproc.routing import columns
+from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.builtin import default_registry
+from extproc.routing.columns import PodColumns, PodRows, columns_of, rank_order
+from extproc.routing.signals import rank_by
+from extproc.types import EndpointRole
+from tests.routing._builders import FakeFairness, pod, req
+
+REGISTRY = default_registry()
+NAMES = [
+    *sorted(n for n in REGISTRY.names() if n != "predicted-latency"),  # that one reads pods
+    "prefix-cache:3,least-request:1",
+    "queue:2,kv-cache-utilization:2,prefix:3,latency:1",
+]
+
+
+def _pods(n: int, rng: random.Random, *, roles: bool, sparse: bool) -> list[PodState]:
+    """`n` pods with small integer signals (many ties) and, when `sparse`, missing ones."""
+    out = []
+    for i in range(n):
+        missing = sparse and rng.random() < 0.25
+        stats = (
+            PodStats()
+            if sparse and rng.random() < 0.3
+            else PodStats(
+                requests_total=rng.randint(0, 3),
+                throughput_tokens_per_s=float(rng.randint(0, 4) * 100),
+                busy_time_s=float(rng.randint(0, 3)),
+                ttft_avg_s=rng.choice([None, 0.1, 0.2]),
+                tpot_avg_s=rng.choice([None, 0.01, 0.02]),
+                latency_avg_s=rng.choice([None, 1.0, 2.0]),
+            )
+        )
+        role = rng.choice(list(EndpointRole)) if roles else EndpointRole.BOTH
+        out.append(
+            pod(
+                f"10.0.{i // 200}.{i % 200 + 1}:8000",
+                running=None if missing else float(rng.randint(0, 5)),
+                waiting=None if missing else float(rng.randint(0, 6)),
+                kv=None if missing else rng.choice([0.1, 0.5, 0.85, 0.9]),
+                in_flight=rng.randint(0, 12),
+                in_flight_tokens=rng.randint(0, 5) * 500,
+                match=rng.choice([0, 0, 16, 64, 256]),
+                role=role,
+                loras=rng.choice([(), ("ad",), ("x", "y")]),
+                max_lora=rng.choice([None, 2]),
+                ttft=rng.choice([None, 0.3]),
+                itl=rng.choice([None, 0.03]),
+                stats=stats,
+                cached_blocks=rng.randint(0, 3) * 10,
+                no_metrics=sparse and rng.random() < 0.1,
+            )
+        )
+    return out
+
+
+def _requests() -> list[RoutingRequest]:
+    return [
+        req(prompt_tokens=256, max_tokens=64, user="u1", lora="ad"),
+        req(prompt_tokens=0, session_id="10.0.0.3:8000", priority=-1),
+        req(prompt_tokens=100, user="u2", headers={"x-aibrix-session-key": "k"}, block_size=32),
+    ]
+
+
+def _outcome(name: str, r: RoutingRequest, s: Snapshot, seed: int) -> tuple[object, ...]:
+    d = default_registry().resolve(name).route(r, s, random.Random(seed))
+    scores = {a: dict(v) for a, v in d.scores.items()}
+    return (d.ranked, scores, d.reason, d.profiles, d.session_id)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    ("n", "roles", "sparse"), [(40, False, False), (40, True, True), (70, False, True)]
+)
+def test_columns_decide_as_the_per_pod_path(
+    monkeypatch: pytest.MonkeyPatch, name: str, n: int, roles: bool, sparse: bool
+) -> None:
+    rng = random.Random(n + roles + 2 * sparse)
+    pods = _pods(n, rng, roles=roles, sparse=sparse)
+    fairness = FakeFairness({"u1": 40_000.0, "u2": 10.0}, minimum=5_000.0)
+    for r in _requests():
+        for seed in range(3):
+            s = Snapshot(now=1.0, pods=tuple(pods), fairness=fairness)
+            monkeypatch.setattr(columns, "VECTOR_MIN_PODS", 10**9)
+            per_pod = _outcome(name, r, s, seed)
+            monkeypatch.setattr(columns, "VECTOR_MIN_PODS", 1)
+            vector = _outcome(
+                name, r, Snapshot(now=1.0, pods=PodRows(pods), fairness=fairness), seed
+            )
+            assert vector == per_pod, (name, r, seed)
+
+
+def test_unknown_signals_are_nan_and_columns_are_kept_on_rows() -> None:
+    pods = PodRows(
+        [pod("10.0.0.1:8000", waiting=2.0), pod("10.0.0.2:8000", no_metrics=True, in_flight=3)]
+    )
+    cols = columns_of(pods)
+    assert cols is columns_of(pods)  # built once per rows
+    assert cols.waiting[0] == 2.0 and np.isnan(cols.waiting[1])
+    assert np.isnan(cols.kv_usage).all()
+    assert cols.in_flight.tolist() == [0.0, 3.0]
+    assert columns_of(tuple(pods)) is not columns_of(tuple(pods))  # a plain tuple keeps nothing
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rank_order_is_rank_by_with_the_same_draws(seed: int) -> None:
+    rng = random.Random(seed)
+    pods = _pods(50, rng, roles=False, sparse=False)
+    cols = PodColumns(pods)
+    by_pods = rank_by(
+        pods, lambda p: (float(p.in_flight), float(p.in_flight_tokens)), random.Random(seed)
+    )
+    by_cols = cols.take(rank_order([cols.in_flight, cols.in_flight_tokens], random.Random(seed)))
+    assert by_cols == by_pods
