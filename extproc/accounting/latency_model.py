@@ -184,16 +184,17 @@ class PodLatencyModel:
             tpot_coef = tuple(tpot.reg.coef) if tpot.samples >= self._min else None
             self.fit = (tuple(ttft.reg.coef), ttft.cap, tpot_coef, tpot.cap, ttft.samples)
 
-    def predict(self, x: tuple[float, ...]) -> LatencyPrediction | None:
+    def predict(self, x: tuple[float, ...], now: float) -> LatencyPrediction | None:
         fit = self.fit
         if fit is None:
             return None
         ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples = fit
         ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_cap)
+        age = now - self.updated_at
         if tpot_coef is None:
-            return LatencyPrediction(ttft, None, samples)
+            return LatencyPrediction(ttft, None, samples, age)
         return LatencyPrediction(
-            ttft, _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap), samples
+            ttft, _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap), samples, age
         )
 
     def state(self) -> dict[str, Any]:
@@ -241,7 +242,7 @@ class LatencyModels:
         self, model: str, address: str, features: LatencyFeatures
     ) -> LatencyPrediction | None:
         pod = self._pods.get((model, address))
-        return None if pod is None else pod.predict(features.vector())
+        return None if pod is None else pod.predict(features.vector(), self._clock())
 
     def observe(
         self,

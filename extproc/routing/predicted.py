@@ -114,6 +114,7 @@ class LatencyPrediction(NamedTuple):
     ttft_s: float
     tpot_s: float | None  # None until the pod has enough streamed multi-token answers
     samples: int  # records the pod's model has learned from
+    age_s: float = 0.0  # since the pod's model last learned (a pod the rule avoids stops teaching)
 
 
 class LatencyPredictor(Protocol):
@@ -140,10 +141,13 @@ class PredictedLatencyParams:
     # At 0.05 a pod predicted 10 % slower is picked ~1/6 as often as the best, 2x slower ~never.
     temperature: float = 0.05
     overlap_weight: float = 1.0  # the cold-start cost rule's (kv-aware) prefill weight
+    # A pod whose model has not learned for this long gets one request (a probe) per period, so
+    # a pod the rule stopped choosing is measured again (it may have got faster); 0 = never.
+    probe_after_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.overlap_weight < 0:
-            raise ValueError("temperature and overlap_weight must be >= 0")
+        if self.temperature < 0 or self.overlap_weight < 0 or self.probe_after_s < 0:
+            raise ValueError("temperature, overlap_weight and probe_after_s must be >= 0")
 
 
 def _slo_ms(headers: Mapping[str, str], name: str) -> float | None:
@@ -195,6 +199,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
             SoftmaxPicker("softmax", SoftmaxParams(temperature=t)) if t > 0 else MaxScorePicker()
         )
         self._rule = f"softmax T={t:g}" if t > 0 else "argmin"
+        self._probed: dict[str, float] = {}  # pod -> when this instance last probed it
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
@@ -246,12 +251,24 @@ class PredictedLatencyStrategy(StrategyPlugin):
             taken = set(head_idx)
             rest = sorted((ttfts[i], rng.random(), i) for i in range(len(pods)) if i not in taken)
             ranked += [pods[i] for _, _, i in rest]
-        pick = ranked[0]
-        pred = preds[next(i for i, p in enumerate(pods) if p is pick)]
-        reason = (
-            f"min predicted ttft ({self._rule}): {pick.address} "
-            f"ttft {_ms(pred.ttft_s):g} ms, tpot {_ms(pred.tpot_s):g} ms"
-        )
+        probe = None
+        if self.params.probe_after_s > 0:  # only among the pods predicted to meet an SLO
+            probe = self._probe(pods, preds, head_idx, snap.now)
+        if probe is not None and ranked[0] is not pods[probe]:
+            pick = pods[probe]
+            ranked = [pick, *(p for p in ranked if p is not pick)]
+            pred = preds[probe]
+            reason = (
+                f"probe: the model of {pick.address} has not learned for {pred.age_s:.0f} s "
+                f"(predicted ttft {_ms(pred.ttft_s):g} ms); one request measures it again"
+            )
+        else:
+            pick = ranked[0]
+            pred = preds[next(i for i, p in enumerate(pods) if p is pick)]
+            reason = (
+                f"min predicted ttft ({self._rule}): {pick.address} "
+                f"ttft {_ms(pred.ttft_s):g} ms, tpot {_ms(pred.tpot_s):g} ms"
+            )
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
@@ -261,6 +278,26 @@ class PredictedLatencyStrategy(StrategyPlugin):
             reason=reason,
             timings=((self.ref, time.perf_counter_ns() - t0),),
         )
+
+    def _probe(
+        self,
+        pods: Sequence[PodState],
+        preds: Sequence[LatencyPrediction],
+        among: Sequence[int],
+        now: float,
+    ) -> int | None:
+        """The pod whose model is stalest past `probe_after_s` and not probed for as long."""
+        after = self.params.probe_after_s
+        found, oldest = None, after
+        for i in among:
+            pr = preds[i]
+            if pr.age_s >= oldest and now - self._probed.get(pods[i].address, -math.inf) >= after:
+                found, oldest = i, pr.age_s
+        if found is not None:
+            if len(self._probed) > 4 * len(pods) + 64:
+                self._probed.clear()  # pods that left: bounded by the pool
+            self._probed[pods[found].address] = now
+        return found
 
     def _cold_start(
         self,

@@ -20,6 +20,7 @@ from extproc.routing.predicted import (
     PredictedLatencyStrategy,
 )
 from extproc.types import BadRequest, Endpoint, EngineMetrics, TooManyRequests
+from tests._clock import ManualClock
 
 MODEL = "qwen3"
 FAST, SLOW = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -180,3 +181,47 @@ def test_warm_decisions_are_deterministic_for_a_seed_and_rank_every_candidate() 
         assert a.ranked == b.ranked
         assert sorted(e.address for e in a.ranked) == sorted(p.address for p in snap.pods)
         assert a.timings and a.timings[0][0].type_name == "predicted-latency"
+
+
+def test_a_pod_whose_model_stopped_learning_is_probed_once_per_period() -> None:
+    clock = ManualClock()
+    models = LatencyModels(clock=clock.now)
+    rng = random.Random(2)
+    for address, speed, at in ((SLOW, 1.0, 0.0), (FAST, 3.0, 50.0)):
+        clock.advance(at)  # the slow pod learned last 50 s ago, the fast one just now
+        for _ in range(20):
+            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 10), 0, 0.0, 1.0, 0.2)
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
+            models.observe(MODEL, address, f, ttft_s=ttft, tpot_s=0.01 / speed)
+    s = PredictedLatencyStrategy(
+        "predicted-latency",
+        PredictedLatencyParams(temperature=0.0, probe_after_s=30.0),
+        predictor=models,
+    )
+    snap = Snapshot(clock.now(), (pod(FAST), pod(SLOW)))
+    first = s.route(request(), snap, random.Random(0))
+    assert first.endpoint.address == SLOW
+    assert first.reason.startswith(f"probe: the model of {SLOW} has not learned for 50 s")
+    assert [e.address for e in first.ranked] == [SLOW, FAST]
+    # Probed: the next requests go by prediction again, until another period has passed.
+    assert s.route(request(), snap, random.Random(1)).endpoint.address == FAST
+    clock.advance(29.0)
+    assert (
+        s.route(request(), Snapshot(clock.now(), snap.pods), random.Random(1)).endpoint.address
+        == FAST
+    )
+    clock.advance(1.0)
+    again = s.route(request(), Snapshot(clock.now(), snap.pods), random.Random(1))
+    assert again.endpoint.address == SLOW
+    # Only a pod predicted to meet the request's SLO is probed; never when disabled.
+    clock.advance(60.0)
+    now = Snapshot(clock.now(), snap.pods)
+    assert s.route(request({SLO_TTFT_HEADER: "60"}), now, random.Random(1)).endpoint.address == FAST
+    loose = s.route(request({SLO_TTFT_HEADER: "500"}), now, random.Random(1))
+    assert loose.endpoint.address == SLOW  # both meet 500 ms: the probe may go
+    off = PredictedLatencyStrategy(
+        "predicted-latency",
+        PredictedLatencyParams(temperature=0.0, probe_after_s=0.0),
+        predictor=models,
+    )
+    assert off.route(request(), now, random.Random(1)).endpoint.address == FAST
