@@ -10,7 +10,8 @@ Pure CPU (no I/O); numbers are per decision, median and p99 over the iterations.
 - `snapshot`: what the director does per request before the strategy runs, with the real
   parts: the ready endpoints from the metrics store, the in-flight counts, the gateway's pod
   stats, and the prefix lookup for every pod over the 8k-token prompt's 512 block hashes in
-  the exact (KV-event) index.
+  the exact (KV-event) index; for a rule that reads load signals only (no prefix lookup is
+  needed: the prompt is not even tokenized) and for one that reads prefix and accounting.
 
 `--tree DIR` runs the same benchmark against another checkout (e.g. a `git worktree` of the
 commit before a change): the before/after numbers then come from one script.
@@ -26,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,13 @@ from extproc.kvcache.exact import ExactIndex  # noqa: E402
 from extproc.kvcache.hashing import block_hashes  # noqa: E402
 from extproc.kvcache.prefix import IndexMode, PrefixIndex  # noqa: E402
 from extproc.metrics.store import EndpointStore  # noqa: E402
-from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot  # noqa: E402
+from extproc.routing.base import (  # noqa: E402
+    Capabilities,
+    PodState,
+    PodStats,
+    RoutingRequest,
+    Snapshot,
+)
 from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins  # noqa: E402
 from extproc.routing.predicted import latency_features  # noqa: E402
 from extproc.routing.registry import StrategyRegistry  # noqa: E402
@@ -53,6 +60,14 @@ EXTRA_SPECS = [
     "queue:2,kv-cache-utilization:2,prefix:3,latency:1",
 ]
 PODS = (4, 16, 64, 256, 512)
+# The snapshot for a rule reading load signals only, and for one reading everything.
+SNAPSHOT_KINDS = [
+    ("(snapshot: load signals)", Capabilities()),
+    (
+        "(snapshot: prefix + accounting)",
+        Capabilities(prompt_tokens=True, prefix_matches=True, accounting=True),
+    ),
+]
 PROMPT_TOKENS = 8192
 BLOCK_SIZE = 16
 
@@ -177,20 +192,27 @@ class _SnapshotFixture:
         )
         self.build = self._director_build()
 
-    def _director_build(self) -> Callable[[], tuple[PodState, ...]]:
+    def _director_build(self) -> Callable[[Capabilities], tuple[PodState, ...]]:
         """The snapshot builder the director uses at this tree's commit."""
         try:
-            from extproc.director.snapshot import PodStateBuilder  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            return self._head_build
-        builder = PodStateBuilder(self.inflight, self.podstats)
-        return lambda: builder.build(self.store.ready("m"), self.prefix, self.hashes, self.now)
+            from extproc.director.snapshot import pod_states
+        except ImportError:  # before `extproc.director.snapshot`: everything for every rule
+            return lambda caps: self._head_build(self.hashes if caps.needs_tokens else ())
+        return lambda caps: pod_states(
+            self.store.ready("m"),
+            prefix=self.prefix,
+            block_hashes=self.hashes if caps.needs_tokens else (),
+            now=self.now,
+            inflight=self.inflight,
+            podstats=self.podstats,
+            capabilities=caps,
+        )
 
-    def _head_build(self) -> tuple[PodState, ...]:
+    def _head_build(self, hashes: Sequence[int]) -> tuple[PodState, ...]:
         """The director's loop before `extproc.director.snapshot` existed (commit 372daa0)."""
         candidates = self.store.ready("m")
         now = self.now
-        matches = self.prefix.match((e.address for e, _ in candidates), self.hashes, now)
+        matches = self.prefix.match((e.address for e, _ in candidates), hashes, now)
         return tuple(
             PodState(
                 endpoint=ep,
@@ -220,12 +242,13 @@ def run(iterations: int, sizes: list[int]) -> dict[str, dict[str, dict[str, floa
     reg = StrategyRegistry(plugins, builtin=BUILTIN_PROFILES)
     results: dict[str, dict[str, dict[str, float]]] = {}
     print(f"{'strategy':<52} {'pods':>4} {'p50 us':>8} {'p99 us':>8}", flush=True)
-    results["(snapshot)"] = {}
-    for n in sizes:
-        fixture = _SnapshotFixture(n, random.Random(n))
-        res = _time(fixture.build, iterations)
-        results["(snapshot)"][str(n)] = res
-        print(f"{'(snapshot)':<52} {n:>4} {res['p50_us']:>8.1f} {res['p99_us']:>8.1f}", flush=True)
+    fixtures = {n: _SnapshotFixture(n, random.Random(n)) for n in sizes}
+    for label, caps in SNAPSHOT_KINDS:
+        results[label] = {}
+        for n in sizes:
+            res = _time(partial(fixtures[n].build, caps), iterations)
+            results[label][str(n)] = res
+            print(f"{label:<52} {n:>4} {res['p50_us']:>8.1f} {res['p99_us']:>8.1f}", flush=True)
     for name in [*reg.names(), *EXTRA_SPECS]:
         strategy = reg.resolve(name)
         results[name] = {}

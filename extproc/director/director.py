@@ -44,6 +44,7 @@ from extproc.director.lifecycle import (
 )
 from extproc.director.prefill import PrefillClient
 from extproc.director.response import RecordAccounting
+from extproc.director.snapshot import pod_states
 from extproc.director.steps import (
     ClaimEndpoint,
     ExplainHeader,
@@ -60,7 +61,6 @@ from extproc.protocol.errors import error_json
 from extproc.protocol.openai import parse_request
 from extproc.routing.base import (
     Decision,
-    PodState,
     RoutingRequest,
     Snapshot,
     uses_prompt_tokens,
@@ -279,20 +279,14 @@ class Director:
             self._metrics.observe_tokenization("skipped", 0.0)
         hashes = block_hashes(ids, runtime.block_size, lora_extra_key(lora)) if ids else ()
         candidates = self._candidates(runtime, head)
-        now = self._clock()
-        matches = runtime.prefix.match((e.address for e, _ in candidates), hashes, now)
-        pods = tuple(
-            PodState(
-                endpoint=ep,
-                metrics=metrics,
-                in_flight=(load := self._inflight.load(ep.address)).requests,
-                in_flight_tokens=load.tokens,
-                prefix_match_tokens=matches[ep.address].tokens,
-                prefix_exact=matches[ep.address].exact,
-                cached_blocks=runtime.prefix.cached_blocks(ep.address),
-                stats=self._podstats.stats(ep.address, now),
-            )
-            for ep, metrics in candidates
+        pods = pod_states(
+            candidates,
+            prefix=runtime.prefix,
+            block_hashes=hashes,
+            now=self._clock(),
+            inflight=self._inflight,
+            podstats=self._podstats,
+            capabilities=strategy.capabilities,
         )
         user = head.headers.get(self._config.routing.user_header) or req.user
         session = decode_session(head.headers.get(self._config.routing.session_header))

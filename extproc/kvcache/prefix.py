@@ -23,6 +23,10 @@ class PrefixMatch(NamedTuple):
     exact: bool  # True when it comes from the pod's KV events
 
 
+_NONE_EXACT = PrefixMatch(0, True)
+_NONE_APPROX = PrefixMatch(0, False)
+
+
 class PrefixIndex:
     """Answers "how much of this prompt does each pod hold" for one model.
 
@@ -60,29 +64,38 @@ class PrefixIndex:
     ) -> dict[str, PrefixMatch]:
         """Address -> (matched tokens, exact?) for every pod in `pods` (0 tokens included)."""
         addresses = list(pods)
-        bs = self.block_size
         if self.mode is IndexMode.EXACT:
             assert self._exact is not None
-            found = self._exact.longest_prefix(block_hashes, addresses)
-            return {a: PrefixMatch(found.get(a, 0) * bs, True) for a in addresses}
+            found = self._exact.longest_prefix(block_hashes, addresses) if block_hashes else {}
+            return self._matches(addresses, found, _NONE_EXACT)
         if self.mode is IndexMode.APPROXIMATE:
             assert self._approx is not None
-            found = self._approx.longest_prefix(block_hashes, now, addresses)
-            return {a: PrefixMatch(found.get(a, 0) * bs, False) for a in addresses}
+            found = (
+                self._approx.longest_prefix(block_hashes, now, addresses) if block_hashes else {}
+            )
+            return self._matches(addresses, found, _NONE_APPROX)
         assert self._exact is not None and self._approx is not None
-        healthy = [self._healthy(a) for a in addresses]
+        healthy = list(map(self._healthy, addresses))
         exact_pods = [a for a, ok in zip(addresses, healthy, strict=True) if ok]
         approx_pods = [a for a, ok in zip(addresses, healthy, strict=True) if not ok]
-        result: dict[str, PrefixMatch] = {}
-        if exact_pods:
+        found = {}
+        if block_hashes and exact_pods:
             found = self._exact.longest_prefix(block_hashes, exact_pods)
-            for a in exact_pods:
-                result[a] = PrefixMatch(found.get(a, 0) * bs, True)
+        result = self._matches(exact_pods, found, _NONE_EXACT)
         if approx_pods:
-            found = self._approx.longest_prefix(block_hashes, now, approx_pods)
-            for a in approx_pods:
-                result[a] = PrefixMatch(found.get(a, 0) * bs, False)
-        return {a: result[a] for a in addresses}
+            found = (
+                self._approx.longest_prefix(block_hashes, now, approx_pods) if block_hashes else {}
+            )
+            result.update(self._matches(approx_pods, found, _NONE_APPROX))
+            return {a: result[a] for a in addresses}  # candidate order
+        return result
+
+    def _matches(
+        self, addresses: list[str], found: dict[str, int], none: PrefixMatch
+    ) -> dict[str, PrefixMatch]:
+        """Every address's match, sharing one `none` for the (usually many) pods without one."""
+        bs, exact = self.block_size, none.exact
+        return {a: PrefixMatch(n * bs, exact) if (n := found.get(a)) else none for a in addresses}
 
     def cached_blocks(self, pod: str) -> int:
         """How many blocks the index believes `pod` holds, from the side that answers for it

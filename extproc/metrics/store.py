@@ -15,6 +15,7 @@ from extproc.types import Endpoint, EngineMetrics
 __all__ = ["EndpointState", "EndpointStore", "ReadyEndpoint"]
 
 ReadyEndpoint = tuple[Endpoint, EngineMetrics]
+_Routable = tuple[Endpoint, EngineMetrics | None, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,11 @@ class EndpointStore:
         self._states: dict[Endpoint, EndpointState] = {}
         self._by_address: dict[tuple[str, str], Endpoint] = {}  # (model, address), per set
         self._version = 0
+        # Per model, in endpoint order: (endpoint, metrics, aged) where every condition of
+        # `is_ready` but freshness holds (aged False: no metrics URL, never stale), else None.
+        # Kept up to date by each scrape, so `ready()` only checks ages per request.
+        self._routable: dict[str, list[_Routable | None]] = {}
+        self._slots: dict[Endpoint, list[tuple[str, int]]] = {}
 
     @property
     def stale_after(self) -> float:
@@ -83,7 +89,31 @@ class EndpointStore:
         self._by_address = {
             (model, ep.address): ep for model, eps in new_by_model.items() for ep in eps
         }
+        self._slots = {}
+        self._routable = {}
+        for model, eps in new_by_model.items():
+            self._routable[model] = [self._routable_entry(new_states[ep]) for ep in eps]
+            for i, ep in enumerate(eps):
+                self._slots.setdefault(ep, []).append((model, i))
         self._version += 1
+
+    def _routable_entry(self, state: EndpointState) -> _Routable | None:
+        """What `_routable` holds for `state`: `is_ready` without the age check."""
+        if state.endpoint.metrics_url is None:
+            return (state.endpoint, state.metrics, False) if self._ready_without_url else None
+        if state.metrics is None:
+            return None
+        if self._exclude_unreachable and state.unreachable:
+            return None
+        if self._max_failures is not None and state.failures >= self._max_failures:
+            return None
+        return state.endpoint, state.metrics, True
+
+    def _put(self, state: EndpointState) -> None:
+        self._states[state.endpoint] = state
+        entry = self._routable_entry(state)
+        for model, i in self._slots.get(state.endpoint, ()):
+            self._routable[model][i] = entry
 
     def models(self) -> tuple[str, ...]:
         return tuple(self._by_model)
@@ -104,13 +134,15 @@ class EndpointStore:
     def record_success(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
         """Store a good (possibly partial) scrape. Ignored for removed endpoints."""
         if endpoint in self._states:
-            self._states[endpoint] = EndpointState(endpoint, metrics)
+            self._put(EndpointState(endpoint, metrics))
 
     def record_failure(self, endpoint: Endpoint, reason: str, *, unreachable: bool = False) -> None:
         state = self._states.get(endpoint)
         if state is not None:
-            self._states[endpoint] = replace(
-                state, failures=state.failures + 1, last_error=reason, unreachable=unreachable
+            self._put(
+                replace(
+                    state, failures=state.failures + 1, last_error=reason, unreachable=unreachable
+                )
             )
 
     def is_ready(self, state: EndpointState, now: float) -> bool:
@@ -126,15 +158,16 @@ class EndpointStore:
         """Endpoints of `model` fit for routing, with the metrics to route on."""
         if now is None:
             now = self._clock()
+        stale = self._stale_after
         out: list[ReadyEndpoint] = []
-        for ep in self._by_model.get(model, ()):
-            state = self._states[ep]
-            if not self.is_ready(state, now):
+        for entry in self._routable.get(model, ()):
+            if entry is None:
                 continue
-            metrics = state.metrics
+            ep, metrics, aged = entry
             if metrics is None:  # no metrics URL: routable, nothing known
-                metrics = EngineMetrics(updated_at=now)
-            out.append((ep, metrics))
+                out.append((ep, EngineMetrics(updated_at=now)))
+            elif not aged or not now - metrics.updated_at > stale:  # `is_ready`'s age check
+                out.append((ep, metrics))
         return tuple(out)
 
     def any_ready(self, now: float | None = None) -> bool:
