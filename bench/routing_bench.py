@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python bench/routing_bench.py [--iterations N] [--pods 4,16,64,256,512]
        [--json out.json] [--tree DIR]
+       .venv/bin/python bench/routing_bench.py --plot before.json after.json out.png
 
 Pure CPU (no I/O); numbers are per decision, median and p99 over the iterations. Two parts:
 
@@ -60,11 +61,12 @@ EXTRA_SPECS = [
     "queue:2,kv-cache-utilization:2,prefix:3,latency:1",
 ]
 PODS = (4, 16, 64, 256, 512)
+SNAPSHOT_LABELS = ("(snapshot: load signals)", "(snapshot: prefix + accounting)")
 # The snapshot for a rule reading load signals only, and for one reading everything.
 SNAPSHOT_KINDS = [
-    ("(snapshot: load signals)", Capabilities()),
+    (SNAPSHOT_LABELS[0], Capabilities()),
     (
-        "(snapshot: prefix + accounting)",
+        SNAPSHOT_LABELS[1],
         Capabilities(prompt_tokens=True, prefix_matches=True, accounting=True),
     ),
 ]
@@ -261,13 +263,60 @@ def run(iterations: int, sizes: list[int]) -> dict[str, dict[str, dict[str, floa
     return results
 
 
+def plot(before_json: str, after_json: str, out: str) -> None:
+    """Decision time (p50) against pods, one line per strategy, before (dashed) and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before = json.loads(Path(before_json).read_text())
+    after = json.loads(Path(after_json).read_text())
+    names = [n for n in after if n in before and not n.startswith("(")]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
+    for ax, (title, rows) in zip(
+        axes, (("strategies (route only)", names), ("snapshot build", SNAPSHOT_LABELS)), strict=True
+    ):
+        colours = plt.get_cmap("tab20")
+        for k, name in enumerate(rows):
+            colour = colours(k % 20)
+            for data, style in ((before, "--"), (after, "-")):
+                if name not in data:
+                    continue
+                pods = sorted(int(n) for n in data[name])
+                ax.plot(
+                    pods,
+                    [data[name][str(n)]["p50_us"] / 1000 for n in pods],
+                    style,
+                    color=colour,
+                    marker="o",
+                    markersize=3,
+                    label=name if style == "-" else None,
+                )
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("pods (candidates)")
+        ax.set_title(f"{title}: dashed before, solid after")
+        ax.legend(fontsize=6, ncol=2)
+    axes[0].set_ylabel("median decision time, ms")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iterations", type=int, default=1000)
     ap.add_argument("--pods", default=",".join(map(str, PODS)), help="comma-separated pod counts")
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--tree", help="run this script against the extproc package of DIR")
+    ap.add_argument(
+        "--plot", nargs=3, metavar=("BEFORE", "AFTER", "PNG"), help="plot two --json results"
+    )
     args = ap.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return
     if args.tree:
         argv = list(sys.argv[1:])
         i = argv.index("--tree")

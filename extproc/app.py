@@ -53,6 +53,7 @@ from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
 from extproc.metrics.store import EndpointStore
+from extproc.metrics.transport import PerHostTransport
 from extproc.routing.builtin import default_plugins
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.settings import build_strategies, route_annotations
@@ -181,6 +182,9 @@ class App:
         self.latency = LatencyModels()
         self.latency_metrics = LatencyMetrics(self.registry)
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
+        # Scrapes get one small pool per pod: httpcore's single pool walks every connection
+        # per request, which at hundreds of pods cost more CPU than the scrapes themselves.
+        self._scrape_http = httpx.AsyncClient(transport=PerHostTransport())
         self._routes = RouteTable()  # config-file routes + HTTPRoute annotations
         self._kv_healthy: Callable[[str], bool] = lambda _address: False
         self._discovered: dict[str, tuple[Endpoint, ...]] = {}
@@ -192,7 +196,7 @@ class App:
         self.kv = self._kv_manager(config)
         self.poller = MetricsPoller(
             self.store,
-            self._http,
+            self._scrape_http,
             interval=config.metrics.poll_interval_s,
             timeout=config.metrics.timeout_s,
             max_bytes=config.metrics.max_response_bytes,
@@ -530,6 +534,7 @@ class App:
         await self.kv.close()
         await self._admin.stop()
         await self._http.aclose()
+        await self._scrape_http.aclose()
         for pool in self._rt.tokenizers.values():
             pool.close()
 

@@ -570,7 +570,7 @@ class VtcStrategy(StrategyPlugin):
             missing = ",".join([addresses[i] for i in by_address[unknown].tolist()])
             notes.append(f"running unknown on {missing}: used gateway in-flight")
         scores = ScoreTable(
-            cols.take(by_address),
+            cols.rows(by_address),
             ("fairness", "utilization", "score"),
             (fairness, util, s),
             (3, 3, 3),
@@ -713,7 +713,7 @@ class PdStrategy(StrategyPlugin):
         decode_val = (runs / max_run) / (frees / max_free)
         decode_ranked = pool[rank_order([decode_val, loads[pool]], rng)]
         tables: list[Mapping[str, Mapping[str, float]]] = [
-            ScoreTable(cols.take(pool), ("decode_score",), (decode_val,), (4,))
+            ScoreTable(cols.rows(pool), ("decode_score",), (decode_val,), (4,))
         ]
         if unknown.any():
             missing = ",".join([cols.addresses[i] for i in pool[unknown].tolist()])
@@ -727,7 +727,7 @@ class PdStrategy(StrategyPlugin):
             if not len(ok):
                 ok = prefill
             val = (100.0 - _match_pct_array(req, cols)[ok]) * 0.1 + loads[ok] / max_load
-            tables.append(ScoreTable(cols.take(ok), ("prefill_score",), (val,), (4,)))
+            tables.append(ScoreTable(cols.rows(ok), ("prefill_score",), (val,), (4,)))
             prefill_ranked = ok[rank_order([val], rng)]
             notes.insert(
                 0,

@@ -15,10 +15,11 @@ one profile (or the director and the strategy) build each column once.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import cached_property
 from itertools import repeat, starmap
 from operator import attrgetter, is_not
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -189,8 +190,37 @@ class PodColumns:
         """The pods at `order`, in that order."""
         return list(map(self.pods.__getitem__, order.tolist()))
 
+    def rows(self, order: IntArray) -> Sequence[PodState]:
+        """The pods at `order` as a view: nothing is copied until it is read (explain scores)."""
+        return _RowsView(self.pods, order)
+
     def endpoints_at(self, order: IntArray) -> tuple[Endpoint, ...]:
         return tuple(map(self.endpoints.__getitem__, order.tolist()))
+
+
+class _RowsView(Sequence[PodState]):
+    __slots__ = ("_order", "_pods")
+
+    def __init__(self, pods: Sequence[PodState], order: IntArray) -> None:
+        self._pods = pods
+        self._order = order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @overload
+    def __getitem__(self, i: int) -> PodState: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PodState]: ...
+
+    def __getitem__(self, i: int | slice) -> PodState | Sequence[PodState]:
+        if isinstance(i, slice):
+            return [self._pods[j] for j in self._order[i].tolist()]
+        return self._pods[int(self._order[i])]
+
+    def __iter__(self) -> Iterator[PodState]:
+        return map(self._pods.__getitem__, self._order.tolist())
 
 
 def _lora_state(

@@ -250,7 +250,7 @@ class LeastSignalStrategy(StrategyPlugin):
             reason += f"; {label} unknown on {signals.addresses(cols.take(unknown))} (ranked last)"
         if extra := self.no_data_columns(cols):
             reason += f"; {extra}"
-        scores = ScoreTable(cols.take(known), (label, "in_flight"), (vals, loads))
+        scores = ScoreTable(cols.rows(known), (label, "in_flight"), (vals, loads))
         return self.decision_of(t0, cols.endpoints_at(np.concatenate((head, tail))), reason, scores)
 
     def no_data_columns(self, cols: PodColumns) -> str | None:
@@ -524,7 +524,7 @@ class HigressGpuStrategy(StrategyPlugin):
                 f"metrics unknown on {signals.addresses(cols.take(unknown))} (ranked last)"
             )
         scores = ScoreTable(
-            cols.take(known), ("waiting", "kv_cache_usage"), (waiting[known], kv_usage[known])
+            cols.rows(known), ("waiting", "kv_cache_usage"), (waiting[known], kv_usage[known])
         )
         ranked = np.concatenate((np.array(head, dtype=np.intp), rest, tail))
         return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
