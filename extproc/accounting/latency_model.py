@@ -154,8 +154,8 @@ def _clamped(value: float, cap: float) -> float:
 
 
 # What a warm pod's prediction needs, refreshed after each sample: (TTFT coefficients, cap,
-# TPOT coefficients or None while TPOT is cold, cap, samples).
-_Fit = tuple[tuple[float, ...], float, tuple[float, ...] | None, float, int]
+# TPOT coefficients or None while TPOT is cold, cap, samples, TTFT mean absolute error).
+_Fit = tuple[tuple[float, ...], float, tuple[float, ...] | None, float, int, float]
 
 
 class PodLatencyModel:
@@ -182,20 +182,20 @@ class PodLatencyModel:
         ttft, tpot = self.ttft, self.tpot
         if ttft.samples >= self._min:
             tpot_coef = tuple(tpot.reg.coef) if tpot.samples >= self._min else None
-            self.fit = (tuple(ttft.reg.coef), ttft.cap, tpot_coef, tpot.cap, ttft.samples)
+            fit = (tuple(ttft.reg.coef), ttft.cap, tpot_coef, tpot.cap, ttft.samples, ttft.scale)
+            self.fit = fit
 
     def predict(self, x: tuple[float, ...], now: float) -> LatencyPrediction | None:
         fit = self.fit
         if fit is None:
             return None
-        ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples = fit
+        ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
         ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_cap)
         age = now - self.updated_at
         if tpot_coef is None:
-            return LatencyPrediction(ttft, None, samples, age)
-        return LatencyPrediction(
-            ttft, _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap), samples, age
-        )
+            return LatencyPrediction(ttft, None, samples, age, error)
+        tpot = _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap)
+        return LatencyPrediction(ttft, tpot, samples, age, error)
 
     def state(self) -> dict[str, Any]:
         def target(t: _Target) -> dict[str, Any]:

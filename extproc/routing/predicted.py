@@ -115,6 +115,7 @@ class LatencyPrediction(NamedTuple):
     tpot_s: float | None  # None until the pod has enough streamed multi-token answers
     samples: int  # records the pod's model has learned from
     age_s: float = 0.0  # since the pod's model last learned (a pod the rule avoids stops teaching)
+    error_s: float = 0.0  # the TTFT model's recent mean absolute error
 
 
 class LatencyPredictor(Protocol):
@@ -137,9 +138,11 @@ class ColdPredictor:
 
 @dataclass(frozen=True, slots=True)
 class PredictedLatencyParams:
-    # Softmax over best/predicted TTFT (in (0, 1]) against herding; 0 = lowest prediction wins.
-    # At 0.05 a pod predicted 10 % slower is picked ~1/6 as often as the best, 2x slower ~never.
-    temperature: float = 0.05
+    # Against herding, the order is sampled from softmax(-(ttft - best) / (T * spread)), spread
+    # being the models' own mean error (at least 5 % of the best prediction): pods the models
+    # cannot tell apart share the traffic, a pod predicted many errors slower gets none.
+    # At T = 1 a pod one error behind is picked 1/e as often as the best; 0 = lowest wins.
+    temperature: float = 1.0
     overlap_weight: float = 1.0  # the cold-start cost rule's (kv-aware) prefill weight
     # A pod whose model has not learned for this long gets one request (a probe) per period, so
     # a pod the rule stopped choosing is measured again (it may have got faster); 0 = never.
@@ -221,9 +224,11 @@ class PredictedLatencyStrategy(StrategyPlugin):
                 preds.append(pred)
         if cold:
             return self._cold_start(t0, req, snap, rng, cold, slo_ttft or slo_tpot)
-        ttfts = [pr[0] if pr[0] > 1e-6 else 1e-6 for pr in preds]
+        ttfts = [pr[0] for pr in preds]
         best = min(ttfts)
-        totals = [best / t for t in ttfts]
+        # How far apart predictions must be to mean something: the models' mean error.
+        spread = max(sum(pr.error_s for pr in preds) / len(preds), 0.05 * best, 1e-3)
+        totals = [(best - t) / spread for t in ttfts]  # <= 0: errors behind the best
         notes: list[str] = []
         head_idx: Sequence[int] = range(len(pods))
         if slo_ttft is not None or slo_tpot is not None:
@@ -346,7 +351,7 @@ class _PredictionScores(Mapping[str, Mapping[str, float]]):
             "pred_tpot_ms": _ms(pr.tpot_s),  # -1: TPOT not learned yet
             "uncached_tokens": float(self._uncached[i]),
             "samples": float(pr.samples),
-            "score": round(self._totals[i], 4),
+            "errors_behind_best": round(0.0 - self._totals[i], 4),
         }
 
     def __iter__(self) -> Iterator[str]:

@@ -67,7 +67,7 @@ def learned(speeds: dict[str, float], samples: int = 60) -> LatencyModels:
     return models
 
 
-def strategy(models: LatencyModels | None, temperature: float = 0.05) -> PredictedLatencyStrategy:
+def strategy(models: LatencyModels | None, temperature: float = 1.0) -> PredictedLatencyStrategy:
     return PredictedLatencyStrategy(
         "predicted-latency", PredictedLatencyParams(temperature=temperature), predictor=models
     )
@@ -84,11 +84,31 @@ def test_once_learned_it_sends_the_fast_pod_almost_everything() -> None:
     counts = picks(s, Snapshot(0.0, (pod(FAST), pod(SLOW))), request())
     assert counts[FAST] >= 195
     decision = s.route(request(), Snapshot(0.0, (pod(FAST), pod(SLOW))), random.Random(0))
-    assert decision.reason.startswith("min predicted ttft (softmax T=0.05)")
+    assert decision.reason.startswith("min predicted ttft (softmax T=1)")
     scores = decision.scores
     assert scores[SLOW]["pred_ttft_ms"] == pytest.approx(3 * scores[FAST]["pred_ttft_ms"], rel=0.05)
     assert scores[FAST]["pred_tpot_ms"] == pytest.approx(10 / 3, rel=0.05)
     assert scores[FAST]["samples"] == 60
+
+
+def test_pods_the_models_cannot_tell_apart_share_the_traffic() -> None:
+    # Two equal pods whose TTFT varies +-30 % around the same law: their models differ by
+    # noise only, and the spread (the models' own error) keeps the picks from herding.
+    models = LatencyModels()
+    rng = random.Random(11)
+    for address in (FAST, SLOW):
+        for _ in range(80):
+            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 10), 0, 0.0, 1.0, 0.2)
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) * rng.uniform(
+                0.7, 1.3
+            )
+            models.observe(MODEL, address, f, ttft_s=ttft, tpot_s=0.01)
+    counts = picks(strategy(models), Snapshot(0.0, (pod(FAST), pod(SLOW))), request())
+    assert min(counts[FAST], counts[SLOW]) > 50, counts
+    decision = strategy(models).route(
+        request(), Snapshot(0.0, (pod(FAST), pod(SLOW))), random.Random(0)
+    )
+    assert all(s["errors_behind_best"] < 1.5 for s in decision.scores.values())
 
 
 def test_a_loaded_fast_pod_loses_to_an_idle_slow_one() -> None:
@@ -129,7 +149,7 @@ def test_cold_start_is_the_cost_rule(models: LatencyModels | None, why: str) -> 
 
 def test_slo_keeps_only_pods_predicted_to_meet_it() -> None:
     # Fast ~ 70/3 = 23 ms TTFT, 3.3 ms TPOT; slow 70 ms, 10 ms.
-    s = strategy(learned({FAST: 3.0, SLOW: 1.0}), temperature=10.0)  # nearly uniform otherwise
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}), temperature=1000.0)  # else nearly uniform
     snap = Snapshot(0.0, (pod(SLOW), pod(FAST)))
     for headers in ({SLO_TTFT_HEADER: "50"}, {SLO_TPOT_HEADER: "5"}):
         counts = picks(s, snap, request(headers), n=50)
