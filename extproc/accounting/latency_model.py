@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
 
 MAX_LATENCY_S = 600.0  # a TTFT or TPOT sample above this is a broken record, not a sample
 MAX_TAG_CHARS = 200
+RECENT_CHECKS = 10  # predictions kept per pod with their actual values, for the debug view
 ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -146,6 +148,10 @@ class _Target:
         return _clamped(self.reg.predict(x), self.cap)
 
 
+def _ms3(seconds: float | None) -> Any:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
 def _clamped(value: float, cap: float) -> float:
     """`value` within [0, cap]; NaN (cannot happen with finite inputs) becomes the cap."""
     if value != value:
@@ -161,7 +167,7 @@ _Fit = tuple[tuple[float, ...], float, tuple[float, ...] | None, float, int, flo
 class PodLatencyModel:
     """TTFT and TPOT of one pod."""
 
-    __slots__ = ("_huber", "_min", "fit", "tpot", "ttft", "updated_at")
+    __slots__ = ("_huber", "_min", "checked", "fit", "tpot", "ttft", "updated_at")
 
     def __init__(
         self, *, forgetting: float, ridge: float, min_samples: int, huber_k: float
@@ -173,6 +179,11 @@ class PodLatencyModel:
         self._huber = huber_k
         self.updated_at = 0.0
         self.fit: _Fit | None = None  # None while cold
+        # The last predictions checked against what happened: (predicted, actual) TTFT and
+        # TPOT in ms, for the debug view (the metric has the distribution).
+        self.checked: deque[tuple[float, float, float | None, float | None]] = deque(
+            maxlen=RECENT_CHECKS
+        )
 
     def observe(self, x: tuple[float, ...], ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:
@@ -208,8 +219,14 @@ class PodLatencyModel:
                 },
             }
 
-        return {"warm": self.ttft.samples >= self._min, "ttft": target(self.ttft),
-                "tpot": target(self.tpot)}  # fmt: skip
+        return {
+            "warm": self.ttft.samples >= self._min,
+            "ttft": target(self.ttft),
+            "tpot": target(self.tpot),
+            "predicted_vs_actual_ms": [
+                {"ttft": [p, a], "tpot": [pt, at]} for p, a, pt, at in self.checked
+            ],
+        }
 
 
 class LatencyModels:
@@ -277,6 +294,19 @@ class LatencyModels:
         pod.observe(x, ttft_s, tpot_s)
         pod.updated_at = self._clock()
         return True
+
+    def checked(
+        self,
+        model: str,
+        address: str,
+        predicted: tuple[float, float | None],
+        actual: tuple[float, float | None],
+    ) -> None:
+        """A prediction (TTFT, TPOT s) against what happened, for `/debug/latency-model`."""
+        pod = self._pods.get((model, address))
+        if pod is not None:
+            pod.checked.append((_ms3(predicted[0]), _ms3(actual[0]),
+                                _ms3(predicted[1]), _ms3(actual[1])))  # fmt: skip
 
     def observe_tagged(
         self, model: str, address: str, tag: str, ttft_s: float | None, tpot_s: float | None

@@ -92,6 +92,9 @@ class LearnLatency:
         ttft, tpot = observed_latency(record)
         if ttft is not None and tag.ttft_s is not None and ttft >= 0:
             self._metrics.observe_error(done.endpoint, "ttft", abs(tag.ttft_s - ttft))
+            self._models.checked(
+                routed.model, done.endpoint, (tag.ttft_s, tag.tpot_s), (ttft, tpot)
+            )
         if tpot is not None and tag.tpot_s is not None and tpot >= 0:
             self._metrics.observe_error(done.endpoint, "tpot", abs(tag.tpot_s - tpot))
         learned = self._models.observe(

@@ -141,3 +141,15 @@ def test_learn_latency_skips_what_cannot_teach(rec: AccessRecord) -> None:
         completed(rec)
     )
     assert models.state()["models"] == {}
+
+
+def test_the_debug_view_lists_predictions_against_what_happened() -> None:
+    models = LatencyModels()
+    warm(models)
+    step = LearnLatency(models=models, metrics=LatencyMetrics(CollectorRegistry()))
+    for _ in range(12):
+        step.complete(completed(record(tag=DecisionTag(FEATURES, 0.25, 0.01).encode())))
+    checked = models.state()["models"]["qwen3"][PODS[1]]["predicted_vs_actual_ms"]
+    assert len(checked) == 10  # the last ten
+    assert checked[-1]["ttft"] == [250.0, pytest.approx(300.0)]
+    assert checked[-1]["tpot"] == [10.0, pytest.approx(20.0)]
