@@ -347,7 +347,7 @@ class PrebleStrategy(StrategyPlugin):
             if best_load >= prm.rebalance_ratio * max(least, 1):
                 notes.insert(
                     0,
-                    f"rebalance: holder {cols.addresses[best]} overloaded (in_flight {best_load} vs least {least}); explore by cost",
+                    f"rebalance: holder {cols.address(best)} overloaded (in_flight {best_load} vs least {least}); explore by cost",
                 )
                 ranked = explore_order
             else:
@@ -731,25 +731,30 @@ class PdStrategy(StrategyPlugin):
             prefill_ranked = ok[rank_order([val], rng)]
             notes.insert(
                 0,
-                f"prefill on {cols.addresses[prefill_ranked[0]]}, decode on {cols.addresses[decode_ranked[0]]}",
+                f"prefill on {cols.address(prefill_ranked[0])}, decode on {cols.address(decode_ranked[0])}",
             )
         else:
             notes.insert(
                 0,
-                f"no prefill pod: whole request on {'decode' if len(decode) else 'both'} pod {cols.addresses[decode_ranked[0]]}",
+                f"no prefill pod: whole request on {'decode' if len(decode) else 'both'} pod {cols.address(decode_ranked[0])}",
             )
+        # `_rest` twice: the non-prefill pods outside the pool (both pods beside decode
+        # ones), then every prefill pod, each least-request first.
+        beside = both if len(decode) else np.empty(0, dtype=np.intp)
         ranked = _cat(
-            decode_ranked, _rest_at(decode_ranked, np.flatnonzero(~is_prefill), cols, rng)
+            decode_ranked,
+            least_request_at(cols, beside, rng),
+            least_request_at(cols, prefill, rng),
         )
-        ranked = _cat(ranked, _rest_at(ranked, everyone, cols, rng))
+        eps = cols.endpoints_at(ranked)
         return self.decision_of(
             t0,
-            cols.endpoints_at(ranked),
+            eps,
             "; ".join(notes),
             _JoinedScores(*tables),
             profiles=(
                 ProfileResult(PREFILL_PROFILE, cols.endpoints_at(prefill_ranked)),
-                ProfileResult(DECODE_PROFILE, cols.endpoints_at(decode_ranked)),
+                ProfileResult(DECODE_PROFILE, eps[: len(decode_ranked)]),
             ),
         )
 

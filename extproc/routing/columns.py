@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from functools import cached_property
 from itertools import repeat, starmap
 from operator import attrgetter, is_not
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -81,6 +81,10 @@ class PodColumns:
     @cached_property
     def endpoints(self) -> list[Endpoint]:
         return list(map(attrgetter("endpoint"), self.pods))
+
+    def address(self, i: int | np.integer[Any]) -> str:
+        """One pod's address (without building the `addresses` column)."""
+        return self.pods[int(i)].endpoint.address
 
     @cached_property
     def addresses(self) -> list[str]:
