@@ -106,3 +106,9 @@ def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path, proce
             return sum(metric_sum(s, name, pod=fast, kind="ttft") for s in samples) > 0
 
         assert wait_for(errors_exported, timeout=10)
+        checked = [
+            c
+            for state in models_state(client, admin)
+            for c in state["models"]["qwen3"][fast]["predicted_vs_actual_ms"]  # type: ignore[index]
+        ]
+        assert checked and all(c["ttft"][0] >= 0 and c["ttft"][1] >= 0 for c in checked)
