@@ -4,8 +4,9 @@ For each (model, pod): TTFT and time per output token as linear functions of wha
 decision knew (`extproc.routing.predicted.LatencyFeatures`: uncached prompt tokens, in-flight
 requests and tokens, the engine's queue, running requests and KV usage), fitted by exponentially
 weighted ridge regression. The weighted sums X'WX and X'Wy are kept (d = 7) and the normal
-equations solved by Cholesky after each sample (~30 µs in pure Python, on the accounting path);
-a prediction is one dot product (~1 µs, on the decision path).
+equations solved by Cholesky after each sample (tens of µs in pure Python, on the accounting
+path); a prediction is one dot product per candidate (a few µs with its features, on the decision
+path; `bench/routing_bench.py` times the strategy).
 
 Why this shape: every pod gets its own coefficients, so a slower pod predicts slower
 (heterogeneous pools are the point); the forgetting factor tracks a pod that changes (a new
