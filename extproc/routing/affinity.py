@@ -25,6 +25,8 @@ from extproc.routing.base import (
     Snapshot,
 )
 from extproc.routing.columns import (
+    CHEAP_RULE,
+    COSTLY_RULE,
     FloatArray,
     IntArray,
     PodColumns,
@@ -394,7 +396,7 @@ class KvAwareStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods):
+        if vectorised(snap.pods, CHEAP_RULE):
             return self._route_columns(req, snap, rng, t0)
         prm = self.params
         bs = max(req.block_size, 1)
@@ -519,7 +521,7 @@ class VtcStrategy(StrategyPlugin):
         user_tokens = max(fair.tokens(req.user), active_min)
         min_tokens = max(prm.min_tokens_floor, active_min)
         bucket = max(prm.min_tokens_floor, (min_tokens + prm.max_tokens_floor) / 2)
-        if vectorised(snap.pods):
+        if vectorised(snap.pods, CHEAP_RULE):
             return self._route_columns(snap, rng, t0, user_tokens, bucket)
         pods = sorted(snap.pods, key=lambda p: p.address)
         target = min(user_tokens / bucket, len(pods) - 1)
@@ -626,7 +628,7 @@ class PdStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods):
+        if vectorised(snap.pods, COSTLY_RULE):
             return self._route_columns(req, snap, rng, t0)
         pods = snap.pods
         prefill = [p for p in pods if p.endpoint.role is EndpointRole.PREFILL]
@@ -797,7 +799,7 @@ class SessionAffinityStrategy(StrategyPlugin):
             reason = (
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
-        if vectorised(pods):
+        if vectorised(pods, COSTLY_RULE):
             cols = columns_of(pods)
             at = np.array([next(i for i, p in enumerate(pods) if p is pick)])
             eps = cols.endpoints_at(_cat(at, _rest_at(at, np.arange(cols.n), cols, rng)))

@@ -29,6 +29,9 @@ from extproc.routing.signals import expected_output_tokens
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
 
 __all__ = [
+    "CHEAP_RULE",
+    "COSTLY_RULE",
+    "PROFILE_RULE",
     "VECTOR_MIN_PODS",
     "FloatArray",
     "IntArray",
@@ -44,14 +47,19 @@ __all__ = [
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
 
-# Measured with bench/routing_bench.py: at 64 pods the columns win for every strategy, at 16
-# they lose for most (a dozen numpy calls cost ~1 us each whatever the size).
-VECTOR_MIN_PODS = 32
+# Where the columns start to pay (numpy's fixed cost per call against the per-pod loop it
+# replaces), measured rule by rule with both paths in one process on this 2-core machine:
+# `len(pods) >= VECTOR_MIN_PODS * factor`, the factor by how much fixed work a rule's
+# vectorised path has (a profile runs each scorer and the picker: the most).
+VECTOR_MIN_PODS = 48
+CHEAP_RULE = 0.5  # kv-aware, vtc-basic: the per-pod path builds a dict per pod
+COSTLY_RULE = 4 / 3  # pd, session-affinity
+PROFILE_RULE = 2.0  # profiles and their scorers
 
 
-def vectorised(pods: Sequence[PodState]) -> bool:
+def vectorised(pods: Sequence[PodState], factor: float = 1.0) -> bool:
     """Whether a decision over `pods` should use the columns."""
-    return len(pods) >= VECTOR_MIN_PODS
+    return len(pods) >= VECTOR_MIN_PODS * factor
 
 
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN)

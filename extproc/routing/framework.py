@@ -37,7 +37,7 @@ from extproc.routing.base import (
     ScoreValues,
     Snapshot,
 )
-from extproc.routing.columns import PodRows, draws, vectorised
+from extproc.routing.columns import PROFILE_RULE, PodRows, draws, vectorised
 
 __all__ = [
     "EmptyParams",
@@ -322,7 +322,7 @@ class Profile:
         self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        if vectorised(snap.pods):
+        if vectorised(snap.pods, PROFILE_RULE):
             return self._route_columns(req, snap, rng)
         clock = time.perf_counter_ns
         timings: list[PluginTiming] = []

@@ -21,6 +21,7 @@ from extproc.routing.base import (
     ScoreResult,
 )
 from extproc.routing.columns import (
+    PROFILE_RULE,
     FloatArray,
     PodColumns,
     columns_of,
@@ -124,7 +125,7 @@ class QueueScorer(_Base):
     type_name = "queue"
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             cols = columns_of(pods)
             return _with_unknown_columns(
                 self.name, cols, cols.waiting, _minmax_lower_array, "waiting"
@@ -140,7 +141,7 @@ class KVCacheUtilizationScorer(_Base):
     type_name = "kv-cache-utilization"
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             cols = columns_of(pods)
             return _with_unknown_columns(
                 self.name, cols, cols.kv_usage, _kv_free_array, "kv_cache_usage"
@@ -163,7 +164,7 @@ class PrefixScorer(_Base):
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.prompt_tokens <= 0:
             return [0.0] * len(pods), f"{self.name}: request has no prompt tokens (0 for all)"
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             ratio = columns_of(pods).prefix_match_tokens / req.prompt_tokens
             return np.clip(ratio, 0.0, 1.0), None
         return [clamp01(p.prefix_match_tokens / req.prompt_tokens) for p in pods], None
@@ -175,7 +176,7 @@ class LeastRequestScorer(_Base):
     type_name = "least-request"
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             return _minmax_lower_array(columns_of(pods).in_flight), None
         return minmax_lower_better([float(p.in_flight) for p in pods]), None
 
@@ -188,7 +189,7 @@ class LoraAffinityScorer(_Base):
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.lora is None:
             return [1.0] * len(pods), None  # base-model request: every pod is equally fit
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             cols = columns_of(pods)
             return _with_unknown_columns(
                 self.name, cols, cols.lora_states(req.lora), _same, "lora info"
@@ -205,7 +206,7 @@ class LatencyScorer(_Base):
     capabilities = Capabilities(accounting=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             cols = columns_of(pods)
             return _with_unknown_columns(
                 self.name,
@@ -225,7 +226,7 @@ class ThroughputScorer(_Base):
     capabilities = Capabilities(accounting=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             return _minmax_lower_array(columns_of(pods).throughput), None
         return minmax_lower_better([p.stats.throughput_tokens_per_s for p in pods]), None
 
@@ -237,7 +238,7 @@ class BusyTimeScorer(_Base):
     capabilities = Capabilities(accounting=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
-        if vectorised(pods):
+        if vectorised(pods, PROFILE_RULE):
             return _minmax_lower_array(columns_of(pods).busy_time), None
         return minmax_lower_better([p.stats.busy_time_s for p in pods]), None
 
