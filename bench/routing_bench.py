@@ -263,15 +263,54 @@ def run(iterations: int, sizes: list[int]) -> dict[str, dict[str, dict[str, floa
     return results
 
 
+Results = dict[str, dict[str, dict[str, float]]]
+
+
+def best_of(paths: str) -> Results:
+    """Several runs' `--json` files (comma-separated) as one: per cell, the lowest p50 and the
+    lowest p99 of the runs (on a shared machine the slowest run measures the neighbours)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths.split(",")]
+    out: Results = {}
+    for name in runs[0]:
+        out[name] = {}
+        for n in runs[0][name]:
+            cells = [r[name][n] for r in runs if n in r.get(name, {})]
+            out[name][n] = {k: min(c[k] for c in cells) for k in ("p50_us", "p99_us")}
+    return out
+
+
+def table(before: Results, after: Results) -> str:
+    """Markdown: p50 / p99 ms per rule and pod count, before -> after."""
+    sizes = sorted({n for row in after.values() for n in row}, key=int)
+    lines = [
+        "| rule | " + " | ".join(f"{n} pods" for n in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for name, row in after.items():
+        if name not in before:
+            continue
+        cells = []
+        for n in sizes:
+            b, a = before[name][n], row[n]
+            cells.append(
+                f"{b['p50_us'] / 1000:.3f} / {b['p99_us'] / 1000:.2f} → "
+                f"**{a['p50_us'] / 1000:.3f} / {a['p99_us'] / 1000:.2f}**"
+            )
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(before_json: str, after_json: str, out: str) -> None:
-    """Decision time (p50) against pods, one line per strategy, before (dashed) and after."""
+    """Decision time (p50) against pods, one line per strategy, before (dashed) and after;
+    prints the table. Each argument may list several runs (comma-separated): see `best_of`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    before = json.loads(Path(before_json).read_text())
-    after = json.loads(Path(after_json).read_text())
+    before = best_of(before_json)
+    after = best_of(after_json)
+    print(table(before, after))
     names = [n for n in after if n in before and not n.startswith("(")]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
     for ax, (title, rows) in zip(
@@ -311,7 +350,10 @@ def main() -> None:
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--tree", help="run this script against the extproc package of DIR")
     ap.add_argument(
-        "--plot", nargs=3, metavar=("BEFORE", "AFTER", "PNG"), help="plot two --json results"
+        "--plot",
+        nargs=3,
+        metavar=("BEFORE", "AFTER", "PNG"),
+        help="plot --json results (each a comma-separated list of runs) and print the table",
     )
     args = ap.parse_args()
     if args.plot:

@@ -114,16 +114,16 @@ def _match_pct_array(req: RoutingRequest, cols: PodColumns) -> FloatArray:
     return out
 
 
-def _imbalance_guard_at(cols: PodColumns, abs_count: int) -> tuple[IntArray, str | None]:
-    """`_imbalance_guard` as indices."""
+def _imbalance_guard_at(cols: PodColumns, abs_count: int) -> tuple[IntArray, list[str]]:
+    """`_imbalance_guard` as indices, with the notes a decision starts from."""
     loads = cols.in_flight
     lo, hi = loads.min(), loads.max()
     if hi - lo > abs_count:
         spread = int(hi - lo)
-        return np.flatnonzero(loads == lo), (
+        return np.flatnonzero(loads == lo), [
             f"load imbalance (spread {spread} > {abs_count}): least-loaded only"
-        )
-    return np.arange(cols.n), None
+        ]
+    return np.arange(cols.n), []
 
 
 def _rest_at(chosen: IntArray, at: IntArray, cols: PodColumns, rng: random.Random) -> IntArray:
@@ -223,10 +223,7 @@ class PrefixCacheStrategy(StrategyPlugin):
     ) -> Decision:
         prm = self.params
         cols = columns_of(snap.pods)
-        notes: list[str] = []
-        cands, note = _imbalance_guard_at(cols, prm.imbalance_abs_count)
-        if note:
-            notes.append(note)
+        cands, notes = _imbalance_guard_at(cols, prm.imbalance_abs_count)
         loads = cols.in_flight
         bound = _mean_plus_std_array(loads, prm.stddev_factor)
         pct = _match_pct_array(req, cols)
@@ -331,10 +328,7 @@ class PrebleStrategy(StrategyPlugin):
     ) -> Decision:
         prm = self.params
         cols = columns_of(snap.pods)
-        notes: list[str] = []
-        cands, note = _imbalance_guard_at(cols, prm.imbalance_abs_count)
-        if note:
-            notes.append(note)
+        cands, notes = _imbalance_guard_at(cols, prm.imbalance_abs_count)
         match, loads = cols.prefix_match_tokens, cols.in_flight
         cost = np.maximum(req.prompt_tokens - match, 0.0) + cols.in_flight_tokens
         scores = ScoreTable(snap.pods, ("match_tokens", "cost", "in_flight"), (match, cost, loads))

@@ -322,12 +322,15 @@ class Profile:
         self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        if vectorised(snap.pods, PROFILE_RULE):
-            return self._route_columns(req, snap, rng)
+        # Over many pods the scorers share the pods' columns (`PodRows`) and may answer with
+        # arrays; the totals are then one array. Same order, same floats either way.
+        vector = vectorised(snap.pods, PROFILE_RULE)
         clock = time.perf_counter_ns
         timings: list[PluginTiming] = []
         notes: list[str] = []
         pods: Sequence[PodState] = snap.pods
+        if vector and not isinstance(pods, PodRows):
+            pods = PodRows(pods)
         for ref, flt in self._filters:
             t0 = clock()
             kept, note = flt.filter(req, pods)
@@ -337,20 +340,10 @@ class Profile:
             if not kept:
                 notes.append(f"filter {ref.name} removed every pod; kept all {len(pods)}")
                 continue
-            pods = kept
-        totals = [0.0] * len(pods)
-        columns: list[Sequence[float]] = []
-        for ref, weight, scorer in self._scorers:
-            t0 = clock()
-            scores, note = scorer.score(req, pods)
-            timings.append((ref, clock() - t0))
-            if note:
-                notes.append(note)
-            column = [clamp01(s) for s in scores]
-            columns.append(column)
-            for i, c in enumerate(column):
-                totals[i] += weight * c
-        columns.append(totals)
+            pods = PodRows(kept) if vector and not isinstance(kept, PodRows) else kept
+        totals, columns = self._score(req, pods, timings, notes, vector)
+        if vector and not isinstance(self.picker, MaxScorePicker):
+            totals = [float(t) for t in totals]  # other pickers loop in Python: plain floats
         t0 = clock()
         ranked = self.picker.rank(pods, totals, rng)
         timings.append((self._picker_ref, clock() - t0))
@@ -371,26 +364,18 @@ class Profile:
             timings=tuple(timings),
         )
 
-    def _route_columns(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        """`route` over many pods: scorers may answer with arrays (the pods are `PodRows`,
-        whose columns they share), totals are one array, the same order and floats result."""
+    def _score(
+        self,
+        req: RoutingRequest,
+        pods: Sequence[PodState],
+        timings: list[PluginTiming],
+        notes: list[str],
+        vector: bool,
+    ) -> tuple[ScoreValues, list[ScoreValues]]:
+        """Every scorer, timed: the clamped columns, then the weighted totals (last)."""
         clock = time.perf_counter_ns
-        timings: list[PluginTiming] = []
-        notes: list[str] = []
-        pods: Sequence[PodState] = (
-            snap.pods if isinstance(snap.pods, PodRows) else PodRows(snap.pods)
-        )
-        for ref, flt in self._filters:
-            t0 = clock()
-            kept, note = flt.filter(req, pods)
-            timings.append((ref, clock() - t0))
-            if note:
-                notes.append(note)
-            if not kept:
-                notes.append(f"filter {ref.name} removed every pod; kept all {len(pods)}")
-                continue
-            pods = kept if isinstance(kept, PodRows) else PodRows(kept)
-        totals = np.zeros(len(pods))
+        array_totals = np.zeros(len(pods))
+        list_totals = [0.0] * len(pods)
         columns: list[ScoreValues] = []
         for ref, weight, scorer in self._scorers:
             t0 = clock()
@@ -398,31 +383,19 @@ class Profile:
             timings.append((ref, clock() - t0))
             if note:
                 notes.append(note)
-            raw = np.asarray(scores, dtype=np.float64)
-            column = np.where(np.isfinite(raw), np.clip(raw, 0.0, 1.0), 0.0)  # clamp01
-            columns.append(column)
-            totals += weight * column
+            if vector:
+                raw = np.asarray(scores, dtype=np.float64)
+                array = np.where(np.isfinite(raw), np.clip(raw, 0.0, 1.0), 0.0)
+                array_totals += weight * array
+                columns.append(array)
+            else:
+                column = [clamp01(s) for s in scores]
+                for i, c in enumerate(column):
+                    list_totals[i] += weight * c
+                columns.append(column)
+        totals: ScoreValues = array_totals if vector else list_totals
         columns.append(totals)
-        t0 = clock()
-        ranked = self.picker.rank(
-            pods, totals if isinstance(self.picker, MaxScorePicker) else totals.tolist(), rng
-        )
-        timings.append((self._picker_ref, clock() - t0))
-        if len(ranked) < len(snap.pods):
-            chosen = {p.address for p in ranked}
-            rest = [p for p in snap.pods if p.address not in chosen]
-            rest.sort(key=lambda p: (p.in_flight, rng.random()))
-            ranked.extend(rest)
-        reason = self._reason
-        if notes:
-            reason += "; " + "; ".join(notes)
-        return Decision(
-            ranked=tuple([p.endpoint for p in ranked]),
-            strategy=self.name,
-            scores=ScoreTable(pods, self._score_names, columns),
-            reason=reason,
-            timings=tuple(timings),
-        )
+        return totals, columns
 
 
 # ---------------------------------------------------------------- plugin registry
