@@ -200,15 +200,21 @@ class _SnapshotFixture:
             from extproc.director.snapshot import pod_states
         except ImportError:  # before `extproc.director.snapshot`: everything for every rule
             return lambda caps: self._head_build(self.hashes if caps.needs_tokens else ())
-        return lambda caps: pod_states(
-            self.store.ready("m"),
-            prefix=self.prefix,
-            block_hashes=self.hashes if caps.needs_tokens else (),
-            now=self.now,
-            inflight=self.inflight,
-            podstats=self.podstats,
-            capabilities=caps,
-        )
+
+        def build(caps: Capabilities) -> Sequence[PodState]:
+            pods = pod_states(
+                self.store.ready("m"),
+                prefix=self.prefix,
+                block_hashes=self.hashes if caps.needs_tokens else (),
+                now=self.now,
+                inflight=self.inflight,
+                podstats=self.podstats,
+                capabilities=caps,
+            )
+            _read_columns(pods, caps)
+            return pods
+
+        return build
 
     def _head_build(self, hashes: Sequence[int]) -> tuple[PodState, ...]:
         """The director's loop before `extproc.director.snapshot` existed (commit 372daa0)."""
@@ -230,7 +236,39 @@ class _SnapshotFixture:
         )
 
 
-def run(iterations: int, sizes: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+def _read_columns(pods: Sequence[PodState], caps: Capabilities) -> None:
+    """A snapshot that defers work to first read (a `PodTable`) is timed with the columns a
+    rule with `caps` reads built: the snapshot row then counts what the rows counted before."""
+    try:
+        from extproc.routing.columns import PodTable
+    except ImportError:
+        return
+    if isinstance(pods, PodTable):
+        cols = pods.columns
+        cols.in_flight  # noqa: B018
+        if caps.prefix_matches:
+            cols.prefix_match_tokens  # noqa: B018
+            cols.cached_blocks  # noqa: B018
+        if caps.accounting:
+            cols.busy_time  # noqa: B018
+
+
+def _director(
+    fixture: _SnapshotFixture, strategy: Any, req: RoutingRequest
+) -> Callable[[], object]:
+    """The director's snapshot for `strategy` and its decision on it, as one request pays."""
+    rng = random.Random(7)
+
+    def decide() -> object:
+        pods = fixture.build(strategy.capabilities)
+        return strategy.route(req, Snapshot(now=fixture.now, pods=pods, fairness=_Fairness()), rng)
+
+    return decide
+
+
+def run(
+    iterations: int, sizes: list[int], director: bool = False
+) -> dict[str, dict[str, dict[str, float]]]:
     req = RoutingRequest(
         request_id="bench",
         model="m",
@@ -260,6 +298,15 @@ def run(iterations: int, sizes: list[int]) -> dict[str, dict[str, dict[str, floa
             res = _time(partial(strategy.route, req, snap, rng), iterations)
             results[name][str(n)] = res
             print(f"{name:<52} {n:>4} {res['p50_us']:>8.1f} {res['p99_us']:>8.1f}", flush=True)
+    if director:  # snapshot + decision per rule, on the director's real inputs
+        for name in [*reg.names(), *EXTRA_SPECS]:
+            strategy = reg.resolve(name)
+            label = f"(snapshot + route) {name}"
+            results[label] = {}
+            for n in sizes:
+                res = _time(_director(fixtures[n], strategy, req), iterations)
+                results[label][str(n)] = res
+                print(f"{label:<52} {n:>4} {res['p50_us']:>8.1f} {res['p99_us']:>8.1f}", flush=True)
     return results
 
 
@@ -350,6 +397,9 @@ def main() -> None:
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--tree", help="run this script against the extproc package of DIR")
     ap.add_argument(
+        "--director", action="store_true", help="also time snapshot + decision per rule"
+    )
+    ap.add_argument(
         "--plot",
         nargs=3,
         metavar=("BEFORE", "AFTER", "PNG"),
@@ -367,7 +417,7 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
         return
     sizes = [int(x) for x in args.pods.split(",") if x]
-    results = run(args.iterations, sizes)
+    results = run(args.iterations, sizes, args.director)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=2)

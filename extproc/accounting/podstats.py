@@ -14,11 +14,46 @@ time B, dB/dt = busy(t) - B/tau, so B tends to tau for an always-busy pod and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from extproc.routing.base import PodStats
 
-__all__ = ["PodStatsTracker"]
+__all__ = ["PodStatsTracker", "StatsColumns"]
+
+FloatArray = npt.NDArray[np.float64]
+
+
+class StatsColumns(NamedTuple):
+    """`PodStatsTracker.stats` of many pods as arrays, in their order (NaN for None)."""
+
+    requests_total: FloatArray
+    throughput_tokens_per_s: FloatArray
+    busy_time_s: FloatArray
+    ttft_avg_s: FloatArray
+    tpot_avg_s: FloatArray
+    latency_avg_s: FloatArray
+
+    def row(self, i: int) -> PodStats:
+        """Pod `i`'s `PodStats`, equal to what `stats` gives for it."""
+        return PodStats(
+            requests_total=int(self.requests_total[i]),
+            throughput_tokens_per_s=float(self.throughput_tokens_per_s[i]),
+            busy_time_s=float(self.busy_time_s[i]),
+            ttft_avg_s=_optional(self.ttft_avg_s[i]),
+            tpot_avg_s=_optional(self.tpot_avg_s[i]),
+            latency_avg_s=_optional(self.latency_avg_s[i]),
+        )
+
+
+def _optional(x: np.float64) -> float | None:
+    return None if math.isnan(x) else float(x)
 
 
 @dataclass(slots=True)
@@ -33,6 +68,24 @@ class _Pod:
     latency: float | None = None
 
 
+# Each pod's `_Pod` mirrored as one row of a float64 table, for `columns`: copied after
+# changes (a dirty set, flushed on read), so events and `stats` stay plain-float work.
+_ROW_FIELDS = (
+    "updated_at",
+    "in_flight",
+    "busy",
+    "tokens",
+    "requests_total",
+    "ttft",
+    "tpot",
+    "latency",
+)
+_UPDATED, _IN_FLIGHT, _BUSY, _TOKENS, _REQUESTS, _TTFT, _TPOT, _LATENCY = range(len(_ROW_FIELDS))
+_row_of = attrgetter(*_ROW_FIELDS)
+# Row 0: an address never seen (no decay: updated "at infinity"; zeros; NaN for unknowns).
+_UNSEEN = (math.inf, 0.0, 0.0, 0.0, 0.0, math.nan, math.nan, math.nan)
+
+
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else old + alpha * (sample - old)
 
@@ -44,6 +97,10 @@ class PodStatsTracker:
         self._tau = tau
         self._alpha = alpha
         self._pods: dict[str, _Pod] = {}
+        self._slot: dict[str, int] = {}  # address -> its row in `_table`
+        self._free: list[int] = []
+        self._table = np.array([_UNSEEN] * 64, dtype=np.float64)
+        self._dirty: set[str] = set()
 
     @property
     def tau(self) -> float:
@@ -51,8 +108,10 @@ class PodStatsTracker:
 
     def _advance(self, address: str, now: float) -> _Pod:
         pod = self._pods.get(address)
+        self._dirty.add(address)
         if pod is None:
             pod = self._pods[address] = _Pod(updated_at=now)
+            self._slot[address] = self._take_slot()
             return pod
         dt = now - pod.updated_at
         if dt <= 0:  # a non-monotonic caller: never run time backwards
@@ -113,6 +172,47 @@ class PodStatsTracker:
             latency_avg_s=pod.latency,
         )
 
+    def columns(self, addresses: Sequence[str], now: float) -> StatsColumns:
+        """`stats(address, now)` for every address at once, without advancing any pod: the
+        decay to `now` is one numpy expression (the same formula as `_advance`)."""
+        self._flush()
+        n = len(addresses)
+        rows = self._table[np.fromiter(map(self._slot.get, addresses, repeat(0)), np.intp, n)].T
+        dt = np.maximum(now - rows[_UPDATED], 0.0)  # never run time backwards
+        decay = np.exp(-dt / self._tau)
+        busy = rows[_BUSY] * decay + np.where(rows[_IN_FLIGHT] > 0, self._tau * (1.0 - decay), 0.0)
+        return StatsColumns(
+            requests_total=rows[_REQUESTS],
+            throughput_tokens_per_s=rows[_TOKENS] * decay / self._tau,
+            busy_time_s=busy,
+            ttft_avg_s=rows[_TTFT],
+            tpot_avg_s=rows[_TPOT],
+            latency_avg_s=rows[_LATENCY],
+        )
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot = len(self._slot) + 1  # row 0 is `_UNSEEN`; slots in use are 1..len(_slot)
+        if slot >= len(self._table):
+            grown = np.array([_UNSEEN] * len(self._table), dtype=np.float64)
+            self._table = np.concatenate([self._table, grown])
+        return slot
+
+    def _flush(self) -> None:
+        """Copy the pods changed since the last read into their rows."""
+        table, slot, pods = self._table, self._slot, self._pods
+        for address in self._dirty:
+            pod = pods.get(address)
+            if pod is not None:
+                row = _row_of(pod)
+                table[slot[address]] = tuple(math.nan if v is None else v for v in row)
+        self._dirty.clear()
+
     def forget(self, address: str) -> None:
         """Drop a removed endpoint (keeps memory bounded under churn)."""
-        self._pods.pop(address, None)
+        if self._pods.pop(address, None) is not None:
+            slot = self._slot.pop(address)
+            self._table[slot] = _UNSEEN
+            self._free.append(slot)
+        self._dirty.discard(address)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ class DecisionRecord:
     estimated: bool
     tokenize_s: float
     decision: Decision
-    pods: tuple[PodState, ...]
+    pods: Sequence[PodState]
 
     def to_json(self) -> dict[str, Any]:
         req = RoutingRequest(

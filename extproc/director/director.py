@@ -290,7 +290,7 @@ class Director:
         )
         user = head.headers.get(self._config.routing.user_header) or req.user
         session = decode_session(head.headers.get(self._config.routing.session_header))
-        if session is not None and session not in {p.address for p in pods}:
+        if session is not None and session not in {ep.address for ep, _ in candidates}:
             session = None  # only a ready endpoint of this model may be chosen by a session id
         routing = RoutingRequest(
             request_id=head.request_id or uuid.uuid4().hex,

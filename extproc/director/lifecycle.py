@@ -16,7 +16,7 @@ The built-in steps are in `steps.py` (admit, pre-request, claim) and `response.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,7 +66,7 @@ class PreparedRequest:
     strategy_name: str
     strategy: Strategy
     routing: RoutingRequest
-    pods: tuple[PodState, ...]
+    pods: Sequence[PodState]  # a `PodRows`, or a `SnapshotTable` over many pods
     tokenize_s: float
     estimated: bool  # prompt_tokens is an estimate, not the tokenizer's count
 

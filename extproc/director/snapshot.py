@@ -1,30 +1,51 @@
 """The candidates as one decision sees them: one `PodState` per ready endpoint.
 
-Built once per request, in one pass, and only with what the strategy reads (its declared
-`capabilities`): the gateway's pod statistics (an `exp` per pod) only for a rule that reads
-accounting, each pod's cache size only for one that reads prefix matches. The contract test
-(tests/routing/test_contract.py) checks that a rule decides the same without what it does not
-declare, so leaving it out changes no decision. The result is a `PodRows`, whose numpy
-columns the strategy (and any admit step) build once.
+Built once per request, and only with what the strategy reads (its declared `capabilities`):
+the gateway's pod statistics only for a rule that reads accounting, each pod's cache size only
+for one that reads prefix matches. The contract test (tests/routing/test_contract.py) checks
+that a rule decides the same without what it does not declare, so leaving it out changes no
+decision.
+
+Over few pods the result is a `PodRows` built in one pass. From `TABLE_MIN_PODS` on, where
+every built-in rule reads numpy columns, it is a `SnapshotTable`: the in-flight counts, pod
+stats and prefix matches arrive as arrays (each read in C-level passes over the trackers), and
+a `PodState` is built only for a row someone reads (the pick, explain, the status page).
+Rows and columns come from the same arrays, so they agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import cached_property
+from itertools import repeat
+from operator import attrgetter, is_not
+from typing import TYPE_CHECKING, cast, overload
+
+import numpy as np
 
 from extproc.routing.base import Capabilities, PodState, PodStats
-from extproc.routing.columns import PodRows
+from extproc.routing.columns import (
+    PROFILE_RULE,
+    VECTOR_MIN_PODS,
+    FloatArray,
+    IntArray,
+    PodColumns,
+    PodRows,
+    PodTable,
+)
 from extproc.types import Endpoint, EngineMetrics
 
 if TYPE_CHECKING:
     from extproc.accounting.inflight import InflightTracker
-    from extproc.accounting.podstats import PodStatsTracker
-    from extproc.kvcache.prefix import PrefixIndex
+    from extproc.accounting.podstats import PodStatsTracker, StatsColumns
+    from extproc.kvcache.prefix import PrefixIndex, PrefixMatch
 
-__all__ = ["pod_states"]
+__all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_states"]
 
 _NO_STATS = PodStats()  # frozen: one shared "nothing measured" for rules that never read it
+_NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN), as in `PodColumns`
+# From here on every vectorised built-in (profiles last) reads the columns, not the rows.
+TABLE_MIN_PODS = int(VECTOR_MIN_PODS * PROFILE_RULE)
 
 
 def pod_states(
@@ -36,8 +57,40 @@ def pod_states(
     inflight: InflightTracker,
     podstats: PodStatsTracker,
     capabilities: Capabilities,
-) -> PodRows:
+) -> PodRows | SnapshotTable:
     """One `PodState` per candidate, in candidate order."""
+    if len(candidates) >= TABLE_MIN_PODS:
+        return SnapshotTable(
+            candidates,
+            prefix=prefix,
+            block_hashes=block_hashes,
+            now=now,
+            inflight=inflight,
+            podstats=podstats,
+            capabilities=capabilities,
+        )
+    return _pod_rows(
+        candidates,
+        prefix=prefix,
+        block_hashes=block_hashes,
+        now=now,
+        inflight=inflight,
+        podstats=podstats,
+        capabilities=capabilities,
+    )
+
+
+def _pod_rows(
+    candidates: Sequence[tuple[Endpoint, EngineMetrics]],
+    *,
+    prefix: PrefixIndex,
+    block_hashes: Sequence[int],
+    now: float,
+    inflight: InflightTracker,
+    podstats: PodStatsTracker,
+    capabilities: Capabilities,
+) -> PodRows:
+    """Every `PodState` now, in one pass (what few pods cost least)."""
     addresses = [ep.address for ep, _ in candidates]
     matches = prefix.match(addresses, block_hashes, now)
     load = inflight.load
@@ -60,3 +113,217 @@ def pod_states(
             )
         )
     return PodRows(out)
+
+
+class _TableColumns(PodColumns):
+    """A `SnapshotTable`'s columns, read from the trackers' arrays rather than from rows."""
+
+    def __init__(
+        self,
+        table: SnapshotTable,
+        candidates: Sequence[tuple[Endpoint, EngineMetrics]],
+        *,
+        matches: Callable[[], list[PrefixMatch]],
+        blocks: Callable[[str], int] | None,
+        in_flight: tuple[FloatArray, FloatArray],
+        stats: StatsColumns | None,
+    ) -> None:
+        super().__init__(table)
+        self._candidates = candidates
+        self._match_list = matches
+        self._blocks = blocks
+        self.stats = stats
+        self.__dict__["in_flight"], self.__dict__["in_flight_tokens"] = in_flight
+
+    # What `PodColumns` reads from rows, read here from the candidates and the trackers.
+
+    @cached_property
+    def _metrics(self) -> list[EngineMetrics]:
+        return [m or _NO_METRICS for m in self.raw_metrics]
+
+    def _stat(self, field: str) -> FloatArray:
+        if self.stats is None:  # rows hold `PodStats()`: zeros, and NaN for the unknowns
+            return np.full(self.n, np.nan) if field.endswith("_avg_s") else np.zeros(self.n)
+        column: FloatArray = getattr(self.stats, field)
+        return column
+
+    @cached_property
+    def requests_total(self) -> FloatArray:
+        return self._stat("requests_total")
+
+    @cached_property
+    def throughput(self) -> FloatArray:
+        return self._stat("throughput_tokens_per_s")
+
+    @cached_property
+    def busy_time(self) -> FloatArray:
+        return self._stat("busy_time_s")
+
+    @cached_property
+    def stats_ttft(self) -> FloatArray:
+        return self._stat("ttft_avg_s")
+
+    @cached_property
+    def stats_tpot(self) -> FloatArray:
+        return self._stat("tpot_avg_s")
+
+    @cached_property
+    def stats_latency(self) -> FloatArray:
+        return self._stat("latency_avg_s")
+
+    def address(self, i: int | np.integer) -> str:  # type: ignore[type-arg]
+        return self._candidates[int(i)][0].address
+
+    @cached_property
+    def endpoints(self) -> list[Endpoint]:
+        return [ep for ep, _ in self._candidates]
+
+    @cached_property
+    def raw_metrics(self) -> list[EngineMetrics | None]:
+        return [m for _, m in self._candidates]
+
+    @cached_property
+    def has_metrics(self) -> np.ndarray:  # type: ignore[type-arg]
+        return np.fromiter(map(is_not, self.raw_metrics, repeat(None)), np.bool_, self.n)
+
+    @cached_property
+    def matches(self) -> list[PrefixMatch]:
+        return self._match_list()
+
+    @cached_property
+    def prefix_match_tokens(self) -> FloatArray:
+        return np.fromiter(map(attrgetter("tokens"), self.matches), np.float64, self.n)
+
+    @cached_property
+    def cached_blocks(self) -> FloatArray:
+        if self._blocks is None:
+            return np.zeros(self.n)
+        return np.fromiter(map(self._blocks, self.addresses), np.float64, self.n)
+
+    def blocks_of(self, i: int) -> int:
+        """One pod's cache size, without building the column."""
+        if "cached_blocks" in self.__dict__:
+            return int(self.cached_blocks[i])
+        return 0 if self._blocks is None else self._blocks(self._candidates[i][0].address)
+
+    def stats_of(self, i: int) -> PodStats:
+        return _NO_STATS if self.stats is None else self.stats.row(i)
+
+    def all_rows(self) -> list[PodState]:
+        """Every `PodState`, in one pass over plain lists (a rule that reads every row)."""
+        matches = self.matches
+        if self._blocks is None:
+            blocks: Iterable[int] = repeat(0, self.n)
+        else:
+            blocks = map(int, self.cached_blocks.tolist())
+        if self.stats is None:
+            stats: Iterable[PodStats] = repeat(_NO_STATS, self.n)
+        else:
+            stats = map(self.stats.row, range(self.n))
+        return list(
+            map(
+                PodState,
+                self.endpoints,
+                self.raw_metrics,
+                map(int, self.in_flight.tolist()),
+                map(int, self.in_flight_tokens.tolist()),
+                map(attrgetter("tokens"), matches),
+                map(attrgetter("exact"), matches),
+                blocks,
+                stats,
+            )
+        )
+
+    def take(self, order: IntArray) -> list[PodState]:
+        rows = self.pods
+        assert isinstance(rows, SnapshotTable)
+        if len(order) * 4 >= self.n:  # most rows: build them all at once
+            rows.fill()
+        return list(map(rows.__getitem__, order.tolist()))
+
+    def row(self, i: int) -> PodState:
+        ep, metrics = self._candidates[i]
+        match = self.matches[i]
+        return PodState(
+            ep,
+            metrics,
+            int(self.in_flight[i]),
+            int(self.in_flight_tokens[i]),
+            match.tokens,
+            match.exact,
+            self.blocks_of(i),
+            self.stats_of(i),
+        )
+
+
+class SnapshotTable(PodTable):
+    """The candidates as columns; each `PodState` is built on first read and kept."""
+
+    __slots__ = ("_columns", "_rows")
+
+    def __init__(
+        self,
+        candidates: Sequence[tuple[Endpoint, EngineMetrics]],
+        *,
+        prefix: PrefixIndex,
+        block_hashes: Sequence[int],
+        now: float,
+        inflight: InflightTracker,
+        podstats: PodStatsTracker,
+        capabilities: Capabilities,
+    ) -> None:
+        addresses = [ep.address for ep, _ in candidates]
+
+        def matches() -> list[PrefixMatch]:
+            found = prefix.match(addresses, block_hashes, now)
+            return list(map(found.__getitem__, addresses))
+
+        self._rows: list[PodState | None] = [None] * len(addresses)
+        self._columns = _TableColumns(
+            self,
+            candidates,
+            matches=matches,
+            blocks=prefix.cached_blocks if capabilities.prefix_matches else None,
+            in_flight=inflight.columns(addresses),
+            stats=podstats.columns(addresses, now) if capabilities.accounting else None,
+        )
+
+    @property
+    def columns(self) -> PodColumns:
+        return self._columns
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _row(self, i: int) -> PodState:
+        row = self._rows[i]
+        if row is None:
+            row = self._rows[i] = self._columns.row(i)
+        return row
+
+    @overload
+    def __getitem__(self, i: int) -> PodState: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PodState]: ...
+
+    def __getitem__(self, i: int | slice) -> PodState | Sequence[PodState]:
+        if isinstance(i, slice):
+            return [self._row(j) for j in range(len(self._rows))[i]]
+        n = len(self._rows)
+        if not -n <= i < n:
+            raise IndexError("pod index out of range")
+        return self._row(i % n)
+
+    def fill(self) -> None:
+        """Build every row not built yet (all at once: cheaper than one by one)."""
+        if None in self._rows:
+            built = self._rows
+            self._rows = [
+                b if b is not None else a
+                for a, b in zip(self._columns.all_rows(), built, strict=True)
+            ]
+
+    def __iter__(self) -> Iterator[PodState]:
+        self.fill()
+        return iter(cast("list[PodState]", self._rows))

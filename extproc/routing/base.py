@@ -157,7 +157,7 @@ class RoutingRequest:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     now: float
-    pods: tuple[PodState, ...]  # ready, fresh candidates for this request's model
+    pods: Sequence[PodState]  # ready, fresh candidates for this request's model
     fairness: FairnessView | None = None
 
 

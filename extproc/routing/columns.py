@@ -37,6 +37,7 @@ __all__ = [
     "IntArray",
     "PodColumns",
     "PodRows",
+    "PodTable",
     "columns_of",
     "draws",
     "predicted_latency_column",
@@ -265,9 +266,20 @@ class PodRows(tuple[PodState, ...]):
         return self._columns
 
 
+class PodTable(Sequence[PodState]):
+    """Pods held as columns first: a `PodState` is built only when a row is read (the
+    director's snapshot over many pods, where most decisions read only the columns)."""
+
+    __slots__ = ()
+
+    @property
+    def columns(self) -> PodColumns:
+        raise NotImplementedError
+
+
 def columns_of(pods: Sequence[PodState]) -> PodColumns:
-    """`pods`' columns: kept on a `PodRows`, built afresh for any other sequence."""
-    if isinstance(pods, PodRows):
+    """`pods`' columns: kept on a `PodRows` or a `PodTable`, built afresh for any other sequence."""
+    if isinstance(pods, (PodRows, PodTable)):
         return pods.columns
     return PodColumns(pods)
 

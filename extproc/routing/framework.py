@@ -37,7 +37,7 @@ from extproc.routing.base import (
     ScoreValues,
     Snapshot,
 )
-from extproc.routing.columns import PROFILE_RULE, PodRows, draws, vectorised
+from extproc.routing.columns import PROFILE_RULE, PodRows, PodTable, draws, vectorised
 
 __all__ = [
     "EmptyParams",
@@ -329,7 +329,7 @@ class Profile:
         timings: list[PluginTiming] = []
         notes: list[str] = []
         pods: Sequence[PodState] = snap.pods
-        if vector and not isinstance(pods, PodRows):
+        if vector and not isinstance(pods, (PodRows, PodTable)):
             pods = PodRows(pods)
         for ref, flt in self._filters:
             t0 = clock()
@@ -340,7 +340,9 @@ class Profile:
             if not kept:
                 notes.append(f"filter {ref.name} removed every pod; kept all {len(pods)}")
                 continue
-            pods = PodRows(kept) if vector and not isinstance(kept, PodRows) else kept
+            if vector and not isinstance(kept, (PodRows, PodTable)):
+                kept = PodRows(kept)
+            pods = kept
         totals, columns = self._score(req, pods, timings, notes, vector)
         if vector and not isinstance(self.picker, MaxScorePicker):
             totals = [float(t) for t in totals]  # other pickers loop in Python: plain floats

@@ -185,3 +185,26 @@ def test_unwatched_requests_never_make_a_pod_stalled() -> None:
     assert t.load(A.address).requests == 1  # still counted as load
     long_unobserved.finish()
     assert t.total() == 0
+
+
+def test_columns_are_load_of_every_address_with_peers() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    C = "10.0.0.3:8000"  # never routed to
+    leases = [t.start(A, 100), t.start(A_OTHER_MODEL, 50), t.start(B, 7)]
+    addresses = [B.address, A.address, C]
+
+    def check() -> None:
+        requests, tokens = t.columns(addresses)
+        assert requests.tolist() == [float(t.load(a).requests) for a in addresses]
+        assert tokens.tolist() == [float(t.load(a).tokens) for a in addresses]
+
+    check()
+    assert t.columns(addresses)[0].tolist() == [1.0, 2.0, 0.0]
+    t.set_remote("r2", {A.address: Load(3, 30), C: Load(1, 9)})
+    check()
+    assert t.columns(addresses)[1].tolist() == [7.0, 180.0, 9.0]
+    leases[0].finish()
+    t.drop_remote("r2")
+    check()
+    assert t.columns(addresses)[0].tolist() == [1.0, 1.0, 0.0]

@@ -147,3 +147,46 @@ def test_forget_and_bad_params() -> None:
         PodStatsTracker(tau=0)
     with pytest.raises(ValueError):
         PodStatsTracker(alpha=0)
+
+
+def test_columns_equal_stats_and_advance_nothing() -> None:
+    t = PodStatsTracker(tau=10.0)
+    other, unseen = "10.0.0.2:8000", "10.0.0.9:8000"
+    t.request_started(ADDR, 0.0)
+    finish(t, started=0.0, now=4.0, first_byte=0.5, tokens=900, completion=31)
+    t.request_started(ADDR, 5.0)  # still in flight: busy time grows
+    t.request_started(other, 2.0)
+    t.request_ended(other, 3.0)
+    addresses = [other, unseen, ADDR]
+    cols = t.columns(addresses, 12.0)
+    for i, address in enumerate(addresses):
+        row = cols.row(i)
+        want = t.stats(address, 12.0)
+        assert row.requests_total == want.requests_total
+        assert row.throughput_tokens_per_s == pytest.approx(want.throughput_tokens_per_s, rel=1e-12)
+        assert row.busy_time_s == pytest.approx(want.busy_time_s, rel=1e-12)
+        assert (row.ttft_avg_s, row.tpot_avg_s, row.latency_avg_s) == (
+            want.ttft_avg_s, want.tpot_avg_s, want.latency_avg_s,
+        )  # fmt: skip
+    assert cols.row(1) == PodStats()
+    assert cols.busy_time_s[2] > cols.busy_time_s[0] > 0
+    assert math.isnan(cols.ttft_avg_s[1]) and not math.isnan(cols.ttft_avg_s[2])
+    # Reading columns at a later time moves no pod's clock: stats at 12 s are unchanged.
+    t.columns(addresses, 50.0)
+    assert t.stats(ADDR, 12.0).busy_time_s == pytest.approx(cols.busy_time_s[2], rel=1e-12)
+
+
+def test_columns_follow_forgotten_and_new_pods() -> None:
+    t = PodStatsTracker(tau=10.0)
+    addresses = [f"10.0.1.{i}:8000" for i in range(100)]  # more than the first table holds
+    for i, address in enumerate(addresses):
+        t.observe_response(
+            address, now=1.0, latency_s=0.1 * i, ttft_s=None, decode_s=None, tokens=i, completion_tokens=None
+        )  # fmt: skip
+    t.forget(addresses[3])
+    t.request_started("10.0.2.1:8000", 2.0)  # takes the forgotten pod's row
+    cols = t.columns([addresses[3], "10.0.2.1:8000", addresses[99]], 2.0)
+    assert cols.row(0) == PodStats()
+    assert cols.row(1).requests_total == 0 and cols.row(1).latency_avg_s is None
+    assert cols.row(2).requests_total == 1
+    assert cols.row(2).latency_avg_s == pytest.approx(9.9)
