@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from extproc.accounting.podstats import PodStatsTracker, StatsColumns
     from extproc.kvcache.prefix import PrefixIndex, PrefixMatch
 
-__all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_states"]
+__all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_at", "pod_states"]
 
 _NO_STATS = PodStats()  # frozen: one shared "nothing measured" for rules that never read it
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN), as in `PodColumns`
@@ -113,6 +113,17 @@ def _pod_rows(
             )
         )
     return PodRows(out)
+
+
+def pod_at(pods: Sequence[PodState], address: str) -> PodState | None:
+    """The candidate at `address`, or None. On a `PodTable` it reads the address column and
+    builds that one row (a loop over the pods would build them all)."""
+    if isinstance(pods, PodTable):
+        try:
+            return pods[pods.columns.addresses.index(address)]
+        except ValueError:
+            return None
+    return next((p for p in pods if p.address == address), None)
 
 
 class _TableColumns(PodColumns):

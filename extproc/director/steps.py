@@ -20,6 +20,7 @@ from extproc.director.explain import explain_header
 from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.director.prefill import PrefillClient, PrefillError
 from extproc.director.response import Ticket
+from extproc.director.snapshot import pod_at
 from extproc.routing.base import Decision
 from extproc.routing.saturation import is_saturated
 from extproc.routing.session import encode_session
@@ -90,11 +91,11 @@ class RecordPick:
         req.runtime.prefix.record(address, req.routing.block_hashes, self._clock())
         if self._on_routed is not None:
             self._on_routed(address)
-        for pod in req.pods:
-            if pod.address == address:
-                self._metrics.observe_prefix_match(
-                    req.runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
-                )
+        pod = pod_at(req.pods, address)
+        if pod is not None:
+            self._metrics.observe_prefix_match(
+                req.runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
+            )
 
 
 class RewriteBody:

@@ -11,7 +11,7 @@ import pytest
 
 from extproc.accounting.inflight import InflightTracker, Load
 from extproc.accounting.podstats import PodStatsTracker
-from extproc.director.snapshot import TABLE_MIN_PODS, SnapshotTable, _pod_rows, pod_states
+from extproc.director.snapshot import TABLE_MIN_PODS, SnapshotTable, _pod_rows, pod_at, pod_states
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
@@ -225,3 +225,18 @@ def test_every_rule_decides_the_same_on_the_table(name: str) -> None:
         rows = _decide(name, world.build(caps, table=False), world, seed)
         table = _decide(name, world.build(caps, table=True), world, seed)
         assert table == rows
+
+
+def test_pod_at_builds_only_the_row_it_finds() -> None:
+    world = World(TABLE_MIN_PODS)
+    table = world.build(ALL, table=True)
+    rows = world.build(ALL, table=False)
+    address = world.endpoints[40].address
+    found = pod_at(table, address)
+    assert found is not None
+    _same_pod(found, rows[40])
+    assert isinstance(table, SnapshotTable)
+    assert sum(r is not None for r in table._rows) == 1
+    assert pod_at(table, "10.9.9.9:1") is None
+    assert pod_at(rows, address) is rows[40]
+    assert pod_at(rows, "10.9.9.9:1") is None
