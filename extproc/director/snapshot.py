@@ -44,6 +44,7 @@ __all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_at", "pod_states"]
 
 _NO_STATS = PodStats()  # frozen: one shared "nothing measured" for rules that never read it
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN), as in `PodColumns`
+_ONE_BY_ONE = 16  # rows an iteration builds singly before it builds the rest at once
 # From here on every vectorised built-in (profiles last) reads the columns, not the rows.
 TABLE_MIN_PODS = int(VECTOR_MIN_PODS * PROFILE_RULE)
 
@@ -336,5 +337,10 @@ class SnapshotTable(PodTable):
             ]
 
     def __iter__(self) -> Iterator[PodState]:
-        self.fill()
-        return iter(cast("list[PodState]", self._rows))
+        # The first rows one by one (a search that stops early builds few), then all at once.
+        head = min(len(self._rows), _ONE_BY_ONE)
+        for i in range(head):
+            yield self._row(i)
+        if head < len(self._rows):
+            self.fill()
+            yield from cast("list[PodState]", self._rows)[head:]

@@ -240,3 +240,14 @@ def test_pod_at_builds_only_the_row_it_finds() -> None:
     assert pod_at(table, "10.9.9.9:1") is None
     assert pod_at(rows, address) is rows[40]
     assert pod_at(rows, "10.9.9.9:1") is None
+
+
+def test_a_search_that_stops_early_builds_few_rows() -> None:
+    world = World(TABLE_MIN_PODS)
+    table = world.build(Capabilities(), table=True)
+    assert isinstance(table, SnapshotTable)
+    wanted = world.endpoints[2].address
+    assert next(p for p in table if p.address == wanted).address == wanted
+    assert sum(r is not None for r in table._rows) == 3
+    assert [p.address for p in table] == [ep.address for ep in world.endpoints]
+    assert None not in table._rows
