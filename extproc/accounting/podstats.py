@@ -51,6 +51,24 @@ class StatsColumns(NamedTuple):
             latency_avg_s=_optional(self.latency_avg_s[i]),
         )
 
+    def rows(self) -> list[PodStats]:
+        """Every pod's `PodStats` (as `row` gives them), in one pass over plain lists."""
+        return list(
+            map(
+                PodStats,
+                map(int, self.requests_total.tolist()),
+                self.throughput_tokens_per_s.tolist(),
+                self.busy_time_s.tolist(),
+                _nones(self.ttft_avg_s),
+                _nones(self.tpot_avg_s),
+                _nones(self.latency_avg_s),
+            )
+        )
+
+
+def _nones(column: FloatArray) -> list[float | None]:
+    return [None if x != x else x for x in column.tolist()]  # NaN is the only x != x
+
 
 def _optional(x: np.float64) -> float | None:
     return None if math.isnan(x) else float(x)

@@ -44,7 +44,7 @@ __all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_at", "pod_states"]
 
 _NO_STATS = PodStats()  # frozen: one shared "nothing measured" for rules that never read it
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN), as in `PodColumns`
-_ONE_BY_ONE = 16  # rows an iteration builds singly before it builds the rest at once
+_ONE_BY_ONE = 16  # rows built singly (by index or iteration) before the rest are built at once
 # From here on every vectorised built-in (profiles last) reads the columns, not the rows.
 TABLE_MIN_PODS = int(VECTOR_MIN_PODS * PROFILE_RULE)
 
@@ -231,7 +231,7 @@ class _TableColumns(PodColumns):
         if self.stats is None:
             stats: Iterable[PodStats] = repeat(_NO_STATS, self.n)
         else:
-            stats = map(self.stats.row, range(self.n))
+            stats = self.stats.rows()
         return list(
             map(
                 PodState,
@@ -271,7 +271,7 @@ class _TableColumns(PodColumns):
 class SnapshotTable(PodTable):
     """The candidates as columns; each `PodState` is built on first read and kept."""
 
-    __slots__ = ("_columns", "_rows")
+    __slots__ = ("_columns", "_rows", "_singles")
 
     def __init__(
         self,
@@ -291,6 +291,7 @@ class SnapshotTable(PodTable):
             return list(map(found.__getitem__, addresses))
 
         self._rows: list[PodState | None] = [None] * len(addresses)
+        self._singles = 0  # rows built one by one so far
         self._columns = _TableColumns(
             self,
             candidates,
@@ -310,6 +311,10 @@ class SnapshotTable(PodTable):
     def _row(self, i: int) -> PodState:
         row = self._rows[i]
         if row is None:
+            self._singles += 1
+            if self._singles > _ONE_BY_ONE:  # a reader of many rows (a ranking): all at once
+                self.fill()
+                return cast(PodState, self._rows[i])
             row = self._rows[i] = self._columns.row(i)
         return row
 

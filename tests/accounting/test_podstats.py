@@ -169,6 +169,7 @@ def test_columns_equal_stats_and_advance_nothing() -> None:
             want.ttft_avg_s, want.tpot_avg_s, want.latency_avg_s,
         )  # fmt: skip
     assert cols.row(1) == PodStats()
+    assert cols.rows() == [cols.row(i) for i in range(len(addresses))]
     assert cols.busy_time_s[2] > cols.busy_time_s[0] > 0
     assert math.isnan(cols.ttft_avg_s[1]) and not math.isnan(cols.ttft_avg_s[2])
     # Reading columns at a later time moves no pod's clock: stats at 12 s are unchanged.
