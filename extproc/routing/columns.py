@@ -14,6 +14,7 @@ one profile (or the director and the strategy) build each column once.
 
 from __future__ import annotations
 
+import abc
 import random
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -273,8 +274,9 @@ class PodTable(Sequence[PodState]):
     __slots__ = ()
 
     @property
+    @abc.abstractmethod
     def columns(self) -> PodColumns:
-        raise NotImplementedError
+        """The pods' columns, kept with the table."""
 
 
 def columns_of(pods: Sequence[PodState]) -> PodColumns:

@@ -7,6 +7,7 @@ candidate (the tail are Envoy retry fallbacks), break ties at random, and time t
 
 from __future__ import annotations
 
+import abc
 import itertools
 import random
 import time
@@ -184,7 +185,7 @@ class PowerOfTwoStrategy(StrategyPlugin):
         return self.decision(t0, [first, second, *rest], reason)
 
 
-class LeastSignalStrategy(StrategyPlugin):
+class LeastSignalStrategy(StrategyPlugin, abc.ABC):
     """Lowest value of one signal wins; ties go to fewer in-flight requests, then random.
 
     Pods lacking the signal rank after those that have it; if no pod has it, the order is
@@ -194,12 +195,13 @@ class LeastSignalStrategy(StrategyPlugin):
 
     label: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        raise NotImplementedError  # pragma: no cover
+        """This pod's value of the signal, None where it is unknown."""
 
+    @abc.abstractmethod
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
         """`signal` for every pod at once, NaN where it is None."""
-        raise NotImplementedError  # pragma: no cover
 
     def no_data(self, pods: Sequence[PodState]) -> str | None:
         return None
