@@ -2,6 +2,8 @@
 
 quick  the reduced suite (`make bench`, under 10 minutes on 2 cores)
 full   every scenario at full size (about an hour; see docs/benchmarks.md), then `accounting`
+compare  verdicts of our rules against a peer from `run` results, with the noise floor
+         (bench/compare.py)
 run    named scenarios (file stems under bench/scenarios/, or `accounting`: bench/accounting.py,
        ~3 minutes with --quick, ~8 without; or `replicas`: bench/replicas.py, 1 against 2
        and 4 server processes with and without state sync), full size unless --quick;
@@ -32,6 +34,11 @@ ON_DEMAND = ("replicas",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["compare"]:
+        from bench.compare import main as compare
+
+        return compare(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("quick", help="reduced suite (make bench)")
@@ -46,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sp in sub.choices.values():
         sp.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
         sp.add_argument("--no-docs", action="store_true", help="do not write docs/img plots")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     quick = args.cmd == "quick" or bool(getattr(args, "quick", False))

@@ -1,0 +1,104 @@
+"""bench.compare: verdicts against a peer count only differences above the noise floor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.compare import markdown, noise_floor, verdicts
+
+
+def _runs(table: dict[str, list[float]], metric: str = "ttft_p50_ms") -> list[dict[str, Any]]:
+    return [
+        {"load": "c8", "variant": name, "rep": rep, metric: value}
+        for name, values in table.items()
+        for rep, value in enumerate(values)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("table", "want"),
+    [
+        # round-robin-like variants spread by 10 ms: a 30 ms gap is a win, 5 ms is level
+        (
+            {
+                "envoy-rr": [100, 110, 105],
+                "ours": [60, 62, 61],
+                "vllm-router-cache_aware": [90, 92, 91],
+            },
+            "win",
+        ),
+        (
+            {
+                "envoy-rr": [100, 110, 105],
+                "ours": [86, 88, 87],
+                "vllm-router-cache_aware": [90, 92, 91],
+            },
+            "level",
+        ),
+        (
+            {
+                "envoy-rr": [100, 110, 105],
+                "ours": [130, 131, 129],
+                "vllm-router-cache_aware": [90, 92, 91],
+            },
+            "loss",
+        ),
+        # no round-robin variant ran twice: the compared pair's own spread is the floor
+        ({"ours": [80, 95], "vllm-router-cache_aware": [100, 101]}, "level"),
+        ({"ours": [80, 81], "vllm-router-cache_aware": [100, 101]}, "win"),
+    ],
+)
+def test_verdict_against_the_noise_floor(table: dict[str, list[float]], want: str) -> None:
+    found = verdicts(
+        {"scenario": "s", "runs": _runs(table)},
+        against="vllm-router-cache_aware",
+        metrics=["ttft_p50_ms"],
+    )
+    assert [(v.variant, v.outcome) for v in found] == [("ours", want)]
+
+
+def test_noise_floor_is_the_widest_round_robin_spread() -> None:
+    runs = _runs({"envoy-rr": [100, 104], "round-robin": [90, 120], "vllm-router-rr": [50]})
+    assert noise_floor(runs, "c8", "ttft_p50_ms") == 30
+
+
+def test_peers_and_round_robin_are_not_ours_and_missing_peer_gives_nothing() -> None:
+    runs = _runs(
+        {
+            "envoy-rr": [1, 2],
+            "vllm-router-rr": [1, 2],
+            "kv-aware": [1, 2],
+            "vllm-router-cache_aware": [3, 4],
+        }
+    )
+    found = verdicts(
+        {"scenario": "s", "runs": runs}, against="vllm-router-cache_aware", metrics=["ttft_p50_ms"]
+    )
+    assert [v.variant for v in found] == ["kv-aware"]
+    assert (
+        verdicts({"scenario": "s", "runs": runs}, against="absent", metrics=["ttft_p50_ms"]) == []
+    )
+
+
+def test_markdown_names_the_best_of_ours() -> None:
+    runs = _runs({"a": [50, 52], "b": [70, 71], "vllm-router-cache_aware": [80, 81]})
+    text = markdown(
+        verdicts(
+            {"scenario": "s", "runs": runs},
+            against="vllm-router-cache_aware",
+            metrics=["ttft_p50_ms"],
+        ),
+        against="vllm-router-cache_aware",
+    )
+    assert "best of ours `a` 51 ms against 80 ms" in text
+    assert text.count("| s/c8 |") == 2
+
+
+def test_one_repetition_gives_no_verdict() -> None:
+    runs = _runs({"ours": [10], "vllm-router-cache_aware": [100]})
+    (v,) = verdicts(
+        {"scenario": "s", "runs": runs}, against="vllm-router-cache_aware", metrics=["ttft_p50_ms"]
+    )
+    assert v.outcome.startswith("no verdict")
