@@ -46,6 +46,7 @@ class RequestStats:
     output_tokens: int
     sim_ttft_s: float
     sim_e2e_s: float
+    wall_ttft_s: float  # the same in wall time: model time plus the simulator's own lag
     finish_reason: str
     lora_name: str | None
 
@@ -133,6 +134,7 @@ class Engine:
         self._on_token = on_token
         self._clock = clock
         self._wake = asyncio.Event()
+        self._last_wake: float | None = None  # when the previous step's sleep ended (None: idle)
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_adapters)}
@@ -231,6 +233,7 @@ class Engine:
     async def _run(self) -> None:
         while True:
             if not self.running and not self.waiting:
+                self._last_wake = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -250,10 +253,25 @@ class Engine:
             )
             context = sum(r.num_computed + n for r, n in scheduled)
             dt = self.step_model.step_seconds(prefill, context)
-            await asyncio.sleep(dt * self.step_model.time_scale)
+            await asyncio.sleep(self._pace(dt * self.step_model.time_scale))
+            self._last_wake = self._clock()
             self.stats.steps += 1
             self.stats.sim_time_s += dt
             self._apply(scheduled)
+
+    def _pace(self, wait: float) -> float:
+        """How long to sleep for a step of `wait` wall seconds.
+
+        The host work since the previous step ended (applying it, scheduling this one, and the
+        server's coroutines that ran in between) happens inside this step, as a GPU step overlaps
+        the engine's host work: the step model's overhead term already prices it. Without this the
+        simulator's own Python time adds to every step and model time drifts behind wall time
+        (most on a busy pod, so it penalises a rule that concentrates load). A step that is late
+        already does not sleep, and lateness is not carried over (no bursts of catch-up steps).
+        """
+        if self._last_wake is None:
+            return wait
+        return max(0.0, wait - (self._clock() - self._last_wake))
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -423,6 +441,11 @@ class Engine:
             output_tokens=len(req.output_ids),
             sim_ttft_s=(first - req.arrival_sim) if first is not None else -1.0,
             sim_e2e_s=self.stats.sim_time_s - req.arrival_sim,
+            wall_ttft_s=(
+                req.first_token_wall - req.arrival_wall
+                if req.first_token_wall is not None
+                else -1.0
+            ),
             finish_reason=reason,
             lora_name=req.lora_name,
         )

@@ -54,6 +54,7 @@ async def test_cache_hit_skips_prefill_and_shortens_ttft(
     assert a["prefill_computed_tokens"] == n
     assert b["prefill_computed_tokens"] == n - (n - 1) // 16 * 16
     assert b["sim_ttft_s"] < a["sim_ttft_s"]
+    assert a["wall_ttft_s"] > 0 and b["wall_ttft_s"] > 0  # the same requests in wall time
 
 
 def test_block_pool_evicts_lru_unreferenced_blocks() -> None:
