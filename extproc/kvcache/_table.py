@@ -2,14 +2,31 @@
 
 One int per block instead of one set per block keeps memory low, and a longest-prefix
 lookup is a single pass of `&` over the request's blocks that stops as soon as no pod
-still matches.
+still matches. `match_lengths` answers the same pass as an array over many pods (the pods
+that leave the match at one block are one bitmask, unpacked by numpy), and `counts` keeps
+each slot's entry count as an array, so a snapshot of hundreds of pods reads both without
+a Python step per pod.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import NamedTuple
 
-__all__ = ["PodBitmaskTable"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["IntArray", "PodBitmaskTable", "PodBlocks"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+class PodBlocks(NamedTuple):
+    """Per pod of a lookup, in the order asked: leading request blocks held, blocks held."""
+
+    matched: IntArray
+    held: IntArray
 
 
 class PodBitmaskTable:
@@ -18,8 +35,12 @@ class PodBitmaskTable:
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self._bit_of: dict[str, int] = {}  # pod -> its bit value (1 << slot)
+        self._slot_of: dict[str, int] = {}  # pod -> its slot
         self._pod_of_slot: list[str | None] = []
         self._free_slots: list[int] = []
+        # Per slot: how many entries its pod holds (the owner sets it), one spare 0 at the end
+        # that `slots` gives to unknown pods.
+        self._counts: IntArray = np.zeros(8, dtype=np.int64)
 
     def bit(self, pod: str) -> int:
         """The pod's bit, allocating a slot on first use."""
@@ -31,8 +52,11 @@ class PodBitmaskTable:
             else:
                 slot = len(self._pod_of_slot)
                 self._pod_of_slot.append(pod)
+                if slot + 1 >= len(self._counts):
+                    self._counts = np.concatenate((self._counts, np.zeros_like(self._counts)))
             bit = 1 << slot
             self._bit_of[pod] = bit
+            self._slot_of[pod] = slot
         return bit
 
     def existing_bit(self, pod: str) -> int:
@@ -43,9 +67,25 @@ class PodBitmaskTable:
         """Free the pod's slot. Its blocks must already be cleared (see `discard`)."""
         bit = self._bit_of.pop(pod, 0)
         if bit:
-            slot = bit.bit_length() - 1
+            slot = self._slot_of.pop(pod)
             self._pod_of_slot[slot] = None
+            self._counts[slot] = 0
             self._free_slots.append(slot)
+
+    def set_count(self, bit: int, count: int) -> None:
+        """Record how many entries the pod with `bit` holds (read back by `counts`)."""
+        self._counts[bit.bit_length() - 1] = count
+
+    def slots(self, pods: Sequence[str]) -> IntArray:
+        """Each pod's slot, in order; a pod without one gets the spare slot (never matches,
+        count 0)."""
+        spare = len(self._pod_of_slot)
+        return np.fromiter(map(self._slot_of.get, pods, repeat(spare)), np.int64, len(pods))
+
+    def counts(self, slots: IntArray) -> IntArray:
+        """The entry count of each slot in `slots` (0 for the spare)."""
+        out: IntArray = self._counts[slots]
+        return out
 
     def pods(self) -> list[str]:
         return list(self._bit_of)
@@ -101,6 +141,45 @@ class PodBitmaskTable:
             matched += 1
         if matched and active:
             self._record(active, matched, result)
+        return result
+
+    def match_lengths(self, blocks: Sequence[int], slots: IntArray) -> IntArray:
+        """Per slot in `slots` (see `slots`), the number of leading `blocks` its pod holds.
+
+        The pass of `longest_prefix` over every slot; the pods leaving the match at each step
+        are kept as bitmasks and unpacked into one array at the end (few distinct lengths).
+        """
+        nslots = len(self._pod_of_slot)
+        out = np.zeros(nslots + 1, dtype=np.int64)  # + the spare slot of unknown pods
+        if not nslots or not blocks:
+            return out[slots]
+        masks = self.masks
+        active = (1 << nslots) - 1
+        left: list[int] = []  # bitmasks of the pods leaving the match...
+        at: list[int] = []  # ...and how many blocks they matched
+        for matched, block in enumerate(blocks):
+            still = active & masks.get(block, 0)
+            if still != active:
+                if matched:
+                    left.append(active & ~still)
+                    at.append(matched)
+                if not still:
+                    break
+                active = still
+        else:  # some pods hold every block
+            left.append(active)
+            at.append(len(blocks))
+        if left:
+            width = (nslots + 7) // 8
+            packed = b"".join(m.to_bytes(width, "little") for m in left)
+            bits = np.unpackbits(
+                np.frombuffer(packed, np.uint8).reshape(len(left), width),
+                axis=1,
+                count=nslots,
+                bitorder="little",
+            )
+            out[:nslots] = np.asarray(at, dtype=np.int64) @ bits  # a pod leaves once
+        result: IntArray = out[slots]
         return result
 
     def _record(self, mask: int, matched: int, result: dict[str, int]) -> None:

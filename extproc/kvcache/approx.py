@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from extproc.kvcache._table import PodBitmaskTable
+from extproc.kvcache._table import PodBitmaskTable, PodBlocks
 
-__all__ = ["ApproximateIndex", "ApproximateIndexStats"]
+__all__ = ["ApproximateIndex", "ApproximateIndexStats", "PodBlocks"]
 
 # Measured with tracemalloc (1 vs 4 pods recording the same prompts): a dict slot per
 # (pod, block) entry (the timestamp float is shared by one record call), and a mask slot plus
@@ -79,6 +79,7 @@ class ApproximateIndex:
                 self._entries += 1
                 add(bit, block)
             seen[block] = now
+        self._table.set_count(bit, len(seen))
         if self._entries > self.max_blocks:
             self._enforce_bound(pod)
 
@@ -91,6 +92,16 @@ class ApproximateIndex:
         if not restrict:
             return {}
         return self._table.longest_prefix(block_hashes, restrict)
+
+    def lookup(self, block_hashes: Sequence[int], now: float, pods: Sequence[str]) -> PodBlocks:
+        """`longest_prefix` and `pod_block_count` for every pod in `pods`, as arrays in that
+        order (0 for a pod never recorded), in one pass over the request's blocks. Expires
+        first when there are blocks to match, as a `longest_prefix` call does."""
+        if block_hashes:
+            self.expire(now)
+        table = self._table
+        slots = table.slots(pods)
+        return PodBlocks(table.match_lengths(block_hashes, slots), table.counts(slots))
 
     def expire(self, now: float, *, force: bool = False) -> int:
         """Drop entries older than the TTL; cheap no-op between sweeps unless `force`."""
@@ -109,6 +120,8 @@ class ApproximateIndex:
             for block in old:
                 del seen[block]
                 self._table.discard(records.bit, block)
+            if old:
+                self._table.set_count(records.bit, len(seen))
             dropped += len(old)
         self._entries -= dropped
         self._expired += dropped
@@ -163,5 +176,6 @@ class ApproximateIndex:
             for block in oldest:
                 del seen[block]
                 self._table.discard(victim.bit, block)
+            self._table.set_count(victim.bit, len(seen))
             self._entries -= len(oldest)
             self._evicted += len(oldest)

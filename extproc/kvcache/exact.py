@@ -17,10 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from extproc.kvcache._table import PodBitmaskTable
+from extproc.kvcache._table import PodBitmaskTable, PodBlocks
 from extproc.kvcache.hashing import chain_hashes, lora_extra_key, root_hash, token_bytes
 
-__all__ = ["ExactIndex", "ExactIndexStats", "StoreResult"]
+__all__ = ["ExactIndex", "ExactIndexStats", "PodBlocks", "StoreResult"]
 
 # Measured with tracemalloc by bench/kvevents_bench.py (1M entries: 1 pod with distinct
 # blocks 152 B per block; 4 pods sharing blocks 481 B per distinct block; 200k entries: 173
@@ -132,6 +132,7 @@ class ExactIndex:
                 self._unref(entries, previous)
                 if not table_add(bit, router):
                     entries.extra_refs[router] = entries.extra_refs.get(router, 0) + 1
+        self._table.set_count(bit, len(e2r))
         if self._entries > self.max_blocks:
             self._enforce_bound(pod)
         return StoreResult(n, 0, 0)
@@ -149,6 +150,7 @@ class ExactIndex:
                 self._unref(entries, router)
                 removed += 1
         self._entries -= removed
+        self._table.set_count(entries.bit, len(e2r))
         return removed
 
     def cleared(self, pod: str) -> int:
@@ -163,6 +165,7 @@ class ExactIndex:
         n = len(entries.engine_to_router)
         entries.engine_to_router.clear()
         entries.extra_refs.clear()
+        self._table.set_count(bit, 0)
         self._entries -= n
         return n
 
@@ -183,6 +186,13 @@ class ExactIndex:
         if not restrict:
             return {}
         return self._table.longest_prefix(block_hashes, restrict)
+
+    def lookup(self, block_hashes: Sequence[int], pods: Sequence[str]) -> PodBlocks:
+        """`longest_prefix` and `pod_block_count` for every pod in `pods`, as arrays in that
+        order (0 for a pod the index does not know), in one pass over the request's blocks."""
+        table = self._table
+        slots = table.slots(pods)
+        return PodBlocks(table.match_lengths(block_hashes, slots), table.counts(slots))
 
     def blocks_of(self, pod: str) -> set[int]:
         """The engine hashes the index believes `pod` holds (for cross-checks with the engine)."""
@@ -231,6 +241,7 @@ class ExactIndex:
             oldest = list(islice(e2r, max(excess, min(self._evict_batch, len(e2r)))))
             for engine in oldest:
                 self._unref(victim, e2r.pop(engine))
+            self._table.set_count(victim.bit, len(e2r))
             self._entries -= len(oldest)
             self._evicted += len(oldest)
 
