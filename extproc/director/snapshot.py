@@ -8,8 +8,9 @@ decision.
 
 Over few pods the result is a `PodRows` built in one pass. From `TABLE_MIN_PODS` on, where
 every built-in rule reads numpy columns, it is a `SnapshotTable`: the in-flight counts, pod
-stats and prefix matches arrive as arrays (each read in C-level passes over the trackers), and
-a `PodState` is built only for a row someone reads (the pick, explain, the status page).
+stats and prefix matches arrive as arrays (each read in C-level passes over the trackers; the
+prefix index answers matches and cache sizes for all pods in one `lookup`), and a `PodState`
+is built only for a row someone reads (the pick, explain, the status page).
 Rows and columns come from the same arrays, so they agree.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property
 from itertools import repeat
-from operator import attrgetter, is_not
+from operator import is_not
 from typing import TYPE_CHECKING, cast, overload
 
 import numpy as np
@@ -38,7 +39,7 @@ from extproc.types import Endpoint, EngineMetrics
 if TYPE_CHECKING:
     from extproc.accounting.inflight import InflightTracker
     from extproc.accounting.podstats import PodStatsTracker, StatsColumns
-    from extproc.kvcache.prefix import PrefixIndex, PrefixMatch
+    from extproc.kvcache.prefix import PrefixArrays, PrefixIndex
 
 __all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_at", "pod_states"]
 
@@ -135,15 +136,15 @@ class _TableColumns(PodColumns):
         table: SnapshotTable,
         candidates: Sequence[tuple[Endpoint, EngineMetrics]],
         *,
-        matches: Callable[[], list[PrefixMatch]],
-        blocks: Callable[[str], int] | None,
+        prefix: Callable[[], PrefixArrays],
+        blocks: bool,
         in_flight: tuple[FloatArray, FloatArray],
         stats: StatsColumns | None,
     ) -> None:
         super().__init__(table)
         self._candidates = candidates
-        self._match_list = matches
-        self._blocks = blocks
+        self._lookup = prefix
+        self._blocks = blocks  # whether rows carry cache sizes (else 0, as `_pod_rows` does)
         self.stats = stats
         self.__dict__["in_flight"], self.__dict__["in_flight_tokens"] = in_flight
 
@@ -199,35 +200,32 @@ class _TableColumns(PodColumns):
         return np.fromiter(map(is_not, self.raw_metrics, repeat(None)), np.bool_, self.n)
 
     @cached_property
-    def matches(self) -> list[PrefixMatch]:
-        return self._match_list()
+    def prefix(self) -> PrefixArrays:
+        return self._lookup()
 
     @cached_property
     def prefix_match_tokens(self) -> FloatArray:
-        return np.fromiter(map(attrgetter("tokens"), self.matches), np.float64, self.n)
+        return self.prefix.tokens.astype(np.float64)
 
     @cached_property
     def cached_blocks(self) -> FloatArray:
-        if self._blocks is None:
+        if not self._blocks:
             return np.zeros(self.n)
-        return np.fromiter(map(self._blocks, self.addresses), np.float64, self.n)
+        return self.prefix.cached_blocks.astype(np.float64)
 
-    def blocks_of(self, i: int) -> int:
-        """One pod's cache size, without building the column."""
-        if "cached_blocks" in self.__dict__:
-            return int(self.cached_blocks[i])
-        return 0 if self._blocks is None else self._blocks(self._candidates[i][0].address)
+    @cached_property
+    def _prefix_lists(self) -> tuple[list[int], list[bool], list[int]]:
+        """The prefix arrays as Python ints and bools, what a `PodState` holds."""
+        found = self.prefix
+        blocks = found.cached_blocks.tolist() if self._blocks else [0] * self.n
+        return found.tokens.tolist(), found.exact.tolist(), blocks
 
     def stats_of(self, i: int) -> PodStats:
         return _NO_STATS if self.stats is None else self.stats.row(i)
 
     def all_rows(self) -> list[PodState]:
         """Every `PodState`, in one pass over plain lists (a rule that reads every row)."""
-        matches = self.matches
-        if self._blocks is None:
-            blocks: Iterable[int] = repeat(0, self.n)
-        else:
-            blocks = map(int, self.cached_blocks.tolist())
+        tokens, exact, blocks = self._prefix_lists
         if self.stats is None:
             stats: Iterable[PodStats] = repeat(_NO_STATS, self.n)
         else:
@@ -239,8 +237,8 @@ class _TableColumns(PodColumns):
                 self.raw_metrics,
                 map(int, self.in_flight.tolist()),
                 map(int, self.in_flight_tokens.tolist()),
-                map(attrgetter("tokens"), matches),
-                map(attrgetter("exact"), matches),
+                tokens,
+                exact,
                 blocks,
                 stats,
             )
@@ -255,15 +253,15 @@ class _TableColumns(PodColumns):
 
     def row(self, i: int) -> PodState:
         ep, metrics = self._candidates[i]
-        match = self.matches[i]
+        tokens, exact, blocks = self._prefix_lists
         return PodState(
             ep,
             metrics,
             int(self.in_flight[i]),
             int(self.in_flight_tokens[i]),
-            match.tokens,
-            match.exact,
-            self.blocks_of(i),
+            tokens[i],
+            exact[i],
+            blocks[i],
             self.stats_of(i),
         )
 
@@ -286,20 +284,20 @@ class SnapshotTable(PodTable):
     ) -> None:
         addresses = [ep.address for ep, _ in candidates]
 
-        def matches() -> list[PrefixMatch]:
-            found = prefix.match(addresses, block_hashes, now)
-            return list(map(found.__getitem__, addresses))
+        def lookup() -> PrefixArrays:
+            return prefix.lookup(addresses, block_hashes, now)
 
         self._rows: list[PodState | None] = [None] * len(addresses)
         self._singles = 0  # rows built one by one so far
         self._columns = _TableColumns(
             self,
             candidates,
-            matches=matches,
-            blocks=prefix.cached_blocks if capabilities.prefix_matches else None,
+            prefix=lookup,
+            blocks=capabilities.prefix_matches,
             in_flight=inflight.columns(addresses),
             stats=podstats.columns(addresses, now) if capabilities.accounting else None,
         )
+        self._columns.__dict__["addresses"] = addresses  # the column, already built
 
     @property
     def columns(self) -> PodColumns:
