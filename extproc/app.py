@@ -42,7 +42,7 @@ from extproc.config import (
 )
 from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.director import Director, ModelRuntime
-from extproc.director.latency import LearnLatency, TagLatency
+from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
 from extproc.kvcache.approx import ApproximateIndex
@@ -329,6 +329,7 @@ class App:
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
             pre_request_steps=(
+                MarkRouted(models=self.latency),
                 TagLatency(models=self.latency),
                 *((self.decisions,) if config.server.status_page else ()),
             ),

@@ -10,7 +10,7 @@ plugin type name.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,6 +18,8 @@ from extproc.metrics.poller import SCRAPE_RESULTS
 from extproc.metrics.store import EndpointStore
 from extproc.routing.base import PluginTiming
 from extproc.types import Endpoint, TokenUsage
+
+ShedReason = Literal["overloaded", "saturated", "slo"]  # the `reason` label: bounded
 
 __all__ = ["DECISION_BUCKETS", "GatewayMetrics"]
 
@@ -126,8 +128,10 @@ class GatewayMetrics:
             ["model", "exact"], buckets=PREFIX_TOKEN_BUCKETS, namespace=ns, registry=registry,
         )  # fmt: skip
         self.shed = Counter(
-            "shed_requests", "Requests refused with 429 under saturation", ["model"],
-            namespace=ns, registry=registry,
+            "shed_requests", "Requests refused with 429 before routing, by reason: "
+            "overloaded (server.max_pending_requests), saturated (a sheddable request, every "
+            "pod over its thresholds), slo (a sheddable request no pod is predicted to serve "
+            "within its SLO headers)", ["model", "reason"], namespace=ns, registry=registry,
         )  # fmt: skip
         self.pd_fallbacks = Counter(
             "pd_fallbacks", "pd requests served by a decode pod without a prefill pod",
@@ -177,8 +181,8 @@ class GatewayMetrics:
     def observe_prefix_match(self, model: str, tokens: int, *, exact: bool) -> None:
         self.prefix_match_tokens.labels(model, "true" if exact else "false").observe(tokens)
 
-    def observe_shed(self, model: str) -> None:
-        self.shed.labels(model).inc()
+    def observe_shed(self, model: str, reason: ShedReason) -> None:
+        self.shed.labels(model, reason).inc()
 
     def observe_pd_fallback(self, model: str) -> None:
         self.pd_fallbacks.labels(model).inc()

@@ -1,4 +1,4 @@
-"""Per-pod latency models learned online from accounting records (no sidecar, no numpy).
+"""Per-pod latency models learned online from accounting records (no sidecar).
 
 For each (model, pod): TTFT and time per output token as linear functions of what the routing
 decision knew (`extproc.routing.predicted.LatencyFeatures`: uncached prompt tokens, in-flight
@@ -6,7 +6,9 @@ requests and tokens, the engine's queue, running requests and KV usage), fitted 
 weighted ridge regression. The weighted sums X'WX and X'Wy are kept (d = 7) and the normal
 equations solved by Cholesky after each sample (tens of µs in pure Python, on the accounting
 path); a prediction is one dot product per candidate (a few µs with its features, on the decision
-path; `bench/routing_bench.py` times the strategy).
+path; `bench/routing_bench.py` times the strategy). Over many pods the strategy predicts them all
+at once (`predict_columns`): each served model's warm coefficients are also kept as rows of
+numpy arrays (`CoefficientTable`), written when a pod's model learns, never rebuilt per request.
 
 Why this shape: every pod gets its own coefficients, so a slower pod predicts slower
 (heterogeneous pools are the point); the forgetting factor tracks a pod that changes (a new
@@ -28,15 +30,24 @@ import math
 import operator
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
-from extproc.routing.predicted import FEATURE_NAMES, LatencyFeatures, LatencyPrediction
+from extproc.routing.columns import FloatArray
+from extproc.routing.predicted import (
+    FEATURE_NAMES,
+    LatencyFeatures,
+    LatencyPrediction,
+    PredictionColumns,
+)
 
 __all__ = [
+    "CoefficientTable",
     "DecisionTag",
     "LatencyMetrics",
     "LatencyModels",
@@ -168,7 +179,7 @@ _Fit = tuple[tuple[float, ...], float, tuple[float, ...] | None, float, int, flo
 class PodLatencyModel:
     """TTFT and TPOT of one pod."""
 
-    __slots__ = ("_huber", "_min", "checked", "fit", "tpot", "ttft", "updated_at")
+    __slots__ = ("_huber", "_min", "checked", "fit", "routed_at", "tpot", "ttft", "updated_at")
 
     def __init__(
         self, *, forgetting: float, ridge: float, min_samples: int, huber_k: float
@@ -179,6 +190,7 @@ class PodLatencyModel:
         self._min = min_samples
         self._huber = huber_k
         self.updated_at = 0.0
+        self.routed_at = -math.inf  # when this process last sent the pod a request
         self.fit: _Fit | None = None  # None while cold
         # The last predictions checked against what happened: (predicted, actual) TTFT and
         # TPOT in ms, for the debug view (the metric has the distribution).
@@ -203,11 +215,11 @@ class PodLatencyModel:
             return None
         ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
         ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_cap)
-        age = now - self.updated_at
+        age, routed = now - self.updated_at, now - self.routed_at
         if tpot_coef is None:
-            return LatencyPrediction(ttft, None, samples, age, error)
+            return LatencyPrediction(ttft, None, samples, age, error, routed)
         tpot = _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap)
-        return LatencyPrediction(ttft, tpot, samples, age, error)
+        return LatencyPrediction(ttft, tpot, samples, age, error, routed)
 
     def state(self) -> dict[str, Any]:
         def target(t: _Target) -> dict[str, Any]:
@@ -228,6 +240,115 @@ class PodLatencyModel:
                 {"ttft": [p, a], "tpot": [pt, at]} for p, a, pt, at in self.checked
             ],
         }
+
+
+class CoefficientTable:
+    """One served model's pods as rows of arrays: what `PodLatencyModel.predict` reads, for
+    predicting every candidate at once. A row is written when its pod's model learns (or is
+    routed to); a request only gathers rows. Row 0 is a spare that is never warm: an address
+    without a model reads it."""
+
+    __slots__ = (
+        "error", "free", "index", "routed_at", "samples", "tpot", "tpot_cap", "tpot_warm",
+        "ttft", "ttft_cap", "updated_at", "warm",
+    )  # fmt: skip
+
+    def __init__(self, rows: int = 16) -> None:
+        dim = len(FEATURE_NAMES)
+        self.index: dict[str, int] = {}
+        self.free: list[int] = list(range(rows - 1, 0, -1))  # row 0 is the spare
+        self.ttft = np.zeros((rows, dim))
+        self.tpot = np.zeros((rows, dim))
+        self.ttft_cap = np.zeros(rows)
+        self.tpot_cap = np.zeros(rows)
+        self.tpot_warm = np.zeros(rows, dtype=bool)
+        self.warm = np.zeros(rows, dtype=bool)
+        self.samples = np.zeros(rows)
+        self.error = np.zeros(rows)
+        self.updated_at = np.zeros(rows)
+        self.routed_at = np.full(rows, -math.inf)
+
+    def row(self, address: str) -> int:
+        """The address's row, taken (and the arrays grown) on first use."""
+        found = self.index.get(address)
+        if found is not None:
+            return found
+        if not self.free:
+            self._grow()
+        row = self.index[address] = self.free.pop()
+        return row
+
+    def _grow(self) -> None:
+        old = len(self.warm)
+        for name in ("ttft", "tpot", "ttft_cap", "tpot_cap", "tpot_warm", "warm", "samples",
+                     "error", "updated_at", "routed_at"):  # fmt: skip
+            column = getattr(self, name)
+            fill = -math.inf if name == "routed_at" else 0
+            grown = np.full((2 * old, *column.shape[1:]), fill, dtype=column.dtype)
+            grown[:old] = column
+            setattr(self, name, grown)
+        self.free.extend(range(2 * old - 1, old - 1, -1))
+
+    def write(self, address: str, pod: PodLatencyModel) -> None:
+        """The pod's model as it predicts now (after it learned)."""
+        fit = pod.fit
+        if fit is None:
+            return
+        i = self.row(address)
+        ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
+        self.ttft[i] = ttft_coef
+        self.ttft_cap[i] = ttft_cap
+        self.tpot_warm[i] = tpot_coef is not None
+        if tpot_coef is not None:
+            self.tpot[i] = tpot_coef
+            self.tpot_cap[i] = tpot_cap
+        self.warm[i] = True
+        self.samples[i] = samples
+        self.error[i] = error
+        self.updated_at[i] = pod.updated_at
+        self.routed_at[i] = pod.routed_at
+
+    def drop(self, address: str) -> None:
+        i = self.index.pop(address, None)
+        if i is not None:
+            self.warm[i] = self.tpot_warm[i] = False
+            self.routed_at[i] = -math.inf
+            self.free.append(i)
+
+    def predict(self, addresses: Sequence[str], x: FloatArray, now: float) -> PredictionColumns:
+        """`PodLatencyModel.predict` for every address (features `x`, one row per address),
+        with the same float steps: the dot product summed left to right, then clamped."""
+        n = len(addresses)
+        rows = np.fromiter(map(self.index.get, addresses, repeat(0)), np.intp, n)
+        ttft = _dot(self.ttft[rows], x)
+        ttft = _clamped_columns(ttft, self.ttft_cap[rows])
+        tpot = _clamped_columns(_dot(self.tpot[rows], x), self.tpot_cap[rows])
+        tpot[~self.tpot_warm[rows]] = np.nan
+        return PredictionColumns(
+            warm=self.warm[rows],
+            ttft_s=ttft,
+            tpot_s=tpot,
+            samples=self.samples[rows],
+            age_s=now - self.updated_at[rows],
+            error_s=self.error[rows],
+            routed_s=now - self.routed_at[rows],
+        )
+
+
+def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
+    """Row-wise dot products, added left to right from 0 as `sum(map(mul, ...))` adds."""
+    out: FloatArray = 0.0 + coef[:, 0] * x[:, 0]
+    for j in range(1, coef.shape[1]):
+        out = out + coef[:, j] * x[:, j]
+    return out
+
+
+def _clamped_columns(value: FloatArray, cap: FloatArray) -> FloatArray:
+    """`_clamped` on arrays (NaN becomes the cap; a -0.0 stays as it is)."""
+    out: FloatArray = np.where(value < 0.0, 0.0, np.where(value > cap, cap, value))
+    nan = np.isnan(out)
+    out[nan] = cap[nan]
+    return out
 
 
 class LatencyModels:
@@ -254,6 +375,7 @@ class LatencyModels:
         self._max = max_pods
         self._clock = clock
         self._pods: dict[tuple[str, str], PodLatencyModel] = {}
+        self._tables: dict[str, CoefficientTable] = {}  # by served model: the pods as arrays
         self.ignored = 0  # records with an unusable value
 
     def predict(
@@ -261,6 +383,24 @@ class LatencyModels:
     ) -> LatencyPrediction | None:
         pod = self._pods.get((model, address))
         return None if pod is None else pod.predict(features.vector(), self._clock())
+
+    def predict_columns(
+        self, model: str, addresses: Sequence[str], features: FloatArray
+    ) -> PredictionColumns | None:
+        """`predict` for every address at once (`features`: one `vector()` per row); None
+        when no pod of `model` has a model yet."""
+        table = self._tables.get(model)
+        return None if table is None else table.predict(addresses, features, self._clock())
+
+    def routed(self, model: str, address: str) -> None:
+        """This process just sent the pod a request (a real one, not an explain): the
+        predicted-latency probe leaves it alone for a period."""
+        pod = self._pods.get((model, address))
+        if pod is not None:
+            pod.routed_at = now = self._clock()
+            table = self._tables.get(model)
+            if table is not None and address in table.index:
+                table.routed_at[table.index[address]] = now
 
     def observe(
         self,
@@ -288,12 +428,17 @@ class LatencyModels:
             if len(self._pods) >= self._max:
                 oldest = min(self._pods, key=lambda k: self._pods[k].updated_at)
                 del self._pods[oldest]
+                self._tables[oldest[0]].drop(oldest[1])
             pod = self._pods[key] = PodLatencyModel(
                 forgetting=self._forgetting, ridge=self._ridge,
                 min_samples=self.min_samples, huber_k=self._huber,
             )  # fmt: skip
         pod.observe(x, ttft_s, tpot_s)
         pod.updated_at = self._clock()
+        table = self._tables.get(model)
+        if table is None:
+            table = self._tables[model] = CoefficientTable()
+        table.write(address, pod)
         return True
 
     def checked(

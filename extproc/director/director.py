@@ -65,6 +65,7 @@ from extproc.routing.base import (
     Snapshot,
     uses_prompt_tokens,
 )
+from extproc.routing.predicted import SLO_UNMET
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.session import decode_session
 from extproc.types import (
@@ -187,7 +188,7 @@ class Director:
         # shed at once with 429 instead of queueing bodies and growing memory.
         limit = self._config.server.max_pending_requests
         if self._deciding >= limit:
-            self._metrics.observe_shed("")
+            self._metrics.observe_shed("", "overloaded")
             self._metrics.observe_request("", 429, "")
             log.info(
                 "request %s shed: %d requests already awaiting a decision", head.request_id, limit
@@ -228,7 +229,12 @@ class Director:
                 return self.models_reply()
             return self._route_bodyless(head)
         prep = await self.prepare(head, body)
-        decision = self._decide(prep)
+        try:
+            decision = self._decide(prep, self._rng)
+        except TooManyRequests as err:
+            if err.code == SLO_UNMET:  # the admit steps count their own
+                self._metrics.observe_shed(prep.runtime.name, "slo")
+            raise
         out = Outgoing()
         for step in self._pre_request:
             await step.pre_request(prep, decision, out)
@@ -389,12 +395,12 @@ class Director:
                 f"{self._config.routing.priority_header} must be an integer", param="priority"
             ) from None
 
-    def _decide(self, prep: PreparedRequest) -> Decision:
+    def _decide(self, prep: PreparedRequest, rng: random.Random) -> Decision:
         """Admit steps, then the strategy ranks the candidates."""
         for step in self._admit:
             step.admit(prep)
         snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness)
-        decision = prep.strategy.route(prep.routing, snap, self._rng)
+        decision = prep.strategy.route(prep.routing, snap, rng)
         if not decision.ranked:
             raise ServiceUnavailable(f"strategy {prep.strategy.name!r} found no endpoint")
         return decision
@@ -455,9 +461,13 @@ class Director:
         return self._deciding
 
     async def explain(self, head: RequestHead, body: bytes) -> dict[str, Any]:
-        """What `route` would decide, without routing (no lease, no index update)."""
+        """What `route` would decide, without routing (no lease, no index update, no
+        pre-request step). It draws from a copy of the router's random state, so it shows the
+        next decision and leaves it as it was."""
         prep = await self.prepare(head, body)
-        decision = self._decide(prep)
+        rng = random.Random()
+        rng.setstate(self._rng.getstate())
+        decision = self._decide(prep, rng)
         return explain_json(
             decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated
         )

@@ -1,5 +1,8 @@
-"""The two lifecycle steps of the predicted-latency models (`extproc.accounting.latency_model`).
+"""The lifecycle steps of the predicted-latency models (`extproc.accounting.latency_model`).
 
+- `MarkRouted` (pre-request): the pick's model notes that this process sent it a request. The
+  strategy reads it (it probes only pods nobody was sent a request for `probe_after_s`) and
+  never writes it, so an explain (a dry run: no pre-request step) changes no later decision.
 - `TagLatency` (pre-request, after `TagForAccounting`): what the decision knew about the pick
   (its `LatencyFeatures`) and, once the pod's model is warm, the prediction, into the request's
   `extproc.request` metadata, whatever the strategy, so every tokenized request teaches the
@@ -25,10 +28,20 @@ from extproc.director.snapshot import pod_at
 from extproc.routing.base import Decision
 from extproc.routing.predicted import latency_features
 
-__all__ = ["LatencyShare", "LearnLatency", "TagLatency", "observed_latency"]
+__all__ = ["LatencyShare", "LearnLatency", "MarkRouted", "TagLatency", "observed_latency"]
 
 # (model, pod, decision tag, ttft_s, tpot_s) to the peer replicas (StateSync.note_latency).
 LatencyShare = Callable[[str, str, str, float | None, float | None], None]
+
+
+class MarkRouted:
+    """Pre-request: the pick was sent a request now (a real one), whatever the strategy."""
+
+    def __init__(self, *, models: LatencyModels) -> None:
+        self._models = models
+
+    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        self._models.routed(req.runtime.name, decision.endpoint.address)
 
 
 class TagLatency:

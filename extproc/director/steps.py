@@ -64,7 +64,7 @@ class ShedSheddable:
             and req.settings.shed_sheddable
             and is_saturated(req.pods, self._queue, self._kv)
         ):
-            self._metrics.observe_shed(req.runtime.name)
+            self._metrics.observe_shed(req.runtime.name, "saturated")
             raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
 
 

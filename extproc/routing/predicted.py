@@ -3,16 +3,24 @@ online from the gateway's own accounting records.
 
 The rule reads a `LatencyPredictor` (the composition root injects
 `extproc.accounting.latency_model.LatencyModels` through the plugin factory); routing only reads
-it, the accounting side writes it. What a prediction depends on is `LatencyFeatures`: what the
-decision knows about a pod (this request's uncached prompt tokens there, the gateway's in-flight
-requests and tokens, the engine's queue, running requests and KV usage). The same features travel
-with the request in its access-log record, so whichever process accounts the record learns from
-exactly what the decision saw.
+it, the accounting side and the director's pre-request step write it. What a prediction depends
+on is `LatencyFeatures`: what the decision knows about a pod (this request's uncached prompt
+tokens there, the gateway's in-flight requests and tokens, the engine's queue, running requests
+and KV usage). The same features travel with the request in its access-log record, so whichever
+process accounts the record learns from exactly what the decision saw.
 
 Until every candidate's model has enough samples the rule is the cost rule (`kv-aware`: uncached
 prefill blocks + the pod's in-flight blocks), and the reason says which pods are cold.
 Per-request SLO headers keep only the pods predicted to meet them; a sheddable request
-(priority < 0) with no such pod is refused with 429, any other goes to the best pod anyway.
+(priority < 0) with no such pod is refused with 429 (`slo_unmet`), any other goes to the best
+pod anyway.
+
+`route` is pure: it changes no state, so an explain (a dry run) leaves the next decision as it
+was. The probe bookkeeping (when a pod was last sent a request) is written by the director's
+`MarkRouted` step, for real requests only. Over many pods (`vectorised`) the rule reads the
+snapshot as numpy columns and the predictor's coefficient table, with the same float steps and
+random draws as the per-pod path: both give the same decision for a seed
+(tests/routing/test_predicted_columns.py).
 """
 
 from __future__ import annotations
@@ -24,9 +32,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Protocol
 
-from extproc.routing import signals
+import numpy as np
+import numpy.typing as npt
+
 from extproc.routing.affinity import KvAwareParams, KvAwareStrategy
 from extproc.routing.base import Capabilities, Decision, PodState, RoutingRequest, Snapshot
+from extproc.routing.columns import (
+    CHEAP_RULE,
+    FloatArray,
+    IntArray,
+    PodColumns,
+    columns_of,
+    draws,
+    rank_order,
+    vectorised,
+)
 from extproc.routing.framework import MaxScorePicker, SoftmaxParams, SoftmaxPicker
 from extproc.routing.strategies import StrategyPlugin
 from extproc.types import BadRequest, TooManyRequests
@@ -35,18 +55,25 @@ __all__ = [
     "FEATURE_NAMES",
     "SLO_TPOT_HEADER",
     "SLO_TTFT_HEADER",
+    "SLO_UNMET",
     "ColdPredictor",
     "LatencyFeatures",
     "LatencyPrediction",
     "LatencyPredictor",
     "PredictedLatencyParams",
     "PredictedLatencyStrategy",
+    "PredictionColumns",
+    "latency_feature_columns",
     "latency_features",
 ]
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
+SLO_UNMET = "slo_unmet"  # the error code of the 429 for a sheddable request no pod can serve
 MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a typo, not a target
+# Where the columns pay: the per-pod path builds features and a prediction per pod, like the
+# cheap rules' per-pod dicts (measured: bench/routing_bench.py, both paths).
+PREDICTED_RULE = CHEAP_RULE
 
 # The regressors, in `LatencyFeatures.vector()` order (scaled so each is O(1) in practice).
 FEATURE_NAMES = (
@@ -110,12 +137,58 @@ def latency_features(req: RoutingRequest, pod: PodState) -> LatencyFeatures:
     )
 
 
+def _signal(values: FloatArray) -> FloatArray:
+    """An engine signal as `latency_features` reads it: unknown (NaN), negative or infinite is 0."""
+    out: FloatArray = np.where((values >= 0.0) & (values < _INF), values, 0.0)
+    return out
+
+
+def latency_feature_columns(req: RoutingRequest, cols: PodColumns) -> FloatArray:
+    """`latency_features(req, pod).vector()` for every pod, one row each (the same values)."""
+    return _feature_columns(req, cols, _uncached_column(req, cols))
+
+
+def _uncached_column(req: RoutingRequest, cols: PodColumns) -> FloatArray:
+    prompt = float(req.prompt_tokens if req.prompt_tokens > 0 else 0)
+    cached = cols.prefix_match_tokens
+    uncached: FloatArray = prompt - np.where(
+        cached < 0.0, 0.0, np.where(cached > prompt, prompt, cached)
+    )
+    return uncached
+
+
+def _feature_columns(req: RoutingRequest, cols: PodColumns, uncached: FloatArray) -> FloatArray:
+    x = np.empty((cols.n, len(FEATURE_NAMES)))
+    x[:, 0] = 1.0
+    x[:, 1] = uncached / 1000.0
+    x[:, 2] = np.maximum(cols.in_flight, 0.0)
+    x[:, 3] = _signal(cols.waiting)
+    x[:, 4] = _signal(cols.running)
+    kv = _signal(cols.kv_usage)
+    x[:, 5] = np.where(kv < 1.0, kv, 1.0)
+    x[:, 6] = np.maximum(cols.in_flight_tokens, 0.0) / 10000.0
+    return x
+
+
 class LatencyPrediction(NamedTuple):
     ttft_s: float
     tpot_s: float | None  # None until the pod has enough streamed multi-token answers
     samples: int  # records the pod's model has learned from
     age_s: float = 0.0  # since the pod's model last learned (a pod the rule avoids stops teaching)
     error_s: float = 0.0  # the TTFT model's recent mean absolute error
+    routed_s: float = _INF  # since this process last sent the pod a request (a real one)
+
+
+class PredictionColumns(NamedTuple):
+    """`LatencyPrediction` for many pods, one array each, in pod order."""
+
+    warm: npt.NDArray[np.bool_]  # False: the pod's model is cold (the other values mean nothing)
+    ttft_s: FloatArray
+    tpot_s: FloatArray  # NaN until the pod's TPOT is learned
+    samples: FloatArray
+    age_s: FloatArray
+    error_s: FloatArray
+    routed_s: FloatArray
 
 
 class LatencyPredictor(Protocol):
@@ -124,6 +197,13 @@ class LatencyPredictor(Protocol):
     ) -> LatencyPrediction | None:
         """The pod's predicted latencies for a request with `features`; None while the pod's
         model is cold (too few samples). Finite and >= 0 when not None."""
+        ...
+
+    def predict_columns(
+        self, model: str, addresses: Sequence[str], features: FloatArray
+    ) -> PredictionColumns | None:
+        """`predict` for every address at once (`features`: one `vector()` per row), the same
+        values; None when every pod is cold."""
         ...
 
 
@@ -135,6 +215,11 @@ class ColdPredictor:
     ) -> LatencyPrediction | None:
         return None
 
+    def predict_columns(
+        self, model: str, addresses: Sequence[str], features: FloatArray
+    ) -> PredictionColumns | None:
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class PredictedLatencyParams:
@@ -144,8 +229,9 @@ class PredictedLatencyParams:
     # At T = 1 a pod one error behind is picked 1/e as often as the best; 0 = lowest wins.
     temperature: float = 1.0
     overlap_weight: float = 1.0  # the cold-start cost rule's (kv-aware) prefill weight
-    # A pod whose model has not learned for this long gets one request (a probe) per period, so
-    # a pod the rule stopped choosing is measured again (it may have got faster); 0 = never.
+    # A pod whose model has not learned for this long, and that this process has not sent a
+    # request for as long, gets one (a probe), so a pod the rule stopped choosing is measured
+    # again (it may have got faster); 0 = never.
     probe_after_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -172,6 +258,40 @@ def _slo_ms(headers: Mapping[str, str], name: str) -> float | None:
 
 def _ms(seconds: float | None) -> float:
     return round(seconds * 1000.0, 3) if seconds is not None else -1.0
+
+
+class _Slo(NamedTuple):
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+    @property
+    def text(self) -> str:
+        parts = []
+        if self.ttft_ms is not None:
+            parts.append(f"ttft <= {self.ttft_ms:g} ms")
+        if self.tpot_ms is not None:
+            parts.append(f"tpot <= {self.tpot_ms:g} ms")
+        return ", ".join(parts)
+
+    def refuse(self) -> TooManyRequests:
+        return TooManyRequests(
+            f"no endpoint is predicted to meet the request's SLO ({self.text}); "
+            "sheddable request dropped",
+            code=SLO_UNMET,
+        )
+
+    def met_note(self, ok: int, n: int) -> str:
+        return f"{ok} of {n} pods predicted to meet {self.text}"
+
+    def unmet_note(self) -> str:
+        return f"no pod predicted to meet {self.text}: best predicted pod anyway (request not sheddable)"
+
+
+def _probe_reason(address: str, age_s: float, ttft_s: float) -> str:
+    return (
+        f"probe: the model of {address} has not learned for {age_s:.0f} s "
+        f"(predicted ttft {_ms(ttft_s):g} ms); one request measures it again"
+    )
 
 
 class PredictedLatencyStrategy(StrategyPlugin):
@@ -202,28 +322,28 @@ class PredictedLatencyStrategy(StrategyPlugin):
             SoftmaxPicker("softmax", SoftmaxParams(temperature=t)) if t > 0 else MaxScorePicker()
         )
         self._rule = f"softmax T={t:g}" if t > 0 else "argmin"
-        self._probed: dict[str, float] = {}  # pod -> when this instance last probed it
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        slo_ttft = _slo_ms(req.headers, SLO_TTFT_HEADER)
-        slo_tpot = _slo_ms(req.headers, SLO_TPOT_HEADER)
+        slo = _Slo(_slo_ms(req.headers, SLO_TTFT_HEADER), _slo_ms(req.headers, SLO_TPOT_HEADER))
+        if vectorised(snap.pods, PREDICTED_RULE):
+            return self._route_columns(t0, req, snap, rng, slo)
         pods = snap.pods
         predict = self._predictor.predict
         model = req.model
         preds: list[LatencyPrediction] = []
         uncached: list[int] = []
-        cold: list[PodState] = []
+        cold: list[str] = []
         for p in pods:
             f = latency_features(req, p)
             uncached.append(f[0])
             pred = predict(model, p.address, f)
             if pred is None:
-                cold.append(p)
+                cold.append(p.address)
             else:
                 preds.append(pred)
         if cold:
-            return self._cold_start(t0, req, snap, rng, cold, slo_ttft or slo_tpot)
+            return self._cold_start(t0, req, snap, rng, cold, slo)
         ttfts = [pr[0] for pr in preds]
         best = min(ttfts)
         # How far apart predictions must be to mean something: the models' mean error.
@@ -231,22 +351,15 @@ class PredictedLatencyStrategy(StrategyPlugin):
         totals = [(best - t) / spread for t in ttfts]  # <= 0: errors behind the best
         notes: list[str] = []
         head_idx: Sequence[int] = range(len(pods))
-        if slo_ttft is not None or slo_tpot is not None:
-            target = _slo_text(slo_ttft, slo_tpot)
-            ok = [i for i, pr in enumerate(preds) if _meets(pr, slo_ttft, slo_tpot)]
+        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+            ok = [i for i, pr in enumerate(preds) if _meets(pr, slo)]
             if not ok and req.priority < 0:
-                raise TooManyRequests(
-                    f"no endpoint is predicted to meet the request's SLO ({target}); "
-                    "sheddable request dropped"
-                )
+                raise slo.refuse()
             if ok:
                 head_idx = ok
-                notes.append(f"{len(ok)} of {len(pods)} pods predicted to meet {target}")
+                notes.append(slo.met_note(len(ok), len(pods)))
             else:
-                notes.append(
-                    f"no pod predicted to meet {target}: best predicted pod anyway "
-                    "(request not sheddable)"
-                )
+                notes.append(slo.unmet_note())
         if len(head_idx) == len(pods):
             ranked = self._picker.rank(pods, totals, rng)
         else:  # the pods predicted to miss the SLO follow as fallbacks, fastest first
@@ -258,51 +371,123 @@ class PredictedLatencyStrategy(StrategyPlugin):
             ranked += [pods[i] for _, _, i in rest]
         probe = None
         if self.params.probe_after_s > 0:  # only among the pods predicted to meet an SLO
-            probe = self._probe(pods, preds, head_idx, snap.now)
+            probe = self._probe(preds, head_idx)
         if probe is not None and ranked[0] is not pods[probe]:
             pick = pods[probe]
             ranked = [pick, *(p for p in ranked if p is not pick)]
             pred = preds[probe]
-            reason = (
-                f"probe: the model of {pick.address} has not learned for {pred.age_s:.0f} s "
-                f"(predicted ttft {_ms(pred.ttft_s):g} ms); one request measures it again"
-            )
+            reason = _probe_reason(pick.address, pred.age_s, pred.ttft_s)
         else:
             pick = ranked[0]
             pred = preds[next(i for i, p in enumerate(pods) if p is pick)]
-            reason = (
-                f"min predicted ttft ({self._rule}): {pick.address} "
-                f"ttft {_ms(pred.ttft_s):g} ms, tpot {_ms(pred.tpot_s):g} ms"
-            )
+            reason = self._min_reason(pick.address, pred.ttft_s, pred.tpot_s)
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
             ranked=tuple([p.endpoint for p in ranked]),
             strategy=self.name,
-            scores=_PredictionScores(pods, preds, uncached, totals),
+            scores=_PredictionScores(
+                [p.address for p in pods],
+                [pr.ttft_s for pr in preds],
+                [pr.tpot_s for pr in preds],
+                uncached,
+                [pr.samples for pr in preds],
+                totals,
+            ),
             reason=reason,
             timings=((self.ref, time.perf_counter_ns() - t0),),
         )
 
-    def _probe(
-        self,
-        pods: Sequence[PodState],
-        preds: Sequence[LatencyPrediction],
-        among: Sequence[int],
-        now: float,
-    ) -> int | None:
-        """The pod whose model is stalest past `probe_after_s` and not probed for as long."""
+    def _route_columns(
+        self, t0: int, req: RoutingRequest, snap: Snapshot, rng: random.Random, slo: _Slo
+    ) -> Decision:
+        """`route` over many pods, on columns: the same decision, scores and reason."""
+        cols = columns_of(snap.pods)
+        uncached = _uncached_column(req, cols)
+        x = _feature_columns(req, cols, uncached)
+        addresses = cols.addresses
+        preds = self._predictor.predict_columns(req.model, addresses, x)
+        if preds is None or not preds.warm.all():
+            cold_at = np.arange(cols.n) if preds is None else np.flatnonzero(~preds.warm)
+            cold = [addresses[i] for i in cold_at[:5].tolist()]
+            return self._cold_start(t0, req, snap, rng, cold, slo, len(cold_at))
+        n = cols.n
+        ttft = preds.ttft_s
+        best = float(ttft.min())
+        error_sum = float(np.cumsum(preds.error_s)[-1])  # left to right, as `sum` adds
+        spread = max(error_sum / n, 0.05 * best, 1e-3)
+        totals = (best - ttft) / spread
+        notes: list[str] = []
+        head: IntArray | None = None  # None: every pod
+        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+            ok = np.flatnonzero(_meets_columns(preds, slo))
+            if not len(ok) and req.priority < 0:
+                raise slo.refuse()
+            if len(ok):
+                if len(ok) < n:
+                    head = ok
+                notes.append(slo.met_note(len(ok), n))
+            else:
+                notes.append(slo.unmet_note())
+        if head is None:
+            ranked = self._order(totals, rng)
+        else:  # the pods predicted to miss the SLO follow as fallbacks, fastest first
+            rest = np.flatnonzero(np.isin(np.arange(n), head, invert=True))
+            ranked = head[self._order(totals[head], rng)]
+            ranked = np.concatenate((ranked, rest[rank_order([ttft[rest]], rng)]))
+        probe = None
+        if self.params.probe_after_s > 0:
+            probe = self._probe_columns(preds, np.arange(n) if head is None else head)
+        if probe is not None and ranked[0] != probe:
+            ranked = np.concatenate(([probe], ranked[ranked != probe]))
+            reason = _probe_reason(addresses[probe], float(preds.age_s[probe]), float(ttft[probe]))
+        else:
+            i = int(ranked[0])
+            tpot = float(preds.tpot_s[i])
+            reason = self._min_reason(addresses[i], float(ttft[i]), None if tpot != tpot else tpot)
+        if notes:
+            reason += "; " + "; ".join(notes)
+        scores = _PredictionScores(addresses, ttft, preds.tpot_s, uncached, preds.samples, totals)
+        return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
+
+    def _order(self, totals: FloatArray, rng: random.Random) -> IntArray:
+        """`self._picker.rank` as indices, with the same draws in the same order."""
+        t = self.params.temperature
+        if t <= 0:  # max-score: highest total first, equal totals in random order
+            return rank_order([-totals], rng)
+        u = draws(rng, len(totals))
+        u[u == 0.0] = 1e-300
+        # Gumbel keys as SoftmaxPicker makes them (numpy's log is the C library's, as math's),
+        # sorted descending by (key, position).
+        keys = totals / t - np.log(-np.log(u))
+        return np.lexsort((-np.arange(len(totals)), -keys))
+
+    def _min_reason(self, address: str, ttft_s: float, tpot_s: float | None) -> str:
+        return (
+            f"min predicted ttft ({self._rule}): {address} "
+            f"ttft {_ms(ttft_s):g} ms, tpot {_ms(tpot_s):g} ms"
+        )
+
+    def _probe(self, preds: Sequence[LatencyPrediction], among: Sequence[int]) -> int | None:
+        """The pod whose model is stalest past `probe_after_s` and that this process has not
+        sent a request for as long (the last one among equals). Reads state, writes none."""
         after = self.params.probe_after_s
         found, oldest = None, after
         for i in among:
             pr = preds[i]
-            if pr.age_s >= oldest and now - self._probed.get(pods[i].address, -math.inf) >= after:
+            if pr.age_s >= oldest and pr.routed_s >= after:
                 found, oldest = i, pr.age_s
-        if found is not None:
-            if len(self._probed) > 4 * len(pods) + 64:
-                self._probed.clear()  # pods that left: bounded by the pool
-            self._probed[pods[found].address] = now
         return found
+
+    def _probe_columns(self, preds: PredictionColumns, among: IntArray) -> int | None:
+        """`_probe` on columns."""
+        after = self.params.probe_after_s
+        age = preds.age_s[among]
+        due = among[(age >= after) & (preds.routed_s[among] >= after)]
+        if not len(due):
+            return None
+        ages = preds.age_s[due]
+        return int(due[np.flatnonzero(ages == ages.max())[-1]])
 
     def _cold_start(
         self,
@@ -310,76 +495,76 @@ class PredictedLatencyStrategy(StrategyPlugin):
         req: RoutingRequest,
         snap: Snapshot,
         rng: random.Random,
-        cold: Sequence[PodState],
-        slo: float | None,
+        cold: Sequence[str],
+        slo: _Slo,
+        n_cold: int | None = None,
     ) -> Decision:
         fallback = self._cost.route(req, snap, rng)
+        n_cold = len(cold) if n_cold is None else n_cold
         reason = (
-            f"cold start ({len(cold)} of {len(snap.pods)} pods with too few samples: "
-            f"{signals.addresses(cold[:4])}{',...' if len(cold) > 4 else ''}): "
+            f"cold start ({n_cold} of {len(snap.pods)} pods with too few samples: "
+            f"{','.join(cold[:4])}{',...' if n_cold > 4 else ''}): "
             f"cost rule (kv-aware) {fallback.reason}"
         )
-        if slo is not None:
+        if slo.ttft_ms is not None or slo.tpot_ms is not None:
             reason += "; SLO headers not applied (no prediction yet)"
-        return self.decision(
-            t0, _pods_in_order(fallback, snap.pods), reason, _dict_scores(fallback)
-        )
+        return self.decision_of(t0, fallback.ranked, reason, fallback.scores)
 
 
 class _PredictionScores(Mapping[str, Mapping[str, float]]):
-    """`Decision.scores` built only when read (explain, the status page), not per decision."""
+    """`Decision.scores` built only when read (explain, the status page), not per decision.
+    Each column is a list or a float64 array, in pod order (TPOT: None or NaN while cold)."""
 
-    __slots__ = ("_index", "_pods", "_preds", "_totals", "_uncached")
+    __slots__ = ("_addresses", "_index", "_samples", "_totals", "_tpot", "_ttft", "_uncached")
 
     def __init__(
         self,
-        pods: Sequence[PodState],
-        preds: Sequence[LatencyPrediction],
-        uncached: Sequence[int],
-        totals: Sequence[float],
+        addresses: Sequence[str],
+        ttft: Sequence[float] | FloatArray,
+        tpot: Sequence[float | None] | FloatArray,
+        uncached: Sequence[int] | FloatArray,
+        samples: Sequence[int] | FloatArray,
+        totals: Sequence[float] | FloatArray,
     ) -> None:
-        self._pods, self._preds, self._uncached, self._totals = pods, preds, uncached, totals
+        self._addresses = addresses
+        self._ttft, self._tpot, self._uncached = ttft, tpot, uncached
+        self._samples, self._totals = samples, totals
         self._index: dict[str, int] | None = None
 
     def __getitem__(self, address: str) -> Mapping[str, float]:
         if self._index is None:
-            self._index = {p.address: i for i, p in enumerate(self._pods)}
+            self._index = {a: i for i, a in enumerate(self._addresses)}
         i = self._index[address]
-        pr = self._preds[i]
+        tpot = self._tpot[i]
+        tpot = None if tpot is None or tpot != tpot else float(tpot)
         return {
-            "pred_ttft_ms": _ms(pr.ttft_s),
-            "pred_tpot_ms": _ms(pr.tpot_s),  # -1: TPOT not learned yet
+            "pred_ttft_ms": _ms(float(self._ttft[i])),
+            "pred_tpot_ms": _ms(tpot),  # -1: TPOT not learned yet
             "uncached_tokens": float(self._uncached[i]),
-            "samples": float(pr.samples),
-            "errors_behind_best": round(0.0 - self._totals[i], 4),
+            "samples": float(self._samples[i]),
+            "errors_behind_best": round(0.0 - float(self._totals[i]), 4),
         }
 
     def __iter__(self) -> Iterator[str]:
-        return (p.address for p in self._pods)
+        return iter(self._addresses)
 
     def __len__(self) -> int:
-        return len(self._pods)
+        return len(self._addresses)
 
 
-def _meets(pred: LatencyPrediction, slo_ttft: float | None, slo_tpot: float | None) -> bool:
-    ttft_ok = slo_ttft is None or pred.ttft_s * 1000.0 <= slo_ttft
-    tpot_ok = slo_tpot is None or (pred.tpot_s is not None and pred.tpot_s * 1000.0 <= slo_tpot)
+def _meets(pred: LatencyPrediction, slo: _Slo) -> bool:
+    ttft_ok = slo.ttft_ms is None or pred.ttft_s * 1000.0 <= slo.ttft_ms
+    tpot_ok = slo.tpot_ms is None or (
+        pred.tpot_s is not None and pred.tpot_s * 1000.0 <= slo.tpot_ms
+    )
     return ttft_ok and tpot_ok
 
 
-def _slo_text(slo_ttft: float | None, slo_tpot: float | None) -> str:
-    parts = []
-    if slo_ttft is not None:
-        parts.append(f"ttft <= {slo_ttft:g} ms")
-    if slo_tpot is not None:
-        parts.append(f"tpot <= {slo_tpot:g} ms")
-    return ", ".join(parts)
-
-
-def _pods_in_order(decision: Decision, pods: Sequence[PodState]) -> list[PodState]:
-    by_address = {p.address: p for p in pods}
-    return [by_address[e.address] for e in decision.ranked]
-
-
-def _dict_scores(decision: Decision) -> dict[str, dict[str, float]]:
-    return {a: dict(s) for a, s in decision.scores.items()}
+def _meets_columns(preds: PredictionColumns, slo: _Slo) -> npt.NDArray[np.bool_]:
+    """`_meets` for every pod (a NaN TPOT, not learned, meets no TPOT target)."""
+    ok = np.ones(len(preds.ttft_s), dtype=bool)
+    if slo.ttft_ms is not None:
+        ok &= preds.ttft_s * 1000.0 <= slo.ttft_ms
+    if slo.tpot_ms is not None:
+        ok &= preds.tpot_s * 1000.0 <= slo.tpot_ms
+    return ok

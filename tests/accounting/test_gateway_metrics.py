@@ -92,7 +92,7 @@ def test_requests_and_histograms(registry: CollectorRegistry, gm: GatewayMetrics
     gm.observe_estimate("m")
     gm.observe_ttft("m", 0.3)
     gm.observe_prefix_match("m", 512, exact=True)
-    gm.observe_shed("m")
+    gm.observe_shed("m", "slo")
     gm.observe_pd_fallback("m")
     assert value(registry, "extproc_tokenizer_estimate_total", model="m") == 1
     assert value(registry, "extproc_upstream_ttft_seconds_sum", model="m") == pytest.approx(0.3)
@@ -100,7 +100,7 @@ def test_requests_and_histograms(registry: CollectorRegistry, gm: GatewayMetrics
         value(registry, "extproc_prefix_match_tokens_bucket", model="m", exact="true", le="512.0")
         == 1
     )
-    assert value(registry, "extproc_shed_requests_total", model="m") == 1
+    assert value(registry, "extproc_shed_requests_total", model="m", reason="slo") == 1
     assert value(registry, "extproc_pd_fallbacks_total", model="m") == 1
 
 
@@ -126,10 +126,11 @@ def test_render_is_valid_exposition(gm: GatewayMetrics) -> None:
 
 def test_separate_registries_do_not_collide() -> None:
     a, b = CollectorRegistry(), CollectorRegistry()
-    GatewayMetrics(a).observe_shed("m")
+    GatewayMetrics(a).observe_shed("m", "saturated")
     GatewayMetrics(b)
-    assert a.get_sample_value("extproc_shed_requests_total", {"model": "m"}) == 1
-    assert b.get_sample_value("extproc_shed_requests_total", {"model": "m"}) is None
+    labels = {"model": "m", "reason": "saturated"}
+    assert a.get_sample_value("extproc_shed_requests_total", labels) == 1
+    assert b.get_sample_value("extproc_shed_requests_total", labels) is None
 
 
 async def test_is_the_pollers_scrape_observer(

@@ -223,7 +223,11 @@ def test_a_pod_whose_model_stopped_learning_is_probed_once_per_period() -> None:
     assert first.endpoint.address == SLOW
     assert first.reason.startswith(f"probe: the model of {SLOW} has not learned for 50 s")
     assert [e.address for e in first.ranked] == [SLOW, FAST]
-    # Probed: the next requests go by prediction again, until another period has passed.
+    # Routing is pure: deciding again (an explain) still probes; nothing was sent yet.
+    assert s.route(request(), snap, random.Random(1)).ranked == first.ranked
+    # Sent (the director's MarkRouted step): the next requests go by prediction again,
+    # until another period has passed.
+    models.routed(MODEL, SLOW)
     assert s.route(request(), snap, random.Random(1)).endpoint.address == FAST
     clock.advance(29.0)
     assert (
@@ -233,6 +237,7 @@ def test_a_pod_whose_model_stopped_learning_is_probed_once_per_period() -> None:
     clock.advance(1.0)
     again = s.route(request(), Snapshot(clock.now(), snap.pods), random.Random(1))
     assert again.endpoint.address == SLOW
+    models.routed(MODEL, SLOW)
     # Only a pod predicted to meet the request's SLO is probed; never when disabled.
     clock.advance(60.0)
     now = Snapshot(clock.now(), snap.pods)
