@@ -248,8 +248,9 @@ class Picker(Protocol):
 
     def rank(
         self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> list[PodState]:
-        """Order all pods best first (the tail gives retry fallbacks)."""
+    ) -> Sequence[PodState]:
+        """Order all pods best first (the tail gives retry fallbacks). Over a `PodTable` a
+        picker may answer with `columns.rows_at` (rows built only where read)."""
         ...
 
 

@@ -41,8 +41,10 @@ __all__ = [
     "PodTable",
     "columns_of",
     "draws",
+    "endpoints_of",
     "predicted_latency_column",
     "rank_order",
+    "rows_at",
     "vectorised",
 ]
 
@@ -208,16 +210,28 @@ class PodColumns:
         """The pods at `order` as a view: nothing is copied until it is read (explain scores)."""
         return _RowsView(self.pods, order)
 
-    def endpoints_at(self, order: IntArray) -> tuple[Endpoint, ...]:
-        return tuple(map(self.endpoints.__getitem__, order.tolist()))
+    def endpoints_at(self, order: IntArray | Sequence[int]) -> tuple[Endpoint, ...]:
+        if isinstance(order, np.ndarray):
+            order = order.tolist()
+        return tuple(map(self.endpoints.__getitem__, order))
 
 
 class _RowsView(Sequence[PodState]):
+    """Pods at `order` of a sequence of pods; a row is read (on a `PodTable`: built) only
+    when asked for."""
+
     __slots__ = ("_order", "_pods")
 
-    def __init__(self, pods: Sequence[PodState], order: IntArray) -> None:
+    def __init__(self, pods: Sequence[PodState], order: IntArray | Sequence[int]) -> None:
         self._pods = pods
-        self._order = order
+        self._order = np.asarray(order, dtype=np.intp)
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The endpoints in this order, from the columns (no row is built)."""
+        return columns_of(self._pods).endpoints_at(self._order)
+
+    def __add__(self, other: Sequence[PodState]) -> list[PodState]:
+        return [*self, *other]  # `ranked += fallbacks` on a picker's answer, as on a list
 
     def __len__(self) -> int:
         return len(self._order)
@@ -284,6 +298,23 @@ def columns_of(pods: Sequence[PodState]) -> PodColumns:
     if isinstance(pods, (PodRows, PodTable)):
         return pods.columns
     return PodColumns(pods)
+
+
+def rows_at(pods: Sequence[PodState], order: IntArray | Sequence[int]) -> Sequence[PodState]:
+    """The pods at `order`: a lazy view over a `PodTable` (its rows are built on read, and
+    `endpoints_of` reads the view's endpoints from the columns), a list otherwise."""
+    if isinstance(pods, PodTable):
+        return _RowsView(pods, order)
+    if isinstance(order, np.ndarray):
+        order = order.tolist()
+    return list(map(pods.__getitem__, order))
+
+
+def endpoints_of(ranked: Sequence[PodState]) -> tuple[Endpoint, ...]:
+    """The endpoints of `ranked`, in order; without building a `rows_at` view's rows."""
+    if isinstance(ranked, _RowsView):
+        return ranked.endpoints()
+    return tuple([p.endpoint for p in ranked])
 
 
 def draws(rng: random.Random, n: int) -> FloatArray:

@@ -37,7 +37,15 @@ from extproc.routing.base import (
     ScoreValues,
     Snapshot,
 )
-from extproc.routing.columns import PROFILE_RULE, PodRows, PodTable, draws, vectorised
+from extproc.routing.columns import (
+    PROFILE_RULE,
+    PodRows,
+    PodTable,
+    draws,
+    endpoints_of,
+    rows_at,
+    vectorised,
+)
 
 __all__ = [
     "EmptyParams",
@@ -180,10 +188,9 @@ class MaxScorePicker:
 
     def rank(
         self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> list[PodState]:
+    ) -> Sequence[PodState]:
         if isinstance(totals, np.ndarray):  # a vectorised profile's totals: same draws, one sort
-            order = np.lexsort((draws(rng, len(totals)), -totals))
-            return [pods[i] for i in order.tolist()]
+            return rows_at(pods, np.lexsort((draws(rng, len(totals)), -totals)))
         keyed = [(-t, rng.random(), i) for i, t in enumerate(totals)]
         keyed.sort()
         return [pods[i] for _, _, i in keyed]
@@ -206,14 +213,14 @@ class SoftmaxPicker:
 
     def rank(
         self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> list[PodState]:
+    ) -> Sequence[PodState]:
         t = self.temperature
         keyed = []
         for i, total in enumerate(totals):
             u = rng.random() or 1e-300
             keyed.append((total / t - math.log(-math.log(u)), i))
         keyed.sort(reverse=True)
-        return [pods[i] for _, i in keyed]
+        return rows_at(pods, [i for _, i in keyed])
 
 
 class WeightedRandomPicker:
@@ -228,14 +235,14 @@ class WeightedRandomPicker:
 
     def rank(
         self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> list[PodState]:
+    ) -> Sequence[PodState]:
         keyed = []
         for i, total in enumerate(totals):
             u = rng.random()
             key = u ** (1.0 / total) if total > 0 else -1.0 + u  # zero scores after all others
             keyed.append((key, i))
         keyed.sort(reverse=True)
-        return [pods[i] for _, i in keyed]
+        return rows_at(pods, [i for _, i in keyed])
 
 
 # ---------------------------------------------------------------- profile
@@ -354,12 +361,12 @@ class Profile:
             chosen = {p.address for p in ranked}
             rest = [p for p in snap.pods if p.address not in chosen]
             rest.sort(key=lambda p: (p.in_flight, rng.random()))
-            ranked.extend(rest)
+            ranked = [*ranked, *rest]
         reason = self._reason
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
-            ranked=tuple([p.endpoint for p in ranked]),
+            ranked=endpoints_of(ranked),
             strategy=self.name,
             scores=ScoreTable(pods, self._score_names, columns),
             reason=reason,

@@ -32,6 +32,7 @@ from extproc.routing.columns import (
     FloatArray,
     IntArray,
     PodColumns,
+    PodTable,
     columns_of,
     predicted_latency_column,
     rank_order,
@@ -129,6 +130,10 @@ class RandomStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        if isinstance(snap.pods, PodTable):  # shuffle indices: the same draws, no row built
+            order = list(range(len(snap.pods)))
+            rng.shuffle(order)
+            return self.decision_of(t0, snap.pods.columns.endpoints_at(order), "uniform random")
         pods = list(snap.pods)
         rng.shuffle(pods)
         return self.decision(t0, pods, "uniform random")
@@ -149,10 +154,18 @@ class RoundRobinStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
+        n = len(snap.pods)
+        if isinstance(snap.pods, PodTable):  # sort indices by the address column: no row built
+            cols = snap.pods.columns
+            order = sorted(range(n), key=cols.addresses.__getitem__)
+            k = next(self._counter) % n
+            return self.decision_of(
+                t0, cols.endpoints_at(order[k:] + order[:k]), f"turn {k} of {n}"
+            )
         pods = sorted(snap.pods, key=lambda p: p.address)
-        k = next(self._counter) % len(pods)
+        k = next(self._counter) % n
         ranked = pods[k:] + pods[:k]
-        return self.decision(t0, ranked, f"turn {k} of {len(pods)}")
+        return self.decision(t0, ranked, f"turn {k} of {n}")
 
 
 class PowerOfTwoStrategy(StrategyPlugin):
@@ -162,10 +175,13 @@ class PowerOfTwoStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        pods = list(snap.pods)
+        pods = snap.pods
         if len(pods) == 1:
             return self.decision(t0, pods, "single candidate")
-        a, b = rng.sample(pods, 2)
+        vector = vectorised(pods)
+        # Sampling indices draws as sampling the pods does; only the two sampled rows are read.
+        ia, ib = rng.sample(range(len(pods)), 2)
+        a, b = pods[ia], pods[ib]
 
         def load(p: PodState) -> tuple[float, float]:
             r = signals.running(p)
@@ -174,14 +190,12 @@ class PowerOfTwoStrategy(StrategyPlugin):
         la, lb = load(a), load(b)
         first, second = (a, b) if la < lb or (la == lb and rng.random() < 0.5) else (b, a)
         reason = f"sampled {a.address} (in_flight {la[0]:g}) vs {b.address} (in_flight {lb[0]:g})"
-        if vectorised(pods):
-            cols = columns_of(snap.pods)
-            others = np.array(
-                [i for i, p in enumerate(pods) if p is not a and p is not b], dtype=np.intp
-            )
+        if vector:
+            cols = columns_of(pods)
+            others = np.delete(np.arange(cols.n), (ia, ib))
             tail = cols.endpoints_at(least_request_at(cols, others, rng))
             return self.decision_of(t0, (first.endpoint, second.endpoint, *tail), reason)
-        rest = _least_request_order([p for p in pods if p is not a and p is not b], rng)
+        rest = _least_request_order([p for i, p in enumerate(pods) if i != ia and i != ib], rng)
         return self.decision(t0, [first, second, *rest], reason)
 
 
