@@ -11,7 +11,9 @@ a Python step per pod.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import reduce
 from itertools import repeat
+from operator import and_
 from typing import NamedTuple
 
 import numpy as np
@@ -153,22 +155,36 @@ class PodBitmaskTable:
         out = np.zeros(nslots + 1, dtype=np.int64)  # + the spare slot of unknown pods
         if not nslots or not blocks:
             return out[slots]
-        masks = self.masks
+        get = self.masks.get
         active = (1 << nslots) - 1
         left: list[int] = []  # bitmasks of the pods leaving the match...
         at: list[int] = []  # ...and how many blocks they matched
-        for matched, block in enumerate(blocks):
-            still = active & masks.get(block, 0)
-            if still != active:
-                if matched:
-                    left.append(active & ~still)
-                    at.append(matched)
-                if not still:
-                    break
-                active = still
+        # Runs of blocks every still-matching pod holds are passed in C (one `&` reduction per
+        # run, runs doubling while they pass); only a run where some pod leaves is walked.
+        n, i, run = len(blocks), 0, 8
+        while i < n:
+            chunk = blocks[i : i + run]
+            if reduce(and_, map(get, chunk, repeat(0)), active) == active:
+                i += len(chunk)
+                run *= 2
+                continue
+            for j, block in enumerate(chunk, i):
+                still = active & get(block, 0)
+                if still != active:
+                    if j:
+                        left.append(active & ~still)
+                        at.append(j)
+                    if not still:
+                        break
+                    active = still
+            else:
+                i += len(chunk)
+                run = 8
+                continue
+            break  # no pod still matches
         else:  # some pods hold every block
             left.append(active)
-            at.append(len(blocks))
+            at.append(n)
         if left:
             width = (nslots + 7) // 8
             packed = b"".join(m.to_bytes(width, "little") for m in left)

@@ -14,7 +14,7 @@ import pytest
 from extproc.kvcache import ApproximateIndex, ExactIndex, IndexMode, PrefixIndex, block_hashes
 
 BS = 4
-DOCS = [[d * 1000 + t for t in range(64)] for d in range(3)]
+DOCS = [[d * 1000 + t for t in range(256)] for d in range(3)]  # 64 blocks each
 
 
 def _history(
@@ -25,7 +25,7 @@ def _history(
         pod = rng.choice(pods)
         p = pods.index(pod)
         doc = rng.randrange(len(DOCS))
-        n = rng.randint(1, 16)
+        n = rng.choice([1, 3, 8, 9, 17, 30, 64])
         action = rng.random()
         if action < 0.45:
             engine = [(p * 10 + doc) * 100 + b for b in range(n)]
@@ -47,7 +47,7 @@ def _history(
 def test_lookup_equals_match_and_cached_blocks(mode: IndexMode, seed: int) -> None:
     rng = random.Random(seed)
     pods = [f"10.0.0.{i}:8000" for i in range(1, 80)]  # more than 64 slots: masks span words
-    exact = ExactIndex(block_size=BS, max_blocks=600)  # small enough to evict
+    exact = ExactIndex(block_size=BS, max_blocks=2000)  # small enough to evict
     approx = ApproximateIndex(ttl_s=120.0, max_blocks=500, sweep_every_s=0.0)
     healthy = set(rng.sample(pods, len(pods) // 2))
     index = PrefixIndex(
@@ -61,7 +61,7 @@ def test_lookup_equals_match_and_cached_blocks(mode: IndexMode, seed: int) -> No
     asked = [*rng.sample(pods, 60), "10.9.9.9:8000"]  # a subset, in random order, and a stranger
     now = 330.0  # records from before 210 have expired
     for doc in DOCS:
-        for length in (0, 1, 7, 16, 64):
+        for length in (0, 1, 7, 9, 16, 33, 64):
             hashes = block_hashes(doc[: length * BS], BS)
             found = index.lookup(asked, hashes, now)
             matches = index.match(asked, hashes, now)
