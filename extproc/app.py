@@ -308,6 +308,7 @@ class App:
                     approximate=approx,
                     events_healthy=lambda address: self._kv_healthy(address),
                     on_record=functools.partial(self._shared_blocks, model.name),
+                    pending_s=config.kv_events.pending_s,
                 ),
                 block_size=model.block_size,
                 default_strategy=model.strategy,

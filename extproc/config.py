@@ -133,6 +133,9 @@ class KVEventsConfig:
     exact_capacity_blocks: int = 1_000_000  # ~150 MB at ~150 B per block (bench/kvevents_bench.py)
     replay_timeout_s: float = 1.0
     stall_after_s: float = 10.0
+    # AUTO mode: blocks routed to a pod count as cached there this long before its events
+    # confirm them (the blind spot between a decision and the BlockStored event); 0 = off.
+    pending_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)

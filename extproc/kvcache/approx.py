@@ -149,6 +149,20 @@ class ApproximateIndex:
             out[pod] = blocks[-limit:] if limit > 0 else []
         return out
 
+    def recorded_since(self, pod: str, block_hashes: Sequence[int], since: float) -> int:
+        """How many leading `block_hashes` were recorded on `pod` at or after `since`."""
+        records = self._pods.get(pod)
+        if records is None:
+            return 0
+        seen = records.recorded_at
+        n = 0
+        for block in block_hashes:
+            at = seen.get(block)
+            if at is None or at < since:
+                break
+            n += 1
+        return n
+
     def blocks_of(self, pod: str) -> set[int]:
         records = self._pods.get(pod)
         return set(records.recorded_at) if records else set()

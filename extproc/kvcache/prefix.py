@@ -12,6 +12,7 @@ import numpy.typing as npt
 from extproc.kvcache._table import IntArray
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
+from extproc.kvcache.pending import PendingOverlay
 
 __all__ = ["IndexMode", "PrefixArrays", "PrefixIndex", "PrefixMatch"]
 
@@ -45,7 +46,9 @@ class PrefixIndex:
     `events_healthy(address)` says whether a pod's KV-event stream is flowing (the
     KVEventManager's `is_healthy`); in AUTO mode that picks the source per pod.
     `record()` always feeds the approximate index so a pod whose events stall falls back
-    to a warm approximation rather than an empty one.
+    to a warm approximation rather than an empty one. With `pending_s` > 0 (AUTO mode), a
+    pod with healthy events also counts the blocks routed to it in the last `pending_s`
+    seconds, before its events confirm them (`pending.py`); such a match is not `exact`.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class PrefixIndex:
         approximate: ApproximateIndex | None,
         events_healthy: Callable[[str], bool] | None = None,
         on_record: Callable[[str, Sequence[int]], None] | None = None,
+        pending_s: float = 0.0,
     ) -> None:
         if mode is not IndexMode.APPROXIMATE and exact is None:
             raise ValueError(f"mode {mode} needs an ExactIndex")
@@ -70,6 +74,11 @@ class PrefixIndex:
         self._approx = approximate
         self._healthy = events_healthy or (lambda _address: True)
         self._on_record = on_record
+        self._pending = (
+            PendingOverlay(approximate, window_s=pending_s)
+            if mode is IndexMode.AUTO and approximate is not None and pending_s > 0
+            else None
+        )
 
     def match(
         self, pods: Iterable[str], block_hashes: Sequence[int], now: float
@@ -94,6 +103,11 @@ class PrefixIndex:
         if block_hashes and exact_pods:
             found = self._exact.longest_prefix(block_hashes, exact_pods)
         result = self._matches(exact_pods, found, _NONE_EXACT)
+        if self._pending is not None and block_hashes and exact_pods:
+            exact_blocks = np.fromiter((found.get(a, 0) for a in exact_pods), np.int64)
+            ext = self._pending.extend(exact_pods, exact_blocks, block_hashes, now)
+            for i in np.flatnonzero(ext.pending).tolist():
+                result[exact_pods[i]] = PrefixMatch(int(ext.blocks[i]) * self.block_size, False)
         if approx_pods:
             found = (
                 self._approx.longest_prefix(block_hashes, now, approx_pods) if block_hashes else {}
@@ -120,13 +134,22 @@ class PrefixIndex:
         stale = ~healthy
         blocks = np.zeros(n, np.int64)
         held = np.zeros(n, np.int64)
+        exact = healthy
         if healthy.any():
             found = self._exact.lookup(block_hashes, pods)
             blocks[healthy], held[healthy] = found.matched[healthy], found.held[healthy]
+            if self._pending is not None and block_hashes:
+                at = np.flatnonzero(healthy)
+                ext = self._pending.extend(
+                    [pods[i] for i in at.tolist()], blocks[at], block_hashes, now
+                )
+                blocks[at] = ext.blocks
+                exact = healthy.copy()
+                exact[at[ext.pending]] = False
         if stale.any():
             found = self._approx.lookup(block_hashes, now, pods)
             blocks[stale], held[stale] = found.matched[stale], found.held[stale]
-        return PrefixArrays(blocks * bs, healthy, held)
+        return PrefixArrays(blocks * bs, exact, held)
 
     def _matches(
         self, addresses: list[str], found: dict[str, int], none: PrefixMatch
@@ -147,12 +170,14 @@ class PrefixIndex:
 
     def record(self, pod: str, block_hashes: Sequence[int], now: float) -> None:
         """Feed a routing decision to the approximate side (no-op in EXACT mode). `on_record`
-        hears of it where the approximate side is what answers for the pod (no healthy
-        KV events): that is what peers need, the exact side they read themselves."""
+        hears of it where the approximate side answers for the pod (no healthy KV events), or
+        counts as pending there: that is what peers need, the exact side they read themselves."""
         if self._approx is not None and self.mode is not IndexMode.EXACT:
             self._approx.record(pod, block_hashes, now)
             if self._on_record is not None and (
-                self.mode is IndexMode.APPROXIMATE or not self._healthy(pod)
+                self.mode is IndexMode.APPROXIMATE
+                or self._pending is not None
+                or not self._healthy(pod)
             ):
                 self._on_record(pod, block_hashes)
 
