@@ -11,10 +11,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.accounting.latency_model import DecisionTag, LatencyMetrics, LatencyModels
 from extproc.director.api import AccessRecord, Outcome, RoutedRequest
-from extproc.director.latency import LearnLatency, TagLatency, observed_latency
+from extproc.director.latency import LearnLatency, MarkRouted, TagLatency, observed_latency
 from extproc.director.lifecycle import Completed, Outgoing
 from extproc.routing.predicted import LatencyFeatures
 from extproc.types import TokenUsage
+from tests._clock import ManualClock
 from tests.director._prepared import PODS, decision, model_runtime, pod, prepared
 from tests.reliability._director import sample
 
@@ -63,6 +64,21 @@ async def test_tag_latency_needs_the_accounting_metadata() -> None:
             prepared(runtime, body=STREAM), decision(), out
         )
     assert out.routed is None
+
+
+async def test_mark_routed_notes_the_pick_for_the_probe() -> None:
+    clock = ManualClock()
+    models = LatencyModels(clock=clock.now)
+    warm(models)
+    clock.advance(5.0)
+    with model_runtime() as runtime:
+        step = MarkRouted(models=models)
+        await step.pre_request(prepared(runtime, body=STREAM), decision(PODS[1]), Outgoing())
+        await step.pre_request(prepared(runtime, body=STREAM), decision(PODS[0]), Outgoing())
+    clock.advance(2.0)
+    pred = models.predict("qwen3", PODS[1], FEATURES)
+    assert pred is not None and (pred.age_s, pred.routed_s) == (7.0, 2.0)
+    assert models.predict("qwen3", PODS[0], FEATURES) is None  # no model: nothing to probe
 
 
 def record(

@@ -1,0 +1,186 @@
+"""predicted-latency through a real Director (config, tokenizer, store, steps): an explain is a
+dry run that leaves the next decision as it was, the probe is spent by a real request only,
+and a sheddable request no pod can serve in time is a 429 counted as shed (reason "slo")."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.accounting.fairness import FairnessCounters
+from extproc.accounting.gateway_metrics import GatewayMetrics
+from extproc.accounting.inflight import InflightTracker
+from extproc.accounting.latency_model import LatencyModels
+from extproc.accounting.podstats import PodStatsTracker
+from extproc.app import build_endpoints
+from extproc.config import load_config_text
+from extproc.director.api import ImmediateReply, RequestHead, RouteResult
+from extproc.director.director import Director, ModelRuntime
+from extproc.director.latency import MarkRouted, TagLatency
+from extproc.kvcache.approx import ApproximateIndex
+from extproc.kvcache.exact import ExactIndex
+from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.metrics.store import EndpointStore
+from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
+from extproc.routing.predicted import SLO_TTFT_HEADER, LatencyFeatures
+from extproc.routing.registry import StrategyRegistry
+from extproc.tokenization import TokenizerPool, load_tokenizer
+from extproc.types import EngineMetrics
+from tests._clock import ManualClock
+from tests.reliability._director import sample
+
+FAST, SLOW, OTHER = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+CONFIG = f"""
+server:
+  allow_explain: true
+routing:
+  default_strategy: predicted-latency
+  seed: 7
+  strategy_params:
+    predicted-latency: {{temperature: 1.0, probe_after_s: 30.0}}
+models:
+  - name: qwen3
+    endpoints:
+      - address: {FAST}
+      - address: {SLOW}
+      - address: {OTHER}
+"""
+BODY = orjson.dumps(
+    {"model": "qwen3", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
+)
+
+
+@dataclass
+class Kit:
+    director: Director
+    models: LatencyModels
+    registry: CollectorRegistry
+    clock: ManualClock
+
+
+def learned(clock: ManualClock) -> LatencyModels:
+    """SLOW learned last 50 s ago (due a probe); FAST and OTHER learn now, FAST 3x faster."""
+    models = LatencyModels(clock=clock.now)
+    rng = random.Random(3)
+    for address, speed, after in ((SLOW, 1.0, 0.0), (OTHER, 1.0, 50.0), (FAST, 3.0, 0.0)):
+        clock.advance(after)
+        for _ in range(20):
+            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 10), 0, 0.0, 1.0, 0.2)
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
+            models.observe("qwen3", address, f, ttft_s=ttft, tpot_s=0.01 / speed)
+    return models
+
+
+@pytest.fixture
+def kits(qwen_tokenizer_dir: Path) -> Iterator[list[Kit]]:
+    """Two identical directors (same config, seed, models and clock time)."""
+    pools: list[TokenizerPool] = []
+    made = []
+    for _ in range(2):
+        config = load_config_text(CONFIG)
+        clock = ManualClock()
+        models = learned(clock)
+        registry = CollectorRegistry()
+        metrics = GatewayMetrics(registry)
+        store = EndpointStore(stale_after=3600.0, clock=clock.now)
+        store.set_endpoints({m.name: build_endpoints(m) for m in config.models})
+        for ep in store.endpoints("qwen3"):  # headroom: a sheddable request is not shed as such
+            store.record_success(ep, EngineMetrics(clock.now(), running=1.0, waiting=0.0,
+                                                   kv_cache_usage=0.2))  # fmt: skip
+        pool = TokenizerPool(load_tokenizer(qwen_tokenizer_dir), max_workers=1)
+        pools.append(pool)
+        runtime = ModelRuntime(
+            name="qwen3",
+            tokenizer=pool,
+            prefix=PrefixIndex(
+                mode=IndexMode.APPROXIMATE, block_size=16,
+                exact=ExactIndex(block_size=16, max_blocks=1000),
+                approximate=ApproximateIndex(ttl_s=60.0, max_blocks=1000),
+            ),
+        )  # fmt: skip
+        podstats = PodStatsTracker()
+        director = Director(
+            config=config,
+            models={"qwen3": runtime},
+            store=store,
+            registry=StrategyRegistry(
+                default_plugins(latency=models),
+                strategy_params=config.routing.strategy_params,
+                builtin=BUILTIN_PROFILES,
+            ),
+            inflight=InflightTracker(stats=podstats, metrics=metrics, clock=clock.now),
+            podstats=podstats,
+            fairness=FairnessCounters(),
+            metrics=metrics,
+            clock=clock.now,
+            wall_clock=clock.wall,
+            pre_request_steps=(MarkRouted(models=models), TagLatency(models=models)),
+        )
+        made.append(Kit(director, models, registry, clock))
+    yield made
+    for pool in pools:
+        pool.close()
+
+
+def head(i: int, headers: dict[str, str] | None = None) -> RequestHead:
+    return RequestHead(
+        request_id=f"r{i}",
+        method="POST",
+        path="/v1/chat/completions",
+        headers={":path": "/v1/chat/completions", **(headers or {})},
+    )
+
+
+def decided(explained: dict[str, Any]) -> dict[str, Any]:
+    """What an explain decided (without the times it took)."""
+    return {k: explained[k] for k in ("pick", "fallbacks", "reason", "candidates")}
+
+
+async def routed(kit: Kit, i: int) -> tuple[str, ...]:
+    result = await kit.director.route(head(i), BODY)
+    assert isinstance(result, RouteResult)
+    assert result.ticket is not None
+    result.ticket.close()  # the request ended: no lease left to shift the next decision
+    return result.destinations
+
+
+async def test_an_explain_leaves_the_next_decision_as_it_was(kits: list[Kit]) -> None:
+    explained, untouched = kits
+    shown = [decided(await explained.director.explain(head(0), BODY)) for _ in range(3)]
+    assert all(s == shown[0] for s in shown)  # a dry run, not a consumed probe or draw
+    assert shown[0]["reason"].startswith(f"probe: the model of {SLOW}")
+    first = await routed(explained, 1)
+    assert first == await routed(untouched, 1)
+    assert first[0] == SLOW == shown[0]["pick"]  # explain showed the decision that came
+    # The real request spent the probe: the next decisions go by prediction, on both alike.
+    for i in range(2, 8):
+        nxt = await routed(explained, i)
+        assert nxt == await routed(untouched, i)
+        assert nxt[0] != SLOW
+
+
+async def test_a_sheddable_request_no_pod_can_serve_in_time_is_counted_as_shed(
+    kits: list[Kit],
+) -> None:
+    kit = kits[0]
+    tight = {SLO_TTFT_HEADER: "1", "x-request-priority": "-1"}
+    reply = await kit.director.route(head(0, tight), BODY)
+    assert isinstance(reply, ImmediateReply) and reply.status == 429
+    error = orjson.loads(reply.body)["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "slo_unmet")
+    assert sample(kit.registry, "extproc_shed_requests_total", model="qwen3", reason="slo") == 1
+    assert sample(kit.registry, "extproc_requests_total", status="429") == 1
+    # Not sheddable: the best pod anyway, nothing shed. An explain counts nothing either.
+    ok = await kit.director.route(head(1, {SLO_TTFT_HEADER: "1"}), BODY)
+    assert isinstance(ok, RouteResult) and ok.ticket is not None
+    ok.ticket.close()
+    with pytest.raises(Exception, match="no endpoint is predicted to meet"):
+        await kit.director.explain(head(2, tight), BODY)
+    assert sample(kit.registry, "extproc_shed_requests_total") == 1

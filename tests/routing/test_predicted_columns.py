@@ -1,0 +1,224 @@
+"""predicted-latency over many pods (numpy columns and the models' coefficient table) decides
+exactly as its per-pod path: the same ranking, explain scores and reason for a seed, the same
+429, on snapshots with unknown or odd signals, cold and TPOT-cold pods, SLO headers, and pods
+due a probe."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from extproc.accounting.latency_model import LatencyModels
+from extproc.routing import columns
+from extproc.routing.base import PodState, RoutingRequest, Snapshot
+from extproc.routing.columns import PodRows, columns_of
+from extproc.routing.predicted import (
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+    LatencyFeatures,
+    PredictedLatencyParams,
+    PredictedLatencyStrategy,
+    latency_feature_columns,
+    latency_features,
+)
+from extproc.types import TooManyRequests
+from tests._clock import ManualClock
+from tests.routing._builders import pod, req
+
+
+def _pods(n: int, rng: random.Random) -> list[PodState]:
+    """Pods with small integer signals (ties), unknown ones, and values the features clamp."""
+    out = []
+    for i in range(n):
+        missing = rng.random() < 0.2
+        out.append(
+            pod(
+                f"10.0.{i // 200}.{i % 200 + 1}:8000",
+                running=None if missing else rng.choice([0.0, 2.0, 5.0, math.inf]),
+                waiting=None if missing else rng.choice([0.0, 1.0, 4.0, -1.0, math.nan]),
+                kv=None if missing else rng.choice([0.1, 0.5, 0.9, 1.5]),
+                in_flight=rng.randint(0, 6),
+                in_flight_tokens=rng.randint(0, 4) * 700,
+                match=rng.choice([0, 0, 256, 1024, 5000]),  # 5000: more than the prompt
+                cached_blocks=rng.randint(0, 3) * 10,
+                no_metrics=rng.random() < 0.1,
+            )
+        )
+    return out
+
+
+def _models(
+    pods: list[PodState], clock: ManualClock, *, cold: int, tpot_cold: int
+) -> LatencyModels:
+    """Every pod warm but the first `cold`; the next `tpot_cold` without a TPOT model. Pods
+    learned at different times (ages 0-60 s), some were routed to lately."""
+    models = LatencyModels(min_samples=4, clock=clock.now)
+    rng = random.Random(len(pods))
+    for k, p in enumerate(pods[cold:]):
+        speed = rng.choice([1.0, 1.0, 2.0, 3.0])
+        for _ in range(rng.randint(4, 9)):
+            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 8), 0, 0.0, 1.0, 0.2)
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
+            tpot = None if k < tpot_cold else rng.uniform(0.005, 0.02) / speed
+            models.observe("m", p.address, f, ttft_s=ttft * rng.uniform(0.8, 1.2), tpot_s=tpot)
+        clock.advance(rng.choice([0.0, 0.0, 3.0, 20.0]))
+        if rng.random() < 0.3:
+            models.routed("m", p.address)
+    clock.advance(5.0)
+    return models
+
+
+REQUESTS: list[RoutingRequest] = [
+    req(prompt_tokens=2000),
+    req(prompt_tokens=0),
+    req(prompt_tokens=3000, headers={SLO_TTFT_HEADER: "60"}),
+    req(prompt_tokens=1500, headers={SLO_TPOT_HEADER: "8"}),
+    req(prompt_tokens=1500, headers={SLO_TTFT_HEADER: "90", SLO_TPOT_HEADER: "15"}),
+    req(prompt_tokens=1500, headers={SLO_TTFT_HEADER: "90", SLO_TPOT_HEADER: "15"}, priority=-1),
+    req(prompt_tokens=1000, headers={SLO_TTFT_HEADER: "0.001"}),  # no pod: the best anyway
+    req(prompt_tokens=1000, headers={SLO_TTFT_HEADER: "0.001"}, priority=-1),
+]
+
+
+def _outcome(
+    strategy: PredictedLatencyStrategy, r: RoutingRequest, snap: Snapshot, seed: int
+) -> tuple[object, ...]:
+    try:
+        d = strategy.route(r, snap, random.Random(seed))
+    except TooManyRequests as err:
+        return ("429", err.message, err.code)
+    return (d.ranked, {a: dict(v) for a, v in d.scores.items()}, d.reason, d.strategy)
+
+
+def _both_paths(
+    monkeypatch: pytest.MonkeyPatch, pods: list[PodState]
+) -> tuple[Callable[[], Snapshot], Callable[[], Snapshot]]:
+    def per_pod() -> Snapshot:
+        monkeypatch.setattr(columns, "VECTOR_MIN_PODS", 10**9)
+        return Snapshot(now=1.0, pods=tuple(pods))
+
+    def vector() -> Snapshot:
+        monkeypatch.setattr(columns, "VECTOR_MIN_PODS", 1)
+        return Snapshot(now=1.0, pods=PodRows(pods))
+
+    return per_pod, vector
+
+
+@pytest.mark.parametrize(("temperature", "probe_after_s"), [(1.0, 10.0), (1.0, 0.0), (0.0, 10.0)])
+@pytest.mark.parametrize(("n", "cold", "tpot_cold"), [(40, 0, 0), (70, 0, 9), (40, 3, 0)])
+def test_columns_decide_as_the_per_pod_path(
+    monkeypatch: pytest.MonkeyPatch,
+    temperature: float,
+    probe_after_s: float,
+    n: int,
+    cold: int,
+    tpot_cold: int,
+) -> None:
+    pods = _pods(n, random.Random(n + cold))
+    clock = ManualClock()
+    models = _models(pods, clock, cold=cold, tpot_cold=tpot_cold)
+    strategy = PredictedLatencyStrategy(
+        "predicted-latency",
+        PredictedLatencyParams(temperature=temperature, probe_after_s=probe_after_s),
+        predictor=models,
+    )
+    per_pod, vector = _both_paths(monkeypatch, pods)
+    reasons = set()
+    for r in REQUESTS:
+        for seed in range(3):
+            want = _outcome(strategy, r, per_pod(), seed)
+            got = _outcome(strategy, r, vector(), seed)
+            assert got == want, (r.headers, r.priority, seed)
+            reasons.add(str(want[0] if want[0] == "429" else want[2]).split(" ")[0])
+    # The table exercised the rule's branches, not one of them.
+    if cold:
+        assert reasons == {"cold"}
+    else:
+        assert ("min" if probe_after_s == 0 else "probe:") in reasons
+
+
+def test_both_paths_refuse_a_sheddable_request_no_pod_can_serve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pods = _pods(50, random.Random(9))
+    models = LatencyModels(min_samples=4)
+    for p in pods:  # noiseless: every prediction is 30 ms or more
+        for k in range(6):
+            f = LatencyFeatures(500 * k, k, 0, 0.0, 1.0, 0.2)
+            ttft = 0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight
+            models.observe("m", p.address, f, ttft_s=ttft, tpot_s=0.01)
+    strategy = PredictedLatencyStrategy("predicted-latency", predictor=models)
+    per_pod, vector = _both_paths(monkeypatch, pods)
+    for headers in ({SLO_TTFT_HEADER: "20"}, {SLO_TPOT_HEADER: "5"}):
+        r = req(prompt_tokens=1000, headers=headers, priority=-1)
+        want = _outcome(strategy, r, per_pod(), 0)
+        assert want[0] == "429" and want[2] == "slo_unmet"
+        assert _outcome(strategy, r, vector(), 0) == want
+
+
+def test_the_feature_columns_are_the_per_pod_features() -> None:
+    pods = _pods(60, random.Random(3))
+    r = req(prompt_tokens=2000)
+    x = latency_feature_columns(r, columns_of(PodRows(pods)))
+    rows = np.array([latency_features(r, p).vector() for p in pods])
+    assert np.array_equal(x, rows)
+
+
+def test_the_table_predicts_as_each_pod_model_and_follows_what_it_learns() -> None:
+    pods = _pods(30, random.Random(4))
+    clock = ManualClock()
+    models = _models(pods, clock, cold=2, tpot_cold=5)
+    r = req(prompt_tokens=1200)
+    addresses = [p.address for p in pods]
+
+    def check() -> None:
+        x = latency_feature_columns(r, columns_of(PodRows(pods)))
+        table = models.predict_columns("m", addresses, x)
+        assert table is not None
+        for i, p in enumerate(pods):
+            one = models.predict("m", p.address, latency_features(r, p))
+            assert bool(table.warm[i]) == (one is not None)
+            if one is None:
+                continue
+            tpot = float(table.tpot_s[i])
+            assert (float(table.ttft_s[i]), None if math.isnan(tpot) else tpot) == (
+                one.ttft_s,
+                one.tpot_s,
+            )
+            assert (table.samples[i], table.age_s[i], table.error_s[i], table.routed_s[i]) == (
+                one.samples,
+                one.age_s,
+                one.error_s,
+                one.routed_s,
+            )
+
+    check()
+    # A pod learns (and gets a TPOT model), another is routed to: the rows follow.
+    for _ in range(4):
+        models.observe("m", pods[0].address, LatencyFeatures(100, 1, 0, 0.0, 1.0, 0.2),
+                       ttft_s=0.05, tpot_s=0.01)  # fmt: skip
+        models.observe("m", pods[3].address, LatencyFeatures(100, 1, 0, 0.0, 1.0, 0.2),
+                       ttft_s=0.05, tpot_s=0.01)  # fmt: skip
+    clock.advance(2.0)
+    models.routed("m", pods[7].address)
+    check()
+    assert models.predict_columns("other-model", addresses, np.zeros((30, 7))) is None
+
+
+def test_the_table_grows_and_reuses_the_rows_of_dropped_pods() -> None:
+    models = LatencyModels(min_samples=1, max_pods=40)
+    f = LatencyFeatures(100, 1, 0, 0.0, 1.0, 0.2)
+    for i in range(100):  # past max_pods: the oldest models are dropped
+        models.observe("m", f"10.1.0.{i}:8000", f, ttft_s=0.01 * (i + 1), tpot_s=None)
+    addresses = [f"10.1.0.{i}:8000" for i in range(100)]
+    x = np.tile(np.array(f.vector()), (100, 1))
+    table = models.predict_columns("m", addresses, x)
+    assert table is not None
+    assert table.warm.tolist() == [False] * 60 + [True] * 40
+    for i in range(60, 100):
+        one = models.predict("m", addresses[i], f)
+        assert one is not None and float(table.ttft_s[i]) == one.ttft_s
