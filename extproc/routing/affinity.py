@@ -542,6 +542,10 @@ class VtcStrategy(StrategyPlugin):
         prm = self.params
         if req.user is None or snap.fairness is None:
             why = "no user on request" if req.user is None else "no fairness counters"
+            if vectorised(snap.pods, CHEAP_RULE):
+                cols = columns_of(snap.pods)
+                ranked = least_request_at(cols, np.arange(cols.n), rng)
+                return self.decision_of(t0, cols.endpoints_at(ranked), f"{why}: least-request")
             return self.decision(t0, _least_request(snap.pods, rng), f"{why}: least-request")
         fair = snap.fairness
         active_min = fair.active_min()
@@ -812,6 +816,8 @@ class SessionAffinityStrategy(StrategyPlugin):
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
         pods = snap.pods
+        if vectorised(pods, COSTLY_RULE):
+            return self._route_columns(req, pods, rng, t0)
         pick = next(
             (p for p in pods if req.session_id is not None and p.address == req.session_id), None
         )
@@ -826,10 +832,27 @@ class SessionAffinityStrategy(StrategyPlugin):
             reason = (
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
-        if vectorised(pods, COSTLY_RULE):
-            cols = columns_of(pods)
-            at = np.array([next(i for i, p in enumerate(pods) if p is pick)])
-            eps = cols.endpoints_at(_cat(at, _rest_at(at, np.arange(cols.n), cols, rng)))
-            return self.decision_of(t0, eps, reason, session_id=encode_session(pick.address))
         ranked = [pick, *_rest([pick], pods, rng)]
         return self.decision(t0, ranked, reason, session_id=encode_session(pick.address))
+
+    def _route_columns(
+        self, req: RoutingRequest, pods: Sequence[PodState], rng: random.Random, t0: int
+    ) -> Decision:
+        """`route` on the address and in-flight columns (no row read): the same pick, draws."""
+        cols = columns_of(pods)
+        addresses = cols.addresses
+        key = req.headers.get(SESSION_KEY_HEADER)
+        if req.session_id is not None and req.session_id in addresses:
+            i = addresses.index(req.session_id)
+            reason = "session honoured"
+        elif key and len(key) <= 256:
+            i = max(range(cols.n), key=lambda j: _fnv1a64((key + addresses[j]).encode()))
+            reason = "session key: rendezvous hashing"
+        else:
+            i = int(least_request_at(cols, np.arange(cols.n), rng)[0])
+            reason = (
+                "unknown session: least-request" if req.session_id else "no session: least-request"
+            )
+        at = np.array([i])
+        eps = cols.endpoints_at(_cat(at, _rest_at(at, np.arange(cols.n), cols, rng)))
+        return self.decision_of(t0, eps, reason, session_id=encode_session(addresses[i]))

@@ -9,6 +9,8 @@ LoRA adapters and users.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from extproc.routing import columns
 from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
 from extproc.routing.builtin import default_registry
-from extproc.routing.columns import PodColumns, PodRows, columns_of, rank_order
+from extproc.routing.columns import PodColumns, PodRows, PodTable, columns_of, rank_order
 from extproc.routing.signals import rank_by
 from extproc.types import EndpointRole
 from tests.routing._builders import FakeFairness, pod, req
@@ -69,6 +71,9 @@ def _pods(n: int, rng: random.Random, *, roles: bool, sparse: bool) -> list[PodS
     return out
 
 
+FAIRNESS = FakeFairness({"u1": 40_000.0, "u2": 10.0}, minimum=5_000.0)
+
+
 def _requests() -> list[RoutingRequest]:
     return [
         req(prompt_tokens=256, max_tokens=64, user="u1", lora="ad"),
@@ -92,7 +97,7 @@ def test_columns_decide_as_the_per_pod_path(
 ) -> None:
     rng = random.Random(n + roles + 2 * sparse)
     pods = _pods(n, rng, roles=roles, sparse=sparse)
-    fairness = FakeFairness({"u1": 40_000.0, "u2": 10.0}, minimum=5_000.0)
+    fairness = FAIRNESS
     for r in _requests():
         for seed in range(3):
             s = Snapshot(now=1.0, pods=tuple(pods), fairness=fairness)
@@ -127,3 +132,67 @@ def test_rank_order_is_rank_by_with_the_same_draws(seed: int) -> None:
     )
     by_cols = cols.take(rank_order([cols.in_flight, cols.in_flight_tokens], random.Random(seed)))
     assert by_cols == by_pods
+
+
+class _CountingTable(PodTable):
+    """A `PodTable` over ready rows that counts the rows read (the director's table builds a
+    `PodState` per row read); its columns come from the rows without reading them here."""
+
+    def __init__(self, pods: list[PodState]) -> None:
+        self._pods = pods
+        self._columns = PodColumns(PodRows(pods))
+        self.read: set[int] = set()
+
+    @property
+    def columns(self) -> PodColumns:
+        return self._columns
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    @overload
+    def __getitem__(self, i: int) -> PodState: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PodState]: ...
+
+    def __getitem__(self, i: int | slice) -> PodState | Sequence[PodState]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self._pods))[i]]
+        self.read.add(i % len(self._pods))
+        return self._pods[i]
+
+
+# Rules whose decision over a table reads at most a few rows (the pick and what the reason
+# names); the others read none. Explain reads the rest, lazily.
+_ROWS_READ = {"power-of-two": 2}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_table_decides_as_rows_and_reads_no_row_it_does_not_need(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    rng = random.Random(11)
+    pods = _pods(70, rng, roles=False, sparse=False)  # every signal known: no reason names pods
+    monkeypatch.setattr(columns, "VECTOR_MIN_PODS", 1)
+    for r in _requests():
+        for seed in range(2):
+            rows = (
+                default_registry()
+                .resolve(name)
+                .route(
+                    r, Snapshot(now=1.0, pods=PodRows(pods), fairness=FAIRNESS), random.Random(seed)
+                )
+            )
+            table = _CountingTable(pods)
+            d = (
+                default_registry()
+                .resolve(name)
+                .route(r, Snapshot(now=1.0, pods=table, fairness=FAIRNESS), random.Random(seed))
+            )
+            assert (d.ranked, d.reason, d.profiles, d.session_id) == (
+                rows.ranked, rows.reason, rows.profiles, rows.session_id,
+            ), (name, r, seed)  # fmt: skip
+            assert len(table.read) <= _ROWS_READ.get(name, 0), (name, sorted(table.read))
+            scores = {a: dict(v) for a, v in d.scores.items()}  # explain reads rows lazily
+            assert scores == {a: dict(v) for a, v in rows.scores.items()}
