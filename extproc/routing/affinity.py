@@ -374,32 +374,42 @@ class KvAwareParams:
 def _active_blocks(p: PodState, bs: int) -> float:
     """The blocks the pod's requests hold (Dynamo's active blocks), in router blocks.
 
-    The engine counts a prefix its running requests share once (vLLM's KV usage, which
-    Dynamo's workers published as `kv_active_blocks`); the gateway's in-flight tokens count
-    it once per request, which made a pod serving 3 questions on one document look as busy
-    as one serving 3 documents. So: the engine's blocks at its last scrape, plus the gateway's
-    requests it was not running then (waiting, or sent since) at their mean size. Without
-    those metrics: the in-flight tokens."""
+    The gateway's in-flight tokens count a prefix its requests share once per request, which
+    made a pod serving 3 questions on one document look as busy as one serving 3 documents
+    (docqa). The engine counts it once (vLLM's KV usage, which Dynamo's workers published as
+    `kv_active_blocks`), but only as of its last scrape, older than most short requests. So
+    the live in-flight blocks are scaled by the engine's share of unique blocks at that
+    scrape: its used blocks over what its running requests would hold unshared (at the
+    in-flight mean size). Without those metrics, or with nothing running: no scaling."""
+    blocks = float(math.ceil(p.in_flight_tokens / bs))
     m = p.metrics
-    if m is None or m.kv_cache_usage is None or m.running is None or not m.num_gpu_blocks:
-        return float(math.ceil(p.in_flight_tokens / bs))
-    engine = m.kv_cache_usage * m.num_gpu_blocks * (m.block_size or bs) / bs
-    unseen = max(p.in_flight - m.running, 0.0)
-    per_request = p.in_flight_tokens / p.in_flight if p.in_flight else 0.0
-    return engine + math.ceil(unseen * per_request / bs)
+    if (
+        m is None
+        or m.kv_cache_usage is None
+        or not m.running
+        or not m.num_gpu_blocks
+        or not p.in_flight
+    ):
+        return blocks
+    used = m.kv_cache_usage * m.num_gpu_blocks * (m.block_size or bs) / bs
+    unshared = m.running * (p.in_flight_tokens / p.in_flight) / bs
+    return blocks * min(used / unshared, 1.0)
 
 
 def _active_blocks_array(cols: PodColumns, bs: int) -> FloatArray:
     """`_active_blocks` for every pod, with the same float steps."""
-    usage, running, gpu = cols.kv_usage, cols.running, np.nan_to_num(cols.num_gpu_blocks)
+    loads, tokens = cols.in_flight, cols.in_flight_tokens
+    blocks = np.ceil(tokens / bs)
+    usage, gpu = cols.kv_usage, np.nan_to_num(cols.num_gpu_blocks)
+    running = np.nan_to_num(cols.running)
     engine_bs = np.nan_to_num(cols.engine_block_size)
     engine_bs = np.where(engine_bs > 0, engine_bs, float(bs))
-    loads, tokens = cols.in_flight, cols.in_flight_tokens
-    known = ~np.isnan(usage) & ~np.isnan(running) & (gpu > 0)
-    unseen = np.maximum(loads - np.nan_to_num(running), 0.0)
-    per_request = np.divide(tokens, loads, out=np.zeros(cols.n), where=loads > 0)
-    engine = np.nan_to_num(usage) * gpu * engine_bs / bs + np.ceil(unseen * per_request / bs)
-    out: FloatArray = np.where(known, engine, np.ceil(tokens / bs))
+    known = ~np.isnan(usage) & (running != 0) & (gpu > 0) & (loads > 0)
+    used = np.nan_to_num(usage) * gpu * engine_bs / bs
+    per_request = np.divide(tokens, loads, out=np.zeros(cols.n), where=known)
+    unshared = running * per_request / bs
+    share = np.divide(used, unshared, out=np.ones(cols.n), where=known & (unshared != 0))
+    out: FloatArray = np.where(known, blocks * np.minimum(share, 1.0), blocks)
     return out
 
 
@@ -407,8 +417,8 @@ class KvAwareStrategy(StrategyPlugin):
     """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
 
     prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
-    (`_active_blocks`: the engine's count, shared prefixes once, where it reports KV usage;
-    else in-flight tokens / block_size) + this request's new blocks. With temperature T > 0 the order
+    (in-flight tokens / block_size, shared prefixes counted once as the engine's KV usage
+    says: `_active_blocks`) + this request's new blocks. With temperature T > 0 the order
     is sampled from softmax(-(cost - min) / ((max - min) * T)); at T = 0 ties go to the pod with
     the smaller cache (cached_blocks), then random.
     """
