@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
-from extproc.routing.columns import FloatArray
+from extproc.routing.columns import FloatArray, IntArray
 from extproc.routing.predicted import (
     FEATURE_NAMES,
     LatencyFeatures,
@@ -248,25 +248,19 @@ class CoefficientTable:
     routed to); a request only gathers rows. Row 0 is a spare that is never warm: an address
     without a model reads it."""
 
-    __slots__ = (
-        "error", "free", "index", "routed_at", "samples", "tpot", "tpot_cap", "tpot_warm",
-        "ttft", "ttft_cap", "updated_at", "warm",
-    )  # fmt: skip
+    __slots__ = ("_last", "free", "index", "meta", "tpot", "ttft", "version")
 
     def __init__(self, rows: int = 16) -> None:
         dim = len(FEATURE_NAMES)
         self.index: dict[str, int] = {}
+        self.version = 0  # bumped when an address gets or loses its row
         self.free: list[int] = list(range(rows - 1, 0, -1))  # row 0 is the spare
         self.ttft = np.zeros((rows, dim))
         self.tpot = np.zeros((rows, dim))
-        self.ttft_cap = np.zeros(rows)
-        self.tpot_cap = np.zeros(rows)
-        self.tpot_warm = np.zeros(rows, dtype=bool)
-        self.warm = np.zeros(rows, dtype=bool)
-        self.samples = np.zeros(rows)
-        self.error = np.zeros(rows)
-        self.updated_at = np.zeros(rows)
-        self.routed_at = np.full(rows, -math.inf)
+        self.meta = np.zeros((rows, len(_META)))
+        self.meta[:, _ROUTED_AT] = -math.inf
+        # The rows of the last addresses asked for: a pool asks for the same list each time.
+        self._last: tuple[list[str], int, IntArray] = ([], -1, np.empty(0, dtype=np.intp))
 
     def row(self, address: str) -> int:
         """The address's row, taken (and the arrays grown) on first use."""
@@ -274,20 +268,17 @@ class CoefficientTable:
         if found is not None:
             return found
         if not self.free:
-            self._grow()
+            old = len(self.meta)
+            for name in ("ttft", "tpot", "meta"):
+                column = getattr(self, name)
+                grown = np.zeros((2 * old, column.shape[1]))
+                grown[:old] = column
+                setattr(self, name, grown)
+            self.meta[old:, _ROUTED_AT] = -math.inf
+            self.free.extend(range(2 * old - 1, old - 1, -1))
         row = self.index[address] = self.free.pop()
+        self.version += 1
         return row
-
-    def _grow(self) -> None:
-        old = len(self.warm)
-        for name in ("ttft", "tpot", "ttft_cap", "tpot_cap", "tpot_warm", "warm", "samples",
-                     "error", "updated_at", "routed_at"):  # fmt: skip
-            column = getattr(self, name)
-            fill = -math.inf if name == "routed_at" else 0
-            grown = np.full((2 * old, *column.shape[1:]), fill, dtype=column.dtype)
-            grown[:old] = column
-            setattr(self, name, grown)
-        self.free.extend(range(2 * old - 1, old - 1, -1))
 
     def write(self, address: str, pod: PodLatencyModel) -> None:
         """The pod's model as it predicts now (after it learned)."""
@@ -297,49 +288,67 @@ class CoefficientTable:
         i = self.row(address)
         ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
         self.ttft[i] = ttft_coef
-        self.ttft_cap[i] = ttft_cap
-        self.tpot_warm[i] = tpot_coef is not None
         if tpot_coef is not None:
             self.tpot[i] = tpot_coef
-            self.tpot_cap[i] = tpot_cap
-        self.warm[i] = True
-        self.samples[i] = samples
-        self.error[i] = error
-        self.updated_at[i] = pod.updated_at
-        self.routed_at[i] = pod.routed_at
+        tpot_warm = 1.0 if tpot_coef is not None else 0.0
+        self.meta[i] = (1.0, ttft_cap, tpot_warm, tpot_cap, samples, error, pod.updated_at,
+                        pod.routed_at)  # fmt: skip
+
+    def routed(self, address: str, at: float) -> None:
+        i = self.index.get(address)
+        if i is not None:
+            self.meta[i, _ROUTED_AT] = at
 
     def drop(self, address: str) -> None:
         i = self.index.pop(address, None)
         if i is not None:
-            self.warm[i] = self.tpot_warm[i] = False
-            self.routed_at[i] = -math.inf
+            self.meta[i] = 0.0
+            self.meta[i, _ROUTED_AT] = -math.inf
             self.free.append(i)
+            self.version += 1
+
+    def rows(self, addresses: Sequence[str]) -> IntArray:
+        last, version, rows = self._last
+        if version != self.version or addresses != last:
+            n = len(addresses)
+            rows = np.fromiter(map(self.index.get, addresses, repeat(0)), np.intp, n)
+            self._last = (list(addresses), self.version, rows)
+        return rows
 
     def predict(self, addresses: Sequence[str], x: FloatArray, now: float) -> PredictionColumns:
         """`PodLatencyModel.predict` for every address (features `x`, one row per address),
         with the same float steps: the dot product summed left to right, then clamped."""
-        n = len(addresses)
-        rows = np.fromiter(map(self.index.get, addresses, repeat(0)), np.intp, n)
-        ttft = _dot(self.ttft[rows], x)
-        ttft = _clamped_columns(ttft, self.ttft_cap[rows])
-        tpot = _clamped_columns(_dot(self.tpot[rows], x), self.tpot_cap[rows])
-        tpot[~self.tpot_warm[rows]] = np.nan
+        rows = self.rows(addresses)
+        meta = self.meta[rows]
+
+        def tpot(at: IntArray | None) -> FloatArray:
+            r, m, f = (rows, meta, x) if at is None else (rows[at], meta[at], x[at])
+            out = _clamped_columns(_dot(self.tpot[r], f), m[:, _TPOT_CAP])
+            out[m[:, _TPOT_WARM] == 0.0] = np.nan
+            return out
+
         return PredictionColumns(
-            warm=self.warm[rows],
-            ttft_s=ttft,
-            tpot_s=tpot,
-            samples=self.samples[rows],
-            age_s=now - self.updated_at[rows],
-            error_s=self.error[rows],
-            routed_s=now - self.routed_at[rows],
+            warm=meta[:, _WARM] == 1.0,
+            ttft_s=_clamped_columns(_dot(self.ttft[rows], x), meta[:, _TTFT_CAP]),
+            samples=meta[:, _SAMPLES],
+            age_s=now - meta[:, _UPDATED_AT],
+            error_s=meta[:, _ERROR],
+            routed_s=now - meta[:, _ROUTED_AT],
+            tpot=tpot,
         )
+
+
+# The per-pod values of a `CoefficientTable` row besides its coefficients (`meta` columns).
+_META = ("warm", "ttft_cap", "tpot_warm", "tpot_cap", "samples", "error", "updated_at",
+         "routed_at")  # fmt: skip
+_WARM, _TTFT_CAP, _TPOT_WARM, _TPOT_CAP, _SAMPLES, _ERROR, _UPDATED_AT, _ROUTED_AT = range(8)
 
 
 def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
     """Row-wise dot products, added left to right from 0 as `sum(map(mul, ...))` adds."""
-    out: FloatArray = 0.0 + coef[:, 0] * x[:, 0]
-    for j in range(1, coef.shape[1]):
-        out = out + coef[:, j] * x[:, j]
+    terms = coef * x
+    terms[:, 0] += 0.0  # 0 + t, as `sum` starts: a -0.0 first term becomes 0.0
+    out: FloatArray = np.cumsum(terms, axis=1)[:, -1]
     return out
 
 
@@ -347,7 +356,8 @@ def _clamped_columns(value: FloatArray, cap: FloatArray) -> FloatArray:
     """`_clamped` on arrays (NaN becomes the cap; a -0.0 stays as it is)."""
     out: FloatArray = np.where(value < 0.0, 0.0, np.where(value > cap, cap, value))
     nan = np.isnan(out)
-    out[nan] = cap[nan]
+    if nan.any():
+        out[nan] = cap[nan]
     return out
 
 
@@ -398,9 +408,7 @@ class LatencyModels:
         pod = self._pods.get((model, address))
         if pod is not None:
             pod.routed_at = now = self._clock()
-            table = self._tables.get(model)
-            if table is not None and address in table.index:
-                table.routed_at[table.index[address]] = now
+            self._tables[model].routed(address, now)
 
     def observe(
         self,

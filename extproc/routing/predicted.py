@@ -28,8 +28,9 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
@@ -179,16 +180,37 @@ class LatencyPrediction(NamedTuple):
     routed_s: float = _INF  # since this process last sent the pod a request (a real one)
 
 
-class PredictionColumns(NamedTuple):
-    """`LatencyPrediction` for many pods, one array each, in pod order."""
+class PredictionColumns:
+    """`LatencyPrediction` for many pods, one array each, in pod order. The TPOT column is
+    computed on first read (an SLO header, explain): most decisions never need it."""
 
-    warm: npt.NDArray[np.bool_]  # False: the pod's model is cold (the other values mean nothing)
-    ttft_s: FloatArray
-    tpot_s: FloatArray  # NaN until the pod's TPOT is learned
-    samples: FloatArray
-    age_s: FloatArray
-    error_s: FloatArray
-    routed_s: FloatArray
+    def __init__(
+        self,
+        *,
+        warm: npt.NDArray[np.bool_],  # False: the pod's model is cold (its values mean nothing)
+        ttft_s: FloatArray,
+        samples: FloatArray,
+        age_s: FloatArray,
+        error_s: FloatArray,
+        routed_s: FloatArray,
+        # The TPOT of the pods at these positions (None: all), NaN where not learned yet.
+        tpot: Callable[[IntArray | None], FloatArray],
+    ) -> None:
+        self.warm, self.ttft_s, self.samples = warm, ttft_s, samples
+        self.age_s, self.error_s, self.routed_s = age_s, error_s, routed_s
+        self._tpot = tpot
+
+    @cached_property
+    def tpot_s(self) -> FloatArray:
+        return self._tpot(None)
+
+    def tpot_at(self, i: int) -> float | None:
+        """One pod's TPOT (None while not learned), without the whole column."""
+        if "tpot_s" in self.__dict__:
+            value = float(self.tpot_s[i])
+        else:
+            value = float(self._tpot(np.array([i], dtype=np.intp))[0])
+        return None if value != value else value
 
 
 class LatencyPredictor(Protocol):
@@ -363,8 +385,8 @@ class PredictedLatencyStrategy(StrategyPlugin):
         if len(head_idx) == len(pods):
             ranked = self._picker.rank(pods, totals, rng)
         else:  # the pods predicted to miss the SLO follow as fallbacks, fastest first
-            ranked = self._picker.rank(
-                [pods[i] for i in head_idx], [totals[i] for i in head_idx], rng
+            ranked = list(
+                self._picker.rank([pods[i] for i in head_idx], [totals[i] for i in head_idx], rng)
             )
             taken = set(head_idx)
             rest = sorted((ttfts[i], rng.random(), i) for i in range(len(pods)) if i not in taken)
@@ -386,14 +408,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         return Decision(
             ranked=tuple([p.endpoint for p in ranked]),
             strategy=self.name,
-            scores=_PredictionScores(
-                [p.address for p in pods],
-                [pr.ttft_s for pr in preds],
-                [pr.tpot_s for pr in preds],
-                uncached,
-                [pr.samples for pr in preds],
-                totals,
-            ),
+            scores=_PredictionScores(pods, preds, uncached, totals),
             reason=reason,
             timings=((self.ref, time.perf_counter_ns() - t0),),
         )
@@ -443,11 +458,10 @@ class PredictedLatencyStrategy(StrategyPlugin):
             reason = _probe_reason(addresses[probe], float(preds.age_s[probe]), float(ttft[probe]))
         else:
             i = int(ranked[0])
-            tpot = float(preds.tpot_s[i])
-            reason = self._min_reason(addresses[i], float(ttft[i]), None if tpot != tpot else tpot)
+            reason = self._min_reason(addresses[i], float(ttft[i]), preds.tpot_at(i))
         if notes:
             reason += "; " + "; ".join(notes)
-        scores = _PredictionScores(addresses, ttft, preds.tpot_s, uncached, preds.samples, totals)
+        scores = _ColumnScores(addresses, preds, uncached, totals)
         return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
 
     def _order(self, totals: FloatArray, rng: random.Random) -> IntArray:
@@ -512,44 +526,82 @@ class PredictedLatencyStrategy(StrategyPlugin):
 
 
 class _PredictionScores(Mapping[str, Mapping[str, float]]):
-    """`Decision.scores` built only when read (explain, the status page), not per decision.
-    Each column is a list or a float64 array, in pod order (TPOT: None or NaN while cold)."""
+    """`Decision.scores` built only when read (explain, the status page), not per decision."""
 
-    __slots__ = ("_addresses", "_index", "_samples", "_totals", "_tpot", "_ttft", "_uncached")
+    __slots__ = ("_index", "_pods", "_preds", "_totals", "_uncached")
+
+    def __init__(
+        self,
+        pods: Sequence[PodState],
+        preds: Sequence[LatencyPrediction],
+        uncached: Sequence[int],
+        totals: Sequence[float],
+    ) -> None:
+        self._pods, self._preds, self._uncached, self._totals = pods, preds, uncached, totals
+        self._index: dict[str, int] | None = None
+
+    def __getitem__(self, address: str) -> Mapping[str, float]:
+        if self._index is None:
+            self._index = {p.address: i for i, p in enumerate(self._pods)}
+        i = self._index[address]
+        pr = self._preds[i]
+        return _scores(pr.ttft_s, pr.tpot_s, self._uncached[i], pr.samples, self._totals[i])
+
+    def __iter__(self) -> Iterator[str]:
+        return (p.address for p in self._pods)
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+
+class _ColumnScores(Mapping[str, Mapping[str, float]]):
+    """`_PredictionScores` of the columns path: the same values, read from the arrays."""
+
+    __slots__ = ("_addresses", "_index", "_preds", "_totals", "_uncached")
 
     def __init__(
         self,
         addresses: Sequence[str],
-        ttft: Sequence[float] | FloatArray,
-        tpot: Sequence[float | None] | FloatArray,
-        uncached: Sequence[int] | FloatArray,
-        samples: Sequence[int] | FloatArray,
-        totals: Sequence[float] | FloatArray,
+        preds: PredictionColumns,
+        uncached: FloatArray,
+        totals: FloatArray,
     ) -> None:
-        self._addresses = addresses
-        self._ttft, self._tpot, self._uncached = ttft, tpot, uncached
-        self._samples, self._totals = samples, totals
+        self._addresses, self._preds, self._uncached, self._totals = (
+            addresses, preds, uncached, totals,
+        )  # fmt: skip
         self._index: dict[str, int] | None = None
 
     def __getitem__(self, address: str) -> Mapping[str, float]:
         if self._index is None:
             self._index = {a: i for i, a in enumerate(self._addresses)}
         i = self._index[address]
-        tpot = self._tpot[i]
-        tpot = None if tpot is None or tpot != tpot else float(tpot)
-        return {
-            "pred_ttft_ms": _ms(float(self._ttft[i])),
-            "pred_tpot_ms": _ms(tpot),  # -1: TPOT not learned yet
-            "uncached_tokens": float(self._uncached[i]),
-            "samples": float(self._samples[i]),
-            "errors_behind_best": round(0.0 - float(self._totals[i]), 4),
-        }
+        p = self._preds
+        tpot = float(p.tpot_s[i])
+        return _scores(
+            float(p.ttft_s[i]),
+            None if tpot != tpot else tpot,
+            float(self._uncached[i]),
+            float(p.samples[i]),
+            float(self._totals[i]),
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._addresses)
 
     def __len__(self) -> int:
         return len(self._addresses)
+
+
+def _scores(
+    ttft_s: float, tpot_s: float | None, uncached: float, samples: float, total: float
+) -> dict[str, float]:
+    return {
+        "pred_ttft_ms": _ms(ttft_s),
+        "pred_tpot_ms": _ms(tpot_s),  # -1: TPOT not learned yet
+        "uncached_tokens": float(uncached),
+        "samples": float(samples),
+        "errors_behind_best": round(0.0 - total, 4),
+    }
 
 
 def _meets(pred: LatencyPrediction, slo: _Slo) -> bool:
