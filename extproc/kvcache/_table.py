@@ -11,9 +11,7 @@ a Python step per pod.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import reduce
 from itertools import repeat
-from operator import and_
 from typing import NamedTuple
 
 import numpy as np
@@ -159,32 +157,18 @@ class PodBitmaskTable:
         active = (1 << nslots) - 1
         left: list[int] = []  # bitmasks of the pods leaving the match...
         at: list[int] = []  # ...and how many blocks they matched
-        # Runs of blocks every still-matching pod holds are passed in C (one `&` reduction per
-        # run, runs doubling while they pass); only a run where some pod leaves is walked.
-        n, i, run = len(blocks), 0, 8
-        while i < n:
-            chunk = blocks[i : i + run]
-            if reduce(and_, map(get, chunk, repeat(0)), active) == active:
-                i += len(chunk)
-                run *= 2
-                continue
-            for j, block in enumerate(chunk, i):
-                still = active & get(block, 0)
-                if still != active:
-                    if j:
-                        left.append(active & ~still)
-                        at.append(j)
-                    if not still:
-                        break
-                    active = still
-            else:
-                i += len(chunk)
-                run = 8
-                continue
-            break  # no pod still matches
+        for matched, block in enumerate(blocks):
+            still = active & get(block, 0)
+            if still != active:
+                if matched:
+                    left.append(active & ~still)
+                    at.append(matched)
+                if not still:
+                    break
+                active = still
         else:  # some pods hold every block
             left.append(active)
-            at.append(n)
+            at.append(len(blocks))
         if left:
             width = (nslots + 7) // 8
             packed = b"".join(m.to_bytes(width, "little") for m in left)
