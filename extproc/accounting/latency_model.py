@@ -321,10 +321,15 @@ class CoefficientTable:
         rows = self.rows(addresses)
         meta = self.meta[rows]
 
-        def tpot(at: IntArray | None) -> FloatArray:
-            r, m, f = (rows, meta, x) if at is None else (rows[at], meta[at], x[at])
-            out = _clamped_columns(_dot(self.tpot[r], f), m[:, _TPOT_CAP])
-            out[m[:, _TPOT_WARM] == 0.0] = np.nan
+        def tpot(at: int | None) -> FloatArray:
+            if at is not None:  # one pod (the pick's reason): as `PodLatencyModel.predict`
+                r, m = int(rows[at]), meta[at]
+                if m[_TPOT_WARM] == 0.0:
+                    return np.array([np.nan])
+                dot = sum(map(operator.mul, self.tpot[r].tolist(), x[at].tolist()))
+                return np.array([_clamped(dot, float(m[_TPOT_CAP]))])
+            out = _clamped_columns(_dot(self.tpot[rows], x), meta[:, _TPOT_CAP])
+            out[meta[:, _TPOT_WARM] == 0.0] = np.nan
             return out
 
         return PredictionColumns(
@@ -353,8 +358,9 @@ def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
 
 
 def _clamped_columns(value: FloatArray, cap: FloatArray) -> FloatArray:
-    """`_clamped` on arrays (NaN becomes the cap; a -0.0 stays as it is)."""
-    out: FloatArray = np.where(value < 0.0, 0.0, np.where(value > cap, cap, value))
+    """`_clamped` on arrays: NaN becomes the cap (`_dot` never gives -0.0, where `maximum`
+    and `_clamped` could differ)."""
+    out: FloatArray = np.minimum(np.maximum(value, 0.0), cap)
     nan = np.isnan(out)
     if nan.any():
         out[nan] = cap[nan]

@@ -138,12 +138,6 @@ def latency_features(req: RoutingRequest, pod: PodState) -> LatencyFeatures:
     )
 
 
-def _signal(values: FloatArray) -> FloatArray:
-    """An engine signal as `latency_features` reads it: unknown (NaN), negative or infinite is 0."""
-    out: FloatArray = np.where((values >= 0.0) & (values < _INF), values, 0.0)
-    return out
-
-
 def latency_feature_columns(req: RoutingRequest, cols: PodColumns) -> FloatArray:
     """`latency_features(req, pod).vector()` for every pod, one row each (the same values)."""
     return _feature_columns(req, cols, _uncached_column(req, cols))
@@ -162,12 +156,18 @@ def _feature_columns(req: RoutingRequest, cols: PodColumns, uncached: FloatArray
     x = np.empty((cols.n, len(FEATURE_NAMES)))
     x[:, 0] = 1.0
     x[:, 1] = uncached / 1000.0
-    x[:, 2] = np.maximum(cols.in_flight, 0.0)
-    x[:, 3] = _signal(cols.waiting)
-    x[:, 4] = _signal(cols.running)
-    kv = _signal(cols.kv_usage)
-    x[:, 5] = np.where(kv < 1.0, kv, 1.0)
-    x[:, 6] = np.maximum(cols.in_flight_tokens, 0.0) / 10000.0
+    x[:, 2] = cols.in_flight
+    x[:, 3] = cols.waiting
+    x[:, 4] = cols.running
+    x[:, 5] = cols.kv_usage
+    x[:, 6] = cols.in_flight_tokens
+    # The engine's signals: unknown (NaN), negative or infinite is 0 (`0 <= v < inf` is False
+    # for NaN too); KV usage at most 1. In-flight counts: at least 0.
+    engine = x[:, 3:6]
+    engine[~((engine >= 0.0) & (engine < _INF))] = 0.0
+    np.minimum(x[:, 5], 1.0, out=x[:, 5])
+    np.maximum(x[:, 2], 0.0, out=x[:, 2])
+    x[:, 6] = np.maximum(x[:, 6], 0.0) / 10000.0
     return x
 
 
@@ -193,8 +193,8 @@ class PredictionColumns:
         age_s: FloatArray,
         error_s: FloatArray,
         routed_s: FloatArray,
-        # The TPOT of the pods at these positions (None: all), NaN where not learned yet.
-        tpot: Callable[[IntArray | None], FloatArray],
+        # The TPOT of the pod at this position (None: all), NaN where not learned yet.
+        tpot: Callable[[int | None], FloatArray],
     ) -> None:
         self.warm, self.ttft_s, self.samples = warm, ttft_s, samples
         self.age_s, self.error_s, self.routed_s = age_s, error_s, routed_s
@@ -206,10 +206,8 @@ class PredictionColumns:
 
     def tpot_at(self, i: int) -> float | None:
         """One pod's TPOT (None while not learned), without the whole column."""
-        if "tpot_s" in self.__dict__:
-            value = float(self.tpot_s[i])
-        else:
-            value = float(self._tpot(np.array([i], dtype=np.intp))[0])
+        column = self.__dict__.get("tpot_s")
+        value = float(self._tpot(i)[0] if column is None else column[i])
         return None if value != value else value
 
 
@@ -470,7 +468,8 @@ class PredictedLatencyStrategy(StrategyPlugin):
         if t <= 0:  # max-score: highest total first, equal totals in random order
             return rank_order([-totals], rng)
         u = draws(rng, len(totals))
-        u[u == 0.0] = 1e-300
+        if not u.all():
+            u[u == 0.0] = 1e-300
         # Gumbel keys as SoftmaxPicker makes them (numpy's log is the C library's, as math's),
         # sorted descending by (key, position).
         keys = totals / t - np.log(-np.log(u))
@@ -496,6 +495,8 @@ class PredictedLatencyStrategy(StrategyPlugin):
     def _probe_columns(self, preds: PredictionColumns, among: IntArray) -> int | None:
         """`_probe` on columns."""
         after = self.params.probe_after_s
+        if preds.age_s.max() < after:  # the common case: every model learned lately
+            return None
         age = preds.age_s[among]
         due = among[(age >= after) & (preds.routed_s[among] >= after)]
         if not len(due):
