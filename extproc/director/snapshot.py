@@ -152,7 +152,10 @@ class _TableColumns(PodColumns):
 
     @cached_property
     def _metrics(self) -> list[EngineMetrics]:
-        return [m or _NO_METRICS for m in self.raw_metrics]
+        raw = self.raw_metrics
+        if None not in raw:  # the store's candidates always carry metrics: no second pass
+            return cast("list[EngineMetrics]", raw)
+        return [m or _NO_METRICS for m in raw]
 
     def _stat(self, field: str) -> FloatArray:
         if self.stats is None:  # rows hold `PodStats()`: zeros, and NaN for the unknowns
@@ -197,6 +200,8 @@ class _TableColumns(PodColumns):
 
     @cached_property
     def has_metrics(self) -> np.ndarray:  # type: ignore[type-arg]
+        if None not in self.raw_metrics:
+            return np.ones(self.n, np.bool_)
         return np.fromiter(map(is_not, self.raw_metrics, repeat(None)), np.bool_, self.n)
 
     @cached_property

@@ -554,8 +554,8 @@ class VtcStrategy(StrategyPlugin):
             why = "no user on request" if req.user is None else "no fairness counters"
             if vectorised(snap.pods, CHEAP_RULE):
                 cols = columns_of(snap.pods)
-                ranked = least_request_at(cols, np.arange(cols.n), rng)
-                return self.decision_of(t0, cols.endpoints_at(ranked), f"{why}: least-request")
+                order = least_request_at(cols, np.arange(cols.n), rng)
+                return self.decision_of(t0, cols.endpoints_at(order), f"{why}: least-request")
             return self.decision(t0, _least_request(snap.pods, rng), f"{why}: least-request")
         fair = snap.fairness
         active_min = fair.active_min()
