@@ -11,7 +11,10 @@ decision path, and publishes one combined message per tick (~10 ms):
   approximate index (the most recent blocks per pod), so it does not start cold;
 - the latency samples this replica learnt from its access-log records (features, TTFT, TPOT),
   since Envoy sends each worker's records to one process: every replica's predicted-latency
-  models learn from every record;
+  models learn from every record. Like fairness charges they stay in the outbox until a publish
+  succeeds, and they go out only while a peer is live (heard within `expire_s`: its
+  subscription is up), so samples from a bus outage or a peer's restart reach it afterwards
+  (the newest `MAX_PENDING_SAMPLES`, `MAX_SAMPLES_PER_MESSAGE` per tick);
 - the engine metrics of the pods this replica owns: each pod is scraped by one live replica,
   chosen by rendezvous hashing over the membership the heartbeats give (`owns`), which
   publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
@@ -33,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +83,8 @@ log = logging.getLogger("extproc.sync")
 PROTOCOL_VERSION = 1
 _SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop duplicates
 MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
-MAX_PENDING_SAMPLES = 10_000  # latency samples per tick at most (the models forget anyway)
+MAX_PENDING_SAMPLES = 10_000  # latency samples kept for the peers; the oldest go first
+MAX_SAMPLES_PER_MESSAGE = 1_000  # ~80 kB: a replay after an outage stays far below max_payload
 SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
 DEFAULT_SETTINGS = SyncConfig()
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -159,7 +163,7 @@ class StateSync:
         self._pending_blocks = 0
         self._charges: dict[str, float] = {}
         self._scrapes: dict[tuple[str, str], list[Any]] = {}
-        self._samples: list[list[Any]] = []
+        self._samples: deque[list[Any]] = deque()  # latency samples not yet sent
         self._members: list[str] = [replica]
         self._last_inflight: dict[str, Load] | None = None
         self._last_sent = float("-inf")
@@ -191,8 +195,9 @@ class StateSync:
         self, model: str, pod: str, tag: str, ttft_s: float | None, tpot_s: float | None
     ) -> None:
         """A latency sample this replica learnt from an access-log record, for the peers."""
-        if len(self._samples) < MAX_PENDING_SAMPLES:
-            self._samples.append([model, pod, tag, ttft_s, tpot_s])
+        self._samples.append([model, pod, tag, ttft_s, tpot_s])
+        if len(self._samples) > MAX_PENDING_SAMPLES:
+            self._samples.popleft()  # the models forget old samples first anyway
 
     def owns(self, key: str) -> bool:
         """Whether this replica scrapes `key` (a metrics URL) among the live members."""
@@ -229,9 +234,9 @@ class StateSync:
         inflight = dict(self._inflight.snapshot())
         changed_inflight = inflight != self._last_inflight
         due = now - self._last_sent >= self.settings.heartbeat_s
-        pending = (
-            self._blocks or self._charges or self._scrapes or self._samples or self._snapshot_due
-        )
+        # Samples wait for a live peer: one whose subscription is up, so they reach someone.
+        samples = bool(self._samples) and bool(self._peers)
+        pending = self._blocks or self._charges or self._scrapes or samples or self._snapshot_due
         if changed_inflight or pending or due:
             self._seq += 1
             message: dict[str, Any] = {
@@ -252,8 +257,11 @@ class StateSync:
                 message["f"] = list(self._charges.items())
             if self._scrapes:
                 message["m"] = list(self._scrapes.values())
-            if self._samples:
-                message["l"] = self._samples
+            batch: list[list[Any]] = []
+            if samples:
+                take = min(len(self._samples), MAX_SAMPLES_PER_MESSAGE)
+                batch = [self._samples.popleft() for _ in range(take)]
+                message["l"] = batch
             ok = await self._bus.publish(msgpack.packb(message))
             if ok:
                 self._last_inflight = inflight
@@ -262,11 +270,13 @@ class StateSync:
                 self._count("messages", "sent")
             else:
                 self._count("dropped", "bus_down")
+                self._samples.extendleft(reversed(batch))  # kept for the next publish
+                while len(self._samples) > MAX_PENDING_SAMPLES:
+                    self._samples.popleft()
             # Blocks and scrapes are not kept for a retry: newer ones replace them anyway.
             self._blocks = []
             self._pending_blocks = 0
             self._scrapes = {}
-            self._samples = []  # lost with the bus: the models learn from the next ones
         self._expire(now)
 
     def _add_snapshot(self) -> None:

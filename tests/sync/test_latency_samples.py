@@ -1,5 +1,6 @@
 """Latency samples over the sync bus: Envoy sends a worker's access-log records to one process,
-so each replica shares what it learnt and every replica's models learn every record, once."""
+so each replica shares what it learnt and every replica's models learn every record, once,
+including the records of a bus outage (kept in the outbox until a live peer can get them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from extproc.accounting import FairnessCounters, InflightTracker
 from extproc.accounting.latency_model import DecisionTag, LatencyModels
 from extproc.config import SyncConfig
 from extproc.routing.predicted import LatencyFeatures
-from extproc.sync import MemoryNetwork, StateSync, SyncMetrics
+from extproc.sync import MemoryNetwork, StateSync, SyncMetrics, state
 
 SETTINGS = SyncConfig(tick_s=0.005, heartbeat_s=0.02, expire_s=0.2)
 POD = "10.0.0.1:8000"
@@ -56,6 +57,7 @@ def tags(n: int) -> list[tuple[str, float]]:
 async def test_every_replica_learns_every_sample_once() -> None:
     clock, net = Clock(), MemoryNetwork(duplicate=1.0)  # every message delivered twice
     (a, models_a), (b, models_b) = [await replica(n, net, clock) for n in ("r0", "r1")]
+    await tick([a, b], clock)  # heartbeats: each knows the other is there
     for tag, ttft in tags(6):  # what r0's access-log stream taught it
         assert models_a.observe_tagged("qwen3", POD, tag, ttft, 0.01)
         a.note_latency("qwen3", POD, tag, ttft, 0.01)
@@ -68,16 +70,68 @@ async def test_every_replica_learns_every_sample_once() -> None:
     assert (pa.ttft_s, pa.tpot_s, pa.samples) == (pb.ttft_s, pb.tpot_s, pb.samples)
 
 
-async def test_samples_lost_with_the_bus_are_not_replayed_and_bad_rows_are_dropped() -> None:
+def samples_of(models: LatencyModels) -> int:
+    return sum(m["ttft"]["samples"] for m in models.state()["models"].get("qwen3", {}).values())
+
+
+async def test_samples_learnt_while_the_bus_was_down_reach_the_peer_after_it() -> None:
     clock, net = Clock(), MemoryNetwork()
-    (a, _), (b, models_b) = [await replica(n, net, clock) for n in ("r0", "r1")]
+    (a, models_a), (b, models_b) = [await replica(n, net, clock) for n in ("r0", "r1")]
+    await tick([a, b], clock)
     net.down = True
     for tag, ttft in tags(4):
         a.note_latency("qwen3", POD, tag, ttft, None)
+        models_a.observe_tagged("qwen3", POD, tag, ttft, None)
+    for _ in range(3):
+        await tick([a, b], clock)  # publishes fail: the samples stay in the outbox
+    assert samples_of(models_b) == 0
+    clock.now += 1.0  # long enough for the peers' shares to expire
     await tick([a, b], clock)
+    assert a.peers() == {} == b.peers()
     net.down = False
+    await tick([a, b], clock)  # heartbeats: the peers are back (samples wait for them)
     await tick([a, b], clock)
-    assert models_b.state()["models"] == {}  # the models forget old samples anyway
+    assert samples_of(models_b) == 4
+    assert models_b.state()["models"] == models_a.state()["models"]
+    await tick([a, b], clock)
+    assert samples_of(models_b) == 4  # once
+
+
+async def test_samples_wait_for_a_peer_and_the_newest_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(state, "MAX_PENDING_SAMPLES", 50)
+    monkeypatch.setattr(state, "MAX_SAMPLES_PER_MESSAGE", 8)
+    clock, net = Clock(), MemoryNetwork()
+    a, _ = await replica("r0", net, clock)
+    rows = tags(3)
+    for i in range(60):  # more than the outbox keeps: the first 10 go to "old", then dropped
+        tag, ttft = rows[i % 3]
+        a.note_latency("qwen3", "old:8000" if i < 10 else f"10.0.0.{i % 5}:8000", tag, ttft, None)
+    await tick([a], clock)  # alone: nobody to send them to
+    b, models_b = await replica("r1", net, clock)
+    sent: list[int] = []
+    b_receive = b.receive
+
+    def count(data: bytes) -> None:
+        sent.append(len(msgpack.unpackb(data).get("l", ())))
+        b_receive(data)
+
+    net._handlers[-1] = count
+    for _ in range(10):
+        await tick([a, b], clock)
+    assert max(sent) == 8 and sum(sent) == 50
+    assert samples_of(models_b) == 50
+    assert "old:8000" not in models_b.state()["models"]["qwen3"]
+
+
+def test_a_malformed_sample_row_is_dropped() -> None:
+    clock, net = Clock(), MemoryNetwork()
+    b = StateSync(
+        replica="r1", bus=net.bus(), inflight=InflightTracker(clock=clock),
+        fairness=FairnessCounters(), approx=lambda _model: None,
+        on_latency=(models_b := LatencyModels()).observe_tagged, settings=SETTINGS, clock=clock,
+    )  # fmt: skip
     bad = {
         "v": 1,
         "r": "r9",
