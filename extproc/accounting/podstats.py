@@ -117,6 +117,9 @@ class PodStatsTracker:
         self._pods: dict[str, _Pod] = {}
         self._slot: dict[str, int] = {}  # address -> its row in `_table`
         self._free: list[int] = []
+        # The last `columns` rows: the candidates are mostly the same list request after
+        # request, and comparing two lists of the same strings is cheaper than a dict pass.
+        self._last_rows: tuple[list[str], npt.NDArray[np.intp]] | None = None
         self._table = np.array([_UNSEEN] * 64, dtype=np.float64)
         self._dirty: set[str] = set()
 
@@ -130,6 +133,7 @@ class PodStatsTracker:
         if pod is None:
             pod = self._pods[address] = _Pod(updated_at=now)
             self._slot[address] = self._take_slot()
+            self._last_rows = None
             return pod
         dt = now - pod.updated_at
         if dt <= 0:  # a non-monotonic caller: never run time backwards
@@ -195,7 +199,13 @@ class PodStatsTracker:
         decay to `now` is one numpy expression (the same formula as `_advance`)."""
         self._flush()
         n = len(addresses)
-        rows = self._table[np.fromiter(map(self._slot.get, addresses, repeat(0)), np.intp, n)].T
+        last = self._last_rows
+        if last is not None and last[0] == addresses:
+            at = last[1]
+        else:
+            at = np.fromiter(map(self._slot.get, addresses, repeat(0)), np.intp, n)
+            self._last_rows = (list(addresses), at)
+        rows = self._table[at].T
         dt = np.maximum(now - rows[_UPDATED], 0.0)  # never run time backwards
         decay = np.exp(-dt / self._tau)
         busy = rows[_BUSY] * decay + np.where(rows[_IN_FLIGHT] > 0, self._tau * (1.0 - decay), 0.0)
@@ -231,6 +241,7 @@ class PodStatsTracker:
         """Drop a removed endpoint (keeps memory bounded under churn)."""
         if self._pods.pop(address, None) is not None:
             slot = self._slot.pop(address)
+            self._last_rows = None
             self._table[slot] = _UNSEEN
             self._free.append(slot)
         self._dirty.discard(address)

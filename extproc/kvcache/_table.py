@@ -41,6 +41,9 @@ class PodBitmaskTable:
         # Per slot: how many entries its pod holds (the owner sets it), one spare 0 at the end
         # that `slots` gives to unknown pods.
         self._counts: IntArray = np.zeros(8, dtype=np.int64)
+        # The last `slots` answer: a model's candidates are mostly the same list request after
+        # request, and comparing two lists of the same strings is cheaper than a dict pass.
+        self._last_slots: tuple[list[str], IntArray] | None = None
 
     def bit(self, pod: str) -> int:
         """The pod's bit, allocating a slot on first use."""
@@ -57,6 +60,7 @@ class PodBitmaskTable:
             bit = 1 << slot
             self._bit_of[pod] = bit
             self._slot_of[pod] = slot
+            self._last_slots = None
         return bit
 
     def existing_bit(self, pod: str) -> int:
@@ -68,6 +72,7 @@ class PodBitmaskTable:
         bit = self._bit_of.pop(pod, 0)
         if bit:
             slot = self._slot_of.pop(pod)
+            self._last_slots = None
             self._pod_of_slot[slot] = None
             self._counts[slot] = 0
             self._free_slots.append(slot)
@@ -79,8 +84,14 @@ class PodBitmaskTable:
     def slots(self, pods: Sequence[str]) -> IntArray:
         """Each pod's slot, in order; a pod without one gets the spare slot (never matches,
         count 0)."""
+        last = self._last_slots
+        if last is not None and last[0] == pods:
+            return last[1]
         spare = len(self._pod_of_slot)
-        return np.fromiter(map(self._slot_of.get, pods, repeat(spare)), np.int64, len(pods))
+        slots = np.fromiter(map(self._slot_of.get, pods, repeat(spare)), np.int64, len(pods))
+        slots.flags.writeable = False  # shared by the calls that ask for the same pods
+        self._last_slots = (list(pods), slots)
+        return slots
 
     def counts(self, slots: IntArray) -> IntArray:
         """The entry count of each slot in `slots` (0 for the spare)."""

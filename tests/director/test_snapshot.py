@@ -176,6 +176,24 @@ def test_pod_states_switches_to_a_table_at_the_threshold() -> None:
     )
 
 
+def test_the_table_follows_pods_measured_and_forgotten() -> None:
+    """Tables over the same candidates read the pod stats tracker's rows as they are now: a
+    pod forgotten, or measured for the first time, since the last table."""
+    world = World(TABLE_MIN_PODS)
+    pod = world.endpoints[1].address
+    assert world.build(ALL, table=True)[1].stats.requests_total > 0
+    world.podstats.forget(pod)
+    assert world.build(ALL, table=True)[1].stats.requests_total == 0
+    world.podstats.observe_response(
+        pod, now=99.0, latency_s=1.0, ttft_s=0.1, decode_s=0.9, tokens=10, completion_tokens=5
+    )
+    table = world.build(ALL, table=True)
+    rows = world.build(ALL, table=False)
+    assert table[1].stats.requests_total == 1
+    for i in (0, 1, 2):
+        _same_pod(table[i], rows[i])
+
+
 def test_the_table_follows_leases_and_peers() -> None:
     world = World(TABLE_MIN_PODS)
     ep = world.endpoints[1]

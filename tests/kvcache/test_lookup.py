@@ -91,3 +91,22 @@ def test_lookup_counts_follow_each_change() -> None:
     found = index.lookup(["a", "b", "c"], hashes, 0.0)
     assert found.tokens.tolist() == [0, BS, 2 * BS]
     assert found.cached_blocks.tolist() == [0, 1, 2]
+
+
+def test_the_same_pod_list_sees_new_and_dropped_pods() -> None:
+    """A lookup over the same list of pods as the last one reuses its slots; a pod that gets
+    or loses its slot in between must still be seen as it is now."""
+    exact = ExactIndex(block_size=BS)
+    index = PrefixIndex(mode=IndexMode.EXACT, block_size=BS, exact=exact, approximate=None)
+    doc = DOCS[1]
+    hashes = block_hashes(doc, BS)
+    pods = ["a", "b", "c"]
+    exact.stored("a", [1], None, doc[:BS])
+    assert index.lookup(pods, hashes, 0.0).cached_blocks.tolist() == [1, 0, 0]
+    exact.stored("c", [5, 6], None, doc[: 2 * BS])  # c gets a slot
+    found = index.lookup(pods, hashes, 0.0)
+    assert (found.tokens.tolist(), found.cached_blocks.tolist()) == ([BS, 0, 2 * BS], [1, 0, 2])
+    exact.drop_pod("a")
+    exact.stored("b", [7, 8, 9], None, doc[: 3 * BS])  # b takes a's old slot
+    found = index.lookup(pods, hashes, 0.0)
+    assert (found.tokens.tolist(), found.cached_blocks.tolist()) == ([0, 3 * BS, 2 * BS], [0, 3, 2])
