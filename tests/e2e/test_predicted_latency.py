@@ -1,11 +1,14 @@
 """predicted-latency end to end: real Envoy, real simulators of different speeds, the models
 learned from Envoy's access-log records. Once warm, the fast pod gets most of the traffic,
-explain shows each candidate's predicted TTFT, and the prediction error is exported."""
+explain shows each candidate's predicted TTFT, the prediction error is exported, a sheddable
+request no pod can serve within its SLO is a 429 counted as shed; with two processes, the
+samples of a NATS outage reach the other process once NATS is back."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -112,3 +115,52 @@ def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path, proce
             for c in state["models"]["qwen3"][fast]["predicted_vs_actual_ms"]  # type: ignore[index]
         ]
         assert checked and all(c["ttft"][0] >= 0 and c["ttft"][1] >= 0 for c in checked)
+
+        # A sheddable request that no pod is predicted to serve within its SLO: 429 from the
+        # server through Envoy, counted as shed (reason "slo") by the process that decided.
+        refused = client.post(
+            url,
+            json=chat(1000),
+            headers={"x-slo-ttft-ms": "0.01", "x-request-priority": "-1"},
+        )
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "slo_unmet")
+        shed = [metric_samples(f"{a}/metrics") for a in admin]
+        name = "extproc_shed_requests_total"
+        assert sum(metric_sum(m, name, model="qwen3", reason="slo") for m in shed) == 1
+        assert sum(metric_sum(m, name) for m in shed) == 1
+
+
+def learned_samples(state: dict[str, object]) -> int:
+    models = state["models"]
+    assert isinstance(models, dict)
+    return sum(int(m["ttft"]["samples"]) for m in models.get("qwen3", {}).values())
+
+
+def test_samples_learnt_while_nats_was_down_reach_the_other_process(tmp_path: Path) -> None:
+    opts = stack_options(tmp_path, sims=2, strategy="predicted-latency", extproc_processes=2)
+    admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in range(2)]
+    outage = 12
+    with running_stack(opts) as stack, httpx.Client(timeout=60) as client:
+        assert stack.nats is not None
+
+        def sync_state(i: int) -> dict[str, Any]:
+            state = client.get(f"{admin[i]}/debug/sync").json()
+            assert isinstance(state, dict) and state["enabled"]
+            return state
+
+        assert wait_for(lambda: all(len(sync_state(i)["peers_last_heard_s"]) == 1 for i in (0, 1)))
+        stack.nats.stop()
+        assert wait_for(lambda: not any(sync_state(i)["connected"] for i in (0, 1)), timeout=10)
+        url = f"{stack.base_url}/v1/chat/completions"
+        for i in range(outage):
+            post_streamed(client, url, chat(i))
+        # Each record was learnt by the one process Envoy's access log sent it to, only.
+        assert wait_for(
+            lambda: sum(learned_samples(s) for s in models_state(client, admin)) == outage, 10
+        ), models_state(client, admin)
+        stack.nats.start()
+        assert wait_for(
+            lambda: [learned_samples(s) for s in models_state(client, admin)] == [outage] * 2, 20
+        ), [learned_samples(s) for s in models_state(client, admin)]
