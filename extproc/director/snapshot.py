@@ -153,7 +153,7 @@ class _TableColumns(PodColumns):
     @cached_property
     def _metrics(self) -> list[EngineMetrics]:
         raw = self.raw_metrics
-        if None not in raw:  # the store's candidates always carry metrics: no second pass
+        if all(raw):  # the store's candidates always carry metrics (truthy): no second pass
             return cast("list[EngineMetrics]", raw)
         return [m or _NO_METRICS for m in raw]
 
@@ -200,7 +200,7 @@ class _TableColumns(PodColumns):
 
     @cached_property
     def has_metrics(self) -> np.ndarray:  # type: ignore[type-arg]
-        if None not in self.raw_metrics:
+        if all(self.raw_metrics):
             return np.ones(self.n, np.bool_)
         return np.fromiter(map(is_not, self.raw_metrics, repeat(None)), np.bool_, self.n)
 
