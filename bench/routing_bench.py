@@ -33,6 +33,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 TREE_ENV = "ROUTING_BENCH_TREE"  # set by --tree for the child process
 sys.path.insert(0, os.environ.get(TREE_ENV) or str(ROOT))
@@ -194,7 +196,7 @@ class _SnapshotFixture:
         )
         self.build = self._director_build()
 
-    def _director_build(self) -> Callable[[Capabilities], tuple[PodState, ...]]:
+    def _director_build(self) -> Callable[[Capabilities], Sequence[PodState]]:
         """The snapshot builder the director uses at this tree's commit."""
         try:
             from extproc.director.snapshot import pod_states
@@ -347,9 +349,14 @@ def table(before: Results, after: Results) -> str:
     return "\n".join(lines)
 
 
+DIRECTOR = "(snapshot + route) "  # the label prefix of `--director` rows
+
+
 def plot(before_json: str, after_json: str, out: str) -> None:
-    """Decision time (p50) against pods, one line per strategy, before (dashed) and after;
-    prints the table. Each argument may list several runs (comma-separated): see `best_of`."""
+    """Decision time against pods, one line per strategy, before (dashed) and after (solid):
+    the director's snapshot + decision (median and p99, from `--director` runs) and the
+    strategy's route alone (median); prints the table. Each argument may list several runs
+    (comma-separated): see `best_of`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -358,36 +365,39 @@ def plot(before_json: str, after_json: str, out: str) -> None:
     before = best_of(before_json)
     after = best_of(after_json)
     print(table(before, after))
-    names = [n for n in after if n in before and not n.startswith("(")]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
-    for ax, (title, rows) in zip(
-        axes, (("strategies (route only)", names), ("snapshot build", SNAPSHOT_LABELS)), strict=True
-    ):
+    both = [n for n in after if n in before]
+    director = [n for n in both if n.startswith(DIRECTOR)]
+    panels = [
+        ("snapshot + decision, median", director, "p50_us"),
+        ("snapshot + decision, p99", director, "p99_us"),
+        ("route only, median", [n for n in both if not n.startswith("(")], "p50_us"),
+    ]
+    panels = [p for p in panels if p[1]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6), sharey=True)
+    for ax, (title, rows, stat) in zip(np.atleast_1d(axes), panels, strict=True):
         colours = plt.get_cmap("tab20")
         for k, name in enumerate(rows):
             colour = colours(k % 20)
             for data, style in ((before, "--"), (after, "-")):
-                if name not in data:
-                    continue
                 pods = sorted(int(n) for n in data[name])
                 ax.plot(
                     pods,
-                    [data[name][str(n)]["p50_us"] / 1000 for n in pods],
+                    [data[name][str(n)][stat] / 1000 for n in pods],
                     style,
                     color=colour,
                     marker="o",
                     markersize=3,
-                    label=name if style == "-" else None,
+                    label=name.removeprefix(DIRECTOR) if style == "-" else None,
                 )
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("pods (candidates)")
-        ax.set_title(f"{title}: dashed before, solid after")
+        ax.set_title(f"{title}: dashed before, solid after", fontsize=10)
         ax.legend(fontsize=6, ncol=2)
-    axes[0].set_ylabel("median decision time, ms")
+    np.atleast_1d(axes)[0].set_ylabel("ms per request (best of the runs)")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
 
 
 def main() -> None:
