@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -37,6 +36,47 @@ class Load:
 
 
 _NO_LOAD = Load()
+
+
+class _LoadTable:
+    """Every address's load (own + peers') as two float64 rows by slot, set on each change,
+    so a snapshot reads many addresses with one slot lookup (none while its candidate list
+    and the slots stay the same). An address without load holds no slot: slot 0 reads 0."""
+
+    def __init__(self) -> None:
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+        self._rows = np.zeros((2, 64))  # requests, tokens
+        self._last: tuple[list[str], npt.NDArray[np.intp]] | None = None
+
+    def set(self, address: str, requests: int, tokens: int) -> None:
+        slot = self._slot.get(address)
+        if requests <= 0 and tokens <= 0:
+            if slot is not None:
+                del self._slot[address]
+                self._rows[:, slot] = 0.0
+                self._free.append(slot)
+                self._last = None
+            return
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._slot) + 1
+            if slot >= self._rows.shape[1]:
+                self._rows = np.concatenate((self._rows, np.zeros_like(self._rows)), axis=1)
+            self._slot[address] = slot
+            self._last = None
+        self._rows[0, slot] = requests
+        self._rows[1, slot] = tokens
+
+    def columns(
+        self, addresses: Sequence[str]
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        last = self._last
+        if last is not None and last[0] == addresses:
+            at = last[1]
+        else:
+            at = np.fromiter(map(self._slot.get, addresses, repeat(0)), np.intp, len(addresses))
+            self._last = (list(addresses), at)
+        return self._rows[0, at], self._rows[1, at]
 
 
 class Lease:
@@ -96,6 +136,7 @@ class InflightTracker:
         # Other replicas' in-flight counts (absolute, per replica), and their sum per address.
         self._remote: dict[str, dict[str, Load]] = {}
         self._remote_total: dict[str, Load] = {}
+        self._loads = _LoadTable()  # `load` of every address with any, as arrays
 
     def now(self) -> float:
         return self._clock()
@@ -111,6 +152,7 @@ class InflightTracker:
         count = self._requests.get(addr, 0) + 1
         self._requests[addr] = count
         self._tokens[addr] = self._tokens.get(addr, 0) + tokens
+        self._sync(addr)
         if self._stats is not None:
             self._stats.request_started(addr, lease.started_at)
         if self._metrics is not None:
@@ -156,6 +198,7 @@ class InflightTracker:
         else:
             self._requests[addr] = count
             self._tokens[addr] = max(0, self._tokens.get(addr, 0) - lease.tokens)
+        self._sync(addr)
         if self._metrics is not None:
             self._metrics.set_in_flight(addr, count)
         if self._stats is not None:
@@ -174,16 +217,18 @@ class InflightTracker:
     def columns(
         self, addresses: Sequence[str]
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """`load` of every address as two arrays (requests, tokens), in C-level passes: the
-        director's snapshot over many pods reads these instead of one `Load` per pod."""
-        n = len(addresses)
-        requests = np.fromiter(map(self._requests.get, addresses, repeat(0)), np.float64, n)
-        tokens = np.fromiter(map(self._tokens.get, addresses, repeat(0)), np.float64, n)
-        if self._remote_total:
-            remote = list(map(self._remote_total.get, addresses, repeat(_NO_LOAD)))
-            requests += np.fromiter(map(attrgetter("requests"), remote), np.float64, n)
-            tokens += np.fromiter(map(attrgetter("tokens"), remote), np.float64, n)
-        return requests, tokens
+        """`load` of every address as two arrays (requests, tokens): the director's snapshot
+        over many pods reads these instead of one `Load` per pod."""
+        return self._loads.columns(addresses)
+
+    def _sync(self, address: str) -> None:
+        """Set `address`'s row of the load table to its `load` now."""
+        remote = self._remote_total.get(address, _NO_LOAD)
+        self._loads.set(
+            address,
+            self._requests.get(address, 0) + remote.requests,
+            self._tokens.get(address, 0) + remote.tokens,
+        )
 
     def snapshot(self) -> Mapping[str, Load]:
         """This replica's own requests in flight, by address (a copy)."""
@@ -218,6 +263,7 @@ class InflightTracker:
                 self._remote_total.pop(address, None)
             else:
                 self._remote_total[address] = new
+            self._sync(address)
 
     def total(self) -> int:
         return sum(self._requests.values())
