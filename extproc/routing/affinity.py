@@ -371,54 +371,11 @@ class KvAwareParams:
             raise ValueError("overlap_weight and temperature must be >= 0")
 
 
-def _active_blocks(p: PodState, bs: int) -> float:
-    """The blocks the pod's requests hold (Dynamo's active blocks), in router blocks.
-
-    The gateway's in-flight tokens count a prefix its requests share once per request, which
-    made a pod serving 3 questions on one document look as busy as one serving 3 documents
-    (docqa). The engine counts it once (vLLM's KV usage, which Dynamo's workers published as
-    `kv_active_blocks`), but only as of its last scrape, older than most short requests. So
-    the live in-flight blocks are scaled by the engine's share of unique blocks at that
-    scrape: its used blocks over what its running requests would hold unshared (at the
-    in-flight mean size). Without those metrics, or with nothing running: no scaling."""
-    blocks = float(math.ceil(p.in_flight_tokens / bs))
-    m = p.metrics
-    if (
-        m is None
-        or m.kv_cache_usage is None
-        or not m.running
-        or not m.num_gpu_blocks
-        or not p.in_flight
-    ):
-        return blocks
-    used = m.kv_cache_usage * m.num_gpu_blocks * (m.block_size or bs) / bs
-    unshared = m.running * (p.in_flight_tokens / p.in_flight) / bs
-    return blocks * min(used / unshared, 1.0)
-
-
-def _active_blocks_array(cols: PodColumns, bs: int) -> FloatArray:
-    """`_active_blocks` for every pod, with the same float steps."""
-    loads, tokens = cols.in_flight, cols.in_flight_tokens
-    blocks = np.ceil(tokens / bs)
-    usage, gpu = cols.kv_usage, np.nan_to_num(cols.num_gpu_blocks)
-    running = np.nan_to_num(cols.running)
-    engine_bs = np.nan_to_num(cols.engine_block_size)
-    engine_bs = np.where(engine_bs > 0, engine_bs, float(bs))
-    known = ~np.isnan(usage) & (running != 0) & (gpu > 0) & (loads > 0)
-    used = np.nan_to_num(usage) * gpu * engine_bs / bs
-    per_request = np.divide(tokens, loads, out=np.zeros(cols.n), where=known)
-    unshared = running * per_request / bs
-    share = np.divide(used, unshared, out=np.ones(cols.n), where=known & (unshared != 0))
-    out: FloatArray = np.where(known, blocks * np.minimum(share, 1.0), blocks)
-    return out
-
-
 class KvAwareStrategy(StrategyPlugin):
     """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
 
     prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
-    (in-flight tokens / block_size, shared prefixes counted once as the engine's KV usage
-    says: `_active_blocks`) + this request's new blocks. With temperature T > 0 the order
+    (in-flight tokens / block_size) + this request's new blocks. With temperature T > 0 the order
     is sampled from softmax(-(cost - min) / ((max - min) * T)); at T = 0 ties go to the pod with
     the smaller cache (cached_blocks), then random.
     """
@@ -443,7 +400,7 @@ class KvAwareStrategy(StrategyPlugin):
         for p in snap.pods:
             overlap = min(p.prefix_match_tokens, req.prompt_tokens) // bs
             prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-            decode_blocks = _active_blocks(p, bs) + (total_blocks - overlap)
+            decode_blocks = math.ceil(p.in_flight_tokens / bs) + (total_blocks - overlap)
             c = prm.overlap_weight * prefill_blocks + decode_blocks
             costs[id(p)] = c
             scores[p.address] = {
@@ -483,7 +440,7 @@ class KvAwareStrategy(StrategyPlugin):
         total_blocks = math.ceil(req.prompt_tokens / bs)
         overlap = np.minimum(cols.prefix_match_tokens, float(req.prompt_tokens)) // bs
         prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-        decode_blocks = _active_blocks_array(cols, bs) + (total_blocks - overlap)
+        decode_blocks = np.ceil(cols.in_flight_tokens / bs) + (total_blocks - overlap)
         costs = prm.overlap_weight * prefill_blocks + decode_blocks
         scores = ScoreTable(
             snap.pods,

@@ -167,14 +167,6 @@ class PodColumns:
         return _optional(self._metrics, "kv_cache_usage")
 
     @cached_property
-    def num_gpu_blocks(self) -> FloatArray:
-        return _optional(self._metrics, "num_gpu_blocks")
-
-    @cached_property
-    def engine_block_size(self) -> FloatArray:
-        return _optional(self._metrics, "block_size")
-
-    @cached_property
     def engine_ttft(self) -> FloatArray:
         return _optional(self._metrics, "ttft_avg_s")
 
