@@ -1,7 +1,9 @@
 """Prompt tokenization: exact (HF `tokenizers` + chat template, incremental) or estimated.
 
 Public API: `load_tokenizer(dir) -> HFTokenizer`, `CharEstimateTokenizer`, `TokenizerPool`
-(async, executor for large inputs), `bundled_qwen_dir()` for the Qwen3 test tokenizer.
+(async, executor for large inputs), `bundled_qwen_dir()` for the Qwen3 test tokenizer, and
+the two caches of the incremental path: `SegmentCache` (text between added tokens -> ids)
+and `ChatPrefixCache` (an earlier turn's rendered prefix -> ids).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from extproc.tokenization._hf import (
     load_tokenizer,
 )
 from extproc.tokenization._pool import TokenizeResult, TokenizerPool
+from extproc.tokenization._prefix import ChatPrefixCache, ChatPrefixStats
 from extproc.tokenization._segments import SegmentCache, SegmentCacheStats
 from extproc.tokenization._template import ChatTemplate
 from extproc.tokenization.base import Tokenizer
 
 __all__ = [
     "CharEstimateTokenizer",
+    "ChatPrefixCache",
+    "ChatPrefixStats",
     "ChatTemplate",
     "HFTokenizer",
     "SegmentCache",

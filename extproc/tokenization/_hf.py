@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer as _RustTokenizer
 
+from extproc.tokenization._prefix import ChatPrefix, ChatPrefixCache, ChatPrefixStats, message_keys
 from extproc.tokenization._segments import AddedTokenSplitter, SegmentCache, SegmentCacheStats
 from extproc.tokenization._template import ChatTemplate
 from extproc.types import BadRequest
@@ -104,7 +106,12 @@ def _split_unsafe_reason(tokenizer_json: Mapping[str, object]) -> str | None:
 
 @dataclass(slots=True)
 class EncodePlan:
-    """An encode split into cached and still-missing pieces (see HFTokenizer.plan)."""
+    """An encode split into cached and still-missing pieces (see HFTokenizer.plan).
+
+    With `head` (a reused chat prefix, see `_prefix.py`) the pieces cover only the text
+    after it. `memo_key`/`memo_pieces`/`memo_chars`: where this text's own prefix entry ends
+    (its first `memo_chars` characters, the head and `memo_pieces` pieces), stored by assemble.
+    """
 
     text: str
     pieces: list[tuple[str, int | None]]
@@ -112,6 +119,10 @@ class EncodePlan:
     missing: list[str]
     special_tokens: bool
     incremental: bool
+    head: ChatPrefix | None = None
+    memo_key: int | None = None
+    memo_pieces: int = 0
+    memo_chars: int = 0
 
     @property
     def missing_chars(self) -> int:
@@ -134,12 +145,14 @@ class HFTokenizer:
         name: str,
         chat_template: ChatTemplate | None = None,
         cache: SegmentCache | None = None,
+        prefixes: ChatPrefixCache | None = None,
         split_unsafe_reason: str | None = None,
     ) -> None:
         self._tok = tokenizer
         self.name = name
         self.chat_template = chat_template
         self._cache = cache
+        self._prefixes = prefixes if cache is not None else None
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         # Only non-normalized added tokens are extracted before normalisation (HF's first pass).
         simple = {
@@ -159,6 +172,9 @@ class HFTokenizer:
 
     def cache_stats(self) -> SegmentCacheStats | None:
         return self._cache.stats() if self._cache is not None else None
+
+    def prefix_stats(self) -> ChatPrefixStats | None:
+        return self._prefixes.stats() if self._prefixes is not None else None
 
     def _post_processor_wrap(self) -> tuple[list[int], list[int]] | tuple[None, None]:
         """Ids the post-processor adds around a single sequence (e.g. BOS), or None if not fixed."""
@@ -207,9 +223,9 @@ class HFTokenizer:
         return self._segment_plan(text, special_tokens=special_tokens, cache=self._cache)
 
     def _segment_plan(
-        self, text: str, *, special_tokens: bool, cache: SegmentCache | None
+        self, text: str, *, special_tokens: bool, cache: SegmentCache | None, start: int = 0
     ) -> EncodePlan:
-        pieces = self._splitter.split(text)
+        pieces = self._splitter.split(text, start)
         found: list[Sequence[int] | None] = []
         missing: list[str] = []
         for seg, tok_id in pieces:
@@ -232,29 +248,41 @@ class HFTokenizer:
             return [self._tok.encode(plan.missing[0], add_special_tokens=False).ids]
         return [e.ids for e in self._tok.encode_batch_fast(plan.missing, add_special_tokens=False)]
 
-    def assemble(self, plan: EncodePlan, encoded: list[list[int]]) -> list[int]:
-        """Fill the plan with freshly encoded pieces (caching them) and wrap special tokens."""
+    def assemble(self, plan: EncodePlan, encoded: list[list[int]]) -> array[int]:
+        """Fill the plan with freshly encoded pieces (caching them) and wrap special tokens.
+
+        The ids come as `array('I')`: copying cached arrays into one is a memcpy, where a
+        list would build an int object per token (and block hashing packs arrays for free).
+        """
         if not plan.incremental:
-            return encoded[0]
+            return array("I", encoded[0])
         return self._assemble(plan, encoded, self._cache)
 
     def _assemble(
         self, plan: EncodePlan, encoded: list[list[int]], cache: SegmentCache | None
-    ) -> list[int]:
+    ) -> array[int]:
         fresh = iter(encoded)
-        found = list(plan.found)
-        for i, slot in enumerate(found):
-            if slot is None:
-                new = next(fresh)
-                found[i] = new
-                if cache is not None:
-                    cache.put(plan.pieces[i][0], new)
-        out: list[int] = []
+        out: array[int] = array("I")
         if plan.special_tokens and self._prefix is not None:
             out.extend(self._prefix)
-        for done in found:
-            assert done is not None
+        if plan.head is not None:
+            out.extend(plan.head.ids)
+        memo_ids = 0
+        for i, done in enumerate(plan.found):
+            if i == plan.memo_pieces:
+                memo_ids = len(out)
+            if done is None:
+                new = next(fresh)
+                if cache is not None:
+                    cache.put(plan.pieces[i][0], new)
+                done = new
             out.extend(done)
+        if plan.memo_key is not None and self._prefixes is not None:
+            if plan.memo_pieces == len(plan.found):
+                memo_ids = len(out)
+            self._prefixes.put(
+                plan.memo_key, ChatPrefix(plan.text[: plan.memo_chars], out[:memo_ids])
+            )
         if plan.special_tokens and self._suffix is not None:
             out.extend(self._suffix)
         return out
@@ -262,7 +290,7 @@ class HFTokenizer:
     def _encode_segments(self, text: str, *, use_cache: bool) -> list[int]:
         cache = self._cache if use_cache else None
         plan = self._segment_plan(text, special_tokens=False, cache=cache)
-        return self._assemble(plan, self.encode_missing(plan), cache)
+        return self._assemble(plan, self.encode_missing(plan), cache).tolist()
 
     def render_chat(
         self,
@@ -283,6 +311,50 @@ class HFTokenizer:
             chat_template_kwargs=chat_template_kwargs,
         )
 
+    def plan_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> EncodePlan:
+        """Render the chat template and plan its encode, reusing an earlier turn's prefix.
+
+        The whole conversation is rendered every time (a template may render earlier
+        messages differently once more follow); only the split, the cache lookups and the
+        copy of ids stop at the longest earlier rendering this text starts with.
+        """
+        text = self.render_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        if not self.incremental:
+            return self.plan(text)
+        keys = message_keys(messages) if self._prefixes is not None else None
+        head = self._prefixes.find(keys, text) if self._prefixes is not None and keys else None
+        start = len(head.text) if head is not None else 0
+        plan = self._segment_plan(text, special_tokens=False, cache=self._cache, start=start)
+        plan.head = head
+        if keys:
+            self._mark_memo(plan, keys[-1], start)
+        return plan
+
+    def _mark_memo(self, plan: EncodePlan, key: int, start: int) -> None:
+        """Where this text's own prefix entry ends: after its last added token that no
+        longer text can extend (`closed_at`), if that is past the reused head."""
+        end = len(plan.text)
+        for i in range(len(plan.pieces) - 1, -1, -1):
+            if end <= start:
+                return
+            piece, token = plan.pieces[i]
+            if token is not None and self._splitter.closed_at(plan.text, end):
+                plan.memo_key, plan.memo_pieces, plan.memo_chars = key, i + 1, end
+                return
+            end -= len(piece)
+
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, object]],
@@ -292,13 +364,13 @@ class HFTokenizer:
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> list[int]:
         """Render the chat template and encode without special tokens (vLLM's chat path)."""
-        text = self.render_chat(
+        plan = self.plan_chat(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self.encode_rendered(text)
+        return self.assemble(plan, self.encode_missing(plan)).tolist()
 
     def encode_rendered(self, text: str) -> list[int]:
         """Encode already-rendered chat text (no special tokens added)."""
@@ -309,7 +381,7 @@ class HFTokenizer:
     def encode_text(self, text: str) -> list[int]:
         """Encode a completion prompt with special tokens added, as vLLM does."""
         plan = self.plan_text(text)
-        return self.assemble(plan, self.encode_missing(plan))
+        return self.assemble(plan, self.encode_missing(plan)).tolist()
 
     def plan_text(self, text: str) -> EncodePlan:
         """The plan of a completion prompt (special tokens added, as vLLM does)."""
@@ -346,11 +418,13 @@ def load_tokenizer(
     *,
     name: str | None = None,
     cache: SegmentCache | None = None,
+    prefixes: ChatPrefixCache | None = None,
     incremental: bool = True,
 ) -> HFTokenizer:
     """Load tokenizer.json (+ tokenizer_config.json for the chat template) from a directory.
 
-    `cache` defaults to a fresh 64 MiB SegmentCache; `incremental=False` always encodes fully.
+    `cache` defaults to a fresh 64 MiB SegmentCache and `prefixes` to a fresh 64 MiB
+    ChatPrefixCache; `incremental=False` always encodes fully.
     Raises TokenizerLoadError naming the missing or invalid file.
     """
     directory = Path(directory)
@@ -379,10 +453,13 @@ def load_tokenizer(
             raise TokenizerLoadError(f"invalid chat template in {cfg_path}: {exc}") from exc
     if incremental and cache is None:
         cache = SegmentCache()
+    if incremental and prefixes is None:
+        prefixes = ChatPrefixCache()
     return HFTokenizer(
         rust,
         name=name or directory.name,
         chat_template=template,
         cache=cache if incremental else None,
+        prefixes=prefixes if incremental else None,
         split_unsafe_reason=_split_unsafe_reason(tok_json),
     )

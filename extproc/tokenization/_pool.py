@@ -20,7 +20,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class TokenizeResult:
-    ids: list[int]
+    ids: Sequence[int]  # exact tokenizers give an array('I'): block hashing packs it for free
     seconds: float  # wall time of the encode itself (metrics: tokenization time)
     offloaded: bool  # ran in the executor rather than inline
     estimated: bool  # the tokenizer was a CharEstimateTokenizer
@@ -64,7 +64,7 @@ class TokenizerPool:
         self._max_pending = max_pending
         self._slots: asyncio.Semaphore | None = None
 
-    async def _run(self, size: int, fn: Callable[[], list[int]]) -> TokenizeResult:
+    async def _run(self, size: int, fn: Callable[[], Sequence[int]]) -> TokenizeResult:
         estimated = bool(self.tokenizer.estimated)
         if size < self.inline_threshold_chars:
             t0 = time.perf_counter()
@@ -73,7 +73,7 @@ class TokenizerPool:
         if self._slots is None:  # created lazily: it must belong to the running loop
             self._slots = asyncio.Semaphore(self._max_pending)
 
-        def timed() -> tuple[list[int], float]:
+        def timed() -> tuple[Sequence[int], float]:
             t0 = time.perf_counter()
             out = fn()
             return out, time.perf_counter() - t0
@@ -106,17 +106,17 @@ class TokenizerPool:
         tok = self.tokenizer
         if isinstance(tok, HFTokenizer):
             # Rendering is cheap relative to a thread hop; what is worth offloading is the
-            # encode of text the segment cache has not seen (a new turn, a new document).
+            # encode of text the caches have not seen (a new turn, a new document).
             t0 = time.perf_counter()
-            text = tok.render_chat(
+            plan = tok.plan_chat(
                 messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
             )
-            return await self._run_plan(tok, tok.plan(text), t0)
+            return await self._run_plan(tok, plan, t0)
 
-        def work() -> list[int]:
+        def work() -> Sequence[int]:
             return self.tokenizer.encode_chat(
                 messages,
                 tools=tools,

@@ -30,22 +30,37 @@ class AddedTokenSplitter:
         # the leftmost-longest match of the Aho-Corasick automaton HF uses.
         ordered = sorted(self._ids, key=len, reverse=True)
         self._pattern = re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
+        # Every proper prefix of an added token: text ending in one may continue into a token.
+        self._open = frozenset(t[:i] for t in ordered for i in range(1, len(t)))
+        self._longest = len(ordered[0]) if ordered else 0
 
-    def split(self, text: str) -> list[tuple[str, int | None]]:
+    def split(self, text: str, start: int = 0) -> list[tuple[str, int | None]]:
+        """The pieces of `text[start:]`; `start` must be 0 or the end of an added token."""
         if self._pattern is None:
-            return [(text, None)] if text else []
+            return [(text[start:], None)] if len(text) > start else []
         out: list[tuple[str, int | None]] = []
-        pos = 0
-        for m in self._pattern.finditer(text):
-            start, end = m.span()
-            if start > pos:
-                out.append((text[pos:start], None))
+        pos = start
+        for m in self._pattern.finditer(text, start):
+            begin, end = m.span()
+            if begin > pos:
+                out.append((text[pos:begin], None))
             token = m.group()
             out.append((token, self._ids[token]))
             pos = end
         if pos < len(text):
             out.append((text[pos:], None))
         return out
+
+    def closed_at(self, text: str, end: int) -> bool:
+        """True if no added token can start before `end` and run past it, whatever follows.
+
+        Then every text that starts with `text[:end]` splits into the same pieces before
+        `end` (each match decision before `end` reads only characters before it), so the
+        ids of `text[:end]` can be reused for any such text when `end` ends a piece.
+        """
+        return not any(
+            text[i:end] in self._open for i in range(max(0, end - self._longest + 1), end)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,13 +119,15 @@ def content_text_parts(content: object) -> list[str]:
 
 def _normalise_message(message: Mapping[str, object], fmt: ContentFormat) -> dict[str, object]:
     """One OpenAI message -> the conversation dict vLLM hands to the template."""
-    out: dict[str, object] = {k: v for k, v in message.items() if k != "content"}
-    texts = content_text_parts(message.get("content"))
-    if fmt == "openai" and message.get("role") != "tool":
-        out["content"] = [{"type": "text", "text": t} for t in texts]
+    out: dict[str, object] = dict(message)
+    content = out.pop("content", None)
+    if isinstance(content, str) and fmt == "string":
+        out["content"] = content  # one part: joining it changes nothing
+    elif fmt == "openai" and message.get("role") != "tool":
+        out["content"] = [{"type": "text", "text": t} for t in content_text_parts(content)]
     else:
         # vLLM flattens tool results to a string even for list-iterating templates.
-        out["content"] = "\n".join(texts)
+        out["content"] = "\n".join(content_text_parts(content))
     if "reasoning" in message and "reasoning_content" not in message:
         out["reasoning_content"] = message["reasoning"]
     tool_calls = message.get("tool_calls")
@@ -151,6 +153,11 @@ def _normalise_message(message: Mapping[str, object], fmt: ContentFormat) -> dic
     return out
 
 
+# Builtin data types whose instances carry no attributes of their own (see _Sandbox.getattr).
+_PLAIN_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
+_ITEM, _ATTR, _JINJA = 0, 1, 2
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """transformers' sandbox (ImmutableSandboxedEnvironment), with its attribute verdicts cached.
 
@@ -166,6 +173,39 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._verdicts: dict[tuple[type, str], bool] = {}
+        self._lookups: dict[tuple[type, str], int] = {}
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        # Jinja's getattr tries the Python attribute, then the item: `message.role` on a dict
+        # raises and catches an AttributeError first (~40% of a chat render), and a string
+        # method is checked for safety on every access. Instances of the builtin data types
+        # have only their type's attributes, so which of the three outcomes applies depends
+        # on (type, name) alone; it is decided once, the same way, and then taken directly.
+        kind = type(obj)
+        if kind in _PLAIN_TYPES:
+            key = (kind, attribute)
+            how = self._lookups.get(key)
+            if how is None:
+                how = self._classify(obj, attribute)
+                if len(self._lookups) < self._MAX_VERDICTS:
+                    self._lookups[key] = how
+            if how == _ITEM:
+                try:
+                    return obj[attribute]
+                except (TypeError, LookupError):
+                    return self.undefined(obj=obj, name=attribute)
+            if how == _ATTR:
+                return getattr(obj, attribute)
+        return super().getattr(obj, attribute)
+
+    def _classify(self, obj: Any, attribute: str) -> int:
+        try:
+            value = getattr(obj, attribute)
+        except AttributeError:
+            return _ITEM  # no such attribute: the item, or undefined
+        if self.wrap_str_format(value) is None and self.is_safe_attribute(obj, attribute, value):
+            return _ATTR
+        return _JINJA  # str.format (wrapped) or an unsafe name: Jinja's own path
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         key = (type(obj), attr)

@@ -53,3 +53,38 @@ def test_verdict_cache_is_bounded() -> None:
         assert env.is_safe_attribute("s", f"name{i}", None)
     assert len(env._verdicts) == _Sandbox._MAX_VERDICTS
     assert not env.is_safe_attribute([], "append", [].append)  # uncached names still decided
+
+
+# Attribute lookups the fast path answers from (type, name): each must render exactly what
+# Jinja's own sandbox renders, or fail the same way, on every access.
+LOOKUPS = [
+    "{{ m.role }}|{{ m.missing }}|{{ m.missing is defined }}",  # a key; an absent key
+    "{{ m.items is defined }}|{{ m.get('role') }}|{{ m.keys() | list | length }}",  # dict methods
+    "{{ m.content.upper() }}|{{ m.content.startswith('he') }}|{{ m.content.nope is defined }}",
+    "{{ m.content.format }}|{{ '{0}!'.format(m.role) }}",  # str.format stays wrapped
+    "{{ m.tags.count('a') }}|{{ m.tags.x is defined }}|{{ m.n.real }}|{{ m.none.x is defined }}",
+    "{{ m.nested.items }}|{{ m.nested['items'] }}",  # an attribute wins over a key, as in Jinja
+    "{{ m.__class__ }}|{{ m.content.__class__ }}|{{ m.tags.append is defined }}",  # unsafe
+    "{{ m.content.__class__.__mro__ }}",
+    "{{ m.tags.append(1) }}",  # refused mutation
+]
+VALUES: dict[str, object] = {
+    "role": "user", "content": "hello", "tags": ["a", "b", "a"], "n": 3, "none": None,
+    "nested": {"items": "key"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("source", LOOKUPS)
+def test_fast_lookups_match_jinja_sandbox(source: str) -> None:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def outcome(env: ImmutableSandboxedEnvironment) -> str:
+        template = env.from_string(source)
+        try:
+            return "".join(template.render(m=dict(VALUES)) for _ in range(3))
+        except Exception as exc:  # the refusal itself is the behaviour compared
+            return f"{type(exc).__name__}: {exc}"
+
+    ours = outcome(_Sandbox())
+    assert ours == outcome(ImmutableSandboxedEnvironment())
+    assert ours  # every template renders or fails with a message

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from extproc.tokenization import (
     CharEstimateTokenizer,
+    ChatPrefixCache,
     HFTokenizer,
     SegmentCache,
     TokenizerLoadError,
@@ -147,7 +148,10 @@ def test_incremental_text_equals_full_encode(qwen: HFTokenizer, text: str) -> No
 
 def test_cache_hits_on_next_turn() -> None:
     assert QWEN_DIR is not None
-    tok = load_tokenizer(QWEN_DIR, cache=SegmentCache(max_bytes=1 << 20))
+    # No room for chat prefixes: this test is about the segment cache alone.
+    tok = load_tokenizer(
+        QWEN_DIR, cache=SegmentCache(max_bytes=1 << 20), prefixes=ChatPrefixCache(max_bytes=0)
+    )
     history = [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Tell me about the Rhine. " * 40},
