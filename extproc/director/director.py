@@ -336,7 +336,7 @@ class Director:
 
     async def _tokenize(
         self, runtime: ModelRuntime, req: InferenceRequest
-    ) -> tuple[list[int], float, bool]:
+    ) -> tuple[Sequence[int], float, bool]:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), 0.0, False
         pool = runtime.tokenizer
