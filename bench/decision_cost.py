@@ -13,6 +13,7 @@ one record per request to the server) and without it. bench/accounting.py compar
 accounting modes in detail (per output length, with Envoy's CPU and inter-token latency).
 
     .venv/bin/python bench/decision_cost.py [--requests 200] [--json out.json]
+        [--sizes 2000,8000,32000] [--skip-cpu]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.stats import percentile  # noqa: E402
 from extproc.app import App  # noqa: E402
 from extproc.config import load_config_text  # noqa: E402
 from extproc.director.api import RequestHead, RouteResult  # noqa: E402
@@ -93,9 +95,10 @@ def conversation(
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def pct_ms(values: list[float], q: float) -> float:
+    value = percentile(values, q)
+    assert value is not None
+    return round(value * 1000, 3)
 
 
 async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[str, Any]:
@@ -154,8 +157,8 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                 results[f"{size}/{mode}"] = {
                     "requests": len(times),
                     "prompt_tokens_median": int(statistics.median(tokens)),
-                    "p50_ms": round(pct(times, 0.5) * 1000, 3),
-                    "p99_ms": round(pct(times, 0.99) * 1000, 3),
+                    "p50_ms": pct_ms(times, 50),
+                    "p99_ms": pct_ms(times, 99),
                     # One process deciding back to back: the decision-bound request rate.
                     "decisions_per_s": round(len(times) / sum(times), 1),
                 }
@@ -226,6 +229,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--json", default=None)
     ap.add_argument("--sizes", default="2000,8000,32000", help="prompt sizes in tokens")
+    ap.add_argument("--skip-cpu", action="store_true", help="part 1 only (decision latency)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -233,7 +237,7 @@ def main() -> int:
         with LocalStack(opts) as stack:
             sizes = [int(x) for x in args.sizes.split(",")]
             latency = asyncio.run(decision_latency(stack, sizes, args.requests))
-        cpu = cpu_per_request(work, args.requests * 2)
+        cpu = {} if args.skip_cpu else cpu_per_request(work, args.requests * 2)
     result = {"decision_latency": latency, "cpu": cpu, "nproc": os.cpu_count()}
     print(json.dumps(result, indent=2))
     if args.json:
