@@ -154,6 +154,11 @@ class PodBitmaskTable:
             self._record(active, matched, result)
         return result
 
+    def lookup(self, blocks: Sequence[int], pods: Sequence[str]) -> PodBlocks:
+        """Per pod in `pods`: how many leading `blocks` it holds, and its entry count."""
+        slots = self.slots(pods)
+        return PodBlocks(self.match_lengths(blocks, slots), self.counts(slots))
+
     def match_lengths(self, blocks: Sequence[int], slots: IntArray) -> IntArray:
         """Per slot in `slots` (see `slots`), the number of leading `blocks` its pod holds.
 

@@ -99,9 +99,7 @@ class ApproximateIndex:
         first when there are blocks to match, as a `longest_prefix` call does."""
         if block_hashes:
             self.expire(now)
-        table = self._table
-        slots = table.slots(pods)
-        return PodBlocks(table.match_lengths(block_hashes, slots), table.counts(slots))
+        return self._table.lookup(block_hashes, pods)
 
     def expire(self, now: float, *, force: bool = False) -> int:
         """Drop entries older than the TTL; cheap no-op between sweeps unless `force`."""

@@ -190,9 +190,7 @@ class ExactIndex:
     def lookup(self, block_hashes: Sequence[int], pods: Sequence[str]) -> PodBlocks:
         """`longest_prefix` and `pod_block_count` for every pod in `pods`, as arrays in that
         order (0 for a pod the index does not know), in one pass over the request's blocks."""
-        table = self._table
-        slots = table.slots(pods)
-        return PodBlocks(table.match_lengths(block_hashes, slots), table.counts(slots))
+        return self._table.lookup(block_hashes, pods)
 
     def blocks_of(self, pod: str) -> set[int]:
         """The engine hashes the index believes `pod` holds (for cross-checks with the engine)."""
