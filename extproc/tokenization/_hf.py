@@ -280,9 +280,8 @@ class HFTokenizer:
         if plan.memo_key is not None and self._prefixes is not None:
             if plan.memo_pieces == len(plan.found):
                 memo_ids = len(out)
-            self._prefixes.put(
-                plan.memo_key, ChatPrefix(plan.text[: plan.memo_chars], out[:memo_ids])
-            )
+            entry = ChatPrefix(plan.memo_key, plan.text[: plan.memo_chars], out[:memo_ids])
+            self._prefixes.put(entry, supersedes=plan.head)
         if plan.special_tokens and self._suffix is not None:
             out.extend(self._suffix)
         return out

@@ -47,8 +47,9 @@ def message_keys(messages: Sequence[Mapping[str, object]]) -> list[int] | None:
 
 @dataclass(frozen=True, slots=True)
 class ChatPrefix:
-    """A rendered text prefix that ends a piece, and its token ids."""
+    """A rendered text prefix that ends a piece, and its token ids, stored under `key`."""
 
+    key: int
     text: str
     ids: array[int]
 
@@ -67,8 +68,8 @@ class ChatPrefixCache:
 
     An entry costs its text plus 4 bytes per id: ~60 KB for an 8k-token conversation, so
     the default 64 MiB holds the latest turn of about a thousand such conversations. An
-    entry that served a later turn is moved to the cold end: the later turn's own entry
-    supersedes it, and it stays only for a client that branches from the same point.
+    entry that a later turn's longer entry supersedes moves to the cold end: it stays only
+    for a client that branches from the same point, and goes first when space runs out.
     """
 
     def __init__(self, *, max_bytes: int = 64 * 1024 * 1024) -> None:
@@ -92,21 +93,24 @@ class ChatPrefixCache:
             for key in reversed(keys):
                 entry = entries.get(key)
                 if entry is not None and text.startswith(entry.text):
-                    entries.move_to_end(key, last=False)
+                    entries.move_to_end(key)
                     self._hits += 1
                     return entry
             self._misses += 1
             return None
 
-    def put(self, key: int, entry: ChatPrefix) -> None:
+    def put(self, entry: ChatPrefix, *, supersedes: ChatPrefix | None = None) -> None:
+        """Store `entry`; `supersedes` (the entry it extends) becomes the first to evict."""
         cost = self._cost(entry)
         if cost > self._max_bytes:
             return
         with self._lock:
-            old = self._entries.pop(key, None)
+            if supersedes is not None and supersedes.key in self._entries:
+                self._entries.move_to_end(supersedes.key, last=False)
+            old = self._entries.pop(entry.key, None)
             if old is not None:
                 self._bytes -= self._cost(old)
-            self._entries[key] = entry
+            self._entries[entry.key] = entry
             self._bytes += cost
             while self._bytes > self._max_bytes:
                 _, evicted = self._entries.popitem(last=False)

@@ -20,6 +20,7 @@ from extproc.tokenization import (
     bundled_qwen_dir,
     load_tokenizer,
 )
+from extproc.tokenization._prefix import ChatPrefix
 from extproc.tokenization._segments import AddedTokenSplitter
 
 QWEN_DIR = bundled_qwen_dir()
@@ -271,3 +272,21 @@ def test_messages_that_are_not_json_data_render_without_reuse(qwen: HFTokenizer)
     before = qwen.prefix_stats()
     assert qwen.encode_chat(msgs) == full(qwen, msgs)
     assert qwen.prefix_stats() == before  # no key, no lookup, no entry
+
+
+def test_a_superseded_entry_is_evicted_first_and_a_retried_one_is_kept() -> None:
+    def entry(key: int, chars: int) -> ChatPrefix:
+        return ChatPrefix(key, "x" * chars, array("I", range(chars // 4)))
+
+    one = entry(1, 1000)
+    cost = ChatPrefixCache._cost(one)
+    cache = ChatPrefixCache(max_bytes=2 * cost)  # room for two
+    cache.put(one)  # conversation A, turn 1
+    cache.put(entry(2, 1000))  # conversation B
+    assert cache.find([1], "x" * 1200) is one  # A again (a retry): now the most recent
+    cache.put(entry(3, 1000))  # conversation C: B, the least recent, is evicted
+    assert cache.find([2], "x" * 1200) is None and cache.find([1], "x" * 1200) is one
+    cache.put(entry(4, 1000), supersedes=one)  # A's turn 2: turn 1 goes, though used last
+    assert cache.find([1], "x" * 1200) is None
+    assert cache.find([3], "x" * 1200) is not None and cache.find([4], "x" * 1200) is not None
+    assert cache.find([4, 3], "y") is None  # a text that starts with neither
