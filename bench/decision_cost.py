@@ -2,9 +2,12 @@
 
 Part 1 (decision latency): the real director (real Qwen3 tokenizer, real metrics store fed by
 live simulators) is driven in-process with multi-turn chat bodies of about 2k, 8k and 32k tokens;
-each call of `Director.route` (parse, tokenize, score, commit) is timed. "cold" = every body is
-a new conversation (nothing cached); "multi-turn" = each body extends the previous one by one
-turn, as chat clients send them (the incremental tokenizer reuses earlier turns).
+each call of `Director.route` (parse, tokenize, score, commit) is timed, in wall time and in
+the loop thread's CPU time (which other processes on the machine cannot inflate; an encode
+offloaded to a worker thread is not in it), and counted when the cyclic GC ran during it.
+"cold" = every body is a new conversation (nothing cached); "multi-turn" = each body extends
+the previous one by one turn, as chat clients send them (the incremental tokenizer reuses
+earlier turns).
 
 Part 2 (CPU per request): the whole local stack (Envoy + ext_proc + simulators) under a
 closed-loop load; ext_proc CPU seconds (utime+stime from /proc) / requests, with response
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -125,6 +129,8 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
         for size in sizes:
             for mode in ("cold", "multi-turn"):
                 times: list[float] = []
+                cpu: list[float] = []  # the loop thread's CPU time: what other load cannot add
+                collections = 0  # decisions during which the cyclic GC ran (any generation)
                 tokens: list[int] = []
                 i = 0
                 while len(times) < n:
@@ -141,7 +147,8 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                             headers={"routing-strategy": "prefix-cache"},
                         )  # fmt: skip
                         i += 1
-                        t0 = time.perf_counter()
+                        gc0 = sum(g["collections"] for g in gc.get_stats())
+                        c0, t0 = time.thread_time(), time.perf_counter()
                         res = await app.director.route(head, body)
                         if mode == "multi-turn" and k == 0:
                             assert isinstance(res, RouteResult), res
@@ -149,6 +156,8 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                             res.ticket.close()
                             continue  # the warm-up turn: not timed
                         times.append(time.perf_counter() - t0)
+                        cpu.append(time.thread_time() - c0)
+                        collections += sum(g["collections"] for g in gc.get_stats()) > gc0
                         assert isinstance(res, RouteResult), res
                         assert res.ticket is not None
                         res.ticket.close()
@@ -159,6 +168,9 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                     "prompt_tokens_median": int(statistics.median(tokens)),
                     "p50_ms": pct_ms(times, 50),
                     "p99_ms": pct_ms(times, 99),
+                    "loop_cpu_p50_ms": pct_ms(cpu, 50),
+                    "loop_cpu_p99_ms": pct_ms(cpu, 99),
+                    "decisions_with_gc": collections,
                     # One process deciding back to back: the decision-bound request rate.
                     "decisions_per_s": round(len(times) / sum(times), 1),
                 }
