@@ -48,7 +48,6 @@ from extproc.routing.columns import (
     rank_order,
     vectorised,
 )
-from extproc.routing.framework import MaxScorePicker, SoftmaxParams, SoftmaxPicker
 from extproc.routing.strategies import StrategyPlugin
 from extproc.types import BadRequest, TooManyRequests
 
@@ -276,6 +275,12 @@ def _slo_ms(headers: Mapping[str, str], name: str) -> float | None:
     return value
 
 
+def _slo(headers: Mapping[str, str]) -> _Slo | None:
+    """The request's SLO headers; None without any (the common case: nothing built)."""
+    ttft, tpot = _slo_ms(headers, SLO_TTFT_HEADER), _slo_ms(headers, SLO_TPOT_HEADER)
+    return None if ttft is None and tpot is None else _Slo(ttft, tpot)
+
+
 def _ms(seconds: float | None) -> float:
     return round(seconds * 1000.0, 3) if seconds is not None else -1.0
 
@@ -338,14 +343,11 @@ class PredictedLatencyStrategy(StrategyPlugin):
             "kv-aware", KvAwareParams(overlap_weight=self.params.overlap_weight)
         )
         t = self.params.temperature
-        self._picker = (
-            SoftmaxPicker("softmax", SoftmaxParams(temperature=t)) if t > 0 else MaxScorePicker()
-        )
         self._rule = f"softmax T={t:g}" if t > 0 else "argmin"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        slo = _Slo(_slo_ms(req.headers, SLO_TTFT_HEADER), _slo_ms(req.headers, SLO_TPOT_HEADER))
+        slo = _slo(req.headers)
         if vectorised(snap.pods, PREDICTED_RULE):
             return self._route_columns(t0, req, snap, rng, slo)
         pods = snap.pods
@@ -371,7 +373,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         totals = [(best - t) / spread for t in ttfts]  # <= 0: errors behind the best
         notes: list[str] = []
         head_idx: Sequence[int] = range(len(pods))
-        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+        if slo is not None:
             ok = [i for i, pr in enumerate(preds) if _meets(pr, slo)]
             if not ok and req.priority < 0:
                 raise slo.refuse()
@@ -381,11 +383,10 @@ class PredictedLatencyStrategy(StrategyPlugin):
             else:
                 notes.append(slo.unmet_note())
         if len(head_idx) == len(pods):
-            ranked = self._picker.rank(pods, totals, rng)
+            ranked = [pods[i] for i in self._order_rows(totals, rng)]
         else:  # the pods predicted to miss the SLO follow as fallbacks, fastest first
-            ranked = list(
-                self._picker.rank([pods[i] for i in head_idx], [totals[i] for i in head_idx], rng)
-            )
+            order = self._order_rows([totals[i] for i in head_idx], rng)
+            ranked = [pods[head_idx[k]] for k in order]
             taken = set(head_idx)
             rest = sorted((ttfts[i], rng.random(), i) for i in range(len(pods)) if i not in taken)
             ranked += [pods[i] for _, _, i in rest]
@@ -412,7 +413,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         )
 
     def _route_columns(
-        self, t0: int, req: RoutingRequest, snap: Snapshot, rng: random.Random, slo: _Slo
+        self, t0: int, req: RoutingRequest, snap: Snapshot, rng: random.Random, slo: _Slo | None
     ) -> Decision:
         """`route` over many pods, on columns: the same decision, scores and reason."""
         cols = columns_of(snap.pods)
@@ -432,7 +433,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         totals = (best - ttft) / spread
         notes: list[str] = []
         head: IntArray | None = None  # None: every pod
-        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+        if slo is not None:
             ok = np.flatnonzero(_meets_columns(preds, slo))
             if not len(ok) and req.priority < 0:
                 raise slo.refuse()
@@ -462,16 +463,30 @@ class PredictedLatencyStrategy(StrategyPlugin):
         scores = _ColumnScores(addresses, preds, uncached, totals)
         return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
 
+    def _order_rows(self, totals: Sequence[float], rng: random.Random) -> list[int]:
+        """Positions by `totals`, best first: the `softmax` picker's order (Gumbel top-k, ties
+        to the later position), or at temperature 0 the `max-score` picker's (ties at random)."""
+        t = self.params.temperature
+        if t <= 0:
+            keyed = sorted([(-total, rng.random(), i) for i, total in enumerate(totals)])
+            return [i for _, _, i in keyed]
+        log, draw = math.log, rng.random
+        gumbel = sorted(
+            [(total / t - log(-log(draw() or 1e-300)), i) for i, total in enumerate(totals)],
+            reverse=True,
+        )
+        return [i for _, i in gumbel]
+
     def _order(self, totals: FloatArray, rng: random.Random) -> IntArray:
-        """`self._picker.rank` as indices, with the same draws in the same order."""
+        """`_order_rows` on an array, with the same draws in the same order."""
         t = self.params.temperature
         if t <= 0:  # max-score: highest total first, equal totals in random order
             return rank_order([-totals], rng)
         u = draws(rng, len(totals))
         if not u.all():
             u[u == 0.0] = 1e-300
-        # Gumbel keys as SoftmaxPicker makes them (numpy's log is the C library's, as math's),
-        # sorted descending by (key, position).
+        # The same Gumbel keys (numpy's log is the C library's, as math's), sorted descending
+        # by (key, position).
         keys = totals / t - np.log(-np.log(u))
         return np.lexsort((-np.arange(len(totals)), -keys))
 
@@ -511,7 +526,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         snap: Snapshot,
         rng: random.Random,
         cold: Sequence[str],
-        slo: _Slo,
+        slo: _Slo | None,
         n_cold: int | None = None,
     ) -> Decision:
         fallback = self._cost.route(req, snap, rng)
@@ -521,7 +536,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
             f"{','.join(cold[:4])}{',...' if n_cold > 4 else ''}): "
             f"cost rule (kv-aware) {fallback.reason}"
         )
-        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+        if slo is not None:
             reason += "; SLO headers not applied (no prediction yet)"
         return self.decision_of(t0, fallback.ranked, reason, fallback.scores)
 
