@@ -353,7 +353,7 @@ def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
     """Row-wise dot products, added left to right from 0 as `sum(map(mul, ...))` adds."""
     terms = coef * x
     terms[:, 0] += 0.0  # 0 + t, as `sum` starts: a -0.0 first term becomes 0.0
-    out: FloatArray = np.cumsum(terms, axis=1)[:, -1]
+    out: FloatArray = terms.cumsum(axis=1)[:, -1]
     return out
 
 

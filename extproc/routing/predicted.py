@@ -39,7 +39,6 @@ import numpy.typing as npt
 from extproc.routing.affinity import KvAwareParams, KvAwareStrategy
 from extproc.routing.base import Capabilities, Decision, PodState, RoutingRequest, Snapshot
 from extproc.routing.columns import (
-    CHEAP_RULE,
     FloatArray,
     IntArray,
     PodColumns,
@@ -71,9 +70,9 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 SLO_UNMET = "slo_unmet"  # the error code of the 429 for a sheddable request no pod can serve
 MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a typo, not a target
-# Where the columns pay: the per-pod path builds features and a prediction per pod, like the
-# cheap rules' per-pod dicts (measured: bench/routing_bench.py, both paths).
-PREDICTED_RULE = CHEAP_RULE
+# Where the columns pay (`VECTOR_MIN_PODS * 1.0` = 48 pods): the columns path runs ~60 numpy
+# calls whatever the pool; measured both paths in one process, they cross at 40-48 pods.
+PREDICTED_RULE = 1.0
 
 # The regressors, in `LatencyFeatures.vector()` order (scaled so each is O(1) in practice).
 FEATURE_NAMES = (
@@ -145,9 +144,7 @@ def latency_feature_columns(req: RoutingRequest, cols: PodColumns) -> FloatArray
 def _uncached_column(req: RoutingRequest, cols: PodColumns) -> FloatArray:
     prompt = float(req.prompt_tokens if req.prompt_tokens > 0 else 0)
     cached = cols.prefix_match_tokens
-    uncached: FloatArray = prompt - np.where(
-        cached < 0.0, 0.0, np.where(cached > prompt, prompt, cached)
-    )
+    uncached: FloatArray = prompt - np.minimum(np.maximum(cached, 0.0), prompt)  # whole tokens
     return uncached
 
 
@@ -428,7 +425,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         n = cols.n
         ttft = preds.ttft_s
         best = float(ttft.min())
-        error_sum = float(np.cumsum(preds.error_s)[-1])  # left to right, as `sum` adds
+        error_sum = float(preds.error_s.cumsum()[-1])  # left to right, as `sum` adds
         spread = max(error_sum / n, 0.05 * best, 1e-3)
         totals = (best - ttft) / spread
         notes: list[str] = []
