@@ -135,7 +135,9 @@ class KVEventsConfig:
     stall_after_s: float = 10.0
     # AUTO mode: blocks routed to a pod count as cached there this long before its events
     # confirm them (the blind spot between a decision and the BlockStored event); 0 = off.
-    pending_s: float = 2.0
+    # Off by default: with prefix-cache and a prefix every request shares, pods that got no
+    # traffic yet never match and starve (docs/benchmarks.md §3.3); llm-d uses 2 s.
+    pending_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
