@@ -26,8 +26,7 @@ import numpy as np
 
 from extproc.routing.base import Capabilities, PodState, PodStats
 from extproc.routing.columns import (
-    PROFILE_RULE,
-    VECTOR_MIN_PODS,
+    TABLE_MIN_PODS,
     FloatArray,
     IntArray,
     PodColumns,
@@ -46,8 +45,6 @@ __all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_at", "pod_states"]
 _NO_STATS = PodStats()  # frozen: one shared "nothing measured" for rules that never read it
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN), as in `PodColumns`
 _ONE_BY_ONE = 16  # rows built singly (by index or iteration) before the rest are built at once
-# From here on every vectorised built-in (profiles last) reads the columns, not the rows.
-TABLE_MIN_PODS = int(VECTOR_MIN_PODS * PROFILE_RULE)
 
 
 def pod_states(

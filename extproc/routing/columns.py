@@ -33,6 +33,7 @@ __all__ = [
     "CHEAP_RULE",
     "COSTLY_RULE",
     "PROFILE_RULE",
+    "TABLE_MIN_PODS",
     "VECTOR_MIN_PODS",
     "FloatArray",
     "IntArray",
@@ -59,11 +60,15 @@ VECTOR_MIN_PODS = 48
 CHEAP_RULE = 0.5  # kv-aware, vtc-basic: the per-pod path builds a dict per pod
 COSTLY_RULE = 4 / 3  # pd, session-affinity
 PROFILE_RULE = 2.0  # profiles and their scorers
+# From here on the director's snapshot is a `PodTable`, whose columns are arrays already:
+# on one, every rule reads the columns (measured: level with rows at 32 pods, ahead above).
+TABLE_MIN_PODS = 32
 
 
 def vectorised(pods: Sequence[PodState], factor: float = 1.0) -> bool:
     """Whether a decision over `pods` should use the columns."""
-    return len(pods) >= VECTOR_MIN_PODS * factor
+    n = len(pods)
+    return n >= VECTOR_MIN_PODS * factor or (n >= TABLE_MIN_PODS and isinstance(pods, PodTable))
 
 
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN)

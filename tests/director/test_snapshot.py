@@ -249,14 +249,14 @@ def test_pod_at_builds_only_the_row_it_finds() -> None:
     world = World(TABLE_MIN_PODS)
     table = world.build(ALL, table=True)
     rows = world.build(ALL, table=False)
-    address = world.endpoints[40].address
+    address = world.endpoints[TABLE_MIN_PODS - 3].address
     found = pod_at(table, address)
     assert found is not None
-    _same_pod(found, rows[40])
+    _same_pod(found, rows[TABLE_MIN_PODS - 3])
     assert isinstance(table, SnapshotTable)
     assert sum(r is not None for r in table._rows) == 1
     assert pod_at(table, "10.9.9.9:1") is None
-    assert pod_at(rows, address) is rows[40]
+    assert pod_at(rows, address) is rows[TABLE_MIN_PODS - 3]
     assert pod_at(rows, "10.9.9.9:1") is None
 
 
