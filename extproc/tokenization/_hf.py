@@ -272,10 +272,9 @@ class HFTokenizer:
             if i == plan.memo_pieces:
                 memo_ids = len(out)
             if done is None:
-                new = next(fresh)
+                done = array("I", next(fresh))  # ints converted once; copies below are memcpy
                 if cache is not None:
-                    cache.put(plan.pieces[i][0], new)
-                done = new
+                    cache.put(plan.pieces[i][0], done)
             out.extend(done)
         if plan.memo_key is not None and self._prefixes is not None:
             if plan.memo_pieces == len(plan.found):
