@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from functools import cached_property
 from itertools import repeat, starmap
 from operator import attrgetter, is_not
-from typing import Any, overload
+from typing import Any, TypeGuard, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,7 @@ __all__ = [
     "columns_of",
     "draws",
     "endpoints_of",
+    "is_table",
     "predicted_latency_column",
     "rank_order",
     "rows_at",
@@ -67,8 +68,13 @@ TABLE_MIN_PODS = 32
 
 def vectorised(pods: Sequence[PodState], factor: float = 1.0) -> bool:
     """Whether a decision over `pods` should use the columns."""
-    n = len(pods)
-    return n >= VECTOR_MIN_PODS * factor or (n >= TABLE_MIN_PODS and isinstance(pods, PodTable))
+    return len(pods) >= VECTOR_MIN_PODS * factor or is_table(pods)
+
+
+def is_table(pods: Sequence[PodState]) -> TypeGuard[PodTable]:
+    """Whether `pods` is a `PodTable` (the length first: the ABC check would cost more than a
+    rule over a few pods can spare)."""
+    return len(pods) >= TABLE_MIN_PODS and isinstance(pods, PodTable)
 
 
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN)

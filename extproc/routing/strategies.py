@@ -32,8 +32,8 @@ from extproc.routing.columns import (
     FloatArray,
     IntArray,
     PodColumns,
-    PodTable,
     columns_of,
+    is_table,
     predicted_latency_column,
     rank_order,
     vectorised,
@@ -130,7 +130,7 @@ class RandomStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if isinstance(snap.pods, PodTable):  # shuffle indices: the same draws, no row built
+        if is_table(snap.pods):  # shuffle indices: the same draws, no row built
             order = list(range(len(snap.pods)))
             rng.shuffle(order)
             return self.decision_of(t0, snap.pods.columns.endpoints_at(order), "uniform random")
@@ -155,7 +155,7 @@ class RoundRobinStrategy(StrategyPlugin):
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
         n = len(snap.pods)
-        if isinstance(snap.pods, PodTable):  # sort indices by the address column: no row built
+        if is_table(snap.pods):  # sort indices by the address column: no row built
             cols = snap.pods.columns
             order = sorted(range(n), key=cols.addresses.__getitem__)
             k = next(self._counter) % n
@@ -175,13 +175,28 @@ class PowerOfTwoStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        pods = snap.pods
-        if len(pods) == 1:
-            return self.decision(t0, pods, "single candidate")
-        vector = vectorised(pods)
-        # Sampling indices draws as sampling the pods does; only the two sampled rows are read.
+        if len(snap.pods) == 1:
+            return self.decision(t0, snap.pods, "single candidate")
+        if vectorised(snap.pods):
+            return self._route_columns(snap.pods, rng, t0)
+        pods = list(snap.pods)
+        a, b = rng.sample(pods, 2)
+        first, second, reason = self._pair(a, b, rng)
+        rest = _least_request_order([p for p in pods if p is not a and p is not b], rng)
+        return self.decision(t0, [first, second, *rest], reason)
+
+    def _route_columns(self, pods: Sequence[PodState], rng: random.Random, t0: int) -> Decision:
+        """`route` reading two rows: sampling indices draws as sampling the pods does."""
         ia, ib = rng.sample(range(len(pods)), 2)
-        a, b = pods[ia], pods[ib]
+        first, second, reason = self._pair(pods[ia], pods[ib], rng)
+        cols = columns_of(pods)
+        others = np.delete(np.arange(cols.n), (ia, ib))
+        tail = cols.endpoints_at(least_request_at(cols, others, rng))
+        return self.decision_of(t0, (first.endpoint, second.endpoint, *tail), reason)
+
+    @staticmethod
+    def _pair(a: PodState, b: PodState, rng: random.Random) -> tuple[PodState, PodState, str]:
+        """The two sampled pods, the less loaded first, and the reason."""
 
         def load(p: PodState) -> tuple[float, float]:
             r = signals.running(p)
@@ -190,13 +205,7 @@ class PowerOfTwoStrategy(StrategyPlugin):
         la, lb = load(a), load(b)
         first, second = (a, b) if la < lb or (la == lb and rng.random() < 0.5) else (b, a)
         reason = f"sampled {a.address} (in_flight {la[0]:g}) vs {b.address} (in_flight {lb[0]:g})"
-        if vector:
-            cols = columns_of(pods)
-            others = np.delete(np.arange(cols.n), (ia, ib))
-            tail = cols.endpoints_at(least_request_at(cols, others, rng))
-            return self.decision_of(t0, (first.endpoint, second.endpoint, *tail), reason)
-        rest = _least_request_order([p for i, p in enumerate(pods) if i != ia and i != ib], rng)
-        return self.decision(t0, [first, second, *rest], reason)
+        return first, second, reason
 
 
 class LeastSignalStrategy(StrategyPlugin, abc.ABC):
