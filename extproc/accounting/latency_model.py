@@ -243,117 +243,120 @@ class PodLatencyModel:
 
 
 class CoefficientTable:
-    """One served model's pods as rows of arrays: what `PodLatencyModel.predict` reads, for
-    predicting every candidate at once. A row is written when its pod's model learns (or is
-    routed to); a request only gathers rows. Row 0 is a spare that is never warm: an address
+    """One served model's pods as columns of arrays (one column per pod, one row per
+    coefficient or value): what `PodLatencyModel.predict` reads, for predicting every
+    candidate at once. A pod's column is written when its model learns (or the pod is routed
+    to); a request only gathers columns. Column 0 is a spare that is never warm: an address
     without a model reads it."""
 
     __slots__ = ("_last", "free", "index", "meta", "tpot", "ttft", "version")
 
-    def __init__(self, rows: int = 16) -> None:
+    def __init__(self, slots: int = 16) -> None:
         dim = len(FEATURE_NAMES)
         self.index: dict[str, int] = {}
-        self.version = 0  # bumped when an address gets or loses its row
-        self.free: list[int] = list(range(rows - 1, 0, -1))  # row 0 is the spare
-        self.ttft = np.zeros((rows, dim))
-        self.tpot = np.zeros((rows, dim))
-        self.meta = np.zeros((rows, len(_META)))
-        self.meta[:, _ROUTED_AT] = -math.inf
-        # The rows of the last addresses asked for: a pool asks for the same list each time.
+        self.version = 0  # bumped when an address gets or loses its column
+        self.free: list[int] = list(range(slots - 1, 0, -1))  # column 0 is the spare
+        self.ttft = np.zeros((dim, slots))
+        self.tpot = np.zeros((dim, slots))
+        self.meta = np.zeros((len(_META), slots))
+        self.meta[_ROUTED_AT] = -math.inf
+        # The columns of the last addresses asked for: a pool asks for the same list each time.
         self._last: tuple[list[str], int, IntArray] = ([], -1, np.empty(0, dtype=np.intp))
 
-    def row(self, address: str) -> int:
-        """The address's row, taken (and the arrays grown) on first use."""
+    def slot(self, address: str) -> int:
+        """The address's column, taken (and the arrays grown) on first use."""
         found = self.index.get(address)
         if found is not None:
             return found
         if not self.free:
-            old = len(self.meta)
+            old = self.meta.shape[1]
             for name in ("ttft", "tpot", "meta"):
-                column = getattr(self, name)
-                grown = np.zeros((2 * old, column.shape[1]))
-                grown[:old] = column
+                values = getattr(self, name)
+                grown = np.zeros((values.shape[0], 2 * old))
+                grown[:, :old] = values
                 setattr(self, name, grown)
-            self.meta[old:, _ROUTED_AT] = -math.inf
+            self.meta[_ROUTED_AT, old:] = -math.inf
             self.free.extend(range(2 * old - 1, old - 1, -1))
-        row = self.index[address] = self.free.pop()
+        slot = self.index[address] = self.free.pop()
         self.version += 1
-        return row
+        return slot
 
     def write(self, address: str, pod: PodLatencyModel) -> None:
         """The pod's model as it predicts now (after it learned)."""
         fit = pod.fit
         if fit is None:
             return
-        i = self.row(address)
+        i = self.slot(address)
         ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
-        self.ttft[i] = ttft_coef
+        self.ttft[:, i] = ttft_coef
         if tpot_coef is not None:
-            self.tpot[i] = tpot_coef
+            self.tpot[:, i] = tpot_coef
         tpot_warm = 1.0 if tpot_coef is not None else 0.0
-        self.meta[i] = (1.0, ttft_cap, tpot_warm, tpot_cap, samples, error, pod.updated_at,
-                        pod.routed_at)  # fmt: skip
+        self.meta[:, i] = (1.0, ttft_cap, tpot_warm, tpot_cap, samples, error, pod.updated_at,
+                           pod.routed_at)  # fmt: skip
 
     def routed(self, address: str, at: float) -> None:
         i = self.index.get(address)
         if i is not None:
-            self.meta[i, _ROUTED_AT] = at
+            self.meta[_ROUTED_AT, i] = at
 
     def drop(self, address: str) -> None:
         i = self.index.pop(address, None)
         if i is not None:
-            self.meta[i] = 0.0
-            self.meta[i, _ROUTED_AT] = -math.inf
+            self.meta[:, i] = 0.0
+            self.meta[_ROUTED_AT, i] = -math.inf
             self.free.append(i)
             self.version += 1
 
-    def rows(self, addresses: Sequence[str]) -> IntArray:
-        last, version, rows = self._last
+    def slots(self, addresses: Sequence[str]) -> IntArray:
+        last, version, slots = self._last
         if version != self.version or addresses != last:
             n = len(addresses)
-            rows = np.fromiter(map(self.index.get, addresses, repeat(0)), np.intp, n)
-            self._last = (list(addresses), self.version, rows)
-        return rows
+            slots = np.fromiter(map(self.index.get, addresses, repeat(0)), np.intp, n)
+            self._last = (list(addresses), self.version, slots)
+        return slots
 
     def predict(self, addresses: Sequence[str], x: FloatArray, now: float) -> PredictionColumns:
-        """`PodLatencyModel.predict` for every address (features `x`, one row per address),
-        with the same float steps: the dot product summed left to right, then clamped."""
-        rows = self.rows(addresses)
-        meta = self.meta[rows]
+        """`PodLatencyModel.predict` for every address (features `x`: one row per feature, one
+        column per address), with the same float steps: the dot product summed left to right,
+        then clamped."""
+        at = self.slots(addresses)
+        meta = np.take(self.meta, at, axis=1)
 
-        def tpot(at: int | None) -> FloatArray:
-            if at is not None:  # one pod (the pick's reason): as `PodLatencyModel.predict`
-                r, m = int(rows[at]), meta[at]
-                if m[_TPOT_WARM] == 0.0:
+        def tpot(one: int | None) -> FloatArray:
+            if one is not None:  # one pod (the pick's reason): as `PodLatencyModel.predict`
+                if meta[_TPOT_WARM, one] == 0.0:
                     return np.array([np.nan])
-                dot = sum(map(operator.mul, self.tpot[r].tolist(), x[at].tolist()))
-                return np.array([_clamped(dot, float(m[_TPOT_CAP]))])
-            out = _clamped_columns(_dot(self.tpot[rows], x), meta[:, _TPOT_CAP])
-            out[meta[:, _TPOT_WARM] == 0.0] = np.nan
+                coef = self.tpot[:, int(at[one])].tolist()
+                dot = sum(map(operator.mul, coef, x[:, one].tolist()))
+                return np.array([_clamped(dot, float(meta[_TPOT_CAP, one]))])
+            out = _clamped_columns(_dot(np.take(self.tpot, at, axis=1), x), meta[_TPOT_CAP])
+            out[meta[_TPOT_WARM] == 0.0] = np.nan
             return out
 
         return PredictionColumns(
-            warm=meta[:, _WARM] == 1.0,
-            ttft_s=_clamped_columns(_dot(self.ttft[rows], x), meta[:, _TTFT_CAP]),
-            samples=meta[:, _SAMPLES],
-            age_s=now - meta[:, _UPDATED_AT],
-            error_s=meta[:, _ERROR],
-            routed_s=now - meta[:, _ROUTED_AT],
+            warm=meta[_WARM] == 1.0,
+            ttft_s=_clamped_columns(_dot(np.take(self.ttft, at, axis=1), x), meta[_TTFT_CAP]),
+            samples=meta[_SAMPLES],
+            age_s=now - meta[_UPDATED_AT],
+            error_s=meta[_ERROR],
+            routed_s=now - meta[_ROUTED_AT],
             tpot=tpot,
         )
 
 
-# The per-pod values of a `CoefficientTable` row besides its coefficients (`meta` columns).
+# The per-pod values of a `CoefficientTable` column besides its coefficients (`meta` rows).
 _META = ("warm", "ttft_cap", "tpot_warm", "tpot_cap", "samples", "error", "updated_at",
          "routed_at")  # fmt: skip
 _WARM, _TTFT_CAP, _TPOT_WARM, _TPOT_CAP, _SAMPLES, _ERROR, _UPDATED_AT, _ROUTED_AT = range(8)
 
 
 def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
-    """Row-wise dot products, added left to right from 0 as `sum(map(mul, ...))` adds."""
+    """Column-wise dot products, added left to right from 0 as `sum(map(mul, ...))` adds."""
     terms = coef * x
-    terms[:, 0] += 0.0  # 0 + t, as `sum` starts: a -0.0 first term becomes 0.0
-    out: FloatArray = terms.cumsum(axis=1)[:, -1]
+    out: FloatArray = terms[0] + 0.0  # 0 + t, as `sum` starts: a -0.0 first term becomes 0.0
+    for term in terms[1:]:
+        out += term
     return out
 
 
@@ -403,7 +406,7 @@ class LatencyModels:
     def predict_columns(
         self, model: str, addresses: Sequence[str], features: FloatArray
     ) -> PredictionColumns | None:
-        """`predict` for every address at once (`features`: one `vector()` per row); None
+        """`predict` for every address at once (`features`: one column per address); None
         when no pod of `model` has a model yet."""
         table = self._tables.get(model)
         return None if table is None else table.predict(addresses, features, self._clock())

@@ -137,7 +137,8 @@ def latency_features(req: RoutingRequest, pod: PodState) -> LatencyFeatures:
 
 
 def latency_feature_columns(req: RoutingRequest, cols: PodColumns) -> FloatArray:
-    """`latency_features(req, pod).vector()` for every pod, one row each (the same values)."""
+    """`latency_features(req, pod).vector()` for every pod: one row per feature, one column
+    per pod (the same values)."""
     return _feature_columns(req, cols, _uncached_column(req, cols))
 
 
@@ -149,21 +150,22 @@ def _uncached_column(req: RoutingRequest, cols: PodColumns) -> FloatArray:
 
 
 def _feature_columns(req: RoutingRequest, cols: PodColumns, uncached: FloatArray) -> FloatArray:
-    x = np.empty((cols.n, len(FEATURE_NAMES)))
-    x[:, 0] = 1.0
-    x[:, 1] = uncached / 1000.0
-    x[:, 2] = cols.in_flight
-    x[:, 3] = cols.waiting
-    x[:, 4] = cols.running
-    x[:, 5] = cols.kv_usage
-    x[:, 6] = cols.in_flight_tokens
+    x = np.empty((len(FEATURE_NAMES), cols.n))  # one row per feature: contiguous writes
+    x[0] = 1.0
+    np.divide(uncached, 1000.0, out=x[1])
+    x[2] = cols.in_flight
+    x[3] = cols.waiting
+    x[4] = cols.running
+    x[5] = cols.kv_usage
+    x[6] = cols.in_flight_tokens
     # The engine's signals: unknown (NaN), negative or infinite is 0 (`0 <= v < inf` is False
     # for NaN too); KV usage at most 1. In-flight counts: at least 0.
-    engine = x[:, 3:6]
+    engine = x[3:6]
     engine[~((engine >= 0.0) & (engine < _INF))] = 0.0
-    np.minimum(x[:, 5], 1.0, out=x[:, 5])
-    np.maximum(x[:, 2], 0.0, out=x[:, 2])
-    x[:, 6] = np.maximum(x[:, 6], 0.0) / 10000.0
+    np.minimum(x[5], 1.0, out=x[5])
+    np.maximum(x[2], 0.0, out=x[2])
+    np.maximum(x[6], 0.0, out=x[6])
+    x[6] /= 10000.0
     return x
 
 
@@ -218,8 +220,8 @@ class LatencyPredictor(Protocol):
     def predict_columns(
         self, model: str, addresses: Sequence[str], features: FloatArray
     ) -> PredictionColumns | None:
-        """`predict` for every address at once (`features`: one `vector()` per row), the same
-        values; None when every pod is cold."""
+        """`predict` for every address at once (`features`: `latency_feature_columns`, one
+        column per address), the same values; None when every pod is cold."""
         ...
 
 
@@ -483,9 +485,10 @@ class PredictedLatencyStrategy(StrategyPlugin):
         if not u.all():
             u[u == 0.0] = 1e-300
         # The same Gumbel keys (numpy's log is the C library's, as math's), sorted descending
-        # by (key, position).
+        # by (key, position): a stable ascending sort, reversed.
         keys = totals / t - np.log(-np.log(u))
-        return np.lexsort((-np.arange(len(totals)), -keys))
+        order: IntArray = np.argsort(keys, kind="stable")[::-1]
+        return order
 
     def _min_reason(self, address: str, ttft_s: float, tpot_s: float | None) -> str:
         return (

@@ -165,7 +165,7 @@ def test_the_feature_columns_are_the_per_pod_features() -> None:
     r = req(prompt_tokens=2000)
     x = latency_feature_columns(r, columns_of(PodRows(pods)))
     rows = np.array([latency_features(r, p).vector() for p in pods])
-    assert np.array_equal(x, rows)
+    assert np.array_equal(x, rows.T)
 
 
 def test_the_table_predicts_as_each_pod_model_and_follows_what_it_learns() -> None:
@@ -206,7 +206,7 @@ def test_the_table_predicts_as_each_pod_model_and_follows_what_it_learns() -> No
     clock.advance(2.0)
     models.routed("m", pods[7].address)
     check()
-    assert models.predict_columns("other-model", addresses, np.zeros((30, 7))) is None
+    assert models.predict_columns("other-model", addresses, np.zeros((7, 30))) is None
 
 
 def test_the_table_grows_and_reuses_the_rows_of_dropped_pods() -> None:
@@ -215,7 +215,7 @@ def test_the_table_grows_and_reuses_the_rows_of_dropped_pods() -> None:
     for i in range(100):  # past max_pods: the oldest models are dropped
         models.observe("m", f"10.1.0.{i}:8000", f, ttft_s=0.01 * (i + 1), tpot_s=None)
     addresses = [f"10.1.0.{i}:8000" for i in range(100)]
-    x = np.tile(np.array(f.vector()), (100, 1))
+    x = np.tile(np.array(f.vector()), (100, 1)).T
     table = models.predict_columns("m", addresses, x)
     assert table is not None
     assert table.warm.tolist() == [False] * 60 + [True] * 40
