@@ -450,7 +450,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
             ranked = np.concatenate((ranked, rest[rank_order([ttft[rest]], rng)]))
         probe = None
         if self.params.probe_after_s > 0:
-            probe = self._probe_columns(preds, np.arange(n) if head is None else head)
+            probe = self._probe_columns(preds, head)
         if probe is not None and ranked[0] != probe:
             ranked = np.concatenate(([probe], ranked[ranked != probe]))
             reason = _probe_reason(addresses[probe], float(preds.age_s[probe]), float(ttft[probe]))
@@ -507,11 +507,13 @@ class PredictedLatencyStrategy(StrategyPlugin):
                 found, oldest = i, pr.age_s
         return found
 
-    def _probe_columns(self, preds: PredictionColumns, among: IntArray) -> int | None:
-        """`_probe` on columns."""
+    def _probe_columns(self, preds: PredictionColumns, among: IntArray | None) -> int | None:
+        """`_probe` on columns (`among` None: every pod)."""
         after = self.params.probe_after_s
         if preds.age_s.max() < after:  # the common case: every model learned lately
             return None
+        if among is None:
+            among = np.arange(len(preds.age_s))
         age = preds.age_s[among]
         due = among[(age >= after) & (preds.routed_s[among] >= after)]
         if not len(due):
