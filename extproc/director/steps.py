@@ -216,10 +216,19 @@ class ClaimEndpoint:
     def claim(self, req: PreparedRequest, decision: Decision) -> Ticket:
         routing = req.routing
         max_out = routing.max_tokens if routing.max_tokens is not None else DEFAULT_OUTPUT_ESTIMATE
+        # The lease's tokens are the work this request adds to the pod: its prompt tokens the
+        # pod does not hold yet, and its output. A cached prefix costs no prefill and its blocks
+        # are counted once (Dynamo's active blocks dedupe shared prefixes the same way); counting
+        # it made a pod serving three questions on one document look busier than an idle pod
+        # without it, so kv-aware spread documents and evicted them (docs/benchmarks.md §3.3).
         # A route with accounting off has no records: its requests never count towards the
         # stall detector.
+        pod = pod_at(req.pods, decision.endpoint.address)
+        cached = pod.prefix_match_tokens if pod is not None else 0
         lease = self._inflight.start(
-            decision.endpoint, routing.prompt_tokens + max_out, watched=req.settings.accounting
+            decision.endpoint,
+            max(0, routing.prompt_tokens - cached) + max_out,
+            watched=req.settings.accounting,
         )
         if routing.user:
             self._fairness.request_started(routing.user, routing.prompt_tokens)

@@ -284,6 +284,25 @@ def test_claim_holds_a_lease_and_the_users_count_until_the_ticket_closes(
     assert parts.sample("extproc_routed_requests_total", model="qwen3") == 1
 
 
+@pytest.mark.parametrize(
+    ("cached", "want_tokens"),
+    [
+        pytest.param(0, 100 + 32, id="nothing-cached"),
+        pytest.param(64, 36 + 32, id="prefix-cached"),
+        pytest.param(100, 0 + 32, id="whole-prompt-cached"),
+        pytest.param(150, 0 + 32, id="match-longer-than-prompt"),
+    ],
+)
+def test_claim_counts_only_the_prompt_tokens_the_pick_does_not_hold(
+    runtime: ModelRuntime, parts: Parts, cached: int, want_tokens: int
+) -> None:
+    step = ClaimEndpoint(inflight=parts.inflight, fairness=parts.fairness, metrics=parts.metrics)
+    pods = (pod(PODS[0], prefix=100), pod(PODS[1], prefix=cached))
+    body = {"model": "qwen3", "messages": MSGS, "max_tokens": 32}
+    step.claim(prepared(runtime, body=body, pods=pods, prompt_tokens=100), decision(PODS[1]))
+    assert parts.inflight.load(PODS[1]).tokens == want_tokens
+
+
 def test_claim_is_synchronous() -> None:
     # Nothing may run between the claim and the ticket reaching the stream.
     assert not asyncio.iscoroutinefunction(ClaimEndpoint.claim)
