@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from extproc.sim.config import SimConfig, StepTimeModel
 from extproc.sim.engine import Engine
