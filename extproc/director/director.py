@@ -140,9 +140,7 @@ class Director:
         # The lifecycle's steps, in the order they run (kinds: extproc.director.lifecycle).
         cfg = config.routing
         self._admit: tuple[AdmitStep, ...] = (
-            ShedSheddable(
-                queue_threshold=cfg.queue_threshold, kv_threshold=cfg.kv_threshold, metrics=metrics
-            ),
+            ShedSheddable(queue_threshold=cfg.queue_threshold, kv_threshold=cfg.kv_threshold),
         )
         self._pre_request: tuple[PreRequestStep, ...] = (
             RecordPick(metrics=metrics, clock=clock, on_routed=on_routed),
@@ -232,8 +230,10 @@ class Director:
         try:
             decision = self._decide(prep, self._rng)
         except TooManyRequests as err:
-            if err.code == SLO_UNMET:  # the admit steps count their own
-                self._metrics.observe_shed(prep.runtime.name, "slo")
+            # Counted here, for real requests only (an explain decides the same, counts nothing).
+            # Only two things refuse a decision: the SLO filter and the saturation admit step.
+            reason = "slo" if err.code == SLO_UNMET else "saturated"
+            self._metrics.observe_shed(prep.runtime.name, reason)
             raise
         out = Outgoing()
         for step in self._pre_request:

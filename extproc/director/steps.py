@@ -49,14 +49,13 @@ DEFAULT_OUTPUT_ESTIMATE = 256  # in-flight token estimate when a request sets no
 
 
 class ShedSheddable:
-    """429 for a sheddable request (priority < 0) when every candidate is saturated."""
+    """429 for a sheddable request (priority < 0) when every candidate is saturated.
 
-    def __init__(
-        self, *, queue_threshold: float, kv_threshold: float, metrics: GatewayMetrics
-    ) -> None:
+    The director counts the shed (a real request's, not an explain's)."""
+
+    def __init__(self, *, queue_threshold: float, kv_threshold: float) -> None:
         self._queue = queue_threshold
         self._kv = kv_threshold
-        self._metrics = metrics
 
     def admit(self, req: PreparedRequest) -> None:
         if (
@@ -64,7 +63,6 @@ class ShedSheddable:
             and req.settings.shed_sheddable
             and is_saturated(req.pods, self._queue, self._kv)
         ):
-            self._metrics.observe_shed(req.runtime.name, "saturated")
             raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
 
 

@@ -63,6 +63,7 @@ class Kit:
     models: LatencyModels
     registry: CollectorRegistry
     clock: ManualClock
+    store: EndpointStore
 
 
 def learned(clock: ManualClock) -> LatencyModels:
@@ -123,7 +124,7 @@ def kits(qwen_tokenizer_dir: Path) -> Iterator[list[Kit]]:
             wall_clock=clock.wall,
             pre_request_steps=(MarkRouted(models=models), TagLatency(models=models)),
         )
-        made.append(Kit(director, models, registry, clock))
+        made.append(Kit(director, models, registry, clock, store))
     yield made
     for pool in pools:
         pool.close()
@@ -184,3 +185,23 @@ async def test_a_sheddable_request_no_pod_can_serve_in_time_is_counted_as_shed(
     with pytest.raises(Exception, match="no endpoint is predicted to meet"):
         await kit.director.explain(head(2, tight), BODY)
     assert sample(kit.registry, "extproc_shed_requests_total") == 1
+
+
+async def test_a_sheddable_request_on_a_saturated_pool_is_counted_once_and_never_by_explain(
+    kits: list[Kit],
+) -> None:
+    kit = kits[0]
+    for ep in kit.store.endpoints("qwen3"):
+        kit.store.record_success(
+            ep, EngineMetrics(kit.clock.now(), running=1.0, waiting=50.0, kv_cache_usage=0.99)
+        )
+    sheddable = {"x-request-priority": "-1"}
+    with pytest.raises(Exception, match="saturated"):
+        await kit.director.explain(head(0, sheddable), BODY)
+    assert sample(kit.registry, "extproc_shed_requests_total") == 0
+    reply = await kit.director.route(head(1, sheddable), BODY)
+    assert isinstance(reply, ImmediateReply) and reply.status == 429
+    assert orjson.loads(reply.body)["error"]["code"] == "overloaded"
+    assert (
+        sample(kit.registry, "extproc_shed_requests_total", model="qwen3", reason="saturated") == 1
+    )
