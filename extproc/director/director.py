@@ -232,8 +232,10 @@ class Director:
         except TooManyRequests as err:
             # Counted here, for real requests only (an explain decides the same, counts nothing).
             # Only two things refuse a decision: the SLO filter and the saturation admit step.
-            reason = "slo" if err.code == SLO_UNMET else "saturated"
-            self._metrics.observe_shed(prep.runtime.name, reason)
+            if err.code == SLO_UNMET:
+                self._metrics.observe_shed(prep.runtime.name, "slo")
+            else:
+                self._metrics.observe_shed(prep.runtime.name, "saturated")
             raise
         out = Outgoing()
         for step in self._pre_request:
