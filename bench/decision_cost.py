@@ -7,7 +7,7 @@ loop thread's CPU time, and in the whole process's CPU time, and counted when th
 ran during it. Other processes on the machine cannot inflate the CPU times. The loop's leaves
 out encodes run by other threads: the executor's, and the tokenizers' rayon pool, which
 `encode_batch_fast` uses even for a small new turn while the loop waits. The process's counts
-those, plus the pool's idle spinning and the simulators' metric scrapes if one lands inside.
+those, plus the pool's idle spinning and whatever the process's other threads did meanwhile.
 "cold" = every body is a new conversation (nothing cached); "multi-turn" = each body extends
 the previous one by one turn, as chat clients send them (the incremental tokenizer reuses
 earlier turns).
