@@ -323,7 +323,7 @@ def rows_at(pods: Sequence[PodState], order: IntArray | Sequence[int]) -> Sequen
 
 def endpoints_of(ranked: Sequence[PodState]) -> tuple[Endpoint, ...]:
     """The endpoints of `ranked`, in order; without building a `rows_at` view's rows."""
-    if isinstance(ranked, _RowsView):
+    if type(ranked) is _RowsView:  # not isinstance: an ABC check costs a small decision ~2 %
         return ranked.endpoints()
     return tuple([p.endpoint for p in ranked])
 
