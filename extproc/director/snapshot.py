@@ -9,9 +9,11 @@ decision.
 Over few pods the result is a `PodRows` built in one pass. From `TABLE_MIN_PODS` on, where
 every built-in rule reads numpy columns, it is a `SnapshotTable`: the in-flight counts, pod
 stats and prefix matches arrive as arrays (each read in C-level passes over the trackers; the
-prefix index answers matches and cache sizes for all pods in one `lookup`), and a `PodState`
-is built only for a row someone reads (the pick, explain, the status page).
-Rows and columns come from the same arrays, so they agree.
+prefix index answers matches and cache sizes for all pods in one `lookup`), the engine
+signals, endpoints and adapter-set ids are the metrics store's columns when the candidates
+are its `ReadyEndpoints` (built from the metrics objects otherwise: a list the caller
+filtered), and a `PodState` is built only for a row someone reads (the pick, explain, the
+status page). Rows and columns come from the same values, so they agree.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, cast, overload
 
 import numpy as np
 
+from extproc.metrics.store import EngineColumns, ReadyEndpoints
 from extproc.routing.base import Capabilities, PodState, PodStats
 from extproc.routing.columns import (
     TABLE_MIN_PODS,
@@ -32,6 +35,7 @@ from extproc.routing.columns import (
     PodColumns,
     PodRows,
     PodTable,
+    lora_set_state,
 )
 from extproc.types import Endpoint, EngineMetrics
 
@@ -137,9 +141,11 @@ class _TableColumns(PodColumns):
         blocks: bool,
         in_flight: tuple[FloatArray, FloatArray],
         stats: StatsColumns | None,
+        engine: EngineColumns | None,
     ) -> None:
         super().__init__(table)
         self._candidates = candidates
+        self._engine = engine  # the store's columns of `candidates`, if it answered them
         self._lookup = prefix
         self._blocks = blocks  # whether rows carry cache sizes (else 0, as `_pod_rows` does)
         self.stats = stats
@@ -189,7 +195,53 @@ class _TableColumns(PodColumns):
 
     @cached_property
     def endpoints(self) -> list[Endpoint]:
+        if self._engine is not None:
+            return self._engine.endpoints()
         return [ep for ep, _ in self._candidates]
+
+    def endpoints_at(self, order: IntArray | Sequence[int]) -> tuple[Endpoint, ...]:
+        if self._engine is None:
+            return super().endpoints_at(order)
+        return tuple(self._engine.endpoint_array.take(order).tolist())
+
+    # The engine signals: the store's columns when it answered the candidates.
+
+    def _engine_column(self, field: str) -> FloatArray | None:
+        return None if self._engine is None else self._engine.column(field)
+
+    @cached_property
+    def waiting(self) -> FloatArray:
+        found = self._engine_column("waiting")
+        return super().waiting if found is None else found
+
+    @cached_property
+    def running(self) -> FloatArray:
+        found = self._engine_column("running")
+        return super().running if found is None else found
+
+    @cached_property
+    def kv_usage(self) -> FloatArray:
+        found = self._engine_column("kv_cache_usage")
+        return super().kv_usage if found is None else found
+
+    @cached_property
+    def engine_ttft(self) -> FloatArray:
+        found = self._engine_column("ttft_avg_s")
+        return super().engine_ttft if found is None else found
+
+    @cached_property
+    def engine_itl(self) -> FloatArray:
+        found = self._engine_column("itl_avg_s")
+        return super().engine_itl if found is None else found
+
+    def lora_states(self, lora: str) -> FloatArray:
+        """One state per distinct adapter set the store interned, gathered by id (every
+        candidate of the store has metrics: none is NaN)."""
+        if self._engine is None:
+            return super().lora_states(lora)
+        by_set = np.array([lora_set_state(lora, *key) for key in self._engine.lora_sets])
+        out: FloatArray = by_set.take(self._engine.lora_ids)
+        return out
 
     @cached_property
     def raw_metrics(self) -> list[EngineMetrics | None]:
@@ -197,7 +249,7 @@ class _TableColumns(PodColumns):
 
     @cached_property
     def has_metrics(self) -> np.ndarray:  # type: ignore[type-arg]
-        if all(self.raw_metrics):
+        if self._engine is not None or all(self.raw_metrics):
             return np.ones(self.n, np.bool_)
         return np.fromiter(map(is_not, self.raw_metrics, repeat(None)), np.bool_, self.n)
 
@@ -284,7 +336,10 @@ class SnapshotTable(PodTable):
         podstats: PodStatsTracker,
         capabilities: Capabilities,
     ) -> None:
-        addresses = [ep.address for ep, _ in candidates]
+        engine = candidates.columns if type(candidates) is ReadyEndpoints else None
+        addresses = (
+            engine.addresses() if engine is not None else [ep.address for ep, _ in candidates]
+        )
 
         def lookup() -> PrefixArrays:
             return prefix.lookup(addresses, block_hashes, now)
@@ -298,6 +353,7 @@ class SnapshotTable(PodTable):
             blocks=capabilities.prefix_matches,
             in_flight=inflight.columns(addresses),
             stats=podstats.columns(addresses, now) if capabilities.accounting else None,
+            engine=engine,
         )
         self._columns.__dict__["addresses"] = addresses  # the column, already built
 

@@ -2,20 +2,55 @@
 
 Every update replaces an immutable `EndpointState`, so a reader (one routing decision)
 always sees a consistent value without locks; everything runs on one event loop.
+
+Per model the store also keeps the engine signals routing reads as numpy columns, one slot
+per endpoint in the model's endpoint order, written in place when a scrape lands (and
+rebuilt only when the endpoint set changes). Over many endpoints `ready()` answers a
+`ReadyEndpoints` whose `columns` are those arrays (gathered by slot when some endpoint is
+not ready): a decision reads them instead of building them from objects. The arrays a ready
+list hands out are made read-only, and the next write copies them first (copy on write), so
+a decision's columns never change under it.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 from extproc.types import Endpoint, EngineMetrics
 
-__all__ = ["EndpointState", "EndpointStore", "ReadyEndpoint"]
+__all__ = [
+    "COLUMNS_MIN_ENDPOINTS",
+    "ENGINE_FIELDS",
+    "EndpointState",
+    "EndpointStore",
+    "EngineColumns",
+    "LoraKey",
+    "ReadyEndpoint",
+    "ReadyEndpoints",
+]
 
 ReadyEndpoint = tuple[Endpoint, EngineMetrics]
 _Routable = tuple[Endpoint, EngineMetrics | None, bool]
+FloatArray: TypeAlias = npt.NDArray[np.float64]
+IntArray: TypeAlias = npt.NDArray[np.intp]
+ObjectArray: TypeAlias = npt.NDArray[np.object_]
+
+# The `EngineMetrics` fields kept as columns (the ones routing ranks by), NaN where None.
+ENGINE_FIELDS = ("waiting", "running", "kv_cache_usage", "ttft_avg_s", "itl_avg_s")
+_FIELD_ROW = {name: row for row, name in enumerate(ENGINE_FIELDS)}
+# A LoRA adapter set as routing reads it: running adapters, waiting adapters, max_lora.
+LoraKey: TypeAlias = tuple[tuple[str, ...], tuple[str, ...], int | None]
+_NO_LORA: LoraKey = ((), (), None)
+# From this many endpoints in a model, `ready()` answers with columns; below it a short
+# Python loop costs less than the numpy calls (and the snapshot builds rows anyway).
+COLUMNS_MIN_ENDPOINTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +63,267 @@ class EndpointState:
 
     def age(self, now: float) -> float | None:
         return None if self.metrics is None else now - self.metrics.updated_at
+
+
+def _lora_key(metrics: EngineMetrics | None) -> LoraKey:
+    if metrics is None:
+        return _NO_LORA
+    return metrics.running_lora_adapters, metrics.waiting_lora_adapters, metrics.max_lora
+
+
+def _objects(items: Sequence[object]) -> ObjectArray:
+    """`items` as a 1-D object array (element by element: a tuple stays one element)."""
+    out = np.empty(len(items), dtype=object)
+    for i, item in enumerate(items):
+        out[i] = item
+    return out
+
+
+def _freeze(array: np.ndarray) -> None:  # type: ignore[type-arg]
+    if array.flags.writeable:
+        array.flags.writeable = False
+
+
+class _AdapterSets:
+    """Every LoRA adapter set some endpoint slot holds, interned to a small id.
+
+    Counted per slot: an id whose count drops to 0 is reused by the next new set, so the
+    table stays as small as the most distinct sets held at once. `keys` is copied before an
+    id is reused while a ready list holds it (a decision reads the keys it was given).
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[LoraKey] = []
+        self.shared = False
+        self._ids: dict[LoraKey, int] = {}
+        self._refs: list[int] = []
+        self._free: list[int] = []
+
+    def acquire(self, key: LoraKey) -> int:
+        i = self._ids.get(key)
+        if i is None:
+            if self._free:
+                i = self._free.pop()
+                if self.shared:
+                    self.keys = self.keys.copy()
+                    self.shared = False
+                self.keys[i] = key
+            else:
+                i = len(self.keys)
+                self.keys.append(key)
+                self._refs.append(0)
+            self._ids[key] = i
+        self._refs[i] += 1
+        return i
+
+    def release(self, i: int) -> None:
+        self._refs[i] -= 1
+        if not self._refs[i]:
+            del self._ids[self.keys[i]]
+            self._free.append(i)
+
+    def live(self) -> int:
+        """How many distinct sets are held (for tests)."""
+        return len(self._ids)
+
+
+class EngineColumns:
+    """The engine signals of a ready list, in its order: one float64 array per field of
+    `ENGINE_FIELDS` (NaN where the engine does not export it), each endpoint's adapter-set
+    id, and the endpoints and addresses. Arrays are read-only; each read gathers anew when
+    the list is a subset of the model's endpoints (take what you need once)."""
+
+    __slots__ = ("_addresses", "_endpoints", "_lora", "_slots", "_values", "lora_sets", "n")
+
+    def __init__(
+        self,
+        values: FloatArray,
+        lora: IntArray,
+        lora_sets: list[LoraKey],
+        endpoints: ObjectArray,
+        addresses: list[str],
+        slots: IntArray | None,
+    ) -> None:
+        self._values = values
+        self._lora = lora
+        self.lora_sets = lora_sets  # keys by id: the same list for every id in `lora_ids`
+        self._endpoints = endpoints
+        self._addresses = addresses
+        self._slots = slots  # positions in the model's slot order; None: every slot
+        self.n = len(addresses) if slots is None else len(slots)
+
+    def column(self, field: str) -> FloatArray:
+        row: FloatArray = self._values[_FIELD_ROW[field]]
+        return row if self._slots is None else row.take(self._slots)
+
+    @property
+    def lora_ids(self) -> IntArray:
+        return self._lora if self._slots is None else self._lora.take(self._slots)
+
+    @property
+    def endpoint_array(self) -> ObjectArray:
+        """The endpoints as an object array (a `take` by index is one C call)."""
+        return self._endpoints if self._slots is None else self._endpoints.take(self._slots)
+
+    def endpoints(self) -> list[Endpoint]:
+        out: list[Endpoint] = self.endpoint_array.tolist()
+        return out
+
+    def addresses(self) -> list[str]:
+        if self._slots is None:
+            return self._addresses.copy()
+        return [self._addresses[i] for i in self._slots.tolist()]
+
+    def subset(self, at: IntArray) -> EngineColumns:
+        """The columns of the entries at `at` (indices into this list)."""
+        slots = at if self._slots is None else self._slots.take(at)
+        return EngineColumns(
+            self._values, self._lora, self.lora_sets, self._endpoints, self._addresses, slots
+        )
+
+
+class ReadyEndpoints(tuple[ReadyEndpoint, ...]):
+    """`EndpointStore.ready()` over many endpoints: the (endpoint, metrics) pairs, and the
+    same endpoints' engine signals as `columns`."""
+
+    columns: EngineColumns
+
+    @classmethod
+    def of(cls, pairs: Iterable[ReadyEndpoint], columns: EngineColumns) -> ReadyEndpoints:
+        made = tuple.__new__(cls, pairs)
+        made.columns = columns
+        return made
+
+    def keep(self, mask: Sequence[bool] | npt.NDArray[np.bool_]) -> ReadyEndpoints:
+        """The entries where `mask` is true, with their columns (a gather by slot)."""
+        at = np.flatnonzero(np.asarray(mask, dtype=np.bool_))
+        return ReadyEndpoints.of([self[i] for i in at.tolist()], self.columns.subset(at))
+
+
+_EMPTY_READY: tuple[ReadyEndpoint, ...] = ()
+
+
+class _ModelTable:
+    """One model's endpoints by slot: what `ready()` needs, and the engine columns."""
+
+    __slots__ = (
+        "addresses",
+        "aged",
+        "endpoint_array",
+        "endpoints",
+        "entries",
+        "lora",
+        "n_routable",
+        "oldest",
+        "pair_array",
+        "pairs",
+        "routable",
+        "routable_slots",
+        "unscraped",
+        "updated",
+        "values",
+    )
+
+    def __init__(self, endpoints: tuple[Endpoint, ...]) -> None:
+        n = len(endpoints)
+        self.endpoints = endpoints
+        self.addresses = [ep.address for ep in endpoints]
+        self.endpoint_array = _objects(endpoints)
+        self.entries: list[_Routable | None] = [None] * n  # see `EndpointStore._routable_entry`
+        self.pairs: list[ReadyEndpoint | None] = [None] * n  # scraped and routable
+        self.pair_array = _objects(self.pairs)
+        self.unscraped: set[int] = set()  # routable without a metrics URL (metrics made per read)
+        self.values: FloatArray = np.full((len(ENGINE_FIELDS), n), np.nan)
+        self.lora: IntArray = np.zeros(n, np.intp)
+        self.updated: FloatArray = np.zeros(n)
+        self.routable = np.zeros(n, np.bool_)  # every condition of `is_ready` but freshness
+        self.aged = np.zeros(n, np.bool_)  # goes stale (scraped), else ready while routable
+        self.n_routable = 0
+        self.oldest: float | None = math.inf  # oldest scrape of a routable aged slot; None: unknown
+        self.routable_slots: IntArray | None = None  # cached `flatnonzero(routable)`
+
+    def write(self, i: int, entry: _Routable | None, lora_id: int) -> None:
+        """Slot `i` now holds `entry` (see `EndpointStore._routable_entry`)."""
+        was = bool(self.routable[i])
+        if was and self.aged[i] and self.oldest is not None and self.updated[i] <= self.oldest:
+            self.oldest = None  # the oldest may have moved: found again on the next read
+        if not self.values.flags.writeable:  # a ready list holds them: copy on write
+            self.values = self.values.copy()
+            self.lora = self.lora.copy()
+        values, metrics = self.values, None if entry is None else entry[1]
+        if metrics is None:
+            values[:, i] = math.nan
+        else:
+            for row, name in enumerate(ENGINE_FIELDS):
+                v = getattr(metrics, name)
+                values[row, i] = math.nan if v is None else v
+        self.lora[i] = lora_id
+        now_routable = entry is not None
+        if now_routable != was:
+            self.n_routable += 1 if now_routable else -1
+            self.routable[i] = now_routable
+            self.routable_slots = None
+        self.unscraped.discard(i)
+        pair: ReadyEndpoint | None = None
+        if entry is not None:
+            ep, m, aged = entry
+            self.aged[i] = aged
+            if m is None:
+                self.unscraped.add(i)
+            else:
+                pair = (ep, m)
+                self.updated[i] = m.updated_at
+                if aged and self.oldest is not None and m.updated_at < self.oldest:
+                    self.oldest = m.updated_at
+        self.entries[i] = entry
+        self.pairs[i] = pair
+        self.pair_array[i] = pair
+
+    def ready(self, now: float, stale: float, sets: _AdapterSets) -> tuple[ReadyEndpoint, ...]:
+        """`EndpointStore.ready` from the arrays: one comparison with the oldest scrape when
+        every routable endpoint is fresh, else one mask."""
+        if not self.n_routable:
+            return _EMPTY_READY
+        oldest = self.oldest
+        if oldest is None:
+            timed = self.routable & self.aged
+            oldest = self.oldest = float(self.updated[timed].min()) if timed.any() else math.inf
+        slots: IntArray | None
+        if not now - oldest > stale:  # every routable endpoint is fresh
+            if self.n_routable == len(self.pairs):
+                slots = None
+            else:
+                if self.routable_slots is None:
+                    self.routable_slots = np.flatnonzero(self.routable)
+                slots = self.routable_slots
+        else:
+            fresh = ~(self.aged & (now - self.updated > stale))
+            slots = np.flatnonzero(self.routable & fresh)
+            if not len(slots):
+                return _EMPTY_READY
+        pairs: list[ReadyEndpoint | None]
+        pairs = self.pairs if slots is None else self.pair_array.take(slots).tolist()
+        if self.unscraped:
+            pairs = self._with_unscraped(pairs.copy(), slots, now)
+        _freeze(self.values)
+        _freeze(self.lora)
+        sets.shared = True
+        columns = EngineColumns(
+            self.values, self.lora, sets.keys, self.endpoint_array, self.addresses, slots
+        )
+        return ReadyEndpoints.of(pairs, columns)  # type: ignore[arg-type]
+
+    def _with_unscraped(
+        self, pairs: list[ReadyEndpoint | None], slots: IntArray | None, now: float
+    ) -> list[ReadyEndpoint | None]:
+        """Fill in the endpoints without a metrics URL: routable, nothing known."""
+        empty = EngineMetrics(updated_at=now)
+        at = sorted(self.unscraped)
+        pos = at if slots is None else np.searchsorted(slots, at).tolist()
+        for p, i in zip(pos, at, strict=True):
+            if p < len(pairs) and (slots is None or slots[p] == i):
+                pairs[p] = (self.endpoints[i], empty)
+        return pairs
 
 
 class EndpointStore:
@@ -62,11 +358,12 @@ class EndpointStore:
         self._states: dict[Endpoint, EndpointState] = {}
         self._by_address: dict[tuple[str, str], Endpoint] = {}  # (model, address), per set
         self._version = 0
-        # Per model, in endpoint order: (endpoint, metrics, aged) where every condition of
-        # `is_ready` but freshness holds (aged False: no metrics URL, never stale), else None.
-        # Kept up to date by each scrape, so `ready()` only checks ages per request.
-        self._routable: dict[str, list[_Routable | None]] = {}
-        self._slots: dict[Endpoint, list[tuple[str, int]]] = {}
+        # Per model, by slot (endpoint order): every condition of `is_ready` but freshness,
+        # the metrics to route on and the engine columns, kept up to date by each scrape,
+        # so `ready()` only checks ages per request.
+        self._tables: dict[str, _ModelTable] = {}
+        self._slots: dict[Endpoint, list[tuple[_ModelTable, int]]] = {}
+        self._lora_sets = _AdapterSets()
 
     @property
     def stale_after(self) -> float:
@@ -78,27 +375,42 @@ class EndpointStore:
         return self._version
 
     def set_endpoints(self, by_model: Mapping[str, Iterable[Endpoint]]) -> None:
-        """Replace the whole endpoint set; endpoints kept keep their scrape state."""
+        """Replace the whole endpoint set; endpoints kept keep their scrape state. A model
+        whose endpoints are unchanged keeps its table."""
         new_by_model = {model: tuple(dict.fromkeys(eps)) for model, eps in by_model.items()}
         new_states: dict[Endpoint, EndpointState] = {}
         for eps in new_by_model.values():
             for ep in eps:
                 new_states[ep] = self._states.get(ep) or EndpointState(ep)
-        self._by_model = new_by_model
         self._states = new_states
+        tables: dict[str, _ModelTable] = {}
+        for model, eps in new_by_model.items():
+            old = self._tables.get(model)
+            if old is not None and old.endpoints == eps:
+                tables[model] = old
+                continue
+            table = tables[model] = _ModelTable(eps)
+            for i, ep in enumerate(eps):
+                state = new_states[ep]
+                lora = self._lora_sets.acquire(_lora_key(state.metrics))
+                table.write(i, self._routable_entry(state), lora)
+        for model, old in self._tables.items():
+            if tables.get(model) is not old:
+                for lora in old.lora.tolist():
+                    self._lora_sets.release(lora)
+        self._tables = tables
+        self._by_model = new_by_model
         self._by_address = {
             (model, ep.address): ep for model, eps in new_by_model.items() for ep in eps
         }
         self._slots = {}
-        self._routable = {}
-        for model, eps in new_by_model.items():
-            self._routable[model] = [self._routable_entry(new_states[ep]) for ep in eps]
-            for i, ep in enumerate(eps):
-                self._slots.setdefault(ep, []).append((model, i))
+        for table in tables.values():
+            for i, ep in enumerate(table.endpoints):
+                self._slots.setdefault(ep, []).append((table, i))
         self._version += 1
 
     def _routable_entry(self, state: EndpointState) -> _Routable | None:
-        """What `_routable` holds for `state`: `is_ready` without the age check."""
+        """What a slot holds for `state`: `is_ready` without the age check."""
         if state.endpoint.metrics_url is None:
             return (state.endpoint, state.metrics, False) if self._ready_without_url else None
         if state.metrics is None:
@@ -110,10 +422,18 @@ class EndpointStore:
         return state.endpoint, state.metrics, True
 
     def _put(self, state: EndpointState) -> None:
+        old = self._states[state.endpoint]
         self._states[state.endpoint] = state
         entry = self._routable_entry(state)
-        for model, i in self._slots.get(state.endpoint, ()):
-            self._routable[model][i] = entry
+        key = _lora_key(state.metrics)
+        same_set = key == _lora_key(old.metrics)
+        sets = self._lora_sets
+        for table, i in self._slots.get(state.endpoint, ()):
+            lora = int(table.lora[i])
+            if not same_set:
+                sets.release(lora)
+                lora = sets.acquire(key)
+            table.write(i, entry, lora)
 
     def models(self) -> tuple[str, ...]:
         return tuple(self._by_model)
@@ -155,12 +475,18 @@ class EndpointStore:
         return self._max_failures is None or state.failures < self._max_failures
 
     def ready(self, model: str, now: float | None = None) -> tuple[ReadyEndpoint, ...]:
-        """Endpoints of `model` fit for routing, with the metrics to route on."""
+        """Endpoints of `model` fit for routing, with the metrics to route on. From
+        `COLUMNS_MIN_ENDPOINTS` endpoints in the model, a `ReadyEndpoints` (with columns)."""
         if now is None:
             now = self._clock()
+        table = self._tables.get(model)
+        if table is None:
+            return _EMPTY_READY
+        if len(table.pairs) >= COLUMNS_MIN_ENDPOINTS:
+            return table.ready(now, self._stale_after, self._lora_sets)
         stale = self._stale_after
         out: list[ReadyEndpoint] = []
-        for entry in self._routable.get(model, ()):
+        for entry in table.entries:
             if entry is None:
                 continue
             ep, metrics, aged = entry
@@ -175,3 +501,7 @@ class EndpointStore:
         if now is None:
             now = self._clock()
         return any(self.is_ready(s, now) for s in self._states.values())
+
+    def adapter_sets(self) -> int:
+        """How many distinct LoRA adapter sets the endpoints hold (interned once each)."""
+        return self._lora_sets.live()

@@ -44,6 +44,7 @@ __all__ = [
     "draws",
     "endpoints_of",
     "is_table",
+    "lora_set_state",
     "predicted_latency_column",
     "rank_order",
     "rows_at",
@@ -160,7 +161,7 @@ class PodColumns:
                 self._metrics,
             )
         )
-        state = {key: _lora_state(lora, *key) for key in set(keys)}
+        state = {key: lora_set_state(lora, *key) for key in set(keys)}
         out = np.array(list(map(state.__getitem__, keys)), dtype=np.float64)
         out[~self.has_metrics] = np.nan
         return out
@@ -262,7 +263,7 @@ class _RowsView(Sequence[PodState]):
         return map(self._pods.__getitem__, self._order.tolist())
 
 
-def _lora_state(
+def lora_set_state(
     lora: str, running: tuple[str, ...], waiting: tuple[str, ...], max_lora: int | None
 ) -> float:
     """`signals.lora_state` of one adapter set (the same tiers)."""
