@@ -84,7 +84,7 @@ def _same(values: FloatArray) -> FloatArray:
 
 
 def _kv_free_array(values: FloatArray) -> FloatArray:
-    out: FloatArray = np.clip(1.0 - values, 0.0, 1.0)
+    out: FloatArray = np.minimum(np.maximum(1.0 - values, 0.0), 1.0)  # np.clip, sans wrapper
     return out
 
 
@@ -166,7 +166,7 @@ class PrefixScorer(_Base):
             return [0.0] * len(pods), f"{self.name}: request has no prompt tokens (0 for all)"
         if vectorised(pods, PROFILE_RULE):
             ratio = columns_of(pods).prefix_match_tokens / req.prompt_tokens
-            return np.clip(ratio, 0.0, 1.0), None
+            return np.minimum(np.maximum(ratio, 0.0), 1.0), None  # np.clip, sans wrapper
         return [clamp01(p.prefix_match_tokens / req.prompt_tokens) for p in pods], None
 
 

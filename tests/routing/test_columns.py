@@ -8,6 +8,7 @@ LoRA adapters and users.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import overload
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 
 from extproc.routing import columns
-from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.base import NO_CAPABILITIES, PodState, PodStats, RoutingRequest, Snapshot
 from extproc.routing.builtin import default_registry
 from extproc.routing.columns import PodColumns, PodRows, PodTable, columns_of, rank_order
+from extproc.routing.framework import MaxScorePicker, Profile
 from extproc.routing.signals import rank_by
 from extproc.types import EndpointRole
 from tests.routing._builders import FakeFairness, pod, req
@@ -196,3 +198,37 @@ def test_a_table_decides_as_rows_and_reads_no_row_it_does_not_need(
             assert len(table.read) <= _ROWS_READ.get(name, 0), (name, sorted(table.read))
             scores = {a: dict(v) for a, v in d.scores.items()}  # explain reads rows lazily
             assert scores == {a: dict(v) for a, v in rows.scores.items()}
+
+
+class _Fixed:
+    """A scorer answering fixed values (out of range and non-finite among them)."""
+
+    type_name = "fixed"
+    capabilities = NO_CAPABILITIES
+
+    def __init__(self, values: list[float]) -> None:
+        self.name = "fixed"
+        self.values = values
+
+    def score(self, r: RoutingRequest, pods: Sequence[PodState]) -> tuple[list[float], None]:
+        return self.values[: len(pods)], None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_profile_clamps_scores_alike_on_both_paths(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    rng = random.Random(seed)
+    pods = _pods(60, rng, roles=False, sparse=False)
+    odd = [math.nan, math.inf, -math.inf, -3.0, 2.0, 1.0, 0.0, -0.0, 0.25]
+    values = [rng.choice(odd) for _ in pods]
+    prof = Profile("p", [], [(_Fixed(values), 2.0), (_Fixed(values[::-1]), 0.5)], MaxScorePicker())
+    out = []
+    for floor in (10**9, 1):
+        monkeypatch.setattr(columns, "VECTOR_MIN_PODS", floor)
+        d = prof.route(
+            req(), Snapshot(now=1.0, pods=PodRows(pods), fairness=FAIRNESS), random.Random(seed)
+        )
+        out.append((d.ranked, {a: dict(v) for a, v in d.scores.items()}))
+    assert out[0] == out[1]
+    assert all(0.0 <= s["fixed"] <= 1.0 for s in out[1][1].values())
