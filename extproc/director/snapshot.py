@@ -204,6 +204,11 @@ class _TableColumns(PodColumns):
             return super().endpoints_at(order)
         return tuple(self._engine.endpoint_array.take(order).tolist())
 
+    def address_order(self) -> IntArray:
+        if self._engine is None:
+            return super().address_order()
+        return self._engine.address_order()  # sorted once per endpoint set
+
     # The engine signals: the store's columns when it answered the candidates.
 
     def _engine_column(self, field: str) -> FloatArray | None:

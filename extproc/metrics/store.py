@@ -133,7 +133,16 @@ class EngineColumns:
     id, and the endpoints and addresses. Arrays are read-only; each read gathers anew when
     the list is a subset of the model's endpoints (take what you need once)."""
 
-    __slots__ = ("_addresses", "_endpoints", "_lora", "_slots", "_values", "lora_sets", "n")
+    __slots__ = (
+        "_addresses",
+        "_by_address",
+        "_endpoints",
+        "_lora",
+        "_slots",
+        "_values",
+        "lora_sets",
+        "n",
+    )
 
     def __init__(
         self,
@@ -142,9 +151,11 @@ class EngineColumns:
         lora_sets: list[LoraKey],
         endpoints: ObjectArray,
         addresses: list[str],
+        by_address: IntArray,
         slots: IntArray | None,
     ) -> None:
         self._values = values
+        self._by_address = by_address  # the slots sorted by address (read-only)
         self._lora = lora
         self.lora_sets = lora_sets  # keys by id: the same list for every id in `lora_ids`
         self._endpoints = endpoints
@@ -174,11 +185,26 @@ class EngineColumns:
             return self._addresses.copy()
         return [self._addresses[i] for i in self._slots.tolist()]
 
+    def address_order(self) -> IntArray:
+        """Positions in this list sorted by address (equal addresses in list order)."""
+        if self._slots is None:
+            return self._by_address
+        rank = np.empty(len(self._addresses), np.intp)
+        rank[self._by_address] = np.arange(len(self._addresses))
+        order: IntArray = np.argsort(rank.take(self._slots), kind="stable")
+        return order
+
     def subset(self, at: IntArray) -> EngineColumns:
         """The columns of the entries at `at` (indices into this list)."""
         slots = at if self._slots is None else self._slots.take(at)
         return EngineColumns(
-            self._values, self._lora, self.lora_sets, self._endpoints, self._addresses, slots
+            self._values,
+            self._lora,
+            self.lora_sets,
+            self._endpoints,
+            self._addresses,
+            self._by_address,
+            slots,
         )
 
 
@@ -209,6 +235,7 @@ class _ModelTable:
     __slots__ = (
         "addresses",
         "aged",
+        "by_address",
         "endpoint_array",
         "endpoints",
         "entries",
@@ -229,6 +256,8 @@ class _ModelTable:
         self.endpoints = endpoints
         self.addresses = [ep.address for ep in endpoints]
         self.endpoint_array = _objects(endpoints)
+        self.by_address = np.array(sorted(range(n), key=self.addresses.__getitem__), np.intp)
+        _freeze(self.by_address)
         self.entries: list[_Routable | None] = [None] * n  # see `EndpointStore._routable_entry`
         self.pairs: list[ReadyEndpoint | None] = [None] * n  # scraped and routable
         self.pair_array = _objects(self.pairs)
@@ -309,7 +338,13 @@ class _ModelTable:
         _freeze(self.lora)
         sets.shared = True
         columns = EngineColumns(
-            self.values, self.lora, sets.keys, self.endpoint_array, self.addresses, slots
+            self.values,
+            self.lora,
+            sets.keys,
+            self.endpoint_array,
+            self.addresses,
+            self.by_address,
+            slots,
         )
         return ReadyEndpoints.of(pairs, columns)  # type: ignore[arg-type]
 

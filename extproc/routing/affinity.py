@@ -556,7 +556,7 @@ class VtcStrategy(StrategyPlugin):
         prm = self.params
         cols = columns_of(snap.pods)
         addresses = cols.addresses
-        by_address = np.array(sorted(range(cols.n), key=addresses.__getitem__), dtype=np.intp)
+        by_address = cols.address_order()
         target = min(user_tokens / bucket, cols.n - 1)
         notes = [f"user tokens {user_tokens:.0f} bucket {bucket:.0f} -> target index {target:.2f}"]
         running = cols.running[by_address]
@@ -707,7 +707,8 @@ class PdStrategy(StrategyPlugin):
         running = cols.running[pool]
         unknown = np.isnan(running)
         runs = np.where(unknown, loads[pool], running)
-        kv = np.nan_to_num(cols.kv_usage[pool], nan=0.0)  # `kv_usage(p) or 0.0`
+        kv = cols.kv_usage[pool]
+        kv = np.where(np.isnan(kv), 0.0, kv)  # `kv_usage(p) or 0.0`
         frees = np.maximum(1.0 - kv, 0.01)
         max_run, max_free = max(float(runs.max()), 1.0), float(frees.max())
         decode_val = (runs / max_run) / (frees / max_free)

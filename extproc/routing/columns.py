@@ -222,6 +222,10 @@ class PodColumns:
         """The pods at `order` as a view: nothing is copied until it is read (explain scores)."""
         return _RowsView(self.pods, order)
 
+    def address_order(self) -> IntArray:
+        """Pod indices sorted by address (equal addresses in pod order)."""
+        return np.array(sorted(range(self.n), key=self.addresses.__getitem__), dtype=np.intp)
+
     def endpoints_at(self, order: IntArray | Sequence[int]) -> tuple[Endpoint, ...]:
         if isinstance(order, np.ndarray):
             order = order.tolist()

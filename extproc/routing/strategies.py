@@ -157,7 +157,7 @@ class RoundRobinStrategy(StrategyPlugin):
         n = len(snap.pods)
         if is_table(snap.pods):  # sort indices by the address column: no row built
             cols = snap.pods.columns
-            order = sorted(range(n), key=cols.addresses.__getitem__)
+            order = cols.address_order().tolist()
             k = next(self._counter) % n
             return self.decision_of(
                 t0, cols.endpoints_at(order[k:] + order[:k]), f"turn {k} of {n}"

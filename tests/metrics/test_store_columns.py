@@ -60,6 +60,8 @@ def _check_columns(ready: ReadyEndpoints) -> None:
     assert cols.n == len(ready)
     assert cols.endpoints() == [ep for ep, _ in ready]
     assert cols.addresses() == [ep.address for ep, _ in ready]
+    by_address = sorted(range(len(ready)), key=lambda i: ready[i][0].address)
+    assert cols.address_order().tolist() == by_address
     for field in ENGINE_FIELDS:
         want = [math.nan if (v := getattr(m, field)) is None else v for _, m in ready]
         np.testing.assert_array_equal(cols.column(field), np.array(want, dtype=float), field)
