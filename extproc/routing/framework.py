@@ -42,8 +42,8 @@ from extproc.routing.columns import (
     FloatArray,
     PodRows,
     PodTable,
-    draws,
     endpoints_of,
+    rank_order,
     rows_at,
     vectorised,
 )
@@ -201,7 +201,7 @@ class MaxScorePicker:
         self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
     ) -> Sequence[PodState]:
         if isinstance(totals, np.ndarray):  # a vectorised profile's totals: same draws, one sort
-            return rows_at(pods, np.lexsort((draws(rng, len(totals)), -totals)))
+            return rows_at(pods, rank_order([-totals], rng))
         keyed = [(-t, rng.random(), i) for i, t in enumerate(totals)]
         keyed.sort()
         return [pods[i] for _, _, i in keyed]
