@@ -2,8 +2,9 @@
 
 Public API: `load_tokenizer(dir) -> HFTokenizer`, `CharEstimateTokenizer`, `TokenizerPool`
 (async, executor for large inputs), `bundled_qwen_dir()` for the Qwen3 test tokenizer, and
-the two caches of the incremental path: `SegmentCache` (text between added tokens -> ids)
-and `ChatPrefixCache` (an earlier turn's rendered prefix -> ids).
+the caches of the incremental path: `SegmentCache` (text between added tokens -> ids),
+`ChatPrefixCache` (an earlier turn's rendered prefix -> ids) and `TextPrefixCache` (long
+segments, reused up to a safe cut when a new one starts with the same text).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from extproc.tokenization._pool import TokenizeResult, TokenizerPool
 from extproc.tokenization._prefix import ChatPrefixCache, ChatPrefixStats
 from extproc.tokenization._segments import SegmentCache, SegmentCacheStats
 from extproc.tokenization._template import ChatTemplate
+from extproc.tokenization._textprefix import TextPrefixCache, TextPrefixStats
 from extproc.tokenization.base import Tokenizer
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "HFTokenizer",
     "SegmentCache",
     "SegmentCacheStats",
+    "TextPrefixCache",
+    "TextPrefixStats",
     "TokenizeResult",
     "Tokenizer",
     "TokenizerLoadError",

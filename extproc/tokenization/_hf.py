@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -14,6 +14,15 @@ from tokenizers import Tokenizer as _RustTokenizer
 from extproc.tokenization._prefix import ChatPrefix, ChatPrefixCache, ChatPrefixStats, message_keys
 from extproc.tokenization._segments import AddedTokenSplitter, SegmentCache, SegmentCacheStats
 from extproc.tokenization._template import ChatTemplate
+from extproc.tokenization._textprefix import (
+    Reuse,
+    TailEncoding,
+    TextPrefixCache,
+    TextPrefixStats,
+    common_prefix_len,
+    cut_points,
+    text_prefix_unsafe_reason,
+)
 from extproc.types import BadRequest
 
 __all__ = ["EncodePlan", "HFTokenizer", "TokenizerLoadError", "bundled_qwen_dir", "load_tokenizer"]
@@ -24,6 +33,21 @@ _PROBES = (
     " leading space and trailing\t",
     "naïve café \uff21\uff22 e\u0301 日本語 🙂\r\n",
     "1234567 tabs\tand  spaces   ",
+)
+
+# Probe pairs (cached text, new text) for the load-time self-check of cuts inside a segment
+# (`_textprefix.py`): each allowed cut of the first must give the second's full-encode ids.
+_CUT_PROBES = (
+    ("x hello world again", "x helloworld again"),
+    ("see it's here now", "see it'sa here"),
+    ("they're going home", "they'reading home"),
+    ("a" + " " * 9 + "b c d", "a" + " " * 9 + "\nb c d"),
+    ("end.\n\n\nNext one two", "end.\n\n\n\n Next one"),
+    ("price 12345 total", "price 1234x total"),
+    ("naïve cafe words here", "naïve cafe\u0301 words"),
+    ("a <b> c d e", "a <\u0338b> c"),
+    ("日本語\uff0c测试 文本 ok", "日本語\uff0c测试文本 ok"),
+    ("tab\tseparated\t\tvalues x", "tab\tseparated\t\t\tvalues"),
 )
 
 
@@ -123,6 +147,9 @@ class EncodePlan:
     memo_key: int | None = None
     memo_pieces: int = 0
     memo_chars: int = 0
+    # Long uncached pieces, by index in `missing`: where a cached segment was cut (the
+    # missing text is then only the rest), or None to encode the whole piece with cuts.
+    long: dict[int, Reuse | None] = field(default_factory=dict)
 
     @property
     def missing_chars(self) -> int:
@@ -133,7 +160,9 @@ class HFTokenizer:
     """Exact tokenizer for one model: HF `tokenizers` plus its chat template.
 
     encode_chat/encode_text use the incremental segment cache when the tokenizer allows
-    it (checked at construction), otherwise a full encode; both give identical ids.
+    it (checked at construction), otherwise a full encode; both give identical ids. A long
+    segment that starts like a recently encoded one reuses its ids up to a safe cut
+    (`texts`, a TextPrefixCache), when that path passes its own checks too.
     """
 
     estimated = False
@@ -147,6 +176,7 @@ class HFTokenizer:
         cache: SegmentCache | None = None,
         prefixes: ChatPrefixCache | None = None,
         split_unsafe_reason: str | None = None,
+        texts: TextPrefixCache | None = None,
     ) -> None:
         self._tok = tokenizer
         self.name = name
@@ -165,6 +195,15 @@ class HFTokenizer:
         self._suffix: list[int] | None
         self._prefix, self._suffix = self._post_processor_wrap()
         self.incremental_disabled_reason = split_unsafe_reason or self._self_check()
+        self.text_prefix_disabled_reason: str | None = None
+        if texts is not None:
+            self.text_prefix_disabled_reason = (
+                self.incremental_disabled_reason
+                or text_prefix_unsafe_reason(tokenizer)
+                or self._cut_self_check(texts.margin)
+            )
+        self._texts = texts if self.text_prefix_disabled_reason is None else None
+        self._cut_gap = texts.cut_gap if texts is not None else 1
 
     @property
     def incremental(self) -> bool:
@@ -175,6 +214,9 @@ class HFTokenizer:
 
     def prefix_stats(self) -> ChatPrefixStats | None:
         return self._prefixes.stats() if self._prefixes is not None else None
+
+    def text_prefix_stats(self) -> TextPrefixStats | None:
+        return self._texts.stats() if self._texts is not None else None
 
     def _post_processor_wrap(self) -> tuple[list[int], list[int]] | tuple[None, None]:
         """Ids the post-processor adds around a single sequence (e.g. BOS), or None if not fixed."""
@@ -206,6 +248,21 @@ class HFTokenizer:
                 return "self-check: segment split differs from full encode"
         return None
 
+    def _cut_self_check(self, margin: int) -> str | None:
+        """Every allowed cut of each probe gives the full encode of its partner text."""
+        encode = self._tok.encode
+        for cached, text in _CUT_PROBES:
+            enc = encode(cached, add_special_tokens=False)
+            cuts, tokens = cut_points(cached, enc.offsets, enc.word_ids, gap=1)
+            shared = common_prefix_len(cached, text)
+            want = encode(text, add_special_tokens=False).ids
+            for c, i in zip(cuts, tokens, strict=True):
+                if c + margin > shared:
+                    break
+                if enc.ids[:i] + encode(text[c:], add_special_tokens=False).ids != want:
+                    return f"self-check: cut at {c} of {cached!r} differs from full encode"
+        return None
+
     def _splitter_tokens(self) -> list[str]:
         return [
             t.content for t in self._tok.get_added_tokens_decoder().values() if not t.normalized
@@ -220,14 +277,23 @@ class HFTokenizer:
         """
         if not self.incremental:
             return EncodePlan(text, [], [], [text], special_tokens, incremental=False)
-        return self._segment_plan(text, special_tokens=special_tokens, cache=self._cache)
+        return self._segment_plan(
+            text, special_tokens=special_tokens, cache=self._cache, texts=self._texts
+        )
 
     def _segment_plan(
-        self, text: str, *, special_tokens: bool, cache: SegmentCache | None, start: int = 0
+        self,
+        text: str,
+        *,
+        special_tokens: bool,
+        cache: SegmentCache | None,
+        texts: TextPrefixCache | None = None,
+        start: int = 0,
     ) -> EncodePlan:
         pieces = self._splitter.split(text, start)
         found: list[Sequence[int] | None] = []
         missing: list[str] = []
+        long: dict[int, Reuse | None] = {}
         for seg, tok_id in pieces:
             if tok_id is not None:
                 found.append((tok_id,))
@@ -235,33 +301,64 @@ class HFTokenizer:
             cached = cache.get(seg) if cache is not None else None
             found.append(cached)
             if cached is None:
+                if texts is not None and len(seg) >= texts.min_chars:
+                    reuse = long[len(missing)] = texts.find(seg)
+                    if reuse is not None:
+                        seg = seg[reuse.cut :]
                 missing.append(seg)
-        return EncodePlan(text, pieces, found, missing, special_tokens, incremental=True)
+        plan = EncodePlan(text, pieces, found, missing, special_tokens, incremental=True)
+        plan.long = long
+        return plan
 
-    def encode_missing(self, plan: EncodePlan) -> list[list[int]]:
-        """Encode the plan's uncached pieces (pure: safe to run in a worker thread)."""
+    def encode_missing(self, plan: EncodePlan) -> list[list[int] | TailEncoding]:
+        """Encode the plan's uncached pieces (pure: safe to run in a worker thread).
+
+        Long pieces are encoded with offsets, to find where a later text may cut them.
+        """
         if not plan.incremental:
             return [list(self._tok.encode(plan.text, add_special_tokens=plan.special_tokens).ids)]
-        if not plan.missing:
-            return []
-        if len(plan.missing) == 1:
-            return [self._tok.encode(plan.missing[0], add_special_tokens=False).ids]
-        return [e.ids for e in self._tok.encode_batch_fast(plan.missing, add_special_tokens=False)]
+        if not plan.long:
+            return list(self._encode_many(plan.missing))
+        short = iter(
+            self._encode_many([m for k, m in enumerate(plan.missing) if k not in plan.long])
+        )
+        out: list[list[int] | TailEncoding] = []
+        for k, text in enumerate(plan.missing):
+            if k not in plan.long:
+                out.append(next(short))
+                continue
+            enc = self._tok.encode(text, add_special_tokens=False)
+            cuts, tokens = cut_points(text, enc.offsets, enc.word_ids, gap=self._cut_gap)
+            out.append(TailEncoding(enc.ids, cuts, tokens))
+        return out
 
-    def assemble(self, plan: EncodePlan, encoded: list[list[int]]) -> array[int]:
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        if len(texts) == 1:
+            return [self._tok.encode(texts[0], add_special_tokens=False).ids]
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def assemble(self, plan: EncodePlan, encoded: Sequence[list[int] | TailEncoding]) -> array[int]:
         """Fill the plan with freshly encoded pieces (caching them) and wrap special tokens.
 
         The ids come as `array('I')`: copying cached arrays into one is a memcpy, where a
         list would build an int object per token (and block hashing packs arrays for free).
         """
         if not plan.incremental:
-            return array("I", encoded[0])
-        return self._assemble(plan, encoded, self._cache)
+            first = encoded[0]
+            return array("I", first.ids if isinstance(first, TailEncoding) else first)
+        return self._assemble(plan, encoded, self._cache, self._texts)
 
     def _assemble(
-        self, plan: EncodePlan, encoded: list[list[int]], cache: SegmentCache | None
+        self,
+        plan: EncodePlan,
+        encoded: Sequence[list[int] | TailEncoding],
+        cache: SegmentCache | None,
+        texts: TextPrefixCache | None = None,
     ) -> array[int]:
         fresh = iter(encoded)
+        k = 0  # index in plan.missing
         out: array[int] = array("I")
         if plan.special_tokens and self._prefix is not None:
             out.extend(self._prefix)
@@ -272,7 +369,16 @@ class HFTokenizer:
             if i == plan.memo_pieces:
                 memo_ids = len(out)
             if done is None:
-                done = array("I", next(fresh))  # ints converted once; copies below are memcpy
+                new = next(fresh)
+                if isinstance(new, TailEncoding):
+                    reuse = plan.long[k]
+                    seg = TextPrefixCache.extend(reuse, plan.pieces[i][0], new)
+                    if texts is not None:
+                        texts.put(seg, reuse=reuse)
+                    done = seg.ids
+                else:
+                    done = array("I", new)  # ints converted once; copies below are memcpy
+                k += 1
                 if cache is not None:
                     cache.put(plan.pieces[i][0], done)
             out.extend(done)
@@ -287,8 +393,9 @@ class HFTokenizer:
 
     def _encode_segments(self, text: str, *, use_cache: bool) -> list[int]:
         cache = self._cache if use_cache else None
-        plan = self._segment_plan(text, special_tokens=False, cache=cache)
-        return self._assemble(plan, self.encode_missing(plan), cache).tolist()
+        texts = self._texts if use_cache else None
+        plan = self._segment_plan(text, special_tokens=False, cache=cache, texts=texts)
+        return self._assemble(plan, self.encode_missing(plan), cache, texts).tolist()
 
     def render_chat(
         self,
@@ -334,7 +441,9 @@ class HFTokenizer:
         keys = message_keys(messages) if self._prefixes is not None else None
         head = self._prefixes.find(keys, text) if self._prefixes is not None and keys else None
         start = len(head.text) if head is not None else 0
-        plan = self._segment_plan(text, special_tokens=False, cache=self._cache, start=start)
+        plan = self._segment_plan(
+            text, special_tokens=False, cache=self._cache, texts=self._texts, start=start
+        )
         plan.head = head
         if keys:
             self._mark_memo(plan, keys[-1], start)
@@ -417,12 +526,14 @@ def load_tokenizer(
     name: str | None = None,
     cache: SegmentCache | None = None,
     prefixes: ChatPrefixCache | None = None,
+    texts: TextPrefixCache | None = None,
     incremental: bool = True,
 ) -> HFTokenizer:
     """Load tokenizer.json (+ tokenizer_config.json for the chat template) from a directory.
 
-    `cache` defaults to a fresh 64 MiB SegmentCache and `prefixes` to a fresh 64 MiB
-    ChatPrefixCache; `incremental=False` always encodes fully.
+    `cache` defaults to a fresh 64 MiB SegmentCache, `prefixes` to a fresh 64 MiB
+    ChatPrefixCache and `texts` to a fresh 32 MiB TextPrefixCache; `incremental=False`
+    always encodes fully.
     Raises TokenizerLoadError naming the missing or invalid file.
     """
     directory = Path(directory)
@@ -453,6 +564,8 @@ def load_tokenizer(
         cache = SegmentCache()
     if incremental and prefixes is None:
         prefixes = ChatPrefixCache()
+    if incremental and texts is None:
+        texts = TextPrefixCache()
     return HFTokenizer(
         rust,
         name=name or directory.name,
@@ -460,4 +573,5 @@ def load_tokenizer(
         cache=cache if incremental else None,
         prefixes=prefixes if incremental else None,
         split_unsafe_reason=_split_unsafe_reason(tok_json),
+        texts=texts if incremental else None,
     )
