@@ -211,33 +211,10 @@ class _TableColumns(PodColumns):
 
     # The engine signals: the store's columns when it answered the candidates.
 
-    def _engine_column(self, field: str) -> FloatArray | None:
-        return None if self._engine is None else self._engine.column(field)
-
-    @cached_property
-    def waiting(self) -> FloatArray:
-        found = self._engine_column("waiting")
-        return super().waiting if found is None else found
-
-    @cached_property
-    def running(self) -> FloatArray:
-        found = self._engine_column("running")
-        return super().running if found is None else found
-
-    @cached_property
-    def kv_usage(self) -> FloatArray:
-        found = self._engine_column("kv_cache_usage")
-        return super().kv_usage if found is None else found
-
-    @cached_property
-    def engine_ttft(self) -> FloatArray:
-        found = self._engine_column("ttft_avg_s")
-        return super().engine_ttft if found is None else found
-
-    @cached_property
-    def engine_itl(self) -> FloatArray:
-        found = self._engine_column("itl_avg_s")
-        return super().engine_itl if found is None else found
+    def _metric(self, field: str) -> FloatArray:
+        if self._engine is None:
+            return super()._metric(field)
+        return self._engine.column(field)
 
     def lora_states(self, lora: str) -> FloatArray:
         """One state per distinct adapter set the store interned, gathered by id (every

@@ -166,25 +166,29 @@ class PodColumns:
         out[~self.has_metrics] = np.nan
         return out
 
+    def _metric(self, field: str) -> FloatArray:
+        """One `EngineMetrics` field of every pod (each column below reads it once)."""
+        return _optional(self._metrics, field)
+
     @cached_property
     def waiting(self) -> FloatArray:
-        return _optional(self._metrics, "waiting")
+        return self._metric("waiting")
 
     @cached_property
     def running(self) -> FloatArray:
-        return _optional(self._metrics, "running")
+        return self._metric("running")
 
     @cached_property
     def kv_usage(self) -> FloatArray:
-        return _optional(self._metrics, "kv_cache_usage")
+        return self._metric("kv_cache_usage")
 
     @cached_property
     def engine_ttft(self) -> FloatArray:
-        return _optional(self._metrics, "ttft_avg_s")
+        return self._metric("ttft_avg_s")
 
     @cached_property
     def engine_itl(self) -> FloatArray:
-        return _optional(self._metrics, "itl_avg_s")
+        return self._metric("itl_avg_s")
 
     @cached_property
     def _stats(self) -> list[PodStats]:

@@ -23,6 +23,7 @@ from extproc.metrics.store import (
     ReadyEndpoints,
 )
 from extproc.types import Endpoint, EngineMetrics
+from tests.metrics.test_store_ready import _by_definition
 
 ADAPTERS = ["a", "b", "c", "d"]
 
@@ -43,16 +44,6 @@ def _metrics(rng: random.Random, now: float) -> EngineMetrics:
         waiting_lora_adapters=tuple(rng.sample(ADAPTERS, rng.randint(0, 1))),
         max_lora=rng.choice([None, 2, 4]),
     )
-
-
-def _definition(store: EndpointStore, model: str, now: float) -> list[tuple[Endpoint, float]]:
-    out = []
-    for ep in store.endpoints(model):
-        state = store.state(ep)
-        assert state is not None
-        if store.is_ready(state, now):
-            out.append((ep, state.metrics.updated_at if state.metrics else now))
-    return out
 
 
 def _check_columns(ready: ReadyEndpoints) -> None:
@@ -117,8 +108,8 @@ def test_columns_equal_the_metrics_after_random_events(seed: int) -> None:
             clock[0] += rng.uniform(0.0, 6.0)  # some pods go stale
         for m in store.models():
             ready = store.ready(m)
-            got = [(ep, metrics.updated_at) for ep, metrics in ready]
-            assert got == _definition(store, m, clock[0]), (step, m)
+            got = [(ep.address, metrics.updated_at) for ep, metrics in ready]
+            assert got == _by_definition(store, m, clock[0]), (step, m)
             # White-box: the oldest scrape `ready()` compares against (to skip the per-pod
             # age check) is unknown or exact, never merely a bound (each request would then
             # pay the mask).
