@@ -22,6 +22,7 @@ from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.columns import PodRows, columns_of
 from extproc.routing.registry import StrategyRegistry
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
+from tests.director.test_snapshot import _Fairness
 
 BS = 4
 ALL = Capabilities(prompt_tokens=True, prefix_matches=True, accounting=True)
@@ -120,14 +121,6 @@ class StoreWorld:
         if table:
             return SnapshotTable(candidates, **kw)  # type: ignore[arg-type]
         return _pod_rows(candidates, **kw)  # type: ignore[arg-type]
-
-
-class _Fairness:
-    def tokens(self, user: str) -> float:
-        return 500.0
-
-    def active_min(self) -> float:
-        return 100.0
 
 
 def _decide(name: str, pods: Sequence[PodState], req: RoutingRequest, seed: int) -> object:
