@@ -39,6 +39,7 @@ _PROBES = (
 # (`_textprefix.py`): each allowed cut of the first must give the second's full-encode ids.
 _CUT_PROBES = (
     ("x hello world again", "x helloworld again"),
+    ("the tokenization tale", "the tokenize tale"),  # " token" + "ization": one pre-token
     ("see it's here now", "see it'sa here"),
     ("they're going home", "they'reading home"),
     ("a" + " " * 9 + "b c d", "a" + " " * 9 + "\nb c d"),

@@ -112,15 +112,20 @@ atom = (
     | st.text(max_size=3)
 )
 fragment = st.lists(atom, min_size=0, max_size=12).map("".join)
-head = st.lists(atom, min_size=12, max_size=40).map(lambda a: "document: " + "".join(a))
+head = st.tuples(
+    st.lists(atom, min_size=12, max_size=40).map("".join), st.sampled_from(["", "word", "a1"])
+).map(lambda p: "document: " + "".join(p))  # often ending in a word, where margins matter
+# What the two texts continue with where they part: often a word boundary against a letter.
+parting = st.tuples(st.sampled_from(["", " ", "x", "ab", ".", "\n", "7", "'s", "\u0301"]), fragment)
+ending = parting.map("".join)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     variant=st.sampled_from(["qwen3", "llama3-digits"]),
     shared=head,
-    ends=st.tuples(fragment, fragment),
-    shorten=st.integers(min_value=0, max_value=20),
+    ends=st.tuples(ending, ending),
+    shorten=st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8, 13]),
 )
 def test_every_allowed_cut_gives_the_full_encode(
     variant: str, shared: str, ends: tuple[str, str], shorten: int
