@@ -11,6 +11,9 @@ those, plus the pool's idle spinning and whatever the process's other threads di
 "cold" = every body is a new conversation (nothing cached); "multi-turn" = each body extends
 the previous one by one turn, as chat clients send them (the incremental tokenizer reuses
 earlier turns).
+`--docqa`: instead of the sizes, document QA as in bench/scenarios/docqa.yaml (16 documents of
+6000 tokens, Zipf-picked, a 40-token question appended to the document in one user message):
+each document's first request is a cold encode, later ones reuse its text up to a cut.
 
 Part 2 (CPU per request): the whole local stack (Envoy + ext_proc + simulators) under a
 closed-loop load; ext_proc CPU seconds (utime+stime from /proc) / requests, with response
@@ -19,7 +22,7 @@ one record per request to the server) and without it. bench/accounting.py compar
 accounting modes in detail (per output length, with Envoy's CPU and inter-token latency).
 
     .venv/bin/python bench/decision_cost.py [--requests 200] [--json out.json]
-        [--sizes 2000,8000,32000] [--skip-cpu]
+        [--sizes 2000,8000,32000] [--skip-cpu] [--docqa]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.stats import percentile  # noqa: E402
+from bench.workloads import TextFactory, build_workload  # noqa: E402
 from extproc.app import App  # noqa: E402
 from extproc.config import load_config_text  # noqa: E402
 from extproc.director.api import RequestHead, RouteResult  # noqa: E402
@@ -102,13 +106,64 @@ def conversation(
     return out
 
 
+def docqa_messages(n: int, seed: int = 11) -> list[list[dict[str, str]]]:
+    """`n` document-QA requests shaped as bench/scenarios/docqa.yaml's (one user message each)."""
+    params = {"documents": 16, "requests": n, "document_tokens": 6000, "question_tokens": 40,
+              "output_tokens": 8, "zipf": 1.0}  # fmt: skip
+    convs = build_workload(
+        "doc_qa", params, text=TextFactory.qwen(seed), seed=seed, salt=f"dc{os.getpid()}"
+    )
+    return [[{"role": "user", "content": c.turns[0].user}] for c in convs]
+
+
 def pct_ms(values: list[float], q: float) -> float:
     value = percentile(values, q)
     assert value is not None
     return round(value * 1000, 3)
 
 
-async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[str, Any]:
+def summary(times: list[float], cpu: list[float], proc: list[float]) -> dict[str, Any]:
+    return {
+        "requests": len(times),
+        "p50_ms": pct_ms(times, 50),
+        "p99_ms": pct_ms(times, 99),
+        "loop_cpu_p50_ms": pct_ms(cpu, 50),
+        "loop_cpu_p99_ms": pct_ms(cpu, 99),
+        "process_cpu_p50_ms": pct_ms(proc, 50),
+        "process_cpu_p99_ms": pct_ms(proc, 99),
+        "process_cpu_mean_ms": round(statistics.fmean(proc) * 1000, 3),
+        # One process deciding back to back: the decision-bound request rate.
+        "decisions_per_s": round(len(times) / sum(times), 1),
+    }
+
+
+async def docqa_latency(app: App, n: int) -> dict[str, Any]:
+    """Decision latency and CPU over the document-QA requests, in their Zipf order."""
+    times: list[float] = []
+    cpu: list[float] = []
+    proc: list[float] = []
+    for i, msgs in enumerate(docqa_messages(n)):
+        body = orjson.dumps({"model": "qwen3", "messages": msgs, "max_tokens": 8})
+        head = RequestHead(
+            request_id=f"docqa-{i}", method="POST", path="/v1/chat/completions",
+            headers={"routing-strategy": "prefix-cache"},
+        )  # fmt: skip
+        p0, c0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        res = await app.director.route(head, body)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+        proc.append(time.process_time() - p0)
+        assert isinstance(res, RouteResult), res
+        assert res.ticket is not None
+        res.ticket.close()
+    out = summary(times, cpu, proc)
+    print(f"decision latency docqa: {out}", flush=True)
+    return {"docqa": out}
+
+
+async def decision_latency(
+    stack: LocalStack, sizes: list[int], n: int, *, docqa: bool = False
+) -> dict[str, Any]:
     # An in-process App on other ports, pointed at the same live simulators.
     text = (
         stack.config_path.read_text()
@@ -127,6 +182,8 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
             if app.is_ready():
                 break
             await asyncio.sleep(0.1)
+        if docqa:
+            return await docqa_latency(app, n)
         results: dict[str, Any] = {}
         rng = random.Random(7)
         for size in sizes:
@@ -169,17 +226,9 @@ async def decision_latency(stack: LocalStack, sizes: list[int], n: int) -> dict[
                         explained = await app.director.explain(head, body)
                         tokens.append(int(explained["prompt_tokens"]))
                 results[f"{size}/{mode}"] = {
-                    "requests": len(times),
+                    **summary(times, cpu, proc),
                     "prompt_tokens_median": int(statistics.median(tokens)),
-                    "p50_ms": pct_ms(times, 50),
-                    "p99_ms": pct_ms(times, 99),
-                    "loop_cpu_p50_ms": pct_ms(cpu, 50),
-                    "loop_cpu_p99_ms": pct_ms(cpu, 99),
-                    "process_cpu_p50_ms": pct_ms(proc, 50),
-                    "process_cpu_p99_ms": pct_ms(proc, 99),
                     "decisions_with_gc": collections,
-                    # One process deciding back to back: the decision-bound request rate.
-                    "decisions_per_s": round(len(times) / sum(times), 1),
                 }
                 print(f"decision latency {size} {mode}: {results[f'{size}/{mode}']}", flush=True)
         return results
@@ -193,31 +242,29 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-async def drive(base_url: str, n: int, concurrency: int, body: dict[str, Any]) -> int:
+async def drive(base_url: str, bodies: list[dict[str, Any]], concurrency: int = 8) -> int:
     ok = 0
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=60) as client:
 
-        async def one() -> None:
+        async def one(body: dict[str, Any]) -> None:
             nonlocal ok
             async with sem:
                 r = await client.post(f"{base_url}/v1/chat/completions", json=body)
                 if r.status_code == 200:
                     ok += 1
 
-        await asyncio.gather(*(one() for _ in range(n)))
+        await asyncio.gather(*(one(b) for b in bodies))
     return ok
 
 
-def cpu_per_request(workdir: Path, n: int) -> dict[str, Any]:
+def cpu_per_request(workdir: Path, n: int, *, docqa: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rng = random.Random(3)
-    body = {
-        "model": "qwen3",
-        "messages": conversation(rng, 2000)[-1],
-        "max_tokens": 16,
-        "stream": True,
-    }
+    bodies = [
+        {"model": "qwen3", "messages": msgs, "max_tokens": 16, "stream": True}
+        for msgs in (docqa_messages(n + 20) if docqa else [conversation(rng, 2000)[-1]])
+    ]
     for label, mode in (
         ("with accounting", ResponseAccounting.ACCESS_LOG),
         ("without accounting", ResponseAccounting.NONE),
@@ -230,9 +277,11 @@ def cpu_per_request(workdir: Path, n: int) -> dict[str, Any]:
         )
         with LocalStack(opts) as stack:
             pid = stack.pid("extproc-0")
-            asyncio.run(drive(stack.base_url, 20, 4, body))  # warm-up
+            asyncio.run(drive(stack.base_url, bodies[:20]))  # warm-up
             c0, t0 = proc_cpu_seconds(pid), time.monotonic()
-            ok = asyncio.run(drive(stack.base_url, n, 8, body))
+            ok = asyncio.run(
+                drive(stack.base_url, [bodies[(20 + i) % len(bodies)] for i in range(n)])
+            )
             c1, t1 = proc_cpu_seconds(pid), time.monotonic()
             out[label] = {
                 "requests_ok": ok,
@@ -249,14 +298,15 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--sizes", default="2000,8000,32000", help="prompt sizes in tokens")
     ap.add_argument("--skip-cpu", action="store_true", help="part 1 only (decision latency)")
+    ap.add_argument("--docqa", action="store_true", help="document QA instead of the sizes")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         opts = stack_options(work / "lat", sims=4, sim_args=("--time-scale", "0.05"))
         with LocalStack(opts) as stack:
             sizes = [int(x) for x in args.sizes.split(",")]
-            latency = asyncio.run(decision_latency(stack, sizes, args.requests))
-        cpu = {} if args.skip_cpu else cpu_per_request(work, args.requests * 2)
+            latency = asyncio.run(decision_latency(stack, sizes, args.requests, docqa=args.docqa))
+        cpu = {} if args.skip_cpu else cpu_per_request(work, args.requests * 2, docqa=args.docqa)
     result = {"decision_latency": latency, "cpu": cpu, "nproc": os.cpu_count()}
     print(json.dumps(result, indent=2))
     if args.json:
