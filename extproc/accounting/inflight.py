@@ -131,6 +131,7 @@ class InflightTracker:
         # address was seen answering (from access-log records, which any process may get).
         # Armed by the first answer ever seen: only then are responses being watched at all.
         self._waiting: dict[str, dict[Lease, None]] = {}
+        self._open: dict[Lease, None] = {}  # every watched lease, in start order (oldest first)
         self._answered_at: dict[str, float] = {}
         self._watching = False
         # Other replicas' in-flight counts (absolute, per replica), and their sum per address.
@@ -149,6 +150,7 @@ class InflightTracker:
         lease = Lease(self, endpoint, tokens, self._clock())
         if watched:
             self._waiting.setdefault(addr, {})[lease] = None
+            self._open[lease] = None
         count = self._requests.get(addr, 0) + 1
         self._requests[addr] = count
         self._tokens[addr] = self._tokens.get(addr, 0) + tokens
@@ -167,11 +169,23 @@ class InflightTracker:
             self._answered_at[address] = at
 
     def _unwait(self, addr: str, lease: Lease) -> None:
+        self._open.pop(lease, None)
         waiting = self._waiting.get(addr)
         if waiting is not None:
             waiting.pop(lease, None)
             if not waiting:
                 del self._waiting[addr]
+
+    def stalled_addresses(self, after_s: float) -> frozenset[str]:
+        """Every address `stalled(address, after_s)` is true for. O(1) while no watched
+        request is older than `after_s` (the usual case: one look at the oldest); otherwise one
+        pass over the addresses holding watched requests, not over the pool."""
+        if not self._watching or after_s <= 0 or not self._open:
+            return frozenset()
+        now = self._clock()
+        if now - next(iter(self._open)).started_at <= after_s:
+            return frozenset()
+        return frozenset(a for a in self._waiting if self.stalled(a, after_s))
 
     def stalled(self, address: str, after_s: float) -> bool:
         """True when `address` holds a request for `after_s` and has answered nothing for as

@@ -17,6 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from itertools import compress
 from typing import Any
 
 import orjson
@@ -56,7 +57,7 @@ from extproc.director.steps import (
     TagForAccounting,
 )
 from extproc.kvcache.hashing import block_hashes, lora_extra_key
-from extproc.metrics.store import EndpointStore
+from extproc.metrics.store import EndpointStore, ReadyEndpoints
 from extproc.protocol.errors import error_json
 from extproc.protocol.openai import parse_request
 from extproc.routing.base import (
@@ -381,9 +382,15 @@ class Director:
         if len(ready) > 1 and after > 0:
             # A hung pod (accepts, never answers) still scrapes fine; leave it out while any
             # other pod is answering. If every pod looks stalled, none is singled out.
-            answering = tuple(r for r in ready if not self._inflight.stalled(r[0].address, after))
-            if answering and len(answering) < len(ready):
-                ready = answering
+            stalled = self._inflight.stalled_addresses(after)
+            if stalled:
+                mask = [r[0].address not in stalled for r in ready]
+                if any(mask) and not all(mask):
+                    # On the store's ready list, keep its columns (gathered by slot).
+                    if isinstance(ready, ReadyEndpoints):
+                        ready = ready.keep(mask)
+                    else:
+                        ready = tuple(compress(ready, mask))
         return ready
 
     def _priority(self, head: RequestHead) -> int:

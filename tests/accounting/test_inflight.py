@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -208,3 +209,25 @@ def test_columns_are_load_of_every_address_with_peers() -> None:
     t.drop_remote("r2")
     check()
     assert t.columns(addresses)[0].tolist() == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stalled_addresses_is_stalled_for_every_address(seed: int) -> None:
+    rng = random.Random(seed)
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    pods = [Endpoint(address=f"10.0.0.{i}:8000", model="m") for i in range(6)]
+    leases = []
+    for _ in range(200):
+        roll = rng.random()
+        if roll < 0.4:
+            leases.append(t.start(rng.choice(pods), watched=rng.random() < 0.8))
+        elif roll < 0.6 and leases:
+            leases.pop(rng.randrange(len(leases))).finish()
+        elif roll < 0.75:
+            t.answered(rng.choice(pods).address, clock.now - rng.uniform(0, 3))
+        else:
+            clock.now += rng.uniform(0, 2)
+        after = rng.choice([0.0, 1.0, 4.0, 10.0])
+        want = {p.address for p in pods if t.stalled(p.address, after)}
+        assert t.stalled_addresses(after) == want
