@@ -155,7 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     found: list[Verdict] = []
     for path in args.results:
-        result = json.loads(path.read_text())
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            print(f"{path}: {err}", file=sys.stderr)
+            return 2
         found.extend(verdicts(result, against=args.against, metrics=args.metrics.split(",")))
     if not found:
         print(f"no run of {args.against} to compare against", file=sys.stderr)

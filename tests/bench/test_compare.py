@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.compare import markdown, noise_floor, verdicts
+from bench.compare import main, markdown, noise_floor, verdicts
 
 
 def _runs(table: dict[str, list[float]], metric: str = "ttft_p50_ms") -> list[dict[str, Any]]:
@@ -102,3 +103,11 @@ def test_one_repetition_gives_no_verdict() -> None:
         {"scenario": "s", "runs": runs}, against="vllm-router-cache_aware", metrics=["ttft_p50_ms"]
     )
     assert v.outcome.startswith("no verdict")
+
+
+def test_a_missing_or_broken_result_is_a_clear_error(tmp_path: Path, capsys: Any) -> None:
+    bad = tmp_path / "result.json"
+    bad.write_text("{not json")
+    assert main([str(tmp_path / "absent.json")]) == 2
+    assert main([str(bad)]) == 2
+    assert "absent.json" in capsys.readouterr().err
