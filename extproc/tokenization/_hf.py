@@ -197,7 +197,7 @@ class HFTokenizer:
         self._prefix, self._suffix = self._post_processor_wrap()
         self.incremental_disabled_reason = split_unsafe_reason or self._self_check()
         self.text_prefix_disabled_reason: str | None = None
-        if texts is not None:
+        if texts is not None and cache is not None:
             self.text_prefix_disabled_reason = (
                 self.incremental_disabled_reason
                 or text_prefix_unsafe_reason(tokenizer)

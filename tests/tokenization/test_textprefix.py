@@ -284,6 +284,23 @@ def test_document_questions_reuse_the_document_and_keep_one_entry() -> None:
     assert stats.entries == 2  # each question replaced the one it was cut from
 
 
+def test_several_long_segments_and_short_ones_in_one_chat() -> None:
+    """Two long messages cut at once, next to short new pieces encoded in one batch."""
+    tok, texts = tokenizer(min_chars=300, key_chars=32)
+    manual = "manual: " + "press the red button, then wait. " * 20
+    doc = "report: " + "sales rose in the north and fell in the south. " * 20
+    for q in range(3):
+        chat = [
+            {"role": "system", "content": f"{manual}\nVersion {q}."},
+            {"role": "user", "content": f"{doc}\n\nQuestion {q}: why?"},
+            {"role": "assistant", "content": f"short answer {q}"},
+            {"role": "user", "content": f"and then {q}?"},
+        ]
+        assert tok.encode_chat(chat) == full(tok, tok.render_chat(chat))
+    stats = texts.stats()
+    assert (stats.misses, stats.hits, stats.entries) == (2, 4, 2)
+
+
 def test_find_takes_the_longest_shared_prefix_of_a_key() -> None:
     tok, texts = tokenizer(min_chars=200, key_chars=32)
     base = "shared preamble of exactly many chars. " * 3
