@@ -21,6 +21,7 @@ commit before a change): the before/after numbers then come from one script.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -144,7 +145,11 @@ def warm_latency_models(req: RoutingRequest, rng: random.Random, sizes: list[int
 def _percentiles(samples: list[float]) -> dict[str, float]:
     samples.sort()
     p99 = samples[max(0, int(len(samples) * 0.99) - 1)]
-    return {"p50_us": round(statistics.median(samples), 2), "p99_us": round(p99, 2)}
+    return {
+        "p50_us": round(statistics.median(samples), 2),
+        "p99_us": round(p99, 2),
+        "max_us": round(samples[-1], 2),
+    }
 
 
 def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
@@ -268,8 +273,21 @@ def _director(
     return decide
 
 
+def _server_gc() -> None:
+    """The server's garbage-collector settings (extproc/gctune.py), applied once the fixtures
+    (the server's start-up state) exist. A tree from before that module gets the same values."""
+    try:
+        from extproc.gctune import tune_gc
+    except ImportError:  # an older tree (--tree): the same settings, spelled out
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(10_000, 50, 100)
+    else:
+        tune_gc()
+
+
 def run(
-    iterations: int, sizes: list[int], director: bool = False
+    iterations: int, sizes: list[int], director: bool = False, server_gc: bool = True
 ) -> dict[str, dict[str, dict[str, float]]]:
     req = RoutingRequest(
         request_id="bench",
@@ -285,6 +303,8 @@ def run(
     results: dict[str, dict[str, dict[str, float]]] = {}
     print(f"{'strategy':<52} {'pods':>4} {'p50 us':>8} {'p99 us':>8}", flush=True)
     fixtures = {n: _SnapshotFixture(n, random.Random(n)) for n in sizes}
+    if server_gc:
+        _server_gc()
     for label, caps in SNAPSHOT_KINDS:
         results[label] = {}
         for n in sizes:
@@ -410,6 +430,11 @@ def main() -> None:
         "--director", action="store_true", help="also time snapshot + decision per rule"
     )
     ap.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="keep CPython's default GC thresholds (default: the server's, extproc/gctune.py)",
+    )
+    ap.add_argument(
         "--plot",
         nargs=3,
         metavar=("BEFORE", "AFTER", "PNG"),
@@ -427,7 +452,7 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
         return
     sizes = [int(x) for x in args.pods.split(",") if x]
-    results = run(args.iterations, sizes, args.director)
+    results = run(args.iterations, sizes, args.director, server_gc=not args.default_gc)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=2)

@@ -45,6 +45,7 @@ from extproc.director.director import Director, ModelRuntime
 from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
+from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
@@ -545,6 +546,7 @@ class App:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         await self.start()
+        tune_gc()  # start-up's objects frozen, young collections rarer (extproc/gctune.py)
         await self._stopping.wait()
         log.info("shutting down: health NOT_SERVING, draining streams")
         await self.stop()
