@@ -281,7 +281,7 @@ def _server_gc() -> None:
     except ImportError:  # an older tree (--tree): the same settings, spelled out
         gc.collect()
         gc.freeze()
-        gc.set_threshold(10_000, 50, 100)
+        gc.set_threshold(3_000, 10, 10)
     else:
         tune_gc()
 
