@@ -115,28 +115,38 @@ fragment = st.lists(atom, min_size=0, max_size=12).map("".join)
 head = st.tuples(
     st.lists(atom, min_size=12, max_size=40).map("".join), st.sampled_from(["", "word", "a1"])
 ).map(lambda p: "document: " + "".join(p))  # often ending in a word, where margins matter
-# What the two texts continue with where they part: often a word boundary against a letter.
+# What the two texts continue with where they part.
 parting = st.tuples(st.sampled_from(["", " ", "x", "ab", ".", "\n", "7", "'s", "\u0301"]), fragment)
 ending = parting.map("".join)
+# (glue, cached end, new end, chars cut off the shared text): anywhere, or right after a
+# word that the cached text ends and the new one continues (where a margin of 0 fails).
+anywhere = st.tuples(st.just(""), ending, ending, st.sampled_from([0, 0, 1, 2, 3, 5, 8, 13]))
+word_end = st.tuples(
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=8),
+    st.tuples(st.sampled_from([" ", ".", "\n", ",", "  "]), fragment).map("".join),
+    st.tuples(st.sampled_from(["x", "ab", "\u0301", "e\u0301"]), fragment).map("".join),
+    st.just(0),
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     variant=st.sampled_from(["qwen3", "llama3-digits"]),
     shared=head,
-    ends=st.tuples(ending, ending),
-    shorten=st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8, 13]),
+    parts=anywhere | word_end,
 )
 def test_every_allowed_cut_gives_the_full_encode(
-    variant: str, shared: str, ends: tuple[str, str], shorten: int
+    variant: str, shared: str, parts: tuple[str, str, str, int]
 ) -> None:
     """Random texts sharing a prefix of random length: any cut the cache may choose is exact.
 
     Fails if the margin is 0 (a cut at the shared length) or if cuts are not limited to
     pre-token boundaries with the character rule.
     """
-    cached = shared + ends[0]
-    text = shared[: max(0, len(shared) - shorten)] + ends[1]
+    glue, cached_end, new_end, shorten = parts
+    shared += glue
+    cached = shared + cached_end
+    text = shared[: max(0, len(shared) - shorten)] + new_end
     common = common_prefix_len(cached, text)
     want = encode(variant, text)
     margin = TextPrefixCache().margin
