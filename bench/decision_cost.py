@@ -51,6 +51,7 @@ from bench.workloads import TextFactory, build_workload  # noqa: E402
 from extproc.app import App  # noqa: E402
 from extproc.config import load_config_text  # noqa: E402
 from extproc.director.api import RequestHead, RouteResult  # noqa: E402
+from extproc.gctune import tune_gc  # noqa: E402
 from extproc.stack.envoy_config import ResponseAccounting  # noqa: E402
 from extproc.stack.local import LocalStack  # noqa: E402
 from tests.e2e.harness import stack_options  # noqa: E402
@@ -182,6 +183,7 @@ async def decision_latency(
             if app.is_ready():
                 break
             await asyncio.sleep(0.1)
+        tune_gc()  # as `App.run` does once the server is up (extproc/gctune.py)
         if docqa:
             return await docqa_latency(app, n)
         results: dict[str, Any] = {}
