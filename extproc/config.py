@@ -107,7 +107,7 @@ class AccountingConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    default_strategy: str = "least-request"
+    default_strategy: str = "kv-aware"  # why: docs/strategies.md, "Choosing a strategy"
     strategy_header: str = "routing-strategy"
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     strategy_params: dict[str, dict[str, Any]] = field(

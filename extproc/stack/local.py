@@ -65,7 +65,7 @@ class StackOptions:
     nats_port: int = 4222
     model: str = "qwen3"
     tokenizer_dir: str | None = None  # None: the bundled Qwen3 tokenizer
-    strategy: str = "least-request"
+    strategy: str = "kv-aware"  # the product default (extproc/config.py)
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False

@@ -51,6 +51,7 @@ def stack_options(workdir: Path, **changes: Any) -> StackOptions:
         workdir=workdir,
         sim_args=FAST_SIM,
         log_level="info",
+        strategy="least-request",  # what these tests were written against (not the default)
     )
     return replace(opts, **changes)
 
