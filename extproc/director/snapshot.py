@@ -166,30 +166,6 @@ class _TableColumns(PodColumns):
         column: FloatArray = getattr(self.stats, field)
         return column
 
-    @cached_property
-    def requests_total(self) -> FloatArray:
-        return self._stat("requests_total")
-
-    @cached_property
-    def throughput(self) -> FloatArray:
-        return self._stat("throughput_tokens_per_s")
-
-    @cached_property
-    def busy_time(self) -> FloatArray:
-        return self._stat("busy_time_s")
-
-    @cached_property
-    def stats_ttft(self) -> FloatArray:
-        return self._stat("ttft_avg_s")
-
-    @cached_property
-    def stats_tpot(self) -> FloatArray:
-        return self._stat("tpot_avg_s")
-
-    @cached_property
-    def stats_latency(self) -> FloatArray:
-        return self._stat("latency_avg_s")
-
     def address(self, i: int | np.integer) -> str:  # type: ignore[type-arg]
         return self._candidates[int(i)][0].address
 

@@ -194,29 +194,35 @@ class PodColumns:
     def _stats(self) -> list[PodStats]:
         return list(map(attrgetter("stats"), self.pods))
 
+    def _stat(self, field: str) -> FloatArray:
+        """One `PodStats` field of every pod (the `_avg_s` ones may be None: NaN)."""
+        if field.endswith("_avg_s"):
+            return _optional(self._stats, field)
+        return _numbers(self._stats, field)
+
     @cached_property
     def requests_total(self) -> FloatArray:
-        return _numbers(self._stats, "requests_total")
+        return self._stat("requests_total")
 
     @cached_property
     def throughput(self) -> FloatArray:
-        return _numbers(self._stats, "throughput_tokens_per_s")
+        return self._stat("throughput_tokens_per_s")
 
     @cached_property
     def busy_time(self) -> FloatArray:
-        return _numbers(self._stats, "busy_time_s")
+        return self._stat("busy_time_s")
 
     @cached_property
     def stats_ttft(self) -> FloatArray:
-        return _optional(self._stats, "ttft_avg_s")
+        return self._stat("ttft_avg_s")
 
     @cached_property
     def stats_tpot(self) -> FloatArray:
-        return _optional(self._stats, "tpot_avg_s")
+        return self._stat("tpot_avg_s")
 
     @cached_property
     def stats_latency(self) -> FloatArray:
-        return _optional(self._stats, "latency_avg_s")
+        return self._stat("latency_avg_s")
 
     def take(self, order: IntArray) -> list[PodState]:
         """The pods at `order`, in that order."""
