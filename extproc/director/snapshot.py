@@ -62,17 +62,8 @@ def pod_states(
     capabilities: Capabilities,
 ) -> PodRows | SnapshotTable:
     """One `PodState` per candidate, in candidate order."""
-    if len(candidates) >= TABLE_MIN_PODS:
-        return SnapshotTable(
-            candidates,
-            prefix=prefix,
-            block_hashes=block_hashes,
-            now=now,
-            inflight=inflight,
-            podstats=podstats,
-            capabilities=capabilities,
-        )
-    return _pod_rows(
+    build = SnapshotTable if len(candidates) >= TABLE_MIN_PODS else _pod_rows
+    return build(
         candidates,
         prefix=prefix,
         block_hashes=block_hashes,
