@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import orjson
 from xxhash import xxh3_64_intdigest
 
+from extproc.tokenization._segments import SegmentCacheStats
+
 __all__ = ["ChatPrefix", "ChatPrefixCache", "ChatPrefixStats", "message_keys"]
 
 _ROOT = xxh3_64_intdigest(b"extproc-chat-prefix")
@@ -54,13 +56,8 @@ class ChatPrefix:
     ids: array[int]
 
 
-@dataclass(frozen=True, slots=True)
-class ChatPrefixStats:
-    hits: int
-    misses: int
-    entries: int
-    bytes_used: int
-    bytes_budget: int
+# The same counters as the segment cache's: one type for both.
+ChatPrefixStats = SegmentCacheStats
 
 
 class ChatPrefixCache:
