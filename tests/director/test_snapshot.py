@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,17 +83,24 @@ class World:
         )  # fmt: skip
 
     def build(self, caps: Capabilities, *, table: bool) -> Sequence[PodState]:
-        kw = dict(
-            prefix=self.prefix,
-            block_hashes=self.hashes if caps.needs_tokens else (),
-            now=self.now,
-            inflight=self.inflight,
-            podstats=self.podstats,
-            capabilities=caps,
-        )
-        if table:
-            return SnapshotTable(self.candidates, **kw)  # type: ignore[arg-type]
-        return _pod_rows(self.candidates, **kw)  # type: ignore[arg-type]
+        return build_pods(self, caps, self.candidates, table=table)
+
+
+def build_pods(
+    world: Any, caps: Capabilities, candidates: Sequence[Any], *, table: bool
+) -> Sequence[PodState]:
+    """`world`'s snapshot of `candidates` as a `SnapshotTable` or as one-pass rows."""
+    kw: dict[str, Any] = dict(
+        prefix=world.prefix,
+        block_hashes=world.hashes if caps.needs_tokens else (),
+        now=world.now,
+        inflight=world.inflight,
+        podstats=world.podstats,
+        capabilities=caps,
+    )
+    if table:
+        return SnapshotTable(candidates, **kw)
+    return _pod_rows(candidates, **kw)
 
 
 def _same_pod(a: PodState, b: PodState) -> None:
@@ -157,7 +165,7 @@ def test_table_columns_equal_row_columns(caps: Capabilities) -> None:
 def test_pod_states_switches_to_a_table_at_the_threshold() -> None:
     small = World(TABLE_MIN_PODS - 1)
     big = World(TABLE_MIN_PODS)
-    kw = dict(block_hashes=(), now=100.0, capabilities=Capabilities())
+    kw: dict[str, Any] = dict(block_hashes=(), now=100.0, capabilities=Capabilities())
     assert isinstance(
         pod_states(
             small.candidates,
@@ -165,13 +173,13 @@ def test_pod_states_switches_to_a_table_at_the_threshold() -> None:
             inflight=small.inflight,
             podstats=small.podstats,
             **kw,
-        ),  # type: ignore[arg-type]
+        ),
         PodRows,
     )
     assert isinstance(
         pod_states(
             big.candidates, prefix=big.prefix, inflight=big.inflight, podstats=big.podstats, **kw
-        ),  # type: ignore[arg-type]
+        ),
         PodTable,
     )
 

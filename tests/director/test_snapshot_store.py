@@ -12,7 +12,7 @@ import pytest
 
 from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
-from extproc.director.snapshot import SnapshotTable, _pod_rows
+from extproc.director.snapshot import SnapshotTable
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.hashing import block_hashes
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
@@ -22,7 +22,7 @@ from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.columns import PodRows, columns_of
 from extproc.routing.registry import StrategyRegistry
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
-from tests.director.test_snapshot import _Fairness
+from tests.director.test_snapshot import _Fairness, build_pods
 
 BS = 4
 ALL = Capabilities(prompt_tokens=True, prefix_matches=True, accounting=True)
@@ -110,17 +110,7 @@ class StoreWorld:
         *,
         table: bool,
     ) -> Sequence[PodState]:
-        kw = dict(
-            prefix=self.prefix,
-            block_hashes=self.hashes if caps.needs_tokens else (),
-            now=self.now,
-            inflight=self.inflight,
-            podstats=self.podstats,
-            capabilities=caps,
-        )
-        if table:
-            return SnapshotTable(candidates, **kw)  # type: ignore[arg-type]
-        return _pod_rows(candidates, **kw)  # type: ignore[arg-type]
+        return build_pods(self, caps, candidates, table=table)
 
 
 def _decide(name: str, pods: Sequence[PodState], req: RoutingRequest, seed: int) -> object:
