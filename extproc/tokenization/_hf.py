@@ -311,32 +311,49 @@ class HFTokenizer:
         plan.long = long
         return plan
 
-    def encode_missing(self, plan: EncodePlan) -> list[list[int] | TailEncoding]:
+    def encode_missing(
+        self, plan: EncodePlan, *, threaded: bool = False
+    ) -> list[list[int] | TailEncoding]:
         """Encode the plan's uncached pieces (pure: safe to run in a worker thread).
 
         Long pieces are encoded with offsets, to find where a later text may cut them.
+        `threaded`: the caller is a worker thread, so every encode goes through the batch
+        calls, which release the GIL (`Tokenizer.encode` holds it for the whole encode: the
+        event loop would stop as if the encode ran on it, and then wait for the GIL back).
         """
+        tok = self._tok
         if not plan.incremental:
-            return [list(self._tok.encode(plan.text, add_special_tokens=plan.special_tokens).ids)]
+            special = plan.special_tokens
+            if threaded:
+                return [list(tok.encode_batch_fast([plan.text], add_special_tokens=special)[0].ids)]
+            return [list(tok.encode(plan.text, add_special_tokens=special).ids)]
         if not plan.long:
-            return list(self._encode_many(plan.missing))
+            return list(self._encode_many(plan.missing, threaded))
         short = iter(
-            self._encode_many([m for k, m in enumerate(plan.missing) if k not in plan.long])
+            self._encode_many(
+                [m for k, m in enumerate(plan.missing) if k not in plan.long], threaded
+            )
         )
+        long = [m for k, m in enumerate(plan.missing) if k in plan.long]
+        if threaded:
+            encodings = tok.encode_batch(long, add_special_tokens=False)
+        else:
+            encodings = [tok.encode(text, add_special_tokens=False) for text in long]
+        with_offsets = iter(zip(long, encodings, strict=True))
         out: list[list[int] | TailEncoding] = []
-        for k, text in enumerate(plan.missing):
+        for k in range(len(plan.missing)):
             if k not in plan.long:
                 out.append(next(short))
                 continue
-            enc = self._tok.encode(text, add_special_tokens=False)
+            text, enc = next(with_offsets)
             cuts, tokens = cut_points(text, enc.offsets, enc.word_ids, gap=self._cut_gap)
             out.append(TailEncoding(enc.ids, cuts, tokens))
         return out
 
-    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+    def _encode_many(self, texts: list[str], threaded: bool = False) -> list[list[int]]:
         if not texts:
             return []
-        if len(texts) == 1:
+        if len(texts) == 1 and not threaded:
             return [self._tok.encode(texts[0], add_special_tokens=False).ids]
         return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 

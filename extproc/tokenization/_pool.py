@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from extproc.tokenization._hf import EncodePlan, HFTokenizer
@@ -92,7 +93,9 @@ class TokenizerPool:
             self._slots = asyncio.Semaphore(self._max_pending)
         async with self._slots:
             loop = asyncio.get_running_loop()
-            encoded = await loop.run_in_executor(self._executor, tok.encode_missing, plan)
+            encoded = await loop.run_in_executor(
+                self._executor, partial(tok.encode_missing, plan, threaded=True)
+            )
         return TokenizeResult(tok.assemble(plan, encoded), time.perf_counter() - t0, True, False)
 
     async def encode_chat(

@@ -24,6 +24,7 @@ from extproc.tokenization import (
     load_tokenizer,
 )
 from extproc.tokenization._textprefix import (
+    TailEncoding,
     common_prefix_len,
     cut_allowed,
     cut_points,
@@ -361,3 +362,31 @@ def test_pool_encodes_only_the_question_inline() -> None:
         assert ids.tolist() == full(tok, tok.render_chat(chat))
     assert results[0][1] and not results[1][1]  # first offloaded, second inline
     assert texts.stats().hits == 1
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_threaded_encode_gives_the_same_pieces(cold: bool) -> None:
+    """A worker thread encodes through the batch calls (they release the GIL); the pieces, long
+    ones with their cut points, are those of the inline path, for a cold and a reused text."""
+    tok, _ = tokenizer(min_chars=300, key_chars=32)
+    manual = "manual: " + "press the red button, then wait. " * 20
+    doc = "report: " + "sales rose in the north and fell in the south. " * 20
+    if not cold:
+        tok.encode_chat([{"role": "user", "content": doc + "\n\nfirst question"}])
+    chat = [
+        {"role": "system", "content": manual},
+        {"role": "user", "content": f"{doc}\n\nQuestion: why?"},
+        {"role": "assistant", "content": "short answer"},
+        {"role": "user", "content": "and then?"},
+    ]
+    plan = tok.plan_chat(chat)
+    assert plan.long and len(plan.missing) > len(plan.long)  # long and short pieces both
+    inline, threaded = tok.encode_missing(plan), tok.encode_missing(plan, threaded=True)
+    assert len(inline) == len(threaded)
+    for a, b in zip(inline, threaded, strict=True):
+        if isinstance(a, TailEncoding):
+            assert isinstance(b, TailEncoding)
+            assert (list(a.ids), a.cuts, a.cut_tokens) == (list(b.ids), b.cuts, b.cut_tokens)
+        else:
+            assert list(a) == list(b)
+    assert tok.assemble(plan, threaded).tolist() == full(tok, tok.render_chat(chat))
