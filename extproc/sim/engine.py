@@ -49,6 +49,9 @@ class RequestStats:
     wall_ttft_s: float  # the same in wall time: model time plus the simulator's own lag
     finish_reason: str
     lora_name: str | None
+    # Wall time the HTTP handler spent before queueing it (body, chat template, tokenizing):
+    # a client's TTFT is handler + wall TTFT + whatever lies between client and engine.
+    handler_s: float = -1.0
 
 
 @dataclass(slots=True)
@@ -86,6 +89,7 @@ class SimRequest:
     prefill_computed: int = 0
     arrival_sim: float = 0.0
     arrival_wall: float = 0.0
+    received_wall: float | None = None  # when the server's handler got it (engine clock)
     first_token_sim: float | None = None
     first_token_wall: float | None = None
     last_token_wall: float | None = None
@@ -153,6 +157,10 @@ class Engine:
         for req in [*self.running, *self.waiting]:
             self._finish(req, "abort")
 
+    def now(self) -> float:
+        """The engine's wall clock (the one `arrival_wall` and `first_token_wall` use)."""
+        return self._clock()
+
     # -- requests --------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
@@ -173,6 +181,7 @@ class Engine:
         ignore_eos: bool = False,
         external_prefill: bool = False,
         request_id: str | None = None,
+        received_wall: float | None = None,
     ) -> SimRequest:
         """Build a request with a deterministic output (same prompt -> same tokens)."""
         digest = hashlib.sha256(repr((lora_name, prompt_ids)).encode()).digest()
@@ -189,6 +198,7 @@ class Engine:
             target, reason = natural, "stop"
         return SimRequest(
             request_id=request_id or f"req-{next(self._ids)}",
+            received_wall=received_wall,
             prompt_ids=prompt_ids,
             lora_name=lora_name,
             lora_id=self._lora_ids.get(lora_name) if lora_name else None,
@@ -448,6 +458,9 @@ class Engine:
             ),
             finish_reason=reason,
             lora_name=req.lora_name,
+            handler_s=(
+                req.arrival_wall - req.received_wall if req.received_wall is not None else -1.0
+            ),
         )
         self.stats.recent.append(stats)
         if self._on_finish is not None:

@@ -404,6 +404,7 @@ class SimServer:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         await self._inject_faults(request)
+        received = self._eng().now()
         body = await self._body(request)
         model, lora = self._resolve_model(body)
         stream = bool(body.get("stream", False))
@@ -444,8 +445,11 @@ class SimServer:
         if prefill_only:
             max_tokens, min_tokens = 1, 0
         engine = self._eng()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         req = engine.new_request(
             prompt_ids,
+            request_id=rid,  # the response's `id`: a client can pair its record with the engine's
+            received_wall=received,
             output_vocab=self._vocab_ids,
             lora_name=lora,
             max_tokens=max_tokens,
@@ -458,7 +462,6 @@ class SimServer:
             self.metrics.pd_requests["prefill_only"] += 1
         if remote_prefill:
             self.metrics.pd_requests["remote_prefill"] += 1
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             await engine.submit(req)
             if stream:
@@ -534,6 +537,19 @@ class SimServer:
             }
         )
 
+    @staticmethod
+    def _token_choice(text: str, reason: str | None, chat: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0}
+        if chat:
+            c["delta"] = {"content": text}
+        else:
+            c["text"] = text
+        c["logprobs"] = None
+        c["finish_reason"] = reason
+        if reason is not None:
+            c["stop_reason"] = None
+        return c
+
     async def _stream(
         self,
         request: web.Request,
@@ -576,29 +592,28 @@ class SimServer:
                         chunk({"index": 0, "delta": first, "logprobs": None, "finish_reason": None})
                     )
                 )
-            pending: int | None = None  # hold one token back so the last carries finish_reason
+            # Each token is written as soon as its step ends, as vLLM streams it. The engine
+            # queues a request's last token and its Finished in the same step, so the last
+            # token's chunk carries finish_reason without holding any token back.
+            ahead: int | Finished | None = None
             while True:
-                item = await req.queue.get()
-                if pending is not None:
-                    reason = item.reason if isinstance(item, Finished) else None
-                    c: dict[str, Any] = {"index": 0}
-                    if chat:
-                        c["delta"] = {"content": self.vocab[pending]}
-                    else:
-                        c["text"] = self.vocab[pending]
-                    c["logprobs"] = None
-                    c["finish_reason"] = reason
-                    if reason is not None:
-                        c["stop_reason"] = None
-                    await resp.write(_sse(chunk(c)))
+                item = ahead if ahead is not None else await req.queue.get()
+                ahead = None
                 if isinstance(item, Finished):
                     if item.reason == "error":
                         err = {
                             "error": {"message": "prompt does not fit in the KV cache", "code": 500}
                         }
                         await resp.write(_sse(err))
+                    elif req.output_ids:  # finished after its last token's step: say so alone
+                        await resp.write(_sse(chunk(self._token_choice("", item.reason, chat))))
                     break
-                pending = item
+                if not req.queue.empty():
+                    ahead = req.queue.get_nowait()
+                reason = ahead.reason if isinstance(ahead, Finished) else None
+                await resp.write(_sse(chunk(self._token_choice(self.vocab[item], reason, chat))))
+                if reason is not None:
+                    break
             if usage:
                 await resp.write(
                     _sse(

@@ -55,6 +55,9 @@ async def test_cache_hit_skips_prefill_and_shortens_ttft(
     assert b["prefill_computed_tokens"] == n - (n - 1) // 16 * 16
     assert b["sim_ttft_s"] < a["sim_ttft_s"]
     assert a["wall_ttft_s"] > 0 and b["wall_ttft_s"] > 0  # the same requests in wall time
+    # Each record is the response's own id, and the handler's time before queueing is kept.
+    assert [a["request_id"], b["request_id"]] == [first["id"], second["id"]]
+    assert a["handler_s"] >= 0 and b["handler_s"] >= 0
 
 
 def test_block_pool_evicts_lru_unreferenced_blocks() -> None:

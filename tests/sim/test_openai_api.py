@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -71,6 +72,27 @@ async def test_chat_stream_chunks_match_vllm(
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"]["completion_tokens"] == 5
     assert usage_chunk["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+async def test_first_token_is_streamed_when_its_step_ends(
+    make_sim: MakeSim, http: aiohttp.ClientSession
+) -> None:
+    """vLLM writes each token as its step ends: the first content chunk arrives while the
+    second token's step (0.4 s here) is still running, not one step later."""
+    sim = await make_sim(step=StepTimeModel(overhead_s=0.4, time_scale=1.0))
+    req = {
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    generated_at_first_chunk = None
+    async with http.post(f"{sim.url}/v1/chat/completions", json=req) as resp:
+        async for raw in resp.content:
+            if not raw.startswith(b"data: {"):
+                continue
+            delta = json.loads(raw[6:])["choices"][0]["delta"]
+            if delta.get("content") and generated_at_first_chunk is None:
+                async with http.get(f"{sim.url}/debug/stats") as st:
+                    generated_at_first_chunk = (await st.json())["generation_tokens"]
+    assert generated_at_first_chunk == 1
 
 
 async def test_completions_stream_and_non_stream(
