@@ -95,6 +95,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     pod: str | None = None
+    response_id: str | None = None  # the response's `id`, which the simulators record too
 
     @property
     def ok(self) -> bool:
@@ -113,6 +114,7 @@ class RequestRecord:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "pod": self.pod,
+            "response_id": self.response_id,
             "itl_mean_s": sum(self.itl_s) / len(self.itl_s) if self.itl_s else None,
             "itl_max_s": max(self.itl_s) if self.itl_s else None,
         }
@@ -299,6 +301,9 @@ class LoadGenerator:
                     if "error" in event:
                         rec.error = str(event["error"])[:300]
                         return None
+                    if rec.response_id is None:
+                        rid = event.get("id")
+                        rec.response_id = rid if isinstance(rid, str) else None
                     usage = event.get("usage")
                     if usage:
                         rec.prompt_tokens = usage.get("prompt_tokens")

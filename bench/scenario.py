@@ -24,7 +24,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.loadgen import Arrival, ArrivalKind, LoadGenerator
+from bench.loadgen import Arrival, ArrivalKind, LoadGenerator, RequestRecord
 from bench.stats import imbalance, median_of, percentile, summarize_records
 from bench.targets import Cluster, FrontDoor, cpu_seconds
 from bench.workloads import TextFactory, build_workload
@@ -237,6 +237,45 @@ def _engine_ttft_ms(
     return round(v, 3) if v is not None else None
 
 
+def _ttft_parts_ms(
+    records: Sequence[RequestRecord],
+    before: Mapping[str, Mapping[str, Any]],
+    after: Mapping[str, Mapping[str, Any]],
+) -> dict[str, float | None]:
+    """Where a client's TTFT goes, per request, pairing its record with the engine's by the
+    response id: `handler` (the simulator's HTTP handler before queueing: body, chat template,
+    tokenizing), `outside` (client TTFT - handler - engine wall TTFT: the proxy, the router,
+    the network and the client's own parsing). p50 and p90 over the paired requests."""
+    engine: dict[str, Mapping[str, Any]] = {}
+    for addr, st in after.items():
+        seen = {r["request_id"] for r in before.get(addr, {}).get("recent", ())}
+        for r in st.get("recent", ()):
+            if r["request_id"] not in seen:
+                engine[r["request_id"]] = r
+    handler: list[float] = []
+    outside: list[float] = []
+    for rec in records:
+        r = engine.get(rec.response_id or "")
+        if r is None or rec.ttft_s is None or r.get("handler_s", -1.0) < 0:
+            continue
+        if r.get("wall_ttft_s", -1.0) < 0:
+            continue
+        handler.append(r["handler_s"] * 1000)
+        outside.append((rec.ttft_s - r["handler_s"] - r["wall_ttft_s"]) * 1000)
+
+    def pct(values: list[float], q: float) -> float | None:
+        v = percentile(values, q)
+        return round(v, 3) if v is not None else None
+
+    return {
+        "paired_requests": float(len(outside)),
+        "sim_handler_p50_ms": pct(handler, 50),
+        "sim_handler_p90_ms": pct(handler, 90),
+        "outside_engine_p50_ms": pct(outside, 50),
+        "outside_engine_p90_ms": pct(outside, 90),
+    }
+
+
 def _steal() -> tuple[float, float]:
     """(steal, total) jiffies from /proc/stat, for the steal share during a run."""
     parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -310,6 +349,7 @@ def _one_run(
         engine_ttft_p90_ms=_engine_ttft_ms(before_sims, after_sims, 90),
         engine_wall_ttft_p50_ms=_engine_ttft_ms(before_sims, after_sims, 50, "wall_ttft_s"),
         engine_wall_ttft_p90_ms=_engine_ttft_ms(before_sims, after_sims, 90, "wall_ttft_s"),
+        **_ttft_parts_ms(result.records, before_sims, after_sims),
         router_cpu_util=round((cpu1 - cpu0) / result.duration_s, 3) if door.cpu_pids else None,
         proxy_cpu_ms_per_req=round((proxy1 - proxy0) * 1000 / n_ok, 4) if door.proxy_pids else None,
         steal_pct=round(100 * (steal1[0] - steal0[0]) / total_jiffies, 1)
@@ -330,7 +370,8 @@ _AGG_KEYS = (
     "e2e_p99_ms", "itl_p50_ms", "itl_p99_ms", "cache_hit_rate", "engine_hit_rate", "imbalance",
     "router_cpu_ms_per_req", "router_cpu_util", "proxy_cpu_ms_per_req", "steal_pct",
     "server_decision_ms_mean", "server_tokenize_ms_mean", "engine_ttft_p50_ms", "engine_ttft_p90_ms",
-    "engine_wall_ttft_p50_ms", "engine_wall_ttft_p90_ms",
+    "engine_wall_ttft_p50_ms", "engine_wall_ttft_p90_ms", "sim_handler_p50_ms",
+    "sim_handler_p90_ms", "outside_engine_p50_ms", "outside_engine_p90_ms",
 )  # fmt: skip
 
 
