@@ -119,6 +119,12 @@ class GatewayMetrics:
             "metrics_scrapes", "Engine /metrics scrapes by result", ["endpoint", "result"],
             namespace=ns, registry=registry,
         )  # fmt: skip
+        self.request_hold_seconds = Histogram(
+            "request_hold_seconds",
+            "Envoy held the request for the gateway: its last byte received to the first sent "
+            "upstream (the ext_proc hop with the decision, and the upstream connect)",
+            ["model"], buckets=DECISION_BUCKETS, namespace=ns, registry=registry,
+        )  # fmt: skip
         self.upstream_ttft_seconds = Histogram(
             "upstream_ttft_seconds", "Request sent upstream to first content token", ["model"],
             buckets=TTFT_BUCKETS, namespace=ns, registry=registry,
@@ -174,6 +180,9 @@ class GatewayMetrics:
 
     def observe_estimate(self, model: str) -> None:
         self.tokenizer_estimates.labels(model).inc()
+
+    def observe_hold(self, model: str, seconds: float) -> None:
+        self.child(self.request_hold_seconds, model).observe(seconds)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.child(self.upstream_ttft_seconds, model).observe(seconds)

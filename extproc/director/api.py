@@ -127,6 +127,7 @@ class AccessRecord:
     upstream: str | None  # host:port that served it (after retries)
     usage: TokenUsage
     start_time: float  # wall clock, seconds since the epoch
+    received_s: float | None = None  # last byte of the client's request received
     upstream_sent_s: float | None = None  # first byte sent upstream
     upstream_first_byte_s: float | None = None  # first byte received from upstream
     first_token_s: float | None = None  # first content token seen in the response body

@@ -194,6 +194,8 @@ class PodSamples:
         if not 200 <= done.status < 400 or record.outcome is not Outcome.COMPLETE:
             return
         sent = record.upstream_sent_s
+        if sent is not None and record.received_s is not None:
+            self._metrics.observe_hold(done.routed.model, max(0.0, sent - record.received_s))
         ttft = latency = decode = None
         if sent is not None:
             if last is not None:

@@ -162,6 +162,7 @@ def record_from_entry(entry: al.HTTPAccessLogEntry) -> AccessRecord:
         upstream=_address(common),
         usage=usage,
         start_time=start,
+        received_s=_seconds(common, "time_to_last_rx_byte"),
         upstream_sent_s=_seconds(common, "time_to_first_upstream_tx_byte"),
         upstream_first_byte_s=_seconds(common, "time_to_first_upstream_rx_byte"),
         first_token_s=first_token_s,

@@ -27,6 +27,7 @@ def record(
     start_time: float = 0.0,
     done_s: float | None = 0.4,
     routed: RoutedRequest | None = ROUTED,
+    received_s: float | None = None,
 ) -> AccessRecord:
     return AccessRecord(
         request_id="r",
@@ -36,6 +37,7 @@ def record(
         upstream=POD,
         usage=usage if usage is not None else TokenUsage(14, 5, 0),
         start_time=start_time,
+        received_s=received_s,
         upstream_sent_s=0.001,
         upstream_first_byte_s=0.002,
         first_token_s=0.101,
@@ -156,3 +158,21 @@ def test_record_accounting_runs_its_steps_in_order_and_maps_client_aborts_to_499
     assert seen == [("a", 499, POD), ("b", 499, POD)]
     assert parts.sample("extproc_access_records_total", result="accounted") == 1
     assert parts.sample("extproc_access_records_total", result="unrouted") == 1
+
+
+@pytest.mark.parametrize(("received_s", "count"), [(0.0004, 1), (None, 0)])
+def test_pod_samples_observe_how_long_envoy_held_the_request(
+    received_s: float | None, count: int
+) -> None:
+    """From the request's last byte in to its first byte upstream, as Envoy timed it."""
+    clock = ManualClock()
+    parts = Parts()
+    step = PodSamples(
+        metrics=parts.metrics, podstats=parts.podstats, inflight=parts.inflight,
+        clock=clock.now, wall_clock=clock.wall,
+    )  # fmt: skip
+    step.complete(completed(record(start_time=clock.wall() - 1, received_s=received_s)))
+    assert parts.sample("extproc_request_hold_seconds_count", model="qwen3") == count
+    if count:
+        hold = parts.sample("extproc_request_hold_seconds_sum", model="qwen3")
+        assert hold == pytest.approx(0.0006)  # sent upstream at 1 ms

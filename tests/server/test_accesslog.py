@@ -44,6 +44,7 @@ def entry(
     e = al.HTTPAccessLogEntry()
     c = e.common_properties
     c.start_time.seconds, c.start_time.nanos = 1_800_000_000, 500_000_000
+    c.time_to_last_rx_byte.nanos = 500_000
     c.time_to_first_upstream_tx_byte.nanos = 2_000_000
     c.time_to_first_upstream_rx_byte.nanos = 30_000_000
     c.time_to_last_upstream_rx_byte.seconds = 2
@@ -80,6 +81,7 @@ def test_a_complete_streamed_answer() -> None:
     assert rec.upstream == "10.0.0.2:8000"  # the host that served it (a retry may differ)
     assert rec.usage == TokenUsage(12, 40, 8)
     assert rec.start_time == pytest.approx(1_800_000_000.5)
+    assert rec.received_s == pytest.approx(0.0005)
     assert rec.upstream_sent_s == pytest.approx(0.002)
     assert rec.upstream_first_byte_s == pytest.approx(0.03)
     assert rec.first_token_s == pytest.approx(0.13, abs=1e-6)
