@@ -24,7 +24,6 @@ from collections.abc import Callable
 from extproc.accounting.latency_model import DecisionTag, LatencyMetrics, LatencyModels
 from extproc.director.api import AccessRecord, Outcome
 from extproc.director.lifecycle import Completed, Outgoing, PreparedRequest
-from extproc.director.snapshot import pod_at
 from extproc.routing.base import Decision
 from extproc.routing.predicted import latency_features
 
@@ -54,7 +53,7 @@ class TagLatency:
         if out.routed is None or req.estimated or not req.req.stream:
             return
         address = decision.endpoint.address
-        pod = pod_at(req.pods, address)
+        pod = req.pod(address)
         if pod is None:
             return
         features = latency_features(req.routing, pod)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from extproc.config import RouteSettings
 from extproc.director.api import AccessRecord, RequestHead, RequestTicket, RoutedRequest
+from extproc.director.snapshot import pod_at
 from extproc.kvcache.prefix import PrefixIndex
 from extproc.protocol.openai import rewrite_body
 from extproc.routing.base import Decision, PodState, RoutingRequest, Strategy
@@ -69,6 +70,14 @@ class PreparedRequest:
     pods: Sequence[PodState]  # a `PodRows`, or a `SnapshotTable` over many pods
     tokenize_s: float
     estimated: bool  # prompt_tokens is an estimate, not the tokenizer's count
+    _picked: tuple[str, PodState | None] | None = field(default=None, repr=False)
+
+    def pod(self, address: str) -> PodState | None:
+        """The candidate at `address` (the pick, for the pre-request steps), found once: over
+        a `SnapshotTable` that is an address lookup and one row built."""
+        if self._picked is None or self._picked[0] != address:
+            self._picked = (address, pod_at(self.pods, address))
+        return self._picked[1]
 
 
 @dataclass(slots=True)

@@ -20,7 +20,6 @@ from extproc.director.explain import explain_header
 from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.director.prefill import PrefillClient, PrefillError
 from extproc.director.response import Ticket
-from extproc.director.snapshot import pod_at
 from extproc.routing.base import Decision
 from extproc.routing.saturation import is_saturated
 from extproc.routing.session import encode_session
@@ -89,7 +88,7 @@ class RecordPick:
         req.runtime.prefix.record(address, req.routing.block_hashes, self._clock())
         if self._on_routed is not None:
             self._on_routed(address)
-        pod = pod_at(req.pods, address)
+        pod = req.pod(address)
         if pod is not None:
             self._metrics.observe_prefix_match(
                 req.runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
@@ -221,7 +220,7 @@ class ClaimEndpoint:
         # without it, so kv-aware spread documents and evicted them (docs/benchmarks.md §3.3).
         # A route with accounting off has no records: its requests never count towards the
         # stall detector.
-        pod = pod_at(req.pods, decision.endpoint.address)
+        pod = req.pod(decision.endpoint.address)
         cached = pod.prefix_match_tokens if pod is not None else 0
         lease = self._inflight.start(
             decision.endpoint,

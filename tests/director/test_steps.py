@@ -306,3 +306,14 @@ def test_claim_counts_only_the_prompt_tokens_the_pick_does_not_hold(
 def test_claim_is_synchronous() -> None:
     # Nothing may run between the claim and the ticket reaching the stream.
     assert not asyncio.iscoroutinefunction(ClaimEndpoint.claim)
+
+
+def test_the_pick_is_found_once_for_every_pre_request_step(runtime: ModelRuntime) -> None:
+    """Three steps read the picked pod's row (prefix-match metric, lease, latency tag): the
+    request finds it once, and finds another address anew."""
+    pods = tuple(pod(a, prefix=8 * i) for i, a in enumerate(PODS))
+    req = prepared(runtime, pods=pods)
+    first = req.pod(PODS[1])
+    assert first is pods[1] and req.pod(PODS[1]) is first
+    assert req.pod(PODS[2]) is pods[2]
+    assert req.pod("10.9.9.9:1") is None
