@@ -42,6 +42,22 @@ __all__ = [
 POD_HEADERS = ("x-inference-pod", "x-gateway-destination-endpoint")
 
 
+# A conversation keeps sending the session id the gateway answered with, as AIBrix asks its
+# clients to (its session-affinity rule encodes the serving pod in it). A gateway that does
+# not rewrite it echoes what was sent (or nothing), and the conversation's header stays.
+SESSION_HEADER = "x-session-id"
+
+
+def _keep_session(
+    headers: tuple[tuple[str, str], ...], answered: str | None
+) -> tuple[tuple[str, str], ...]:
+    """`headers` with `x-session-id` set to the answered one (unchanged when there is none)."""
+    if not answered:
+        return headers
+    kept = tuple((k, v) for k, v in headers if k.lower() != SESSION_HEADER)
+    return (*kept, (SESSION_HEADER, answered))
+
+
 class ArrivalKind(StrEnum):
     CLOSED = "closed"
     POISSON = "poisson"
@@ -96,6 +112,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     pod: str | None = None
     response_id: str | None = None  # the response's `id`, which the simulators record too
+    session_id: str | None = None  # the `x-session-id` the response carried, if any
 
     @property
     def ok(self) -> bool:
@@ -250,16 +267,18 @@ class LoadGenerator:
         messages: list[dict[str, str]] = []
         if conv.system is not None:
             messages.append({"role": "system", "content": conv.system})
+        headers = conv.headers
         for i, turn in enumerate(conv.turns):
             if time.perf_counter() >= self._deadline:
                 return
             messages.append({"role": "user", "content": turn.user})
             rec = RequestRecord(conv.conversation_id, i, time.perf_counter() - self._t0)
             records.append(rec)
-            reply = await self._request(session, messages, turn.max_tokens, conv.headers, rec)
+            reply = await self._request(session, messages, turn.max_tokens, headers, rec)
             if reply is None:
                 return  # a failed turn ends the conversation, as a real client would
             messages.append({"role": "assistant", "content": reply})
+            headers = _keep_session(headers, rec.session_id)
 
     async def _request(
         self,
@@ -284,6 +303,7 @@ class LoadGenerator:
         try:
             async with session.post(self._url, data=orjson.dumps(body), headers=hdrs) as resp:
                 rec.status = resp.status
+                rec.session_id = resp.headers.get(SESSION_HEADER)
                 for h in POD_HEADERS:
                     if h in resp.headers:
                         rec.pod = resp.headers[h].split(",")[0]

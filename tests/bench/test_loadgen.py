@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 from tokenizers import Tokenizer
 
@@ -117,3 +118,42 @@ def test_workloads_share_structure_across_salts_but_not_content(qwen_tokenizer_d
     assert len({c.system for c in a}) <= 3
     with pytest.raises(ValueError):
         build_workload("nope", {}, text=TextFactory(tok, 1), seed=0, salt="")
+
+
+async def test_a_conversation_keeps_the_session_id_the_gateway_answers_with() -> None:
+    """AIBrix's client contract: the next turn sends the `x-session-id` the last answer carried;
+    an answer without one (or echoing it) leaves the conversation's own header."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        sent = request.headers.get("x-session-id")
+        seen.append(sent)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if sent == "s0":
+            resp.headers["x-session-id"] = "cG9kLWE="  # the gateway's pick, encoded
+        await resp.prepare(request)
+        chunk = {"id": "r", "choices": [{"index": 0, "delta": {"content": " hi"}}]}
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        convs = [
+            Conversation(name, (Turn("a", 1), Turn("b", 1), Turn("c", 1)),
+                         headers=(("x-session-id", name),))
+            for name in ("s0", "s1")
+        ]  # fmt: skip
+        gen = LoadGenerator(f"http://127.0.0.1:{port}", model="m", max_duration_s=10)
+        result = await gen.run(convs, Arrival(ArrivalKind.CLOSED, concurrency=1))
+    finally:
+        await runner.cleanup()
+    assert all(r.ok for r in result.records)
+    assert seen == ["s0", "cG9kLWE=", "cG9kLWE=", "s1", "s1", "s1"]
