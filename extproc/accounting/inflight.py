@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from extproc.accounting.gateway_metrics import GatewayMetrics
     from extproc.accounting.podstats import PodStatsTracker
 
-__all__ = ["InflightTracker", "Lease", "Load"]
+__all__ = ["STALL_LATENCY_MULTIPLE", "InflightTracker", "Lease", "Load"]
+
+# A pod is not hung for holding a request as long as its answers take: a stall needs at least
+# this many times its mean response time (long streams of 800 tokens take 12 s on an A100).
+STALL_LATENCY_MULTIPLE = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +194,10 @@ class InflightTracker:
     def stalled(self, address: str, after_s: float) -> bool:
         """True when `address` holds a request for `after_s` and has answered nothing for as
         long: it accepts work and completes none (hung, not just busy: a busy pod keeps
-        completing requests). False until answers are seen at all."""
+        completing requests). False until answers are seen at all. Where answers take long
+        (the pod's mean response time, else the pool's longest), the limit is at least
+        `STALL_LATENCY_MULTIPLE` times that: a pod streaming 12-s answers that all began
+        together has completed nothing for 12 s, and is busy, not hung."""
         if not self._watching or after_s <= 0:
             return False
         waiting = self._waiting.get(address)
@@ -198,8 +205,12 @@ class InflightTracker:
             return False
         now = self._clock()
         oldest = next(iter(waiting)).started_at
+        if now - oldest <= after_s:
+            return False
+        latency = self._stats.latency_of(address) if self._stats is not None else None
+        limit = after_s if latency is None else max(after_s, STALL_LATENCY_MULTIPLE * latency)
         last = self._answered_at.get(address)
-        return now - oldest > after_s and (last is None or now - last > after_s)
+        return now - oldest > limit and (last is None or now - last > limit)
 
     def _release(self, lease: Lease) -> None:
         addr = lease.endpoint.address

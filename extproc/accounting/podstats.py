@@ -181,6 +181,15 @@ class PodStatsTracker:
                 tpot = max(0.0, decode_s) / (completion_tokens - 1)
                 pod.tpot = _ewma(pod.tpot, tpot, self._alpha)
 
+    def latency_of(self, address: str) -> float | None:
+        """`address`'s mean response time (sent upstream to last byte), else the longest of
+        any pod's (a pod that has answered nothing yet is like the others), else None."""
+        pod = self._pods.get(address)
+        if pod is not None and pod.latency is not None:
+            return pod.latency
+        known = [p.latency for p in self._pods.values() if p.latency is not None]
+        return max(known) if known else None
+
     def stats(self, address: str, now: float) -> PodStats:
         if address not in self._pods:
             return PodStats()

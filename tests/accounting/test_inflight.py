@@ -10,11 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.accounting import GatewayMetrics, InflightTracker, Load, PodStatsTracker
+from extproc.accounting.inflight import STALL_LATENCY_MULTIPLE
 from extproc.types import Endpoint
 
 A = Endpoint("10.0.0.1:8000", "m")
 A_OTHER_MODEL = Endpoint("10.0.0.1:8000", "lora")  # same server, another model
 B = Endpoint("10.0.0.2:8000", "m")
+C = Endpoint("10.0.0.3:8000", "m")
 
 
 class FakeClock:
@@ -231,3 +233,33 @@ def test_stalled_addresses_is_stalled_for_every_address(seed: int) -> None:
         after = rng.choice([0.0, 1.0, 4.0, 10.0])
         want = {p.address for p in pods if t.stalled(p.address, after)}
         assert t.stalled_addresses(after) == want
+
+
+def test_a_pod_whose_answers_take_long_needs_as_many_times_longer_to_look_stalled() -> None:
+    """Streams of 12 s that began together: no pod completes anything for 12 s. The limit is
+    STALL_LATENCY_MULTIPLE times the pod's mean response time (the pool's longest for a pod
+    with none yet), never less than `after_s`; a hung pod is still found, later."""
+    clock = FakeClock()
+    stats = PodStatsTracker()
+    t = InflightTracker(clock=clock, stats=stats)
+    held = [t.start(A), t.start(C)]
+    clock.now += 12
+    stats.observe_response(
+        B.address, now=clock.now, latency_s=12.0, ttft_s=0.1, decode_s=11.9, tokens=900,
+        completion_tokens=800,
+    )  # fmt: skip
+    t.answered(B.address, clock.now)
+    assert not t.stalled(A.address, 10.0)  # 12 s old, but answers here take 12 s
+    # A's own answers take 2 s (its last one 11 s ago): `after_s` is the limit again.
+    stats.observe_response(
+        A.address, now=clock.now, latency_s=2.0, ttft_s=0.1, decode_s=1.9, tokens=300,
+        completion_tokens=200,
+    )  # fmt: skip
+    t.answered(A.address, clock.now - 11)
+    assert STALL_LATENCY_MULTIPLE * 2.0 < 10.0 and t.stalled(A.address, 10.0)
+    clock.now += 36 - 12 + 1
+    assert t.stalled(C.address, 10.0)  # past 3 x 12 s with nothing answered: hung
+    assert t.stalled(A.address, 10.0)
+    for lease in held:
+        lease.finish()
+    assert not t.stalled(C.address, 10.0)
