@@ -46,6 +46,13 @@ def record(
     )
 
 
+def pod_samples(parts: Parts, clock: ManualClock) -> PodSamples:
+    return PodSamples(
+        metrics=parts.metrics, podstats=parts.podstats, inflight=parts.inflight,
+        clock=clock.now, wall_clock=clock.wall,
+    )  # fmt: skip
+
+
 def completed(rec: AccessRecord) -> Completed:
     assert rec.routed is not None
     return Completed(rec, rec.routed, endpoint=POD, status=rec.status)
@@ -129,10 +136,7 @@ def test_pod_samples_turn_the_records_wall_time_into_the_trackers_clock(
 def test_pod_samples_only_complete_successes(status: int, outcome: Outcome, sampled: bool) -> None:
     clock = ManualClock()
     parts = Parts()
-    step = PodSamples(
-        metrics=parts.metrics, podstats=parts.podstats, inflight=parts.inflight,
-        clock=clock.now, wall_clock=clock.wall,
-    )  # fmt: skip
+    step = pod_samples(parts, clock)
     step.complete(completed(record(status=status, outcome=outcome, start_time=clock.wall() - 1)))
     stats = parts.podstats.stats(POD, clock.now())
     assert stats.requests_total == (1 if sampled else 0)
@@ -167,10 +171,7 @@ def test_pod_samples_observe_how_long_envoy_held_the_request(
     """From the request's last byte in to its first byte upstream, as Envoy timed it."""
     clock = ManualClock()
     parts = Parts()
-    step = PodSamples(
-        metrics=parts.metrics, podstats=parts.podstats, inflight=parts.inflight,
-        clock=clock.now, wall_clock=clock.wall,
-    )  # fmt: skip
+    step = pod_samples(parts, clock)
     step.complete(completed(record(start_time=clock.wall() - 1, received_s=received_s)))
     assert parts.sample("extproc_request_hold_seconds_count", model="qwen3") == count
     if count:
