@@ -85,15 +85,31 @@ def _fixed_chat(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
 
 
 def _multi_turn(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
-    """Sessions of several turns; each turn carries the whole history (Higress's test shape)."""
+    """Sessions of several turns; each turn carries the whole history (Higress's test shape).
+
+    `output_spread` (default 0): each turn's output length is drawn uniformly from
+    `output_tokens * (1 +- spread)` (seeded: the same lengths for every variant of a repetition).
+    With one fixed length on deterministic simulators, a closed loop stays in lockstep: every
+    session's turn ends in the same step, and the next turns all arrive at once."""
     sessions, turns = int(p["sessions"]), int(p["turns"])
     user, out = int(p["user_tokens"]), int(p["output_tokens"])
+    spread = float(p.get("output_spread", 0.0))
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"multi_turn: output_spread must be in [0, 1), got {spread}")
     system = p.get("system_tokens")
     convs = []
+
+    def length() -> int:
+        if not spread:
+            return out
+        return max(1, round(out * (1.0 + spread * (2.0 * ctx.rng.random() - 1.0))))
+
     for s in range(sessions):
         sys_text = f"{ctx.salt} {ctx.text.text(int(system))}" if system else None
         first = f"{ctx.salt} s{s} " if sys_text is None else f"s{s} "
-        ts = tuple(Turn((first if t == 0 else "") + ctx.text.text(user), out) for t in range(turns))
+        ts = tuple(
+            Turn((first if t == 0 else "") + ctx.text.text(user), length()) for t in range(turns)
+        )
         convs.append(
             Conversation(f"s{s}", ts, system=sys_text, headers=(("x-session-id", f"s{s}"),))
         )

@@ -157,3 +157,24 @@ async def test_a_conversation_keeps_the_session_id_the_gateway_answers_with() ->
         await runner.cleanup()
     assert all(r.ok for r in result.records)
     assert seen == ["s0", "cG9kLWE=", "cG9kLWE=", "s1", "s1", "s1"]
+
+
+def test_multi_turn_output_spread_is_seeded_bounded_and_off_by_default(
+    qwen_tokenizer_dir: Path,
+) -> None:
+    tok = Tokenizer.from_file(str(qwen_tokenizer_dir / "tokenizer.json"))
+    params = {"sessions": 4, "turns": 5, "user_tokens": 5, "output_tokens": 800}
+
+    def lengths(seed: int, **extra: float) -> list[int]:
+        convs = build_workload(
+            "multi_turn", {**params, **extra}, text=TextFactory(tok, 1), seed=seed, salt="x"
+        )
+        return [t.max_tokens for c in convs for t in c.turns]
+
+    assert set(lengths(1)) == {800}
+    spread = lengths(1, output_spread=0.25)
+    assert spread == lengths(1, output_spread=0.25)  # every variant of a repetition alike
+    assert spread != lengths(2, output_spread=0.25)
+    assert all(600 <= n <= 1000 for n in spread) and len(set(spread)) > 10
+    with pytest.raises(ValueError):
+        lengths(1, output_spread=1.0)
