@@ -220,6 +220,22 @@ def _mean_ms(before: Mapping[str, float], after: Mapping[str, float], h: str) ->
     return round((after.get(f"{h}_sum", 0.0) - before.get(f"{h}_sum", 0.0)) * 1000 / n, 4)
 
 
+def _finished_during(
+    before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The simulators' records of requests they finished during the run (last 256 per pod)."""
+    out: list[Mapping[str, Any]] = []
+    for addr, st in after.items():
+        seen = {r["request_id"] for r in before.get(addr, {}).get("recent", ())}
+        out += [r for r in st.get("recent", ()) if r["request_id"] not in seen]
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    v = percentile(values, q)
+    return round(v, 3) if v is not None else None
+
+
 def _engine_ttft_ms(
     before: Mapping[str, Mapping[str, Any]],
     after: Mapping[str, Mapping[str, Any]],
@@ -227,18 +243,10 @@ def _engine_ttft_ms(
     field: str = "sim_ttft_s",
 ) -> float | None:
     """TTFT percentile inside the engines over the requests the simulators finished during the
-    run (last 256 per pod). `sim_ttft_s`: model time (queue + prefill steps, no router, no CPU
-    contention); `wall_ttft_s`: the same requests in wall time, with the simulators' own lag."""
-    ttfts = []
-    for addr, st in after.items():
-        seen = {r["request_id"] for r in before.get(addr, {}).get("recent", ())}
-        ttfts += [
-            r[field] * 1000
-            for r in st.get("recent", ())
-            if r["request_id"] not in seen and r.get(field, -1.0) >= 0
-        ]
-    v = percentile(ttfts, q)
-    return round(v, 3) if v is not None else None
+    run. `sim_ttft_s`: model time (queue + prefill steps, no router, no CPU contention);
+    `wall_ttft_s`: the same requests in wall time, with the simulators' own lag."""
+    records = _finished_during(before, after)
+    return _pct([r[field] * 1000 for r in records if r.get(field, -1.0) >= 0], q)
 
 
 def _ttft_parts_ms(
@@ -250,12 +258,7 @@ def _ttft_parts_ms(
     response id: `handler` (the simulator's HTTP handler before queueing: body, chat template,
     tokenizing), `outside` (client TTFT - handler - engine wall TTFT: the proxy, the router,
     the network and the client's own parsing). p50 and p90 over the paired requests."""
-    engine: dict[str, Mapping[str, Any]] = {}
-    for addr, st in after.items():
-        seen = {r["request_id"] for r in before.get(addr, {}).get("recent", ())}
-        for r in st.get("recent", ()):
-            if r["request_id"] not in seen:
-                engine[r["request_id"]] = r
+    engine = {r["request_id"]: r for r in _finished_during(before, after)}
     handler: list[float] = []
     outside: list[float] = []
     for rec in records:
@@ -267,16 +270,12 @@ def _ttft_parts_ms(
         handler.append(r["handler_s"] * 1000)
         outside.append((rec.ttft_s - r["handler_s"] - r["wall_ttft_s"]) * 1000)
 
-    def pct(values: list[float], q: float) -> float | None:
-        v = percentile(values, q)
-        return round(v, 3) if v is not None else None
-
     return {
         "paired_requests": float(len(outside)),
-        "sim_handler_p50_ms": pct(handler, 50),
-        "sim_handler_p90_ms": pct(handler, 90),
-        "outside_engine_p50_ms": pct(outside, 50),
-        "outside_engine_p90_ms": pct(outside, 90),
+        "sim_handler_p50_ms": _pct(handler, 50),
+        "sim_handler_p90_ms": _pct(handler, 90),
+        "outside_engine_p50_ms": _pct(outside, 50),
+        "outside_engine_p90_ms": _pct(outside, 90),
     }
 
 
