@@ -43,6 +43,7 @@ from extproc.config import (
 from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.director import Director, ModelRuntime
 from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
+from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
 from extproc.gctune import tune_gc
@@ -178,6 +179,17 @@ class App:
         self.podstats = PodStatsTracker()
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
         self.fairness = FairnessCounters()
+        # Routed requests' leases, until their access-log records end them (any process's).
+        acct = config.accounting
+        self.leases = LeaseBook(
+            replica=self.replica,
+            inflight=self.inflight,
+            fairness=self.fairness,
+            metrics=self.metrics,
+            bound=self._lease_bound,
+            min_s=acct.lease_min_s,
+            records=acct.access_log,
+        )
         # predicted-latency's per-pod models: learned from the records this process accounts,
         # kept across reloads (the strategy instances are rebuilt, the models are not).
         self.latency = LatencyModels()
@@ -330,6 +342,7 @@ class App:
             prefill=PrefillClient(self._http),
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
+            leases=self.leases,
             pre_request_steps=(
                 MarkRouted(models=self.latency),
                 TagLatency(models=self.latency),
@@ -386,15 +399,31 @@ class App:
             models=lambda: list(self._rt.approx),
             on_metrics=self._peer_scrape,
             on_latency=self.latency.observe_tagged,
+            on_release=self.leases.release,
+            on_adopt=self._adopt,
             settings=cfg,
             metrics=SyncMetrics(self.registry),
         )
         self.fairness.on_charge = sync.note_charge
+        self.leases.forward = lambda key: sync.note_release(key.replica, key.seq)
         self.poller.should_scrape = self._should_scrape
         self.poller.on_scraped = lambda ep, metrics: sync.note_metrics(
             ep.model, ep.address, metrics
         )
         return sync
+
+    def _lease_bound(self, address: str) -> float:
+        """How long a request on `address` may take before its lease is presumed lost: 3x
+        the longest response seen there (else in the pool), within the configured bounds."""
+        acct = self.config.accounting
+        longest = self.podstats.longest_of(address)
+        if longest is None:
+            return acct.lease_max_s
+        return min(acct.lease_max_s, max(acct.lease_min_s, LEASE_LATENCY_MULTIPLE * longest))
+
+    def _adopt(self, rows: list[Any]) -> None:
+        n = self.leases.adopt(rows)
+        log.info("adopted %d open leases from a replica that shut down", n)
 
     def _shared_blocks(self, model: str, pod: str, hashes: Sequence[int]) -> None:
         if self.sync is not None:
@@ -518,12 +547,22 @@ class App:
         self._start_kubernetes()
         await self._admin.start(self.config.server.host, self.config.server.metrics_port)
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
+        self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease-expiry"))
         if self._config_path is not None:
             self._tasks.append(asyncio.create_task(self._reload_loop(), name="config-reload"))
 
     async def stop(self) -> None:
         grace = self.config.server.shutdown_grace_s
         await self.server.stop(grace, announce_s=self.config.server.shutdown_announce_s)
+        if self.sync is not None:
+            # Decisions are drained and no more records come here: the releases still in
+            # the outbox go out, then the open leases move to a live peer.
+            with contextlib.suppress(Exception):
+                await self.sync.tick()
+                sent = await self.sync.handoff(self.leases.handoff_rows())
+                if sent:
+                    self.leases.end_all("handed_off")
+                    log.info("handed %d open leases to the peers", sent)
         await self._stop_kubernetes()
         for task in self._tasks:
             task.cancel()
@@ -581,6 +620,14 @@ class App:
                     "SERVING" if ready else "NOT_SERVING (no endpoint with fresh metrics)",
                 )
             await asyncio.sleep(0.2)
+
+    async def _lease_loop(self) -> None:
+        """Leases whose record never came end after their bound (counted as expired)."""
+        while True:
+            await asyncio.sleep(1.0)
+            expired = self.leases.expire()
+            if expired:
+                log.warning("%d in-flight leases expired without an access-log record", expired)
 
     async def _reload_loop(self) -> None:
         while True:

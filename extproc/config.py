@@ -104,6 +104,19 @@ class AccountingConfig:
     inject_include_usage: bool = (
         True  # add stream_options.include_usage when a streaming client did not
     )
+    # Envoy sends this gateway's access-log records (the usage filter and the gRPC access log
+    # to the ext_proc cluster): a request's record ends its in-flight lease, so the routing
+    # stream ends once its answer is delivered and a restart of the server cuts no response.
+    # Off: the stream is held for the whole request and its end releases the lease.
+    access_log: bool = True
+    # A lease whose record never comes (sink down, Envoy restarted) ends after 3x the longest
+    # response its pod has given, within these bounds (the maximum until one is observed).
+    lease_min_s: float = 30.0
+    lease_max_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_min_s <= self.lease_max_s:
+            raise ConfigError("needs 0 < lease_min_s <= lease_max_s")
 
 
 @dataclass(frozen=True, slots=True)

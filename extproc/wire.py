@@ -11,6 +11,8 @@ __all__ = [
     "ATTRIBUTE_NAMESPACE",
     "DESTINATION_HEADER",
     "LB_NAMESPACE",
+    "LEASE_KEY",
+    "REPLICA_KEY",
     "REQUEST_NAMESPACE",
     "SUBSET_HINT_KEY",
     "SUBSET_HINT_NAMESPACE",
@@ -28,6 +30,10 @@ SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 ATTRIBUTE_NAMESPACE = "envoy.filters.http.ext_proc"
 # What the routing decision knew, written by the routing filter (director.api.RoutedRequest).
 REQUEST_NAMESPACE = "extproc.request"
+# In it, the request's lease: the replica that holds it (host:pid) and its number there; the
+# access-log record brings them back to end the lease on whatever process receives it.
+REPLICA_KEY = "replica"
+LEASE_KEY = "lease"
 # The response's usage as read by the Lua filter (extproc/stack/usage.lua).
 USAGE_NAMESPACE = "extproc.usage"
 # Envoy AI Gateway's token metadata, read by Envoy Gateway's usage-based rate limits.

@@ -66,9 +66,16 @@ class GatewayMetrics:
             "counted from content events (an estimate)", ["model"], namespace=ns, registry=registry,
         )  # fmt: skip
         self.routed_requests = Counter(
-            "routed_requests", "Routed requests whose routing stream ended on this process "
+            "routed_requests", "Routed requests whose lease ended on this process "
             "(sum over processes minus accounted access records = records lost)", ["model"],
             namespace=ns, registry=registry,
+        )  # fmt: skip
+        self.lease_ends = Counter(
+            "lease_ends", "In-flight leases by how they ended: record (its access record, here), "
+            "peer (its record reached another process, which told this one over the bus), "
+            "expired (no record within the bound), undelivered (the routing answer never "
+            "reached Envoy), stream (held stream ended: no access log), handed_off (to a peer "
+            "at shutdown)", ["how"], namespace=ns, registry=registry,
         )  # fmt: skip
         self.access_records = Counter(
             "access_records", "Access-log records received, by result (accounted: a routed "

@@ -3,9 +3,9 @@
 Keyed by address, not by (model, address): several models served by one server share
 its load. Every count is held by a `Lease` whose `finish()` is idempotent and which is a
 context manager, so a cancelled stream (CancelledError through `async with`/`with`, or a
-`finally`) can never leak a count. A lease ends when the request's routing stream ends,
-on the process that took it; what the response was (status, tokens, timings) arrives
-separately, in the request's access-log record, on any process (`answered`).
+`finally`) can never leak a count. A lease ends with the request (its access-log record, through
+the routing process's lease book: extproc/director/leases.py); what the response was
+(status, tokens, timings) arrives in that record too, on any process (`answered`).
 """
 
 from __future__ import annotations
@@ -146,12 +146,21 @@ class InflightTracker:
     def now(self) -> float:
         return self._clock()
 
-    def start(self, endpoint: Endpoint, tokens: int = 0, *, watched: bool = True) -> Lease:
+    def start(
+        self,
+        endpoint: Endpoint,
+        tokens: int = 0,
+        *,
+        watched: bool = True,
+        started_at: float | None = None,
+    ) -> Lease:
         """Count a request routed to `endpoint`; `tokens` = prompt + expected output.
-        `watched`: its response will be accounted (a missing answer then means something)."""
+        `watched`: its response will be accounted (a missing answer then means something).
+        `started_at`: when it was routed, if earlier than now (a lease adopted from a peer)."""
         tokens = max(0, tokens)
         addr = endpoint.address
-        lease = Lease(self, endpoint, tokens, self._clock())
+        now = self._clock()
+        lease = Lease(self, endpoint, tokens, now if started_at is None else min(now, started_at))
         if watched:
             self._waiting.setdefault(addr, {})[lease] = None
             self._open[lease] = None

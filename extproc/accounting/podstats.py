@@ -84,6 +84,7 @@ class _Pod:
     ttft: float | None = None
     tpot: float | None = None
     latency: float | None = None
+    longest: float = 0.0  # the longest response time seen (not in the table: leases read it)
 
 
 # Each pod's `_Pod` mirrored as one row of a float64 table, for `columns`: copied after
@@ -174,6 +175,7 @@ class PodStatsTracker:
             pod.tokens += tokens
         if latency_s is not None:
             pod.latency = _ewma(pod.latency, max(0.0, latency_s), self._alpha)
+            pod.longest = max(pod.longest, latency_s)
         if ttft_s is not None:
             pod.ttft = _ewma(pod.ttft, max(0.0, ttft_s), self._alpha)
             if decode_s is not None and completion_tokens is not None and completion_tokens > 1:
@@ -189,6 +191,14 @@ class PodStatsTracker:
             return pod.latency
         known = [p.latency for p in self._pods.values() if p.latency is not None]
         return max(known) if known else None
+
+    def longest_of(self, address: str) -> float | None:
+        """The longest response `address` has given (sent upstream to last byte), else the
+        longest of any pod's, else None: how long a request there may reasonably take."""
+        pod = self._pods.get(address)
+        if pod is not None and pod.longest > 0:
+            return pod.longest
+        return max((p.longest for p in self._pods.values() if p.longest > 0), default=None)
 
     def stats(self, address: str, now: float) -> PodStats:
         if address not in self._pods:

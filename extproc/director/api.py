@@ -17,6 +17,7 @@ __all__ = [
     "AccessRecord",
     "BodyMode",
     "ImmediateReply",
+    "LeaseKey",
     "MetadataValue",
     "Outcome",
     "RequestHandler",
@@ -60,12 +61,27 @@ class ImmediateReply:
     details: str = ""
 
 
-class RequestTicket(Protocol):
-    """A routed request's claim on its endpoint, held by the routing stream that made it.
+@dataclass(frozen=True, slots=True)
+class LeaseKey:
+    """Names one routed request's lease on every process: the replica that holds it (host:pid)
+    and its number there. It travels in the decision's metadata and comes back in the
+    request's access-log record, on whatever process Envoy sends that to."""
 
-    Envoy keeps the routing stream open until the HTTP request is over (response end, client
-    disconnect or error), so the stream's end is when the request ends: `close()` then, on
-    the process that routed it, exactly once."""
+    replica: str
+    seq: int
+
+
+class RequestTicket(Protocol):
+    """A routed request's claim on its endpoint (the in-flight lease, the user's active count).
+
+    The routing stream ends once its answer is delivered; the request goes on without it. The
+    ticket then lives in the routing process's lease book until the request's access-log
+    record (on any process, forwarded over the replica bus) or its expiry ends it. The stream
+    calls `close()` only when its answer never reached Envoy, or for a `hold`ing result (no
+    access log: the stream's end is the request's end). Ending is idempotent."""
+
+    @property
+    def key(self) -> LeaseKey: ...
 
     def close(self) -> None: ...
 
@@ -133,6 +149,7 @@ class AccessRecord:
     first_token_s: float | None = None  # first content token seen in the response body
     upstream_done_s: float | None = None  # last upstream byte received
     attempts: int = 0
+    lease: LeaseKey | None = None  # the lease the routing decision took, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +159,11 @@ class RouteResult:
     destinations: tuple[str, ...]  # first = pick, rest = fallbacks
     set_headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
     body: bytes | None = None  # replacement body (None = unchanged)
-    ticket: RequestTicket | None = None  # closed when the routing stream ends
+    ticket: RequestTicket | None = None  # ended by the access record (see RequestTicket)
     routed: RoutedRequest | None = None  # written to dynamic metadata for the access log
+    # No access log reports this request's end: the routing stream stays open for the whole
+    # request and its end closes the ticket (a restart of the server then cuts the request).
+    hold: bool = False
 
 
 class RequestHandler(Protocol):

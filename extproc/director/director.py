@@ -4,9 +4,9 @@ prefill, session, explain, accounting metadata) -> claim; response-complete step
 access-log record. The step kinds are in `lifecycle.py`, the built-in steps in `steps.py` and
 `response.py`; `Director.__init__` lists the ones it runs, in order.
 
-The server calls `route()` once per request, closes the returned ticket when the request's
-routing stream ends, and hands every access-log record (any request's, from any process's
-routing) to `account()`. Everything that becomes an HTTP error is a GatewayError mapped to a
+The server calls `route()` once per request and ends the routing stream once the answer is
+delivered; the returned ticket stays in the lease book (`leases.py`) until the request's
+access-log record, handed to `account()` on whatever process Envoy sends it to, ends it. Everything that becomes an HTTP error is a GatewayError mapped to a
 reply in `error_reply`.
 """
 
@@ -34,6 +34,7 @@ from extproc.director.api import (
     RouteResult,
 )
 from extproc.director.explain import explain_json
+from extproc.director.leases import LeaseBook
 from extproc.director.lifecycle import (
     AdmitStep,
     Claim,
@@ -118,6 +119,7 @@ class Director:
         wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         replica: str = "",
+        leases: LeaseBook | None = None,
         pre_request_steps: Sequence[PreRequestStep] = (),
         response_complete_steps: Sequence[ResponseCompleteStep] = (),
     ) -> None:
@@ -152,7 +154,15 @@ class Director:
             TagForAccounting(replica=replica),
             *pre_request_steps,  # the composition root's own (the status page's decision log)
         )
-        self._claim: Claim = ClaimEndpoint(inflight=inflight, fairness=fairness, metrics=metrics)
+        if leases is None:  # a director of its own (tests): a fixed bound, no peers
+            acct = config.accounting
+            leases = LeaseBook(
+                replica=replica, inflight=inflight, fairness=fairness, metrics=metrics,
+                bound=lambda _address: acct.lease_max_s, min_s=acct.lease_min_s,
+                records=acct.access_log, clock=clock,
+            )  # fmt: skip
+        self.leases = leases
+        self._claim: Claim = ClaimEndpoint(leases=leases)
         self._records = RecordAccounting.default(
             metrics=metrics, fairness=fairness, podstats=podstats, inflight=inflight,
             clock=clock, wall_clock=wall_clock, extra=response_complete_steps,
@@ -176,6 +186,8 @@ class Director:
 
     def account(self, record: AccessRecord) -> None:
         try:
+            if record.lease is not None:
+                self.leases.settle(record.lease)  # the request is over: its lease ends
             self._records.account(record)
         except Exception:  # a bug must never end Envoy's access-log stream
             log.exception("cannot account the record of request %s", record.request_id)
@@ -260,6 +272,7 @@ class Director:
             body=body_out,
             ticket=ticket,
             routed=out.routed,
+            hold=not self.leases.records,
         )
 
     async def prepare(self, head: RequestHead, body: bytes) -> PreparedRequest:

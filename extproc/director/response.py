@@ -1,8 +1,7 @@
 """The two halves of a request's accounting, which may run on different processes.
 
-- `Ticket`: what the routing decision claimed (an in-flight lease, the user's active count),
-  held by the routing stream and released when that stream ends, on the process that
-  routed the request, exactly once.
+- the ticket (`leases.py`): what the routing decision claimed (an in-flight lease, the user's
+  active count), held in the routing process's lease book until the request's record ends it;
 - `RecordAccounting`: what the response was, from the request's access-log record, on
   whatever process Envoy sent the record to. It runs the response-complete steps
   (`CountResponse`: status and tokens; `ChargeUser`: fairness charges; `PodSamples`: per-pod
@@ -17,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
-from extproc.accounting.inflight import InflightTracker, Lease
+from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.director.api import AccessRecord, Outcome
 from extproc.director.lifecycle import Completed, ResponseCompleteStep
@@ -28,47 +27,11 @@ __all__ = [
     "CountResponse",
     "PodSamples",
     "RecordAccounting",
-    "Ticket",
 ]
 
 log = logging.getLogger("extproc.accounting")
 
 CLIENT_CLOSED_STATUS = 499  # the client went away before the response ended (nginx's code)
-
-
-class Ticket:
-    """Implements `extproc.director.api.RequestTicket`."""
-
-    __slots__ = ("_closed", "_fairness", "_lease", "_metrics", "_model", "_user")
-
-    def __init__(
-        self,
-        lease: Lease,
-        *,
-        user: str | None,
-        model: str,
-        fairness: FairnessCounters,
-        metrics: GatewayMetrics,
-    ) -> None:
-        self._lease = lease
-        self._user = user
-        self._model = model
-        self._fairness = fairness
-        self._metrics = metrics
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._lease.finish()
-        if self._user:
-            self._fairness.request_finished(self._user)
-        self._metrics.child(self._metrics.routed_requests, self._model).inc()
 
 
 class RecordAccounting:

@@ -12,14 +12,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from extproc.accounting.fairness import FairnessCounters
 from extproc.accounting.gateway_metrics import GatewayMetrics
-from extproc.accounting.inflight import InflightTracker
 from extproc.director.api import RoutedRequest
 from extproc.director.explain import explain_header
+from extproc.director.leases import LeaseBook, Ticket
 from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.director.prefill import PrefillClient, PrefillError
-from extproc.director.response import Ticket
 from extproc.routing.base import Decision
 from extproc.routing.saturation import is_saturated
 from extproc.routing.session import encode_session
@@ -201,14 +199,13 @@ class TagForAccounting:
 
 
 class ClaimEndpoint:
-    """An in-flight lease on the pick and the user's active count, held by the ticket."""
+    """An in-flight lease on the pick and the user's active count, held by the ticket in the
+    lease book until the request's access-log record ends it."""
 
-    def __init__(
-        self, *, inflight: InflightTracker, fairness: FairnessCounters, metrics: GatewayMetrics
-    ) -> None:
-        self._inflight = inflight
-        self._fairness = fairness
-        self._metrics = metrics
+    def __init__(self, *, leases: LeaseBook) -> None:
+        self._leases = leases
+        self._inflight = leases.inflight
+        self._fairness = leases.fairness
 
     def claim(self, req: PreparedRequest, decision: Decision) -> Ticket:
         routing = req.routing
@@ -229,10 +226,4 @@ class ClaimEndpoint:
         )
         if routing.user:
             self._fairness.request_started(routing.user, routing.prompt_tokens)
-        return Ticket(
-            lease,
-            user=routing.user,
-            model=req.runtime.name,
-            fairness=self._fairness,
-            metrics=self._metrics,
-        )
+        return self._leases.issue(lease, user=routing.user, model=req.runtime.name)

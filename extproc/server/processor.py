@@ -4,10 +4,14 @@ This is the thin protocol edge. It knows the processing modes and the message or
 (headers -> body -> trailers; one answer per message except in FULL_DUPLEX_STREAMED) and
 nothing about routing: the director decides, this module encodes.
 
-A stream is the routing stream of one HTTP request. Envoy keeps it open until the request is
-over, so the stream's end releases what the decision claimed (the request's ticket). The
-response is not seen here: usage is read inside Envoy and arrives in the request's access-log
-record (server/accesslog.py). A filter misconfigured to send response messages still gets
+A stream is the routing stream of one HTTP request, and it lives only as long as the decision:
+once the answer is written the server ends it, and Envoy goes on with the request without
+the server (so a restart of this process cuts no response it routed). What the decision
+claimed (the request's ticket) lives on in the lease book until the request's access-log
+record ends it (extproc/director/leases.py); the lease's key rides in the decision's metadata.
+The response is not seen here: usage is read inside Envoy and arrives in that record
+(server/accesslog.py). Where no access log is configured (`hold`), the stream stays open for
+the whole request and its end closes the ticket. A filter misconfigured to send response messages still gets
 well-formed answers (and nothing at all in observability mode), so it can never hang traffic.
 """
 
@@ -32,6 +36,8 @@ from extproc.wire import (
     ATTRIBUTE_NAMESPACE,
     DESTINATION_HEADER,
     LB_NAMESPACE,
+    LEASE_KEY,
+    REPLICA_KEY,
     REQUEST_NAMESPACE,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
@@ -112,6 +118,12 @@ def _subset_hint(msg: ep.ProcessingRequest) -> tuple[str, ...] | None:
 def _decision_metadata(resp: ep.ProcessingResponse, result: RouteResult, value: str) -> None:
     fields = resp.dynamic_metadata.fields
     fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
+    ticket = result.ticket
+    if ticket is not None and not result.hold:
+        # The lease's key, for the access-log record that ends it (whatever process gets it).
+        ns = fields[REQUEST_NAMESPACE].struct_value.fields
+        ns[LEASE_KEY].number_value = ticket.key.seq
+        ns[REPLICA_KEY].string_value = ticket.key.replica
     if result.routed is not None:
         ns = fields[REQUEST_NAMESPACE].struct_value.fields
         for key, v in result.routed.metadata().items():
@@ -128,10 +140,15 @@ class Phase(enum.Enum):
 
     HEADERS = "headers"  # waiting for the request headers
     BODY = "body"  # collecting the request body
-    ROUTED = "routed"  # answered with a destination; holds the request's ticket
+    ROUTED = "routed"  # answered with a destination; the answer is being written
+    DELIVERED = "delivered"  # the answer is written: the server ends the RPC, the ticket lives on
+    HELD = "held"  # answered, no access log: the stream is held until the request ends
     REJECTED = "rejected"  # answered with an immediate reply: the server ends the RPC
     RESPONSE_ENDED = "response_ended"  # observability mode saw the response end: end the RPC
     CLOSED = "closed"  # the stream ended; the ticket (if any) is closed
+
+
+_ENDS = frozenset({Phase.DELIVERED, Phase.REJECTED, Phase.RESPONSE_ENDED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +185,12 @@ class StreamProcessor:
         self._body = bytearray()
         self._body_chunks = 0
         self._ticket: RequestTicket | None = None
+        self._hold = False
 
     @property
     def done(self) -> bool:
         """The server should end the RPC (this side has nothing more to say)."""
-        return self.phase in (Phase.REJECTED, Phase.RESPONSE_ENDED)
+        return self.phase in _ENDS
 
     @property
     def modes(self) -> StreamModes:
@@ -196,8 +214,19 @@ class StreamProcessor:
         log.warning("ignoring ext_proc message without a known request field: %s", kind)
         return []
 
+    def sent(self) -> None:
+        """Everything `on_message` returned is written to Envoy. A routing answer is then
+        delivered: the ticket is the lease book's (its record ends it), the RPC can end."""
+        if self.phase is Phase.ROUTED:
+            if self._hold:
+                self.phase = Phase.HELD
+            else:
+                self.phase = Phase.DELIVERED
+                self._ticket = None
+
     def close(self) -> None:
-        """The stream ended (EOF, cancel or error): the HTTP request is over."""
+        """The stream ended (done, EOF, cancel or error). A ticket still here was never
+        delivered, or was held for the request's whole life: it ends now."""
         self.phase = Phase.CLOSED
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
@@ -297,6 +326,7 @@ class StreamProcessor:
     def _accept(self, result: RouteResult) -> None:
         self.phase = Phase.ROUTED
         self._ticket = result.ticket
+        self._hold = result.hold
 
     def _headers_response(self, result: RouteResult) -> ep.ProcessingResponse:
         resp = ep.ProcessingResponse()

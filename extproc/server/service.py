@@ -83,8 +83,11 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
                     break
                 for resp in await proc.on_message(msg):
                     await context.write(resp)
+                proc.sent()
             else:
-                end = "done"  # this side ended it (response seen, or an immediate reply)
+                # This side ends it: the routing answer is delivered (the request goes on
+                # without this stream), an immediate reply, or a response seen.
+                end = "done"
         except asyncio.CancelledError:
             # Envoy reset the stream (at the end of the HTTP request, or because the client went
             # away): settle state, then let it cancel.

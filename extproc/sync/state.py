@@ -18,6 +18,11 @@ decision path, and publishes one combined message per tick (~10 ms):
 - the engine metrics of the pods this replica owns: each pod is scraped by one live replica,
   chosen by rendezvous hashing over the membership the heartbeats give (`owns`), which
   publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
+- lease releases: a request's access-log record reached this replica but its lease is held by
+  another (the record names it); the holder ends it when it hears. Kept until a publish
+  succeeds, like fairness charges (a lost one is caught by the lease's expiry);
+- once, at shutdown, this replica's open leases, each addressed to one live peer (rendezvous
+  hashing on the lease), which adopts it until its record arrives.
 A message goes out at least every heartbeat even when nothing changed, so peers know who is
 alive (the membership that scrape ownership uses).
 
@@ -54,8 +59,10 @@ from extproc.types import EngineMetrics
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AdoptSink",
     "LatencySink",
     "MetricsSink",
+    "ReleaseSink",
     "StateSync",
     "SyncMetrics",
     "owner",
@@ -65,6 +72,10 @@ __all__ = [
 MetricsSink = Callable[[str, str, EngineMetrics], None]
 # (model, pod, decision tag, ttft_s, tpot_s): a latency sample a peer learnt from a record.
 LatencySink = Callable[[str, str, str, float | None, float | None], object]
+# (replica, lease number): a peer got the record of this lease.
+ReleaseSink = Callable[[str, int], object]
+# Lease rows a replica that shut down handed to this one (director.leases.HandoffRow).
+AdoptSink = Callable[[list[Any]], object]
 _METRIC_FIELDS = (
     "running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries",
     "prompt_tokens_total", "generation_tokens_total", "ttft_avg_s", "itl_avg_s",
@@ -85,6 +96,7 @@ _SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop dupli
 MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
 MAX_PENDING_SAMPLES = 10_000  # latency samples kept for the peers; the oldest go first
 MAX_SAMPLES_PER_MESSAGE = 1_000  # ~80 kB: a replay after an outage stays far below max_payload
+MAX_PENDING_RELEASES = 100_000  # lease releases kept while the bus is down (then they expire)
 SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
 DEFAULT_SETTINGS = SyncConfig()
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -140,6 +152,8 @@ class StateSync:
         models: Callable[[], Iterable[str]] = tuple,
         on_metrics: MetricsSink | None = None,
         on_latency: LatencySink | None = None,
+        on_release: ReleaseSink | None = None,
+        on_adopt: AdoptSink | None = None,
         settings: SyncConfig = DEFAULT_SETTINGS,  # its tick_s, heartbeat_s and expire_s
         metrics: SyncMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -154,6 +168,8 @@ class StateSync:
         self._snapshot_due = False  # a peer joined: send it our approximate index once
         self._on_metrics = on_metrics
         self._on_latency = on_latency
+        self._on_release = on_release
+        self._on_adopt = on_adopt
         self.settings = settings
         self._metrics = metrics
         self._clock = clock
@@ -164,6 +180,7 @@ class StateSync:
         self._charges: dict[str, float] = {}
         self._scrapes: dict[tuple[str, str], list[Any]] = {}
         self._samples: deque[list[Any]] = deque()  # latency samples not yet sent
+        self._releases: list[list[Any]] = []  # [replica, lease number] not yet sent
         self._members: list[str] = [replica]
         self._last_inflight: dict[str, Load] | None = None
         self._last_sent = float("-inf")
@@ -198,6 +215,30 @@ class StateSync:
         self._samples.append([model, pod, tag, ttft_s, tpot_s])
         if len(self._samples) > MAX_PENDING_SAMPLES:
             self._samples.popleft()  # the models forget old samples first anyway
+
+    def note_release(self, replica: str, seq: int) -> None:
+        """The record of lease `seq` held by `replica` reached this one: tell the holder."""
+        if len(self._releases) < MAX_PENDING_RELEASES:
+            self._releases.append([replica, seq])
+
+    async def handoff(self, rows: Sequence[list[Any]]) -> int:
+        """Shutting down: send this replica's open leases (`[replica, seq, ...]` rows) to live
+        peers, each to the one rendezvous hashing picks for it, which holds it until its
+        record arrives. Returns how many were sent (0 with no live peer or no bus)."""
+        peers = sorted(self._peers)
+        if not rows or not peers:
+            return 0
+        targets: dict[str, list[list[Any]]] = {}
+        for row in rows:
+            targets.setdefault(owner(f"{row[0]}/{row[1]}", peers), []).append(list(row))
+        self._seq += 1
+        message = {"v": PROTOCOL_VERSION, "r": self.replica, "s": self._seq, "t": self._wall(),
+                   "i": [], "a": targets}  # fmt: skip
+        if not await self._bus.publish(msgpack.packb(message)):
+            self._count("dropped", "bus_down")
+            return 0
+        self._count("messages", "sent")
+        return len(rows)
 
     def owns(self, key: str) -> bool:
         """Whether this replica scrapes `key` (a metrics URL) among the live members."""
@@ -236,7 +277,10 @@ class StateSync:
         due = now - self._last_sent >= self.settings.heartbeat_s
         # Samples wait for a live peer: one whose subscription is up, so they reach someone.
         samples = bool(self._samples) and bool(self._peers)
-        pending = self._blocks or self._charges or self._scrapes or samples or self._snapshot_due
+        pending = (
+            self._blocks or self._charges or self._scrapes or samples or self._snapshot_due
+            or self._releases
+        )  # fmt: skip
         if changed_inflight or pending or due:
             self._seq += 1
             message: dict[str, Any] = {
@@ -255,6 +299,10 @@ class StateSync:
                 message["b"] = self._blocks
             if self._charges:
                 message["f"] = list(self._charges.items())
+            releases = self._releases
+            if releases:
+                message["x"] = releases
+                self._releases = []
             if self._scrapes:
                 message["m"] = list(self._scrapes.values())
             batch: list[list[Any]] = []
@@ -270,6 +318,7 @@ class StateSync:
                 self._count("messages", "sent")
             else:
                 self._count("dropped", "bus_down")
+                self._releases[:0] = releases[: MAX_PENDING_RELEASES - len(self._releases)]
                 self._samples.extendleft(reversed(batch))  # kept for the next publish
                 while len(self._samples) > MAX_PENDING_SAMPLES:
                     self._samples.popleft()
@@ -365,6 +414,14 @@ class StateSync:
                 index.record(pod, [int(h) for h in hashes], now)
         for user, tokens in message.get("f", ()):
             self._fairness.add_remote(str(user), float(tokens))
+        if self._on_release is not None:
+            for holder, lease in message.get("x", ()):
+                self._on_release(str(holder), int(lease))
+        adopted = message.get("a")
+        if self._on_adopt is not None and isinstance(adopted, dict):
+            rows = adopted.get(self.replica)
+            if rows:
+                self._on_adopt(list(rows))
         if self._on_latency is not None:
             for model, pod, tag, ttft, tpot in message.get("l", ()):
                 self._on_latency(str(model), str(pod), str(tag), _seconds(ttft), _seconds(tpot))

@@ -17,6 +17,7 @@ from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.config import RouteSettings
 from extproc.director.api import RequestHead
+from extproc.director.leases import LeaseBook
 from extproc.director.lifecycle import ModelRuntime, PreparedRequest
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
@@ -48,10 +49,15 @@ class Parts:
     fairness: FairnessCounters = field(default_factory=FairnessCounters)
     metrics: GatewayMetrics = field(init=False)
     inflight: InflightTracker = field(init=False)
+    leases: LeaseBook = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(self.registry)
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
+        self.leases = LeaseBook(
+            replica="test:1", inflight=self.inflight, fairness=self.fairness,
+            metrics=self.metrics, bound=lambda _address: 900.0, min_s=30.0,
+        )  # fmt: skip
 
     def sample(self, name: str, **labels: str) -> float:
         return sample(self.registry, name, **labels)

@@ -36,4 +36,5 @@ def record_for(
         first_token_s=first_token_s,
         upstream_done_s=done_s,
         attempts=1,
+        lease=result.ticket.key if result.ticket is not None else None,
     )

@@ -1,5 +1,5 @@
-"""The two halves of accounting: the ticket (released once, by the routing stream's end) and
-the record (accounted on any process, with nothing but what the record carries)."""
+"""The two halves of accounting: the ticket (ended once, by its request's record) and the
+record (accounted on any process, with nothing but what the record carries)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,27 @@ async def test_the_ticket_releases_the_lease_once(kit: DirectorKit) -> None:
     assert kit.director.lease_count() == 0
     assert not kit.director._fairness.is_active("alice")
     assert kit.sample("extproc_routed_requests_total", model="qwen3") == 1
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "counted"),
+    [(Outcome.COMPLETE, 200, "200"), (Outcome.CLIENT_ABORTED, 200, "499")],
+)
+async def test_the_requests_record_ends_its_lease_once(
+    kit: DirectorKit, outcome: Outcome, status: int, counted: str
+) -> None:
+    res = await kit.director.route(head(1, **{"x-user-id": "alice"}), BODY)
+    assert isinstance(res, RouteResult) and res.ticket is not None and not res.hold
+    assert kit.director.lease_count() == 1  # the request goes on after the stream ended
+    record = record_for(res, outcome=outcome, status=status)
+    kit.director.account(record)
+    assert record.lease is not None
+    kit.director.leases.settle(record.lease)  # a second notice of its end changes nothing
+    assert kit.director.lease_count() == 0
+    assert not kit.director._fairness.is_active("alice")
+    assert kit.sample("extproc_lease_ends_total", how="record") == 1
+    assert kit.sample("extproc_routed_requests_total", model="qwen3") == 1
+    assert kit.sample("extproc_requests_total", status=counted, strategy="prefix-cache") == 1
 
 
 async def test_the_decision_travels_with_the_request(kit: DirectorKit) -> None:

@@ -267,7 +267,7 @@ async def test_tag_for_accounting(runtime: ModelRuntime) -> None:
 def test_claim_holds_a_lease_and_the_users_count_until_the_ticket_closes(
     runtime: ModelRuntime, parts: Parts, max_tokens: int | None, want_tokens: int
 ) -> None:
-    step = ClaimEndpoint(inflight=parts.inflight, fairness=parts.fairness, metrics=parts.metrics)
+    step = ClaimEndpoint(leases=parts.leases)
     body: dict[str, Any] = {"model": "qwen3", "messages": MSGS}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
@@ -296,7 +296,7 @@ def test_claim_holds_a_lease_and_the_users_count_until_the_ticket_closes(
 def test_claim_counts_only_the_prompt_tokens_the_pick_does_not_hold(
     runtime: ModelRuntime, parts: Parts, cached: int, want_tokens: int
 ) -> None:
-    step = ClaimEndpoint(inflight=parts.inflight, fairness=parts.fairness, metrics=parts.metrics)
+    step = ClaimEndpoint(leases=parts.leases)
     pods = (pod(PODS[0], prefix=100), pod(PODS[1], prefix=cached))
     body = {"model": "qwen3", "messages": MSGS, "max_tokens": 32}
     step.claim(prepared(runtime, body=body, pods=pods, prompt_tokens=100), decision(PODS[1]))

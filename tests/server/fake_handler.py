@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from extproc.director.api import (
     AccessRecord,
     ImmediateReply,
+    LeaseKey,
     RequestHead,
     RoutedRequest,
     RouteResult,
@@ -15,6 +16,7 @@ from extproc.director.api import (
 
 @dataclass
 class RecordingTicket:
+    key: LeaseKey = LeaseKey("fake:1", 1)
     closes: int = 0
 
     def close(self) -> None:
@@ -31,12 +33,13 @@ class FakeHandler:
     tickets: dict[str, RecordingTicket] = field(default_factory=dict)
     records: list[AccessRecord] = field(default_factory=list)
     fail_accounting: bool = False
+    hold: bool = False  # no access log: the stream is held for the request's life
 
     async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
         self.seen.append((head, body))
         if self.reply is not None:
             return self.reply
-        ticket = RecordingTicket()
+        ticket = RecordingTicket(key=LeaseKey("fake:1", len(self.tickets) + 1))
         self.tickets[head.request_id] = ticket
         return RouteResult(
             destinations=self.destinations,
@@ -46,6 +49,7 @@ class FakeHandler:
             routed=RoutedRequest(
                 model="m", endpoint=self.destinations[0], strategy="fake", prompt_tokens=7
             ),
+            hold=self.hold,
         )
 
     def reject(self, head: RequestHead | None, status: int, message: str) -> ImmediateReply:

@@ -46,10 +46,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("messages", "rejects", "phases"), CASES)
-async def test_phases(
+async def test_phases_of_a_held_stream(
     messages: list[ep.ProcessingRequest], rejects: bool, phases: list[Phase]
 ) -> None:
-    handler = FakeHandler()
+    """No access log: the stream is held for the request's life (ROUTED, once sent: HELD)."""
+    handler = FakeHandler(hold=True)
     if rejects:
         handler.reply = ImmediateReply(status=429, body=b"{}")
     proc = StreamProcessor(handler)
@@ -59,13 +60,53 @@ async def test_phases(
     for msg in messages:
         await proc.on_message(msg)
         seen.append(proc.phase)
-    assert seen == phases
+        proc.sent()
+    # Once its answer is sent, a routed stream is HELD.
+    first = phases.index(Phase.ROUTED) if Phase.ROUTED in phases else len(phases)
+    assert seen == [Phase.HELD if p is Phase.ROUTED and i > first else p
+                    for i, p in enumerate(phases)]  # fmt: skip
     assert proc.done is (phases[-1] in (Phase.REJECTED, Phase.RESPONSE_ENDED))
     proc.close()
     assert proc.phase is Phase.CLOSED
     # Whatever the stream went through, the ticket of a routed request is closed exactly once.
     assert [t.closes for t in handler.tickets.values()] == [1] * len(handler.tickets)
     assert len(handler.tickets) == (1 if Phase.ROUTED in phases else 0)
+
+
+DELIVERED_CASES = [
+    pytest.param([headers_msg(), body_msg(b"{}", eos=False), body_msg(b"{}")], id="buffered"),
+    pytest.param([headers_msg(eos=True)], id="bodyless-at-headers"),
+    pytest.param([headers_msg(body_mode=BodyMode.FULL_DUPLEX_STREAMED), body_msg(b"{}")],
+                 id="full-duplex"),
+    pytest.param([headers_msg(body_mode=BodyMode.FULL_DUPLEX_STREAMED),
+                  body_msg(b"{}", eos=False), trailers_msg()], id="full-duplex-trailers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("messages", DELIVERED_CASES)
+async def test_a_delivered_answer_ends_the_stream_and_leaves_the_ticket_open(
+    messages: list[ep.ProcessingRequest],
+) -> None:
+    handler = FakeHandler()
+    proc = StreamProcessor(handler)
+    for msg in messages:
+        assert not proc.done
+        await proc.on_message(msg)
+        proc.sent()
+    assert proc.phase is Phase.DELIVERED and proc.done
+    proc.close()
+    # The request goes on without the stream: its access record ends the ticket, not this.
+    assert [t.closes for t in handler.tickets.values()] == [0]
+
+
+async def test_an_answer_never_sent_closes_its_ticket_with_the_stream() -> None:
+    handler = FakeHandler()
+    proc = StreamProcessor(handler)
+    await proc.on_message(headers_msg())
+    await proc.on_message(body_msg(b"{}"))
+    assert proc.phase is Phase.ROUTED  # decided, but the write failed (Envoy reset)
+    proc.close()
+    assert handler.tickets["rid-1"].closes == 1
 
 
 @pytest.mark.parametrize(

@@ -58,11 +58,15 @@ def expected_mutation(headers: dict[str, str]) -> ep.HeaderMutation:
     )
 
 
-def lb_metadata(value: str) -> struct_pb2.Struct:
-    """What the fake's decision writes: the pick list, and what the access log carries back."""
+def lb_metadata(value: str, *, lease: int | None = 1) -> struct_pb2.Struct:
+    """What the fake's decision writes: the pick list, and what the access log carries back
+    (the lease's key, which the record brings back to end it)."""
     s = struct_pb2.Struct()
     s.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value = value
     req = s.fields["extproc.request"].struct_value.fields
+    if lease is not None:
+        req["lease"].number_value = lease
+        req["replica"].string_value = "fake:1"
     req["model"].string_value = "m"
     req["endpoint"].string_value = value.split(",")[0]
     req["strategy"].string_value = "fake"
@@ -200,6 +204,7 @@ async def test_response_messages_of_a_misconfigured_filter_still_flow(
     server_and_handler: tuple[int, FakeHandler], response_mode: BodyMode, echoed: bool
 ) -> None:
     port, handler = server_and_handler
+    handler.hold = True  # a held stream (no access log) stays open for the response
     got = await exchange(
         port, [headers_msg(response_mode=response_mode), body_msg(b"{}"), *response_msgs()]
     )
@@ -225,10 +230,34 @@ async def test_observability_stream_gets_no_answers_and_ends_at_eos(
     assert handler.seen == [] and handler.tickets == {}
 
 
-async def test_ticket_is_held_while_the_stream_is_open_and_closed_once_at_its_end(
+@pytest.mark.parametrize("mode", [BodyMode.BUFFERED, BodyMode.FULL_DUPLEX_STREAMED])
+async def test_the_server_ends_the_stream_once_the_answer_is_delivered(
+    server_and_handler: tuple[int, FakeHandler], mode: BodyMode
+) -> None:
+    port, handler = server_and_handler
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers_msg(body_mode=mode))
+        if mode is BodyMode.BUFFERED:
+            await call.read()  # the headers answer
+        await call.write(body_msg(b"{}"))
+        kinds = []
+        while (resp := await call.read()) is not grpc.aio.EOF:
+            kinds.append(resp.WhichOneof("response"))
+        # The server closed the stream with OK while Envoy's side was still open: Envoy goes
+        # on with the request without it.
+        assert await call.code() == grpc.StatusCode.OK
+        assert kinds == (["request_body"] if mode is BodyMode.BUFFERED else
+                         ["request_headers", "request_body"])  # fmt: skip
+    # The request is not over: the ticket lives on, for the access record to end it.
+    assert handler.tickets["rid-1"].closes == 0
+
+
+async def test_a_held_ticket_is_closed_once_at_the_stream_end(
     server_and_handler: tuple[int, FakeHandler],
 ) -> None:
     port, handler = server_and_handler
+    handler.hold = True
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = ep_grpc.ExternalProcessorStub(channel).Process()
         await call.write(headers_msg())
@@ -271,11 +300,16 @@ async def test_route_name_and_subset_hint_reach_the_handler(
 
 
 async def test_stream_ends_are_counted_by_how_they_ended() -> None:
-    server = ExtProcServer(FakeHandler(), ServerOptions(port=0))
+    handler = FakeHandler()
+    server = ExtProcServer(handler, ServerOptions(port=0))
     await server.start()
     try:
-        # routed in BUFFERED mode, then Envoy half-closes: eof
+        # routed in BUFFERED mode: the server ends the stream once the answer is out: done
         await exchange(server.port, [headers_msg(), body_msg(b"{}")])
+        # held (no access log), then Envoy half-closes: eof
+        handler.hold = True
+        await exchange(server.port, [headers_msg(), body_msg(b"{}")])
+        handler.hold = False
         # an immediate reply ends the stream from the server's side: done
         await exchange(server.port, [headers_msg(), body_msg(b"x" * 2000)])  # 413
         # Envoy resets the stream while the server waits for the next message: cancelled
@@ -285,9 +319,9 @@ async def test_stream_ends_are_counted_by_how_they_ended() -> None:
             await call.read()
             call.cancel()
         for _ in range(200):
-            if sum(server.stream_ends.values()) == 3:
+            if sum(server.stream_ends.values()) == 4:
                 break
             await asyncio.sleep(0.01)
-        assert dict(server.stream_ends) == {"eof": 1, "done": 1, "cancelled": 1}
+        assert dict(server.stream_ends) == {"eof": 1, "done": 2, "cancelled": 1}
     finally:
         await server.stop(0.5)
