@@ -53,6 +53,8 @@ __all__ = [
     "nats_kill",
     "pod_hang",
     "pod_kill",
+    "rolling_restart",
+    "router_stop",
     "stack_options",
     "sync_process_kill",
 ]
@@ -975,6 +977,201 @@ def sync_process_kill(stack: LocalStack, *, held: int = 6, warmup_s: float = 1.0
     }
 
 
+# -- the router itself restarts: streams outlive the routing process -------------------------
+
+LONG_STREAM = {
+    **CHAT,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "ignore_eos": True,
+}
+
+
+@dataclass
+class _Stream:
+    status: int | str = 0
+    chunks: int = 0  # content events received
+    usage_tokens: int = 0  # completion_tokens of the usage the client saw
+    done: bool = False  # `data: [DONE]` arrived
+    routed_by: str = ""  # x-inference-pod of the answer
+
+
+def _long_stream(url: str, body: dict[str, Any], out: _Stream, started: threading.Event) -> None:
+    try:
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", url, json=body) as r,
+        ):
+            out.status = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out.done = True
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    out.usage_tokens = int(event["usage"].get("completion_tokens") or 0)
+                if event.get("choices"):
+                    out.chunks += 1
+                    started.set()
+    except (httpx.HTTPError, ValueError) as exc:
+        out.status = type(exc).__name__
+
+
+def _tokens_and_flight(stack: LocalStack) -> tuple[float, list[int | None]]:
+    n = stack.options.extproc_processes
+    tokens = 0.0
+    for i in range(n):
+        snap = _snapshot(stack, i)
+        tokens += snap.tokens if snap is not None else 0.0
+    return tokens, [_in_flight(stack, i) for i in range(n)]
+
+
+def _ext_proc_stats(stack: LocalStack) -> dict[str, int]:
+    """Envoy's routing filter counters (streams and messages each way), summed over names."""
+    o = stack.options
+    try:
+        text = httpx.get(f"http://{o.host}:{o.admin_port}/stats", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if ".ext_proc." in name and value.strip().isdigit():
+            out[name.rsplit(".", 1)[-1]] += int(value)
+    return dict(out)
+
+
+def router_stop(
+    stack: LocalStack,
+    *,
+    sig: signal.Signals,
+    streams: int = 20,
+    max_tokens: int = 2000,
+    stop_after_s: float = 3.0,
+) -> dict[str, Any]:
+    """`streams` long streamed chats (>= 15 s each) in flight; signal one ext_proc process that
+    routed some of them (SIGTERM: a rolling update, a scale-down; SIGKILL: a crash), restart it.
+    Reports the cut streams (0 is the goal), the tokens the clients saw against those the
+    processes accounted, and how long after the last stream every process's in-flight view
+    came back to 0."""
+    n = stack.options.extproc_processes
+    url = f"{stack.base_url}/v1/chat/completions"
+    body = {**LONG_STREAM, "max_tokens": max_tokens}
+    tokens_before, _ = _tokens_and_flight(stack)
+    results = [_Stream() for _ in range(streams)]
+    flowing = [threading.Event() for _ in range(streams)]
+    threads = [
+        threading.Thread(target=_long_stream, args=(url, body, r, f), daemon=True)
+        for r, f in zip(results, flowing, strict=True)
+    ]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for f in flowing:
+        f.wait(30)
+    time.sleep(stop_after_s)
+    owned = {i: _snapshot(stack, i) for i in range(n)}
+    shares = {i: _in_flight_own(stack, i) for i in range(n)}
+    victim = max(range(n), key=lambda i: shares[i] or 0)
+    victim_tokens = owned[victim].tokens if owned[victim] is not None else 0.0
+    stack.signal(f"extproc-{victim}", sig)
+    exited = _wait(lambda: not stack.alive(f"extproc-{victim}"), 30.0, 0.005)
+    stack.restart(f"extproc-{victim}")
+    o = stack.options
+    ready = _wait(lambda: _get_ok(f"http://{o.host}:{o.metrics_port + victim}/readyz"), 30)
+    for t in threads:
+        t.join(180)
+    t_end = time.monotonic()
+    # Every process's view of the pods' in-flight back to 0 (records arrive within a flush).
+    zero_s = _wait(lambda: _tokens_and_flight(stack)[1] == [0] * n, 60.0, 0.05)
+    time.sleep(ALS_FLUSH_S * 2)
+    tokens_after, views = _tokens_and_flight(stack)
+    cut = [r for r in results if not (r.status == 200 and r.done)]
+    return {
+        "processes": n,
+        "signal": sig.name,
+        "streams": streams,
+        "stream_s": round(t_end - t0, 1),
+        "victim": f"extproc-{victim}",
+        "victim_held": shares[victim],
+        "exited_after_signal_s": exited,
+        "ready_again_after_s": ready,
+        "cut": len(cut),
+        "cut_statuses": dict(Counter(str(r.status) for r in cut)),
+        "client_tokens": sum(r.usage_tokens for r in results),
+        # The victim's counters die with it: what it had accounted before the signal is added.
+        "accounted_tokens": tokens_after - tokens_before + victim_tokens,
+        "in_flight_zero_after_last_stream_s": zero_s,
+        "in_flight_views_after": views,
+    }
+
+
+def _in_flight_own(stack: LocalStack, index: int) -> int | None:
+    """The requests process `index` holds leases for (its own gauge, no peers' shares)."""
+    o = stack.options
+    try:
+        m = metric_samples(f"http://{o.host}:{o.metrics_port + index}/metrics", timeout=1)
+    except httpx.HTTPError:
+        return None
+    return int(metric_sum(m, "extproc_in_flight_requests"))
+
+
+def rolling_restart(
+    stack: LocalStack,
+    *,
+    rate: float = 10.0,
+    streams: int = 10,
+    max_tokens: int = 2000,
+    warmup_s: float = 3.0,
+    pause_s: float = 2.0,
+    after_s: float = 3.0,
+) -> dict[str, Any]:
+    """Open-loop short chats at `rate`/s plus `streams` long streams, while every ext_proc
+    process is restarted in turn (SIGTERM, wait for its exit, start, wait until ready): the
+    failed requests and cut streams (0 and 0 is the goal)."""
+    n = stack.options.extproc_processes
+    o = stack.options
+    url = f"{stack.base_url}/v1/chat/completions"
+    body = {**LONG_STREAM, "max_tokens": max_tokens}
+    results = [_Stream() for _ in range(streams)]
+    flowing = [threading.Event() for _ in range(streams)]
+    threads = [
+        threading.Thread(target=_long_stream, args=(url, body, r, f), daemon=True)
+        for r, f in zip(results, flowing, strict=True)
+    ]
+    restarts = []
+    with OpenLoad(url, rate=rate) as load:
+        for t in threads:
+            t.start()
+        time.sleep(warmup_s)
+        for i in range(n):
+            name = f"extproc-{i}"
+            t_sig = time.monotonic()
+            stack.signal(name, signal.SIGTERM)
+            exited = _wait(lambda name=name: not stack.alive(name), 30.0, 0.005)
+            stack.restart(name)
+            ready = _wait(lambda i=i: _get_ok(f"http://{o.host}:{o.metrics_port + i}/readyz"), 30)
+            restarts.append({"process": name, "exited_s": exited, "ready_s": ready,
+                             "took_s": round(time.monotonic() - t_sig, 2)})  # fmt: skip
+            time.sleep(pause_s)
+        time.sleep(after_s)
+        report = load.stop()
+    for t in threads:
+        t.join(180)
+    cut = [r for r in results if not (r.status == 200 and r.done)]
+    return {
+        **report.summary(),
+        "processes": n,
+        "rate": rate,
+        "restarts": restarts,
+        "streams": streams,
+        "cut": len(cut),
+        "cut_statuses": dict(Counter(str(r.status) for r in cut)),
+    }
+
+
 STALL_1S = {"routing": {"stall_after_s": 1.0}}  # the default is 10 s; 1 s fits a 5 s hang
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
@@ -1019,6 +1216,19 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
     "sync_process_kill": (
         {"extproc_processes": 2, "kv_events": False},
         lambda s: sync_process_kill(s, held=6),
+    ),
+    # The routing process goes away while the long streams it routed are in flight.
+    "router_sigterm": (
+        {"extproc_processes": 2, "kv_events": False, "strategy": "least-request"},
+        lambda s: router_stop(s, sig=signal.SIGTERM, streams=20, max_tokens=6500),
+    ),
+    "router_sigkill": (
+        {"extproc_processes": 3, "kv_events": False, "strategy": "least-request"},
+        lambda s: router_stop(s, sig=signal.SIGKILL, streams=30, max_tokens=6500),
+    ),
+    "rolling_restart": (
+        {"extproc_processes": 2, "kv_events": False, "strategy": "least-request"},
+        lambda s: rolling_restart(s, rate=10, streams=10, max_tokens=6500),
     ),
 }
 

@@ -73,7 +73,7 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     # SIGTERM: report NOT_SERVING this long before refusing new streams, so Envoy's health
     # check (every 0.5 s in our bootstraps) moves new streams and the access log elsewhere.
-    shutdown_announce_s: float = 1.5
+    shutdown_announce_s: float = 1.0
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
     # The admin port's status page (`/`, `/status.json`): endpoints, recent decisions, config.
     status_page: bool = False

@@ -21,7 +21,7 @@ from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as
 from extproc.director.api import RequestHandler
 from extproc.server.accesslog import AccessLogService
 from extproc.server.processor import StreamProcessor
-from extproc.server.timers import LoopTimers, Timers, within
+from extproc.server.timers import LoopTimers, Timers
 from extproc.server.tls import CertificateFiles
 
 __all__ = ["EXT_PROC_SERVICE", "ExtProcServer", "ServerOptions"]
@@ -31,7 +31,6 @@ log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS = "liveness"
 READINESS = "readiness"
-ACCESS_LOG_LINGER_S = 2.0  # after the last routing stream, for its record to arrive (flush 0.5 s)
 EOF_GRACE_S = 0.01  # after EOF, how long a reset's cancel notice may take to reach the handler
 
 
@@ -53,18 +52,15 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
         handler: RequestHandler,
         streams: set[asyncio.Task[Any]],
         ends: Counter[str],
-        drained: asyncio.Event,
     ) -> None:
         self._handler = handler
         self._streams = streams
         self._ends = ends
-        self._drained = drained  # set while no routing stream is open
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         task = asyncio.current_task()
         if task is not None:
             self._streams.add(task)
-            self._drained.clear()
         proc = StreamProcessor(self._handler)
         end = "error"
         try:
@@ -98,8 +94,6 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
             proc.close()
             if task is not None:
                 self._streams.discard(task)
-                if not self._streams:
-                    self._drained.set()
 
 
 class ExtProcServer:
@@ -113,8 +107,6 @@ class ExtProcServer:
         self._options = options
         self._timers = timers or LoopTimers()
         self._streams: set[asyncio.Task[Any]] = set()
-        self._drained = asyncio.Event()
-        self._drained.set()
         self.stream_ends: Counter[str] = Counter()  # how streams ended: done|eof|cancelled|error
         self._health = health.aio.HealthServicer()
         # Envoy's access log for accounting records, on the same port: whichever process
@@ -148,7 +140,7 @@ class ExtProcServer:
             ],
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            _ExternalProcessor(self._handler, self._streams, self.stream_ends, self._drained),
+            _ExternalProcessor(self._handler, self._streams, self.stream_ends),
             server,
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, server)
@@ -196,8 +188,13 @@ class ExtProcServer:
         on_draining: Callable[[], None] | None = None,
         announce_s: float = 0.0,
     ) -> None:
-        """Health goes NOT_SERVING; after `announce_s` (for Envoy's health check to see it and
-        send new streams elsewhere) new streams are refused, in-flight ones get `grace`."""
+        """Drain decisions, not responses. Health goes NOT_SERVING; after `announce_s` (for
+        Envoy's health check to see it and send new streams elsewhere) new streams are
+        refused and the decisions in progress get `grace` (a routing stream lives only as long
+        as its decision; held streams, without an access log, as long as their request). Each
+        access-log stream ends right after its next batch, so Envoy sends the following one to
+        another process and none is lost. The responses this process routed go on: their
+        leases are the app's to hand to a peer (`App.stop`)."""
         server = self._server
         if server is None:
             return  # never started: nothing is bound, nothing to drain
@@ -207,22 +204,9 @@ class ExtProcServer:
         log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
         if announce_s > 0:
             await self._timers.sleep(announce_s)
-        # Access-log streams never end by themselves: keep reading them while routing streams
-        # drain (their requests' records are still coming), then one flush interval more,
-        # then end them so Envoy reconnects to another process.
-        closer = asyncio.create_task(self._close_access_logs(grace))
-        try:
-            await server.stop(grace)
-        finally:
-            closer.cancel()
-        await self._health.enter_graceful_shutdown()
-
-    async def _close_access_logs(self, grace: float) -> None:
-        deadline = self._timers.now() + grace
-        if not self._drained.is_set():
-            await within(self._timers, self._drained.wait(), grace)
-        await self._timers.sleep(min(ACCESS_LOG_LINGER_S, max(0.0, deadline - self._timers.now())))
         self.access_log.close_streams()
+        await server.stop(grace)
+        await self._health.enter_graceful_shutdown()
 
     async def wait(self) -> None:
         if self._server is not None:

@@ -165,6 +165,8 @@ class LocalStack:
             },
             "routing": {"default_strategy": o.strategy},
             "metrics": {"poll_interval_s": 0.5},
+            # Without Envoy's access log no record ends a lease: the routing stream is held.
+            "accounting": {"access_log": o.response_accounting is ResponseAccounting.ACCESS_LOG},
             "models": [model, *o.extra_models],
         }
         return _merge(cfg, o.server_config)

@@ -169,14 +169,16 @@ def test_ext_proc_killed_fail_closed_gives_5xx_then_recovers(stack: LocalStack) 
     assert fig["first_ok_after_restart_s"] is not None
 
 
-def test_sigterm_finishes_the_in_flight_stream_then_exits(stack: LocalStack) -> None:
-    fig = graceful_shutdown(stack, max_tokens=300)
+def test_sigterm_exits_in_seconds_and_the_stream_goes_on(stack: LocalStack) -> None:
+    fig = graceful_shutdown(stack, max_tokens=1200)
     assert fig["status"] == 200 and fig["completed"]
     assert fig["exited_after_sigterm_s"] is not None
-    # It waited for the stream (its routing RPC lasts as long as the request), not the whole grace.
-    assert fig["exited_after_sigterm_s"] >= fig["stream_ran_after_sigterm_s"] - 0.5
-    assert fig["exited_after_sigterm_s"] < fig["grace_s"]
-    assert fig["drain_log"] is not None and "draining 0 " not in fig["drain_log"]
+    # It drained decisions, not responses: its routing stream ended with the decision, so it
+    # exits after the announce period and the access log's last batch, and the stream it
+    # routed runs on to the end without it.
+    assert fig["exited_after_sigterm_s"] < 4.0
+    assert fig["stream_ran_after_sigterm_s"] > fig["exited_after_sigterm_s"] + 2.0
+    assert fig["drain_log"] is not None
 
 
 def test_ext_proc_killed_fail_open_keeps_traffic_flowing(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.director.api import Outcome, RoutedRequest
 from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S, record_from_entry
-from extproc.server.service import ACCESS_LOG_LINGER_S, ExtProcServer, ServerOptions
+from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.types import TokenUsage
 from extproc.wire import ACCESS_LOG_NAME
 from tests._clock import ManualClock
@@ -202,7 +202,7 @@ async def _wait_for(predicate: Any) -> None:
 
 
 @pytest.mark.parametrize("batch_while_closing", [False, True])
-async def test_shutdown_ends_an_idle_access_log_stream_after_its_linger(
+async def test_shutdown_ends_an_access_log_stream_after_its_next_batch(
     batch_while_closing: bool,
 ) -> None:
     clock = ManualClock()
@@ -217,13 +217,13 @@ async def test_shutdown_ends_an_idle_access_log_stream_after_its_linger(
         await call.write(first)
         await _wait_for(lambda: handler.records)
         assert srv.access_log.streams == 1
-        # Envoy never closes it: shutdown must, after the routing streams have drained (none
-        # here) and one flush interval more for their last records.
-        stopping = asyncio.create_task(srv.stop(30.0))
+        # Envoy never closes it: shutdown must, once the announce period is over (the leases
+        # of what this process routed do not wait for records here: any process ends them).
+        stopping = asyncio.create_task(srv.stop(30.0, announce_s=1.0))
         await clock.until_sleeping(1)
-        clock.advance(ACCESS_LOG_LINGER_S - 0.1)
+        clock.advance(0.9)
         await asyncio.sleep(0.05)
-        assert srv.access_log.streams == 1  # still lingering
+        assert srv.access_log.streams == 1  # still announcing NOT_SERVING
         clock.advance(0.1)
         # Asked to close, it waits for Envoy's next batch so that batch is not lost.
         await clock.until_sleeping(1)
