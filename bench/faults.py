@@ -979,6 +979,7 @@ def sync_process_kill(stack: LocalStack, *, held: int = 6, warmup_s: float = 1.0
 
 # -- the router itself restarts: streams outlive the routing process -------------------------
 
+REAL_TIME_SIM = ("--time-scale", "1.0")  # the e2e stacks run simulated GPU time 5x faster
 LONG_STREAM = {
     **CHAT,
     "stream": True,
@@ -1072,6 +1073,7 @@ def router_stop(
     for f in flowing:
         f.wait(30)
     time.sleep(stop_after_s)
+    done_before = sum(1 for r in results if r.done or r.status not in (0, 200))
     owned = {i: _snapshot(stack, i) for i in range(n)}
     shares = {i: _in_flight_own(stack, i) for i in range(n)}
     victim = max(range(n), key=lambda i: shares[i] or 0)
@@ -1096,6 +1098,7 @@ def router_stop(
         "stream_s": round(t_end - t0, 1),
         "victim": f"extproc-{victim}",
         "victim_held": shares[victim],
+        "ended_before_signal": done_before,  # 0: every stream was in flight at the signal
         "exited_after_signal_s": exited,
         "ready_again_after_s": ready,
         "cut": len(cut),
@@ -1217,18 +1220,34 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
         {"extproc_processes": 2, "kv_events": False},
         lambda s: sync_process_kill(s, held=6),
     ),
-    # The routing process goes away while the long streams it routed are in flight.
+    # The routing process goes away while the long streams it routed are in flight (simulated
+    # GPU time at 1x: a 2,000-token stream takes 15-20 s).
     "router_sigterm": (
-        {"extproc_processes": 2, "kv_events": False, "strategy": "least-request"},
-        lambda s: router_stop(s, sig=signal.SIGTERM, streams=20, max_tokens=6500),
+        {
+            "extproc_processes": 2,
+            "kv_events": False,
+            "strategy": "least-request",
+            "sim_args": REAL_TIME_SIM,
+        },
+        lambda s: router_stop(s, sig=signal.SIGTERM, streams=20, max_tokens=2000),
     ),
     "router_sigkill": (
-        {"extproc_processes": 3, "kv_events": False, "strategy": "least-request"},
-        lambda s: router_stop(s, sig=signal.SIGKILL, streams=30, max_tokens=6500),
+        {
+            "extproc_processes": 3,
+            "kv_events": False,
+            "strategy": "least-request",
+            "sim_args": REAL_TIME_SIM,
+        },
+        lambda s: router_stop(s, sig=signal.SIGKILL, streams=30, max_tokens=2000),
     ),
     "rolling_restart": (
-        {"extproc_processes": 2, "kv_events": False, "strategy": "least-request"},
-        lambda s: rolling_restart(s, rate=10, streams=10, max_tokens=6500),
+        {
+            "extproc_processes": 2,
+            "kv_events": False,
+            "strategy": "least-request",
+            "sim_args": REAL_TIME_SIM,
+        },
+        lambda s: rolling_restart(s, rate=10, streams=10, max_tokens=2000),
     ),
 }
 

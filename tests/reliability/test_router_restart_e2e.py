@@ -21,18 +21,28 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.faults import CHAT, rolling_restart, router_stop, running, stack_options
-from extproc.director.api import BodyMode
+from bench.faults import (
+    CHAT,
+    REAL_TIME_SIM,
+    rolling_restart,
+    router_stop,
+    running,
+    stack_options,
+)
+from extproc.stack.envoy_config import RequestBodyMode
 from extproc.stack.local import LocalStack, StackOptions
 from tests.e2e.harness import metric_samples, metric_sum, wait_for
 
 pytestmark = pytest.mark.e2e
 
-STREAM_TOKENS = 1200  # ~10 s per stream on the simulators, batched
+STREAM_TOKENS = 800  # 6-8 s per stream on simulators in real time, batched
+STOP_AFTER_S = 1.5  # after every stream's first token: all are still in flight
 
 
 def _opts(tmp: Path, **changes: Any) -> StackOptions:
-    return stack_options(tmp, sims=2, kv_events=False, strategy="least-request", **changes)
+    return stack_options(
+        tmp, sims=2, kv_events=False, strategy="least-request", sim_args=REAL_TIME_SIM, **changes
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +65,12 @@ def _sum(stack: LocalStack, name: str, **labels: str) -> float:
 
 
 def test_sigterm_cuts_no_stream_it_routed_and_exits_in_seconds(buffered: LocalStack) -> None:
-    fig = router_stop(buffered, sig=signal.SIGTERM, streams=8, max_tokens=STREAM_TOKENS)
-    assert fig["victim_held"] > 0, fig  # the victim had routed some of the streams
+    fig = router_stop(
+        buffered, sig=signal.SIGTERM, streams=8, max_tokens=STREAM_TOKENS,
+        stop_after_s=STOP_AFTER_S,
+    )  # fmt: skip
+    # The victim had routed some of the streams, and none had ended yet.
+    assert fig["victim_held"] > 0 and fig["ended_before_signal"] == 0, fig
     assert fig["cut"] == 0, fig
     # It drained decisions, not responses: out long before the streams ended.
     assert fig["exited_after_signal_s"] is not None and fig["exited_after_signal_s"] < 4.0, fig
@@ -105,11 +119,14 @@ def test_a_rolling_restart_fails_no_request_and_cuts_no_stream(buffered: LocalSt
 
 def test_sigkill_under_full_duplex_fail_open_cuts_no_stream(tmp_path: Path) -> None:
     opts = _opts(
-        tmp_path, extproc_processes=3, body_mode=BodyMode.FULL_DUPLEX_STREAMED, fail_open=True
+        tmp_path, extproc_processes=3, body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED, fail_open=True
     )
     with running(opts) as s:
-        fig = router_stop(s, sig=signal.SIGKILL, streams=9, max_tokens=STREAM_TOKENS)
-    assert fig["victim_held"] > 0 and fig["cut"] == 0, fig
+        fig = router_stop(
+            s, sig=signal.SIGKILL, streams=9, max_tokens=STREAM_TOKENS, stop_after_s=STOP_AFTER_S
+        )
+    assert fig["victim_held"] > 0 and fig["ended_before_signal"] == 0, fig
+    assert fig["cut"] == 0, fig
     assert fig["exited_after_signal_s"] is not None and fig["exited_after_signal_s"] < 1.0, fig
     assert fig["accounted_tokens"] == fig["client_tokens"] == 9 * STREAM_TOKENS, fig
     # The killed process's leases died with it; the restarted one and the survivors hold
