@@ -347,7 +347,7 @@ def _get_ok(url: str) -> bool:
 
 def graceful_shutdown(stack: LocalStack, *, max_tokens: int = 400) -> dict[str, Any]:
     """SIGTERM the ext_proc server while a long streamed response is in flight."""
-    body = {**CHAT, "max_tokens": max_tokens, "stream": True}
+    body = {**CHAT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     events = 0
     done = False
     exited: list[float] = []
@@ -367,7 +367,7 @@ def graceful_shutdown(stack: LocalStack, *, max_tokens: int = 400) -> dict[str, 
             events += 1
             if t_term is None and events == 3:
                 t_term = time.monotonic()
-                stack.kill("extproc-0", signal.SIGTERM)
+                stack.signal("extproc-0", signal.SIGTERM)  # not kill(): it waits for the exit
                 watcher.start()
             done = done or line == "data: [DONE]"
     stream_end = time.monotonic()
@@ -470,6 +470,19 @@ def _snapshot(stack: LocalStack, index: int, timeout_s: float = 1.0) -> ProcSnap
         als_streams=metric_sum(m, "extproc_server_state", kind="access_log_streams"),
         routing_streams=metric_sum(m, "extproc_server_state", kind="grpc_streams"),
     )
+
+
+def _lease_min_s(stack: LocalStack) -> float:
+    return float(stack.server_config().get("accounting", {}).get("lease_min_s", 30.0))
+
+
+def _counter(stack: LocalStack, index: int, name: str, **labels: str) -> float:
+    o = stack.options
+    try:
+        m = metric_samples(f"http://{o.host}:{o.metrics_port + index}/metrics", timeout=1)
+    except httpx.HTTPError:
+        return 0.0
+    return metric_sum(m, name, **labels)
 
 
 def _in_flight(stack: LocalStack, index: int) -> int | None:
@@ -606,8 +619,11 @@ def _accounting_sink_fault(
         return received(final) == before
 
     _wait(settled, 8.0, 0.0)
-    zero_in = _wait(lambda: all(_in_flight(stack, i) == 0 for i in range(n)), 5.0, 0.1)
+    # A lease whose record was lost (the victim's last batch) ends at its expiry.
+    lease_wait_s = _lease_min_s(stack) + 5.0
+    zero_in = _wait(lambda: all(_in_flight(stack, i) == 0 for i in range(n)), lease_wait_s, 0.1)
     in_flight_end = {f"extproc-{i}": _in_flight(stack, i) for i in range(n)}
+    expired = sum(_counter(stack, i, "extproc_lease_ends_total", how="expired") for i in range(n))
     envoy_after = _envoy_stats(stack)
 
     def counted(name: str) -> float:
@@ -687,6 +703,7 @@ def _accounting_sink_fault(
         "completion_tokens_accounted": int(tokens),
         "in_flight_zero_after_s": zero_in,
         "in_flight_end": in_flight_end,
+        "leases_expired": expired,  # on the processes alive at the end
         # Envoy's counters over the scenario. logs_written counts every entry Envoy logged,
         # so logs_written - records received is the loss as monitoring can see it.
         "envoy": envoy,

@@ -38,7 +38,9 @@ _TOP_KEYS = {
     "name", "kind", "description", "cluster", "workload", "loads", "variants", "repetitions",
     "max_duration_s", "baseline", "reset_caches", "quick", "scaled_down", "seed", "plot",
 }  # fmt: skip
-_VARIANT_KEYS = {"name", "kind", "body_mode", "accounting", "processes", "strategy", "policy"}
+_VARIANT_KEYS = {
+    "name", "kind", "body_mode", "accounting", "processes", "strategy", "policy", "held",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,9 @@ class Variant:
     processes: int = 1
     strategy: str | None = None
     policy: str | None = None
+    # The routing stream held for the whole request (the server without the lease book's
+    # record release); always so without the access log, whose leases no record would end.
+    held: bool = False
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Variant:
@@ -61,16 +66,19 @@ class Variant:
             raise ValueError(f"variant {raw['name']!r}: kind must be envoy|extproc|peer")
         if kind == "peer" and not raw.get("policy"):
             raise ValueError(f"variant {raw['name']!r}: a peer needs a policy")
+        accounting = ResponseAccounting(raw.get("accounting", ResponseAccounting.ACCESS_LOG.value))
+        held = bool(raw.get("held", False)) or accounting is ResponseAccounting.NONE
+        if held and int(raw.get("processes", 1)) != 1:
+            raise ValueError(f"variant {raw['name']!r}: a held variant runs one server process")
         return cls(
             name=str(raw["name"]),
             kind=kind,
             body_mode=RequestBodyMode(raw.get("body_mode", "BUFFERED")),
-            accounting=ResponseAccounting(
-                raw.get("accounting", ResponseAccounting.ACCESS_LOG.value)
-            ),
+            accounting=accounting,
             processes=int(raw.get("processes", 1)),
             strategy=raw.get("strategy"),
             policy=raw.get("policy"),
+            held=held and kind == "extproc",
         )
 
 
@@ -185,7 +193,12 @@ def _door(cluster: Cluster, v: Variant) -> FrontDoor:
         return cluster.envoy("baseline", baseline=True)
     # One Envoy per (body mode, accounting, processes); strategies share it via the header.
     key = f"{v.body_mode.value}-{v.accounting.value}-{v.processes}p"
-    door = cluster.envoy(key, body_mode=v.body_mode, accounting=v.accounting, processes=v.processes)
+    if v.held:
+        door = cluster.held_door(key, body_mode=v.body_mode, accounting=v.accounting)
+    else:
+        door = cluster.envoy(
+            key, body_mode=v.body_mode, accounting=v.accounting, processes=v.processes
+        )
     return cluster.with_strategy(door, v.name, v.strategy) if v.strategy else door
 
 

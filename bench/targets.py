@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import yaml
 
 from extproc.stack.envoy_config import (
     EnvoyOptions,
@@ -175,6 +176,7 @@ class Cluster:
         self.stack = LocalStack(self.options)
         self._children: list[_Child] = []
         self._doors: dict[str, FrontDoor] = {}
+        self._held: tuple[int, int, int] | None = None  # the held server: grpc, metrics, pid
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -351,6 +353,44 @@ class Cluster:
             headers=(("routing-strategy", strategy),) if strategy else (),
             metrics_urls=tuple(f"http://{HOST}:{p}/metrics" for p in metrics_ports),
         )
+
+    def held_door(
+        self,
+        name: str,
+        *,
+        body_mode: RequestBodyMode = RequestBodyMode.BUFFERED,
+        accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
+    ) -> FrontDoor:
+        """An Envoy in front of one more server process (started once, shared by every held
+        door) configured with `accounting.access_log: false`: it holds each routing stream
+        for its whole request and releases the lease at the stream's end, as every version
+        before the lease book did. For the side-by-side 'held' variants, and for doors without
+        the access log, whose leases no record would end."""
+        key = f"held|{name}"
+        if key in self._doors:
+            return self._doors[key]
+        if self._held is None:
+            grpc_port, metrics_port = self._ports(2)
+            cfg = self.stack.server_config()
+            cfg.pop("sync", None)
+            cfg["server"] = {**cfg["server"], "grpc_port": grpc_port, "metrics_port": metrics_port}
+            cfg["accounting"] = {**cfg.get("accounting", {}), "access_log": False}
+            path = self.workdir / "held-config.yaml"
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            pid = self.spawn(
+                "extproc-held",
+                [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
+                ready_url=f"http://{HOST}:{metrics_port}/readyz",
+            )
+            self._held = (grpc_port, metrics_port, pid)
+        grpc_port, metrics_port, pid = self._held
+        listen, admin = self._ports(2)
+        door = self.envoy_for(
+            name, [grpc_port], listen=listen, admin=admin, server_pids=(pid,),
+            metrics_ports=[metrics_port], body_mode=body_mode, accounting=accounting,
+        )  # fmt: skip
+        self._doors[key] = door
+        return door
 
     def with_strategy(self, door: FrontDoor, name: str, strategy: str) -> FrontDoor:
         return replace(door, name=name, headers=(("routing-strategy", strategy),))

@@ -209,10 +209,21 @@ def _extproc_cluster(name: str, opts: EnvoyOptions) -> dict[str, Any]:
     # LEAST_REQUEST alone prefers a dead or draining process (it has the fewest requests):
     # new routing streams would fail there and the access log would reconnect into it. The
     # gRPC health check follows the server's readiness (NOT_SERVING while it drains) and
-    # finds a dead process within one interval. (Outlier detection is not used: Envoy counts
-    # its own resets of finished routing streams as local-origin errors and would eject
-    # healthy processes.)
+    # finds a dead process within one interval; outlier detection takes out a process whose
+    # connection fails or resets at once, before that check. (The server ends every routing
+    # stream itself, cleanly, once its answer is out: a reset is a real failure. When Envoy
+    # reset finished routing streams itself, outlier detection ejected healthy processes.)
     interval = _duration(opts.extproc_health_interval_s)
+    cluster["outlier_detection"] = {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "enforcing_success_rate": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "interval": "0.5s",
+        "base_ejection_time": "2s",
+        "max_ejection_percent": 50,  # never the last process
+    }
     cluster["health_checks"] = [
         {
             # One failed check takes a process out (a refused connection fails at once); a busy

@@ -119,7 +119,10 @@ def test_a_rolling_restart_fails_no_request_and_cuts_no_stream(buffered: LocalSt
 
 def test_sigkill_under_full_duplex_fail_open_cuts_no_stream(tmp_path: Path) -> None:
     opts = _opts(
-        tmp_path, extproc_processes=3, body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED, fail_open=True
+        tmp_path,
+        extproc_processes=3,
+        body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED,
+        fail_open=True,
     )
     with running(opts) as s:
         fig = router_stop(

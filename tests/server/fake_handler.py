@@ -16,7 +16,7 @@ from extproc.director.api import (
 
 @dataclass
 class RecordingTicket:
-    key: LeaseKey = LeaseKey("fake:1", 1)
+    key: LeaseKey = field(default_factory=lambda: LeaseKey("fake:1", 1))
     closes: int = 0
 
     def close(self) -> None:
