@@ -69,6 +69,7 @@ class StackOptions:
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
+    access_log_flush_s: float = 0.5  # Envoy's access-log flush interval (records arrive this late)
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
@@ -181,6 +182,7 @@ class LocalStack:
             request_body_mode=o.body_mode,
             response_accounting=o.response_accounting,
             failure_mode_allow=o.fail_open,
+            access_log_flush_interval_s=o.access_log_flush_s,
             baseline=o.baseline,
             access_log=o.access_log,
         )
