@@ -133,8 +133,9 @@ class EnvoyOptions:
     upstream_max_requests: int = 100_000
     # gRPC health check of each ext_proc process (its readiness).
     extproc_health_interval_s: float = 0.5
-    # Access-log batches go out at least this often (and whenever 16 KiB are buffered).
-    access_log_flush_interval_s: float = 0.5
+    # Access-log batches go out at least this often (and whenever 16 KiB are buffered): a
+    # record ends its request's lease, so the interval is how late in-flight counts fall.
+    access_log_flush_interval_s: float = 0.1  # in-flight counts: docs/reliability.md
     request_attributes: tuple[str, ...] = ("xds.route_name",)
     receiving_namespaces: tuple[str, ...] = (LB_NAMESPACE, REQUEST_NAMESPACE)
     forwarding_namespaces: tuple[str, ...] = (SUBSET_HINT_NAMESPACE,)

@@ -69,7 +69,7 @@ class StackOptions:
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
-    access_log_flush_s: float = 0.5  # Envoy's access-log flush interval (records arrive this late)
+    access_log_flush_s: float = 0.1  # Envoy's access-log flush interval (records arrive this late)
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both

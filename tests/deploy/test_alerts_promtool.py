@@ -208,6 +208,21 @@ SCENARIOS: list[dict[str, Any]] = [
         ],
     },
     {
+        "name": "leases expire in one gateway: its records are lost",
+        "series": [
+            _series("extproc_lease_ends_total", "0+100x60", namespace=EXT, pod="r0", how="record"),
+            _series("extproc_lease_ends_total", "0+10x60", namespace=EXT, pod="r1", how="expired"),
+            _series("extproc_lease_ends_total", "0+100x60", namespace=QUIET, pod="q0", how="peer"),
+            _series(
+                "extproc_lease_ends_total", "0+1x60", namespace=QUIET, pod="q0", how="handed_off"
+            ),
+        ],
+        "alerts": [
+            ("14m", "ExtprocLeasesExpiring", []),  # pending: for 15m
+            ("40m", "ExtprocLeasesExpiring", [{"namespace": EXT, "severity": "warning"}]),
+        ],
+    },
+    {
         "name": "KV events from one pod stop",
         "series": [
             _series("extproc_kv_events_healthy", "0x10", namespace=EXT, pod="10.0.0.1:8000"),
