@@ -494,7 +494,8 @@ def _in_flight(stack: LocalStack, index: int) -> int | None:
         return None
 
 
-def _envoy_stats(stack: LocalStack) -> dict[str, int]:
+def _envoy_counters(stack: LocalStack, keep: Callable[[str], bool]) -> dict[str, int]:
+    """Envoy's admin /stats counters whose names `keep` accepts."""
     o = stack.options
     try:
         text = httpx.get(f"http://{o.host}:{o.admin_port}/stats", timeout=2).text
@@ -503,9 +504,13 @@ def _envoy_stats(stack: LocalStack) -> dict[str, int]:
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(": ")
-        if name in ENVOY_ALS_STATS and value.strip().isdigit():
+        if keep(name) and value.strip().isdigit():
             out[name] = int(value)
     return out
+
+
+def _envoy_stats(stack: LocalStack) -> dict[str, int]:
+    return _envoy_counters(stack, lambda name: name in ENVOY_ALS_STATS)
 
 
 def _accounting_sink_fault(
@@ -1048,16 +1053,9 @@ def _tokens_and_flight(stack: LocalStack) -> tuple[float, list[int | None]]:
 
 def _ext_proc_stats(stack: LocalStack) -> dict[str, int]:
     """Envoy's routing filter counters (streams and messages each way), summed over names."""
-    o = stack.options
-    try:
-        text = httpx.get(f"http://{o.host}:{o.admin_port}/stats", timeout=2).text
-    except httpx.HTTPError:
-        return {}
     out: Counter[str] = Counter()
-    for line in text.splitlines():
-        name, _, value = line.partition(": ")
-        if ".ext_proc." in name and value.strip().isdigit():
-            out[name.rsplit(".", 1)[-1]] += int(value)
+    for name, value in _envoy_counters(stack, lambda name: ".ext_proc." in name).items():
+        out[name.rsplit(".", 1)[-1]] += value
     return dict(out)
 
 

@@ -17,19 +17,12 @@ from extproc.director.api import LeaseKey
 from extproc.director.leases import LeaseBook
 from extproc.sync import MemoryNetwork, StateSync
 from extproc.types import Endpoint
+from tests._clock import ManualClock as Clock
 from tests.director._prepared import sample
 
 POD = Endpoint("10.0.0.1:8000", "m")
 OTHER = Endpoint("10.0.0.2:8000", "m")
 SETTINGS = SyncConfig(tick_s=0.005, heartbeat_s=0.02, expire_s=0.5)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -43,12 +36,12 @@ class Process:
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(self.registry)
-        self.inflight = InflightTracker(clock=self.clock, metrics=self.metrics)
+        self.inflight = InflightTracker(clock=self.clock.now, metrics=self.metrics)
         self.fairness = FairnessCounters()
         self.book = LeaseBook(
             replica=self.name, inflight=self.inflight, fairness=self.fairness,
             metrics=self.metrics, bound=lambda a: self.bounds.get(a, 120.0), min_s=30.0,
-            clock=self.clock,
+            clock=self.clock.now,
         )  # fmt: skip
         self.sync: StateSync | None = None
 
@@ -90,13 +83,13 @@ def test_a_lease_without_a_record_expires_after_its_pods_bound() -> None:
     p = Process("a:1", clock, bounds={POD.address: 40.0, OTHER.address: 300.0})
     p.route(POD)
     p.route(OTHER)
-    clock.now += 29.0
+    clock.advance(29.0)
     assert p.book.expire() == 0  # younger than lease_min_s: not even looked at
-    clock.now += 12.0  # 41 s: past POD's bound, within OTHER's
+    clock.advance(12.0)  # 41 s: past POD's bound, within OTHER's
     assert p.book.expire() == 1
     assert p.inflight.load(POD.address).requests == 0
     assert p.inflight.load(OTHER.address).requests == 1
-    clock.now += 260.0
+    clock.advance(260.0)
     assert p.book.expire() == 1 and p.held() == 0
     assert p.ends("expired") == 2
 
@@ -113,7 +106,7 @@ def test_closing_a_ticket_the_stream_never_delivered_ends_it_once() -> None:
 
 async def tick(procs: list[Process], clock: Clock, rounds: int = 3) -> None:
     for _ in range(rounds):
-        clock.now += SETTINGS.tick_s
+        clock.advance(SETTINGS.tick_s)
         for p in procs:
             assert p.sync is not None
             await p.sync.tick()
@@ -126,7 +119,7 @@ async def bus_pair(clock: Clock, net: MemoryNetwork) -> list[Process]:
         sync = StateSync(
             replica=p.name, bus=net.bus(), inflight=p.inflight, fairness=p.fairness,
             approx=lambda _model: None, on_release=p.book.release, on_adopt=p.book.adopt,
-            settings=SETTINGS, clock=clock,
+            settings=SETTINGS, clock=clock.now,
         )  # fmt: skip
         p.book.forward = lambda key, s=sync: s.note_release(key.replica, key.seq)
         p.sync = sync
@@ -157,7 +150,7 @@ async def test_a_record_on_another_process_ends_the_lease_over_the_bus(loss: flo
         assert b.inflight.load(POD.address).requests == 0  # the shared view agrees
     else:
         assert ended == 0 and a.held() == 20
-        clock.now += 200.0
+        clock.advance(200.0)
         assert a.book.expire() == 20 and a.held() == 0
 
 
@@ -180,7 +173,7 @@ async def test_open_leases_move_to_a_peer_at_shutdown_and_end_there_by_record() 
     net = MemoryNetwork()
     a, b = await bus_pair(clock, net)
     keys = [a.route(POD if i % 2 else OTHER, user="ann") for i in range(6)]
-    clock.now += 5.0
+    clock.advance(5.0)
     assert a.sync is not None
     sent = await a.sync.handoff(a.book.handoff_rows())
     assert sent == 6
@@ -191,11 +184,11 @@ async def test_open_leases_move_to_a_peer_at_shutdown_and_end_there_by_record() 
     assert b.held() == 6 and b.fairness.is_active("ann")
     assert b.inflight.load(POD.address).requests == 3
     oldest = min(t.started_at for t in b.book)
-    assert oldest == pytest.approx(clock.now - 5.0)
+    assert oldest == pytest.approx(clock.now() - 5.0)
     for key in keys[:4]:
         b.book.settle(key)  # their records now come to b, which holds them: ended here
     assert b.held() == 2 and b.ends("record") == 4
-    clock.now += 200.0
+    clock.advance(200.0)
     assert b.book.expire() == 2 and b.held() == 0
 
 
@@ -205,7 +198,7 @@ async def test_no_peer_no_handoff() -> None:
     p = Process("solo:1", clock)
     p.sync = StateSync(
         replica=p.name, bus=net.bus(), inflight=p.inflight, fairness=p.fairness,
-        approx=lambda _model: None, settings=SETTINGS, clock=clock,
+        approx=lambda _model: None, settings=SETTINGS, clock=clock.now,
     )  # fmt: skip
     p.route()
     assert await p.sync.handoff(p.book.handoff_rows()) == 0
