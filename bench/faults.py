@@ -1126,14 +1126,9 @@ def router_stop(
     }
 
 
-def _in_flight_own(stack: LocalStack, index: int) -> int | None:
+def _in_flight_own(stack: LocalStack, index: int) -> int:
     """The requests process `index` holds leases for (its own gauge, no peers' shares)."""
-    o = stack.options
-    try:
-        m = metric_samples(f"http://{o.host}:{o.metrics_port + index}/metrics", timeout=1)
-    except httpx.HTTPError:
-        return None
-    return int(metric_sum(m, "extproc_in_flight_requests"))
+    return int(_counter(stack, index, "extproc_in_flight_requests"))
 
 
 def rolling_restart(
