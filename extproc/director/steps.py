@@ -70,7 +70,8 @@ class ShedSheddable:
 
 class RecordPick:
     """The pick now holds the prompt's blocks: record them in the approximate index, tell the
-    KV-event manager the pod has traffic, observe the pick's prefix match."""
+    KV-event manager when the pod should now publish events (`on_routed`: the prompt has
+    full blocks the pick does not hold), observe the pick's prefix match."""
 
     def __init__(
         self,
@@ -85,10 +86,15 @@ class RecordPick:
 
     async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
         address = decision.endpoint.address
-        req.runtime.prefix.record(address, req.routing.block_hashes, self._clock())
-        if self._on_routed is not None:
-            self._on_routed(address)
+        blocks = req.routing.block_hashes
+        req.runtime.prefix.record(address, blocks, self._clock())
         pod = req.pod(address)
+        if self._on_routed is not None:
+            # Only a prompt with full blocks the pick does not hold yet makes the engine
+            # publish (BlockStored); a shorter one, or a full cache hit, is rightly silent.
+            cached = 0 if pod is None else pod.prefix_match_tokens // max(1, req.routing.block_size)
+            if len(blocks) > cached:
+                self._on_routed(address)
         if pod is not None:
             self._metrics.observe_prefix_match(
                 req.runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact

@@ -94,6 +94,32 @@ async def test_record_pick_puts_the_prompt_on_the_pick(runtime: ModelRuntime, pa
     assert parts.sample("extproc_prefix_match_tokens_count", model="qwen3") == 1
 
 
+@pytest.mark.parametrize(
+    ("blocks", "cached_blocks", "expects_events"),
+    [
+        pytest.param((), 0, False, id="prompt-shorter-than-a-block"),
+        pytest.param((11, 12, 13), 3, False, id="every-block-already-cached"),
+        pytest.param((11, 12, 13), 2, True, id="one-new-block"),
+        pytest.param((11,), 0, True, id="uncached-block"),
+    ],
+)
+async def test_record_pick_reports_only_traffic_that_should_publish_events(
+    runtime: ModelRuntime,
+    parts: Parts,
+    blocks: tuple[int, ...],
+    cached_blocks: int,
+    expects_events: bool,
+) -> None:
+    """KV-event health counts only requests the engine answers with BlockStored (issue 27:
+    short prompts made every pod's stream look stalled)."""
+    routed: list[str] = []
+    step = RecordPick(metrics=parts.metrics, clock=lambda: 100.0, on_routed=routed.append)
+    cached = pod(PODS[0], prefix=cached_blocks * runtime.block_size)
+    req = prepared(runtime, pods=(cached,), block_hashes=blocks)
+    await step.pre_request(req, decision(PODS[0]), Outgoing())
+    assert routed == ([PODS[0]] if expects_events else [])
+
+
 REWRITES = [
     # (body fields, route settings, config inject, served model, wanted changes or None)
     pytest.param({"stream": True}, RouteSettings(), True, None,
