@@ -62,6 +62,7 @@ from extproc.protocol.errors import error_json
 from extproc.protocol.openai import parse_request
 from extproc.routing.base import (
     Decision,
+    RoutingMemory,
     RoutingRequest,
     Snapshot,
     uses_prompt_tokens,
@@ -138,6 +139,7 @@ class Director:
         self._route_settings = route_settings or (lambda _name: None)
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
+        self._memory = RoutingMemory()  # what decisions carry forward; explain gets a copy
         # The lifecycle's steps, in the order they run (kinds: extproc.director.lifecycle).
         cfg = config.routing
         self._admit: tuple[AdmitStep, ...] = (
@@ -229,7 +231,7 @@ class Director:
             return self._route_bodyless(head)
         prep = await self.prepare(head, body)
         try:
-            decision = self._decide(prep, self._rng)
+            decision = self._decide(prep, self._rng, self._memory)
         except TooManyRequests as err:
             # Counted here, for real requests only (an explain decides the same, counts nothing).
             # Only two things refuse a decision: the SLO filter and the saturation admit step.
@@ -404,11 +406,11 @@ class Director:
                 f"{self._config.routing.priority_header} must be an integer", param="priority"
             ) from None
 
-    def _decide(self, prep: PreparedRequest, rng: random.Random) -> Decision:
+    def _decide(self, prep: PreparedRequest, rng: random.Random, memory: RoutingMemory) -> Decision:
         """Admit steps, then the strategy ranks the candidates."""
         for step in self._admit:
             step.admit(prep)
-        snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness)
+        snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness, memory=memory)
         decision = prep.strategy.route(prep.routing, snap, rng)
         if not decision.ranked:
             raise ServiceUnavailable(f"strategy {prep.strategy.name!r} found no endpoint")
@@ -471,12 +473,12 @@ class Director:
 
     async def explain(self, head: RequestHead, body: bytes) -> dict[str, Any]:
         """What `route` would decide, without routing (no lease, no index update, no
-        pre-request step). It draws from a copy of the router's random state, so it shows the
-        next decision and leaves it as it was."""
+        pre-request step). It draws from copies of the router's random state and routing
+        memory, so it shows the next decision and leaves it as it was."""
         prep = await self.prepare(head, body)
         rng = random.Random()
         rng.setstate(self._rng.getstate())
-        decision = self._decide(prep, rng)
+        decision = self._decide(prep, rng, self._memory.copy())
         return explain_json(
             decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated
         )

@@ -39,6 +39,7 @@ __all__ = [
     "PodState",
     "PodStats",
     "ProfileResult",
+    "RoutingMemory",
     "RoutingRequest",
     "ScoreResult",
     "ScoreValues",
@@ -154,11 +155,37 @@ class RoutingRequest:
     headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
 
 
+class RoutingMemory:
+    """Everything a rule carries from one decision to the next (round-robin's turn), keyed by
+    the plugin's name. Plugins keep no such state themselves: the director owns one memory,
+    hands it in every `Snapshot`, and hands `explain` a copy (as it does its random state), so
+    explaining changes no later decision. A rule that needs more than a turn counter adds
+    its kind of entry here, with `copy` copying it."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self) -> None:
+        self._turns: dict[str, int] = {}
+
+    def turn(self, key: str) -> int:
+        """This decision's turn for `key` (0, 1, 2, ...), and advance it."""
+        k = self._turns.get(key, 0)
+        self._turns[key] = k + 1
+        return k
+
+    def copy(self) -> RoutingMemory:
+        out = RoutingMemory()
+        out._turns = dict(self._turns)
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     now: float
     pods: Sequence[PodState]  # ready, fresh candidates for this request's model
     fairness: FairnessView | None = None
+    # What decisions may change (RoutingMemory); a fresh one when not given (tests, one-offs).
+    memory: RoutingMemory = field(default_factory=RoutingMemory)
 
 
 class ProfileResult(NamedTuple):
