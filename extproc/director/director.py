@@ -69,7 +69,7 @@ from extproc.routing.base import (
 )
 from extproc.routing.predicted import SLO_UNMET
 from extproc.routing.registry import StrategyRegistry
-from extproc.routing.session import decode_session
+from extproc.routing.session import SessionTokens
 from extproc.types import (
     BadRequest,
     Endpoint,
@@ -140,6 +140,7 @@ class Director:
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
         self._memory = RoutingMemory()  # what decisions carry forward; explain gets a copy
+        self._sessions = SessionTokens.from_secret(config.routing.session_secret)
         # The lifecycle's steps, in the order they run (kinds: extproc.director.lifecycle).
         cfg = config.routing
         self._admit: tuple[AdmitStep, ...] = (
@@ -149,7 +150,7 @@ class Director:
             RecordPick(metrics=metrics, clock=clock, on_routed=on_routed),
             RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
             RemotePrefill(client=prefill, metrics=metrics),
-            SessionAffinity(header=cfg.session_header),
+            SessionAffinity(header=cfg.session_header, tokens=self._sessions),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=replica),
             *pre_request_steps,  # the composition root's own (the status page's decision log)
@@ -300,9 +301,12 @@ class Director:
             capabilities=strategy.capabilities,
         )
         user = head.headers.get(self._config.routing.user_header) or req.user
-        session = decode_session(head.headers.get(self._config.routing.session_header))
-        if session is not None and session not in {ep.address for ep, _ in candidates}:
-            session = None  # only a ready endpoint of this model may be chosen by a session id
+        # Only a ready endpoint of this model: the pod the token names, or a rendezvous pick.
+        session = self._sessions.resolve(
+            runtime.name,
+            head.headers.get(self._config.routing.session_header),
+            [ep.address for ep, _ in candidates],
+        )
         routing = RoutingRequest(
             request_id=head.request_id or uuid.uuid4().hex,
             model=runtime.name,

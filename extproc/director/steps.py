@@ -22,7 +22,7 @@ from extproc.director.prefill import PrefillClient, PrefillError
 from extproc.director.response import Ticket
 from extproc.routing.base import Decision
 from extproc.routing.saturation import is_saturated
-from extproc.routing.session import encode_session
+from extproc.routing.session import SessionTokens
 from extproc.types import RequestKind, TooManyRequests
 
 __all__ = [
@@ -154,15 +154,16 @@ class RemotePrefill:
 
 
 class SessionAffinity:
-    """A request that came with a session id (or that a session rule routed) gets the id of
-    the pod it went to, so the client's next turn can ask for it."""
+    """A request that came with a session id (or that a session rule routed) gets the opaque
+    token of the pod it went to, so the client's next turn sticks to it (never the address)."""
 
-    def __init__(self, *, header: str) -> None:
+    def __init__(self, *, header: str, tokens: SessionTokens) -> None:
         self._header = header
+        self._tokens = tokens
 
     async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
         if decision.session_id is not None or req.routing.session_id is not None:
-            sid = decision.session_id or encode_session(decision.endpoint.address)
+            sid = self._tokens.token(req.runtime.name, decision.endpoint.address)
             out.set_headers[self._header] = sid
 
 

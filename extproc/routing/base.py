@@ -149,7 +149,9 @@ class RoutingRequest:
     block_size: int = 16
     max_tokens: int | None = None
     user: str | None = None
-    session_id: str | None = None  # decoded, validated session hint (address), if any
+    # The candidate the request's session sticks to (SessionTokens.resolve: the pod its token
+    # names, or the rendezvous pick for an id the client made up); None without a session id.
+    session_id: str | None = None
     lora: str | None = None  # adapter name when `model` names a LoRA adapter
     priority: int = 0  # < 0 marks the request sheddable
     headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
@@ -209,7 +211,9 @@ class Decision:
     strategy: str
     scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     reason: str = ""
-    session_id: str | None = None  # set by `session-affinity`: returned to the client
+    # Set by a session rule (`session-affinity`) to the pick's address: the client gets back
+    # the pod's opaque token (SessionTokens), never the address.
+    session_id: str | None = None
     profiles: tuple[ProfileResult, ...] = ()
     timings: tuple[PluginTiming, ...] = ()  # per plugin, in the order they ran
 

@@ -25,7 +25,7 @@ from extproc.director.steps import (
     ShedSheddable,
     TagForAccounting,
 )
-from extproc.routing.session import decode_session, encode_session
+from extproc.routing.session import SessionTokens
 from extproc.types import Endpoint, TooManyRequests
 from tests.director._prepared import PODS, Parts, decision, model_runtime, pod, prepared
 
@@ -231,7 +231,7 @@ async def test_remote_prefill_does_nothing_for_other_strategies(
     ("client_session", "rule_session", "want"),
     [
         pytest.param(PODS[2], None, PODS[1], id="client-session-gets-the-pick"),
-        pytest.param(None, encode_session(PODS[2]), PODS[2], id="rule-names-the-session"),
+        pytest.param(None, PODS[1], PODS[1], id="rule-names-the-session"),
         pytest.param(None, None, None, id="no-session-no-header"),
     ],
 )
@@ -239,14 +239,17 @@ async def test_session_affinity(
     runtime: ModelRuntime, client_session: str | None, rule_session: str | None, want: str | None
 ) -> None:
     out = Outgoing()
+    tokens = SessionTokens(b"test secret")
     req = prepared(runtime, session_id=client_session)
-    await SessionAffinity(header="x-session-id").pre_request(
+    await SessionAffinity(header="x-session-id", tokens=tokens).pre_request(
         req, decision(PODS[1], session_id=rule_session), out
     )
     if want is None:
         assert out.set_headers == {}
     else:
-        assert decode_session(out.set_headers["x-session-id"]) == want
+        sid = out.set_headers["x-session-id"]
+        assert sid == tokens.token(runtime.name, want)  # the pick's opaque token
+        assert want not in sid and tokens.resolve(runtime.name, sid, PODS) == want
 
 
 @pytest.mark.parametrize(
