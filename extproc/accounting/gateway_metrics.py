@@ -19,13 +19,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from extproc.metrics.poller import SCRAPE_RESULTS
 from extproc.metrics.store import EndpointStore
 from extproc.routing.base import PluginTiming
+from extproc.routing.registry import ADHOC_STRATEGY
 from extproc.types import Endpoint, TokenUsage
 
 ShedReason = Literal["overloaded", "saturated", "slo"]  # the `reason` label: bounded
 
-__all__ = ["ADHOC_STRATEGY", "DECISION_BUCKETS", "GatewayMetrics", "strategy_label"]
-
-ADHOC_STRATEGY = "adhoc"
+__all__ = ["DECISION_BUCKETS", "GatewayMetrics", "strategy_label"]
 
 
 def strategy_label(strategy: str) -> str:

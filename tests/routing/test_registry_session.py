@@ -254,3 +254,8 @@ def test_a_strategy_with_an_injected_store_is_registered_with_a_factory() -> Non
     assert strategy.route(req(), snap(pod(A), pod(B)), random.Random(0)).endpoint.address == A
     with pytest.raises(PluginConfigError, match=r"learned-latency\.horizon: unknown key"):
         StrategyRegistry(plugins, strategy_params={"learned-latency": {"horizon": 30}})
+
+
+def test_no_profile_may_take_the_metrics_name_of_ad_hoc_specs() -> None:
+    with pytest.raises(PluginConfigError, match="'adhoc' is already used"):
+        default_registry(profiles={"adhoc": {"scorers": [{"type": "queue"}]}})
