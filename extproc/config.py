@@ -43,6 +43,7 @@ __all__ = [
     "load_config",
     "load_config_text",
     "parse_route_annotations",
+    "read_session_secret",
 ]
 
 ANNOTATION_PREFIX = "lb.extproc.io/"
@@ -135,6 +136,10 @@ class RoutingConfig:
     kv_threshold: float = 0.95  # saturation: KV-cache usage fraction per pod
     priority_header: str = "x-request-priority"  # < 0 marks a request sheddable
     session_header: str = "x-session-id"
+    # Key of the opaque session ids (docs/strategies.md, session-affinity). Every process and
+    # replica of a gateway must share it; unset, each process makes its own (one process only).
+    session_secret: str | None = field(default=None, repr=False)
+    session_secret_file: str | None = None  # read by load_config (a mounted Secret)
     user_header: str = "x-user-id"
     seed: int | None = None  # fixed seed for reproducible tie-breaks (tests, benchmarks)
 
@@ -359,7 +364,29 @@ def load_config_text(text: str) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError(f"config is not valid YAML: {exc}") from None
     result: Config = _decode_dataclass(Config, data, "")
+    routing = result.routing
+    if routing.session_secret is not None and not routing.session_secret.strip():
+        raise ConfigError("routing.session_secret: must not be empty")
+    if routing.session_secret is not None and routing.session_secret_file is not None:
+        raise ConfigError("routing.session_secret_file: set it or routing.session_secret, not both")
     return result
+
+
+def read_session_secret(cfg: Config) -> Config:
+    """`routing.session_secret_file` read into `routing.session_secret` (`load_config` does it
+    at every load, so a reload picks up a rotated Secret; `load_config_text` reads no file)."""
+    routing = cfg.routing
+    path = routing.session_secret_file
+    if path is None:
+        return cfg
+    try:
+        secret = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"routing.session_secret_file: cannot read {path}: {reason}") from None
+    if not secret:
+        raise ConfigError(f"routing.session_secret_file: {path} is empty")
+    return dataclasses.replace(cfg, routing=dataclasses.replace(routing, session_secret=secret))
 
 
 def load_config(path: str | Path) -> Config:
@@ -371,7 +398,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(
             f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
         ) from None
-    return load_config_text(text)
+    return read_session_secret(load_config_text(text))
 
 
 # ---------------------------------------------------------------------------------------------

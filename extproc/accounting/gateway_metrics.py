@@ -1,10 +1,12 @@
 """The gateway's own Prometheus metrics, all on one injected CollectorRegistry.
 
-Labels stay bounded: `model` should be a configured model name (callers map anything
-else to "unknown"), `endpoint` an address from discovery (series of removed endpoints
-are dropped by `forget_endpoint`), `status` an HTTP status code, `strategy` a registered
-strategy name, `kind` hf|estimate, `result` one of SCRAPE_RESULTS, `plugin` a registered
-plugin type name.
+Labels stay bounded, whatever clients send: `model` is a configured model name (a request
+for any other is a 404, counted with model ""), `endpoint` an address from discovery (series
+of removed endpoints are dropped by `forget_endpoint`), `status` an HTTP status code,
+`strategy` a registered strategy or configured profile name, or "adhoc" for every weighted
+spec a client writes in the `routing-strategy` header (`strategy_label`), `kind` hf|estimate,
+`result` one of SCRAPE_RESULTS, `plugin` a registered plugin type name. Users and session ids
+are never labels.
 """
 
 from __future__ import annotations
@@ -17,11 +19,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from extproc.metrics.poller import SCRAPE_RESULTS
 from extproc.metrics.store import EndpointStore
 from extproc.routing.base import PluginTiming
+from extproc.routing.registry import ADHOC_STRATEGY
 from extproc.types import Endpoint, TokenUsage
 
 ShedReason = Literal["overloaded", "saturated", "slo"]  # the `reason` label: bounded
 
-__all__ = ["DECISION_BUCKETS", "GatewayMetrics"]
+__all__ = ["DECISION_BUCKETS", "GatewayMetrics", "strategy_label"]
+
+
+def strategy_label(strategy: str) -> str:
+    """The `strategy` label of a strategy name or `routing-strategy` value: a strategy or
+    profile name keeps it (the config bounds them: neither may contain ',' or ':'), an ad hoc
+    weighted spec (`least-request:1,random:0.3`, a client's free text) is "adhoc"."""
+    name = strategy.strip()
+    return ADHOC_STRATEGY if "," in name or ":" in name else name
+
 
 # Routing decisions take tens of microseconds to a few milliseconds: fine below 1 ms.
 DECISION_BUCKETS = (
@@ -172,10 +184,10 @@ class GatewayMetrics:
             self.child(self.usage_unknown, model).inc()
 
     def observe_request(self, model: str, status: int, strategy: str) -> None:
-        self.child(self.requests, model, str(status), strategy).inc()
+        self.child(self.requests, model, str(status), strategy_label(strategy)).inc()
 
     def observe_decision(self, strategy: str, seconds: float) -> None:
-        self.decision_seconds.labels(strategy).observe(seconds)
+        self.child(self.decision_seconds, strategy_label(strategy)).observe(seconds)
 
     def observe_plugins(self, timings: tuple[PluginTiming, ...]) -> None:
         """Each plugin's time in one decision (`Decision.timings`), labelled by type name."""

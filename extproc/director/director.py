@@ -63,13 +63,14 @@ from extproc.protocol.errors import error_json
 from extproc.protocol.openai import parse_request
 from extproc.routing.base import (
     Decision,
+    RoutingMemory,
     RoutingRequest,
     Snapshot,
     uses_prompt_tokens,
 )
 from extproc.routing.predicted import SLO_UNMET
 from extproc.routing.registry import StrategyRegistry
-from extproc.routing.session import decode_session
+from extproc.routing.session import SessionTokens
 from extproc.types import (
     BadRequest,
     Endpoint,
@@ -140,6 +141,8 @@ class Director:
         self._route_settings = route_settings or (lambda _name: None)
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
+        self._memory = RoutingMemory()  # what decisions carry forward; explain gets a copy
+        self._sessions = SessionTokens.from_secret(config.routing.session_secret)
         # The lifecycle's steps, in the order they run (kinds: extproc.director.lifecycle).
         cfg = config.routing
         self._admit: tuple[AdmitStep, ...] = (
@@ -149,7 +152,7 @@ class Director:
             RecordPick(metrics=metrics, clock=clock, on_routed=on_routed),
             RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
             RemotePrefill(client=prefill, metrics=metrics),
-            SessionAffinity(header=cfg.session_header),
+            SessionAffinity(header=cfg.session_header, tokens=self._sessions),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=replica),
             *pre_request_steps,  # the composition root's own (the status page's decision log)
@@ -241,7 +244,7 @@ class Director:
             return self._route_bodyless(head)
         prep = await self.prepare(head, body)
         try:
-            decision = self._decide(prep, self._rng)
+            decision = self._decide(prep, self._rng, self._memory)
         except TooManyRequests as err:
             # Counted here, for real requests only (an explain decides the same, counts nothing).
             # Only two things refuse a decision: the SLO filter and the saturation admit step.
@@ -311,9 +314,12 @@ class Director:
             capabilities=strategy.capabilities,
         )
         user = head.headers.get(self._config.routing.user_header) or req.user
-        session = decode_session(head.headers.get(self._config.routing.session_header))
-        if session is not None and session not in {ep.address for ep, _ in candidates}:
-            session = None  # only a ready endpoint of this model may be chosen by a session id
+        # Only a ready endpoint of this model: the pod the token names, or a rendezvous pick.
+        session = self._sessions.resolve(
+            runtime.name,
+            head.headers.get(self._config.routing.session_header),
+            [ep.address for ep, _ in candidates],
+        )
         routing = RoutingRequest(
             request_id=head.request_id or uuid.uuid4().hex,
             model=runtime.name,
@@ -417,11 +423,11 @@ class Director:
                 f"{self._config.routing.priority_header} must be an integer", param="priority"
             ) from None
 
-    def _decide(self, prep: PreparedRequest, rng: random.Random) -> Decision:
+    def _decide(self, prep: PreparedRequest, rng: random.Random, memory: RoutingMemory) -> Decision:
         """Admit steps, then the strategy ranks the candidates."""
         for step in self._admit:
             step.admit(prep)
-        snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness)
+        snap = Snapshot(now=self._clock(), pods=prep.pods, fairness=self._fairness, memory=memory)
         decision = prep.strategy.route(prep.routing, snap, rng)
         if not decision.ranked:
             raise ServiceUnavailable(f"strategy {prep.strategy.name!r} found no endpoint")
@@ -484,12 +490,12 @@ class Director:
 
     async def explain(self, head: RequestHead, body: bytes) -> dict[str, Any]:
         """What `route` would decide, without routing (no lease, no index update, no
-        pre-request step). It draws from a copy of the router's random state, so it shows the
-        next decision and leaves it as it was."""
+        pre-request step). It draws from copies of the router's random state and routing
+        memory, so it shows the next decision and leaves it as it was."""
         prep = await self.prepare(head, body)
         rng = random.Random()
         rng.setstate(self._rng.getstate())
-        decision = self._decide(prep, rng)
+        decision = self._decide(prep, rng, self._memory.copy())
         return explain_json(
             decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated
         )

@@ -20,7 +20,7 @@ from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.director.prefill import PrefillClient, PrefillError
 from extproc.routing.base import Decision
 from extproc.routing.saturation import is_saturated
-from extproc.routing.session import encode_session
+from extproc.routing.session import SessionTokens
 from extproc.types import RequestKind, TooManyRequests
 
 __all__ = [
@@ -68,7 +68,8 @@ class ShedSheddable:
 
 class RecordPick:
     """The pick now holds the prompt's blocks: record them in the approximate index, tell the
-    KV-event manager the pod has traffic, observe the pick's prefix match."""
+    KV-event manager when the pod should now publish events (`on_routed`: the prompt has
+    full blocks the pick does not hold), observe the pick's prefix match."""
 
     def __init__(
         self,
@@ -83,10 +84,15 @@ class RecordPick:
 
     async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
         address = decision.endpoint.address
-        req.runtime.prefix.record(address, req.routing.block_hashes, self._clock())
-        if self._on_routed is not None:
-            self._on_routed(address)
+        blocks = req.routing.block_hashes
+        req.runtime.prefix.record(address, blocks, self._clock())
         pod = req.pod(address)
+        if self._on_routed is not None:
+            # Only a prompt with full blocks the pick does not hold yet makes the engine
+            # publish (BlockStored); a shorter one, or a full cache hit, is rightly silent.
+            cached = 0 if pod is None else pod.prefix_match_tokens // max(1, req.routing.block_size)
+            if len(blocks) > cached:
+                self._on_routed(address)
         if pod is not None:
             self._metrics.observe_prefix_match(
                 req.runtime.name, pod.prefix_match_tokens, exact=pod.prefix_exact
@@ -146,15 +152,16 @@ class RemotePrefill:
 
 
 class SessionAffinity:
-    """A request that came with a session id (or that a session rule routed) gets the id of
-    the pod it went to, so the client's next turn can ask for it."""
+    """A request that came with a session id (or that a session rule routed) gets the opaque
+    token of the pod it went to, so the client's next turn sticks to it (never the address)."""
 
-    def __init__(self, *, header: str) -> None:
+    def __init__(self, *, header: str, tokens: SessionTokens) -> None:
         self._header = header
+        self._tokens = tokens
 
     async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
         if decision.session_id is not None or req.routing.session_id is not None:
-            sid = decision.session_id or encode_session(decision.endpoint.address)
+            sid = self._tokens.token(req.runtime.name, decision.endpoint.address)
             out.set_headers[self._header] = sid
 
 

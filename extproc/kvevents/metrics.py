@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-__all__ = ["EVENT_KINDS", "REPLAY_OUTCOMES", "RESET_REASONS", "KVEventMetrics"]
+__all__ = ["EVENT_KINDS", "PROBE_OUTCOMES", "REPLAY_OUTCOMES", "RESET_REASONS", "KVEventMetrics"]
 
 EVENT_KINDS = ("stored_blocks", "removed_blocks", "cleared", "skipped", "unknown")
 REPLAY_OUTCOMES = ("complete", "partial", "failed")
+PROBE_OUTCOMES = ("idle", "behind", "failed")  # StreamProbe values
 RESET_REASONS = ("gap", "restart", "join")
 
 
@@ -43,6 +44,13 @@ class KVEventMetrics:
             ["pod", "outcome"],
             registry=registry,
         )
+        self.probes = Counter(
+            f"{p}_kv_events_probes",
+            "Replay-socket liveness probes by answer: idle (nothing newer), behind (batches "
+            "the live socket never delivered), failed (no answer)",
+            ["pod", "outcome"],
+            registry=registry,
+        )
         self.resets = Counter(
             f"{p}_kv_events_resets",
             "Times a pod's entries were dropped and rebuilt from live events",
@@ -69,7 +77,9 @@ class KVEventMetrics:
         )
         self.healthy = Gauge(
             f"{p}_kv_events_healthy",
-            "1 while the pod's KV-event stream is flowing (exact mode usable)",
+            "1 while the pod's KV-event stream is alive (exact mode usable): it has spoken, and "
+            "no request that should have produced events went unanswered past "
+            "kv_events.stall_after_s unless the replay socket showed nothing was missed",
             ["pod"],
             registry=registry,
         )
@@ -97,6 +107,8 @@ class KVEventMetrics:
             _remove(self.replays, pod, outcome)
         for reason in RESET_REASONS:
             _remove(self.resets, pod, reason)
+        for answer in PROBE_OUTCOMES:
+            _remove(self.probes, pod, answer)
 
 
 def _remove(metric: Counter | Gauge, *labels: str) -> None:

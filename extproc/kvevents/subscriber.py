@@ -8,8 +8,14 @@ restarted (its cache is empty), so the pod is cleared. Everything runs on the ev
 and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved.
 
 `KVEventManager` follows the endpoint set and answers `is_healthy(address)` for the
-`auto` index mode: a pod is healthy once events arrived and while they keep arriving
-when we send it traffic.
+`auto` index mode. Healthy means the stream is alive, not that blocks were added lately: an
+engine publishes a batch only for a step that stored or removed blocks, so an idle engine,
+or one serving prompts shorter than a block, is silent and still fine. The stream counts as
+alive once a batch arrived or the replay socket answered a probe; it is down when a request
+that should have produced events (new full blocks, `note_traffic`) got no batch for
+`stall_after_s` and the replay socket, asked for anything after the last seq, either has
+batches the live socket never delivered or does not answer (docs/architecture.md, "KV-event
+health").
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import zmq
 import zmq.asyncio
@@ -44,6 +51,7 @@ __all__ = [
     "ApplyCounts",
     "KVEventManager",
     "KVEventSubscriber",
+    "StreamProbe",
     "SubscriberSettings",
     "SubscriberStats",
     "apply_events",
@@ -55,10 +63,20 @@ _log = logging.getLogger(__name__)
 _INDEXED_MEDIA = (None, "GPU")
 
 
+class StreamProbe(Enum):
+    """What the replay socket said when asked for every batch after the last one we hold."""
+
+    IDLE = "idle"  # nothing newer: the engine published nothing, the stream is alive
+    BEHIND = "behind"  # it had batches the live socket never delivered (applied now)
+    FAILED = "failed"  # no reply within replay_timeout_s
+
+
 @dataclass(frozen=True, slots=True)
 class SubscriberSettings:
     replay_timeout_s: float = 1.0  # wait for each replay reply before giving up
-    stall_after_s: float = 10.0  # traffic this long after the last event => not healthy
+    # A request that should produce events, with no batch this long after it => ask the
+    # replay socket; down if it has batches we missed or does not answer.
+    stall_after_s: float = 10.0
     max_blocks_per_wake: int = 256  # yield to the event loop after this many block events
     rcvhwm: int = 100_000
 
@@ -82,6 +100,8 @@ class SubscriberStats:
     replay_failures: int = 0  # replay unavailable, timed out, or not covering the gap
     resets: int = 0  # entries dropped and rebuilt from live events
     restarts: int = 0  # publisher sequence went backwards
+    probes: int = 0  # replay-socket liveness probes (health checks, not gap repairs)
+    last_probe: str | None = None  # the last probe's answer (StreamProbe value)
     orphans: int = 0
     last_seq: int | None = None
     last_ts: float | None = None
@@ -115,8 +135,14 @@ class KVEventSubscriber:
         self._wall = wall_clock
         self._stats = SubscriberStats()
         self._live_high: int | None = None  # highest seq seen on the live socket
-        self._last_msg_at: float | None = None
-        self._traffic_at: float | None = None
+        self._alive = False  # a batch arrived, or the replay socket answered a probe
+        # The first request that should have produced events since the stream last spoke.
+        self._owed_since: float | None = None
+        self._probe_verdict: StreamProbe | None = None  # of the last probe since _owed_since
+        self._probed_at: float | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        # Live batches and probes apply to the index one at a time.
+        self._lock = asyncio.Lock()
         self._budget = self._settings.max_blocks_per_wake
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -143,13 +169,16 @@ class KVEventSubscriber:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
+        probe, self._probe_task = self._probe_task, None
+        for t in (task, probe):
+            if t is None:
+                continue
             # Re-cancel until done: a cancellation that lands as an await completes can be lost.
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=1.0)
+            while not t.done():
+                t.cancel()
+                await asyncio.wait({t}, timeout=1.0)
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await t
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -161,15 +190,72 @@ class KVEventSubscriber:
         return replace(self._stats)
 
     def note_traffic(self, now: float | None = None) -> None:
-        """The router sent this pod a request (events are expected to follow)."""
-        self._traffic_at = self._clock() if now is None else now
+        """The router sent this pod a request that should produce events (new full blocks)."""
+        if self._owed_since is None:
+            self._owed_since = self._clock() if now is None else now
+            self._probe_verdict = None
 
     def healthy(self) -> bool:
-        """Events have arrived, and have not stopped while the pod kept getting traffic."""
-        if self._task is None or self._task.done() or self._last_msg_at is None:
+        """The stream is alive: it has spoken (a batch, or a probe's answer), and no request
+        that should have produced events went unanswered past `stall_after_s` unless the
+        replay socket then showed there was nothing to send.
+
+        Asking may start a probe of the replay socket (at most one per `stall_after_s`); the
+        answer takes effect when it arrives, so this never waits."""
+        if self._task is None or self._task.done():
             return False
-        traffic = self._traffic_at
-        return traffic is None or traffic - self._last_msg_at <= self._settings.stall_after_s
+        now = self._clock()
+        owed = self._owed_since
+        if owed is not None and now - owed > self._settings.stall_after_s:
+            self._maybe_probe(now)
+            # While the probe runs the stream keeps its standing; after it, only an idle
+            # answer (which clears the debt) or a new batch makes it healthy again.
+            return self._alive and self._probe_task is not None and self._probe_verdict is None
+        if not self._alive:
+            self._maybe_probe(now)
+        return self._alive
+
+    def _maybe_probe(self, now: float) -> None:
+        if self.replay_endpoint is None or self._probe_task is not None:
+            return
+        last = self._probed_at
+        if last is not None and now - last < self._settings.stall_after_s:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # asked from another thread: answer, probe next time
+            return
+        self._probed_at = now
+        self._probe_task = loop.create_task(self._probe(), name=f"kv-events-probe:{self.pod}")
+
+    async def _probe(self) -> None:
+        """Ask the replay socket for every batch after the last one held: none means the
+        engine published nothing (alive, idle); some means the live socket lost them."""
+        try:
+            async with self._lock:
+                if self._owed_since is None and self._alive:
+                    return  # a batch arrived while we waited for the lock
+                last = self._stats.last_seq
+                self._stats.probes += 1
+                applied, outcome = await self._fetch_replay(0 if last is None else last + 1)
+            if outcome == "failed":
+                verdict = StreamProbe.FAILED
+            elif applied:
+                verdict = StreamProbe.BEHIND
+            else:
+                verdict = StreamProbe.IDLE
+            if verdict is StreamProbe.IDLE:
+                self._alive = True  # the engine has published nothing we lack
+                self._owed_since = None
+            elif verdict is StreamProbe.BEHIND and not self._alive:
+                self._alive = True  # a first answer is as good as a batch (a join replay)
+            if self._owed_since is not None:
+                self._probe_verdict = verdict
+            self._stats.last_probe = verdict.value
+            if self._metrics is not None:
+                self._metrics.probes.labels(self.pod, verdict.value).inc()
+        finally:
+            self._probe_task = None
 
     # ----------------------------------------------------------------- loop
 
@@ -177,7 +263,8 @@ class KVEventSubscriber:
         while True:
             frames = await sub.recv_multipart(copy=True)
             try:
-                await self._on_live(frames)
+                async with self._lock:
+                    await self._on_live(frames)
             except Exception:  # a bug must not end the subscription silently forever
                 _log.exception("kv-events %s: failed to apply a batch", self.pod)
                 self._reset("gap")
@@ -186,7 +273,10 @@ class KVEventSubscriber:
                 self._budget = self._settings.max_blocks_per_wake
 
     async def _on_live(self, frames: list[bytes]) -> None:
-        self._last_msg_at = self._clock()
+        # Any message, even one we cannot decode, shows the stream is alive.
+        self._alive = True
+        self._owed_since = None
+        self._probe_verdict = None
         try:
             batch = decode_message(frames)
         except DecodeError as exc:
@@ -238,11 +328,20 @@ class KVEventSubscriber:
             self._replay_outcome("failed")
             return
         self._stats.replays += 1
+        _, outcome = await self._fetch_replay(start)
+        self._replay_outcome(outcome)
+
+    async def _fetch_replay(self, start: int) -> tuple[int, str]:
+        """Ask the replay socket for batches from `start` and apply them: (batches applied,
+        outcome "complete" / "partial" (reset: they did not connect) / "failed")."""
+        if self.replay_endpoint is None:
+            return 0, "failed"
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # A fresh socket per replay, so late replies to an abandoned one cannot leak in.
         sock.connect(self.replay_endpoint)
         contiguous = True
+        applied = 0
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
@@ -272,16 +371,16 @@ class KVEventSubscriber:
                     contiguous = False
                     self._reset("gap" if last is not None else "join")
                 self._apply(batch)
+                applied += 1
                 if self._budget <= 0:
                     await asyncio.sleep(0)
                     self._budget = self._settings.max_blocks_per_wake
         except TimeoutError:
             _log.warning("kv-events %s: replay from seq %d timed out", self.pod, start)
-            self._replay_outcome("failed")
-            return
+            return applied, "failed"
         finally:
             sock.close(linger=0)
-        self._replay_outcome("complete" if contiguous else "partial")
+        return applied, "complete" if contiguous else "partial"
 
     # ----------------------------------------------------------------- applying
 

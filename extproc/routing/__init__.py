@@ -30,7 +30,7 @@ from extproc.routing.framework import (
 )
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.saturation import is_saturated, saturation
-from extproc.routing.session import decode_session, encode_session
+from extproc.routing.session import SessionTokens, rendezvous
 
 __all__ = [
     "Capabilities",
@@ -48,17 +48,17 @@ __all__ = [
     "ProfileResult",
     "RoutingRequest",
     "Scorer",
+    "SessionTokens",
     "Snapshot",
     "SoftmaxPicker",
     "Strategy",
     "StrategyRegistry",
     "WeightedRandomPicker",
     "build_profile",
-    "decode_session",
     "default_plugins",
     "default_registry",
-    "encode_session",
     "is_saturated",
     "parse_weighted_header",
+    "rendezvous",
     "saturation",
 ]

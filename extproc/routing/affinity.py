@@ -36,7 +36,6 @@ from extproc.routing.columns import (
     vectorised,
 )
 from extproc.routing.framework import ScoreTable
-from extproc.routing.session import encode_session
 from extproc.routing.strategies import StrategyPlugin, least_request_at
 from extproc.types import EndpointRole
 
@@ -775,9 +774,10 @@ def _fnv1a64(data: bytes) -> int:
 
 
 class SessionAffinityStrategy(StrategyPlugin):
-    """AIBrix session-affinity: honour `x-session-id` when it names a candidate; else rendezvous
-    hashing on `x-aibrix-session-key`; else least-request. The id is always refreshed to the pick.
-    """
+    """AIBrix session-affinity: the session's pod (`RoutingRequest.session_id`: the pod the
+    `x-session-id` token names, or the rendezvous pick for an id the client made up); else
+    rendezvous hashing on `x-aibrix-session-key`; else least-request. The client always gets
+    back the pick's token (`Decision.session_id` is the pick)."""
 
     type_name = "session-affinity"
 
@@ -801,7 +801,7 @@ class SessionAffinityStrategy(StrategyPlugin):
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
         ranked = [pick, *_rest([pick], pods, rng)]
-        return self.decision(t0, ranked, reason, session_id=encode_session(pick.address))
+        return self.decision(t0, ranked, reason, session_id=pick.address)
 
     def _route_columns(
         self, req: RoutingRequest, pods: Sequence[PodState], rng: random.Random, t0: int
@@ -823,4 +823,4 @@ class SessionAffinityStrategy(StrategyPlugin):
             )
         at = np.array([i])
         eps = cols.endpoints_at(_cat(at, _rest_at(at, np.arange(cols.n), cols, rng)))
-        return self.decision_of(t0, eps, reason, session_id=encode_session(addresses[i]))
+        return self.decision_of(t0, eps, reason, session_id=addresses[i])

@@ -39,6 +39,7 @@ __all__ = [
     "PodState",
     "PodStats",
     "ProfileResult",
+    "RoutingMemory",
     "RoutingRequest",
     "ScoreResult",
     "ScoreValues",
@@ -148,10 +149,36 @@ class RoutingRequest:
     block_size: int = 16
     max_tokens: int | None = None
     user: str | None = None
-    session_id: str | None = None  # decoded, validated session hint (address), if any
+    # The candidate the request's session sticks to (SessionTokens.resolve: the pod its token
+    # names, or the rendezvous pick for an id the client made up); None without a session id.
+    session_id: str | None = None
     lora: str | None = None  # adapter name when `model` names a LoRA adapter
     priority: int = 0  # < 0 marks the request sheddable
     headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
+
+
+class RoutingMemory:
+    """Everything a rule carries from one decision to the next (round-robin's turn), keyed by
+    the plugin's name. Plugins keep no such state themselves: the director owns one memory,
+    hands it in every `Snapshot`, and hands `explain` a copy (as it does its random state), so
+    explaining changes no later decision. A rule that needs more than a turn counter adds
+    its kind of entry here, with `copy` copying it."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self) -> None:
+        self._turns: dict[str, int] = {}
+
+    def turn(self, key: str) -> int:
+        """This decision's turn for `key` (0, 1, 2, ...), and advance it."""
+        k = self._turns.get(key, 0)
+        self._turns[key] = k + 1
+        return k
+
+    def copy(self) -> RoutingMemory:
+        out = RoutingMemory()
+        out._turns = dict(self._turns)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +186,8 @@ class Snapshot:
     now: float
     pods: Sequence[PodState]  # ready, fresh candidates for this request's model
     fairness: FairnessView | None = None
+    # What decisions may change (RoutingMemory); a fresh one when not given (tests, one-offs).
+    memory: RoutingMemory = field(default_factory=RoutingMemory)
 
 
 class ProfileResult(NamedTuple):
@@ -182,7 +211,9 @@ class Decision:
     strategy: str
     scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     reason: str = ""
-    session_id: str | None = None  # set by `session-affinity`: returned to the client
+    # Set by a session rule (`session-affinity`) to the pick's address: the client gets back
+    # the pod's opaque token (SessionTokens), never the address.
+    session_id: str | None = None
     profiles: tuple[ProfileResult, ...] = ()
     timings: tuple[PluginTiming, ...] = ()  # per plugin, in the order they ran
 

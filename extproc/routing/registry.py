@@ -18,7 +18,11 @@ from extproc.routing.framework import (
 )
 from extproc.types import BadRequest
 
-__all__ = ["StrategyRegistry"]
+__all__ = ["ADHOC_STRATEGY", "StrategyRegistry"]
+
+# What metrics call every ad hoc spec (clients write them: one label, not one per spec); no
+# profile may take the name.
+ADHOC_STRATEGY = "adhoc"
 
 _SPEC_CACHE_SIZE = 256
 
@@ -67,7 +71,7 @@ class StrategyRegistry:
     def add_profile(self, name: str, spec: Mapping[str, object], where: str | None = None) -> None:
         """Add a YAML-declared profile; raises PluginConfigError naming the bad key."""
         where = where or f"profiles.{name}"
-        if name in self._named:
+        if name in self._named or name == ADHOC_STRATEGY:
             raise PluginConfigError(f"{where}: name {name!r} is already used by a strategy")
         if "," in name or ":" in name or not name.strip():
             raise PluginConfigError(

@@ -1,52 +1,93 @@
-"""AIBrix `x-session-id`: base64 of the pod's "ip:port".
+"""`x-session-id`: AIBrix's contract (the client echoes the id it got back), with an opaque id.
 
-`decode_session` only checks the shape of the value. It never makes the value routable:
-the caller (director) must still check that the address is a ready endpoint of the model,
-so a forged id cannot reach an arbitrary address.
+AIBrix sends base64 of the pod's "ip:port"; that hands clients the pod network's addresses.
+The gateway sends instead a token that names the pod without showing it:
+
+    "s1." + base64url(BLAKE2b-128 keyed with the session secret, of model NUL address)
+
+so every process and replica that shares the secret (`routing.session_secret[_file]`) reads
+the same token as the same pod, and without the secret no one can tell the address or mint a
+token for a chosen pod. A token is only ever compared with the tokens of this request's
+candidates, so a forged or stale one (its pod left) can never name a non-member.
+
+Any other value (an id the client made up, `abc`, a token of another secret, a stale one) is a
+session key: rendezvous hashing over the candidates' addresses puts it on one pod, the same on
+every process and replica with no shared memory, and the answer carries that pod's token, which
+pins the session even when the pool changes later.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
-import ipaddress
+import hashlib
+import secrets
+from collections.abc import Sequence
 
-__all__ = ["MAX_SESSION_ID_LEN", "decode_session", "encode_session"]
+__all__ = ["MAX_SESSION_ID_LEN", "SessionTokens", "rendezvous"]
 
-MAX_SESSION_ID_LEN = 128  # base64 of the longest "[ipv6]:port" is ~64 chars
-
-
-def encode_session(address: str) -> str:
-    return base64.b64encode(address.encode("ascii")).decode("ascii")
-
-
-def _valid_address(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            return False
-        return True
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        return False
-    return True
+MAX_SESSION_ID_LEN = 256  # longer values are ignored (no session)
+_PREFIX = "s1."
+_MEMO_LIMIT = 8192  # (model, address) -> token entries kept; cleared past it (pods churn)
 
 
-def decode_session(value: str | None) -> str | None:
-    """The "ip:port" inside a session id, or None for anything malformed."""
-    if not value or len(value) > MAX_SESSION_ID_LEN:
-        return None
-    value = value.strip()
-    try:
-        raw = base64.b64decode(value, validate=True)
-        text = raw.decode("ascii")
-    except (binascii.Error, ValueError):
-        return None
-    if not _valid_address(text):
-        return None
-    return text
+def rendezvous(key: str, addresses: Sequence[str]) -> str:
+    """The address with the highest BLAKE2b-64(key NUL address): a key stays on its pod while
+    that pod is a candidate; when it leaves, only its keys move."""
+    best, best_h = addresses[0], -1
+    raw = key.encode("utf-8", "surrogatepass") + b"\0"
+    for address in addresses:
+        h = int.from_bytes(hashlib.blake2b(raw + address.encode(), digest_size=8).digest(), "big")
+        if h > best_h:
+            best, best_h = address, h
+    return best
+
+
+class SessionTokens:
+    """Mints and reads the opaque session ids of one gateway (one secret)."""
+
+    def __init__(self, secret: bytes) -> None:
+        if not secret:
+            raise ValueError("the session secret must not be empty")
+        # BLAKE2b takes a key of at most 64 bytes: hash a longer secret down to one.
+        self._key = secret if len(secret) <= 64 else hashlib.blake2b(secret).digest()
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._pods: dict[tuple[str, str], str] = {}  # (model, token) -> address
+
+    @classmethod
+    def from_secret(cls, secret: str | None) -> SessionTokens:
+        """From the configured secret; None makes a random one, good for this process only."""
+        return cls(secret.encode() if secret else secrets.token_bytes(32))
+
+    def token(self, model: str, address: str) -> str:
+        """The session id that names `address` for `model`."""
+        found = self._tokens.get((model, address))
+        if found is None:
+            if len(self._tokens) >= _MEMO_LIMIT:
+                self._tokens.clear()
+                self._pods.clear()
+            mac = hashlib.blake2b(
+                f"{model}\0{address}".encode(), key=self._key, digest_size=16
+            ).digest()
+            found = _PREFIX + base64.urlsafe_b64encode(mac).rstrip(b"=").decode("ascii")
+            self._tokens[(model, address)] = found
+            self._pods[(model, found)] = address
+        return found
+
+    def resolve(self, model: str, value: str | None, candidates: Sequence[str]) -> str | None:
+        """The candidate a request's session id sticks to, or None without a usable id: the pod
+        its token names if that pod is a candidate, else the rendezvous pick for the value."""
+        if not candidates or value is None:
+            return None
+        value = value.strip()
+        if not value or len(value) > MAX_SESSION_ID_LEN:
+            return None
+        if value.startswith(_PREFIX):
+            pod = self._pods.get((model, value))
+            if pod is None:  # not seen yet on this process: the candidates' tokens
+                for address in candidates:
+                    if self.token(model, address) == value:
+                        pod = address
+                        break
+            if pod is not None and pod in candidates:
+                return pod
+        return rendezvous(value, candidates)

@@ -8,7 +8,6 @@ candidate (the tail are Envoy retry fallbacks), break ties at random, and time t
 from __future__ import annotations
 
 import abc
-import itertools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -142,28 +141,24 @@ class RandomStrategy(StrategyPlugin):
 class RoundRobinStrategy(StrategyPlugin):
     """Dynamo/production-stack round robin over candidates sorted by address.
 
-    The counter is advanced synchronously (no await inside `route`), so concurrent calls from
-    one event loop never interleave.
+    The turn lives in the snapshot's `RoutingMemory` (explain gets a copy, so it does not
+    advance the live turn); it is taken synchronously (no await inside `route`), so concurrent
+    calls from one event loop never interleave.
     """
 
     type_name = "round-robin"
 
-    def __init__(self, name: str = "", params: object = None) -> None:
-        super().__init__(name, params)
-        self._counter = itertools.count()
-
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
         n = len(snap.pods)
+        k = snap.memory.turn(self.name) % n
         if is_table(snap.pods):  # sort indices by the address column: no row built
             cols = snap.pods.columns
             order = cols.address_order().tolist()
-            k = next(self._counter) % n
             return self.decision_of(
                 t0, cols.endpoints_at(order[k:] + order[:k]), f"turn {k} of {n}"
             )
         pods = sorted(snap.pods, key=lambda p: p.address)
-        k = next(self._counter) % n
         ranked = pods[k:] + pods[:k]
         return self.decision(t0, ranked, f"turn {k} of {n}")
 

@@ -206,6 +206,12 @@ class LocalStack:
                 self._spawn(f"sim-{i}", self._sim_args(i))
             if not o.baseline:
                 cfg = self.server_config()
+                routing = cfg.get("routing") or {}
+                if not routing.get("session_secret") and not routing.get("session_secret_file"):
+                    # One key for every process (and a restarted one): session ids hold.
+                    secret_file = self.workdir / "session.secret"
+                    write_password_file(secret_file)
+                    cfg = _merge(cfg, {"routing": {"session_secret_file": str(secret_file)}})
                 if self.sync_enabled:
                     cfg = _merge(cfg, {"sync": self._start_nats()})
                 for i in range(o.extproc_processes):

@@ -115,7 +115,7 @@ class StoreWorld:
 
 def _decide(name: str, pods: Sequence[PodState], req: RoutingRequest, seed: int) -> object:
     strategy = StrategyRegistry(default_plugins(), builtin=BUILTIN_PROFILES).resolve(name)
-    d = strategy.route(  # a new strategy per decision: round-robin keeps a turn
+    d = strategy.route(  # a fresh Snapshot, so a fresh routing memory: round-robin at turn 0
         req, Snapshot(now=100.0, pods=pods, fairness=_Fairness()), random.Random(seed)
     )
     return (d.ranked, d.reason, {a: dict(s) for a, s in d.scores.items()}, d.profiles)

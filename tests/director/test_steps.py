@@ -25,7 +25,7 @@ from extproc.director.steps import (
     ShedSheddable,
     TagForAccounting,
 )
-from extproc.routing.session import decode_session, encode_session
+from extproc.routing.session import SessionTokens
 from extproc.types import Endpoint, TooManyRequests
 from tests.director._prepared import PODS, Parts, decision, model_runtime, pod, prepared
 
@@ -92,6 +92,32 @@ async def test_record_pick_puts_the_prompt_on_the_pick(runtime: ModelRuntime, pa
     # The pick's match is observed, not another pod's.
     assert parts.sample("extproc_prefix_match_tokens_sum", model="qwen3") == 8
     assert parts.sample("extproc_prefix_match_tokens_count", model="qwen3") == 1
+
+
+@pytest.mark.parametrize(
+    ("blocks", "cached_blocks", "expects_events"),
+    [
+        pytest.param((), 0, False, id="prompt-shorter-than-a-block"),
+        pytest.param((11, 12, 13), 3, False, id="every-block-already-cached"),
+        pytest.param((11, 12, 13), 2, True, id="one-new-block"),
+        pytest.param((11,), 0, True, id="uncached-block"),
+    ],
+)
+async def test_record_pick_reports_only_traffic_that_should_publish_events(
+    runtime: ModelRuntime,
+    parts: Parts,
+    blocks: tuple[int, ...],
+    cached_blocks: int,
+    expects_events: bool,
+) -> None:
+    """KV-event health counts only requests the engine answers with BlockStored (issue 27:
+    short prompts made every pod's stream look stalled)."""
+    routed: list[str] = []
+    step = RecordPick(metrics=parts.metrics, clock=lambda: 100.0, on_routed=routed.append)
+    cached = pod(PODS[0], prefix=cached_blocks * runtime.block_size)
+    req = prepared(runtime, pods=(cached,), block_hashes=blocks)
+    await step.pre_request(req, decision(PODS[0]), Outgoing())
+    assert routed == ([PODS[0]] if expects_events else [])
 
 
 REWRITES = [
@@ -205,7 +231,7 @@ async def test_remote_prefill_does_nothing_for_other_strategies(
     ("client_session", "rule_session", "want"),
     [
         pytest.param(PODS[2], None, PODS[1], id="client-session-gets-the-pick"),
-        pytest.param(None, encode_session(PODS[2]), PODS[2], id="rule-names-the-session"),
+        pytest.param(None, PODS[1], PODS[1], id="rule-names-the-session"),
         pytest.param(None, None, None, id="no-session-no-header"),
     ],
 )
@@ -213,14 +239,17 @@ async def test_session_affinity(
     runtime: ModelRuntime, client_session: str | None, rule_session: str | None, want: str | None
 ) -> None:
     out = Outgoing()
+    tokens = SessionTokens(b"test secret")
     req = prepared(runtime, session_id=client_session)
-    await SessionAffinity(header="x-session-id").pre_request(
+    await SessionAffinity(header="x-session-id", tokens=tokens).pre_request(
         req, decision(PODS[1], session_id=rule_session), out
     )
     if want is None:
         assert out.set_headers == {}
     else:
-        assert decode_session(out.set_headers["x-session-id"]) == want
+        sid = out.set_headers["x-session-id"]
+        assert sid == tokens.token(runtime.name, want)  # the pick's opaque token
+        assert want not in sid and tokens.resolve(runtime.name, sid, PODS) == want
 
 
 @pytest.mark.parametrize(

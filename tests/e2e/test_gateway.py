@@ -313,6 +313,16 @@ def test_session_affinity_round_trip_and_forged_ids(stack: LocalStack) -> None:
     r = httpx.post(url, json=CHAT, headers={**hdr, "x-session-id": forged}, timeout=30)
     assert r.status_code == 200
     assert r.headers["x-session-id"] != forged  # a pod outside the pool is never honoured
+    # The id is opaque: no pod address in it, plain or base64.
+    for addr in after:
+        assert addr not in sid and base64.b64encode(addr.encode()).decode() not in sid
+    # An id the client made up is a key: every turn lands on one pod.
+    before = served_counts(stack)
+    for _ in range(3):
+        r = httpx.post(url, json=CHAT, headers={**hdr, "x-session-id": "abc"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-session-id"].startswith("s1.")
+    after = served_counts(stack)
+    assert sorted(after[a] - before[a] for a in after)[-1] == 3
 
 
 def test_killed_engine_is_excluded_and_traffic_keeps_flowing(tmp_path: Path) -> None:

@@ -245,39 +245,97 @@ async def test_other_tiers_and_groups_are_not_indexed(ctx: zmq.asyncio.Context) 
         assert r.index.blocks_of(POD) == {3} and r.sub.stats.skipped_events == 2
 
 
-async def test_health_follows_the_event_stream(ctx: zmq.asyncio.Context) -> None:
+@contextlib.asynccontextmanager
+async def clocked(
+    ctx: zmq.asyncio.Context, pub: TestPublisher, now: list[float], *, replay: bool = True
+) -> AsyncIterator[KVEventSubscriber]:
+    """A subscriber on `pub` whose clock is `now[0]`, stall_after_s = 10."""
+    sub = KVEventSubscriber(
+        pod=POD,
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint if replay else None,
+        index=ExactIndex(block_size=BS),
+        context=ctx,
+        settings=SubscriberSettings(replay_timeout_s=0.5, stall_after_s=10.0),
+        clock=lambda: now[0],
+    )
+    sub.start()
+    try:
+        await pub.wait_subscribed()
+        yield sub
+    finally:
+        await sub.stop()
+    assert not sub.healthy()  # a stopped subscriber is never healthy
+
+
+async def test_health_without_a_replay_socket_follows_owed_events(
+    ctx: zmq.asyncio.Context,
+) -> None:
     now = [100.0]
-    settings = SubscriberSettings(replay_timeout_s=3.0, stall_after_s=10.0)
-    async with TestPublisher(ctx) as pub:
-        index = ExactIndex(block_size=BS)
-        sub = KVEventSubscriber(
-            pod=POD,
-            endpoint=pub.endpoint,
-            replay_endpoint=pub.replay_endpoint,
-            index=index,
-            context=ctx,
-            settings=settings,
-            clock=lambda: now[0],
-        )
-        sub.start()
-        try:
-            await pub.wait_subscribed()
-            assert not sub.healthy()  # nothing received yet
-            await pub.publish([AllBlocksCleared()])
-            await until(lambda: sub.stats.batches == 1)
-            assert sub.healthy()
-            now[0] = 200.0  # idle for 100 s without traffic: still healthy
-            assert sub.healthy()
-            sub.note_traffic(105.0)
-            assert sub.healthy()
-            sub.note_traffic(111.0)  # traffic 11 s after the last event: stalled
-            assert not sub.healthy()
-            await pub.publish([AllBlocksCleared()])
-            await until(lambda: sub.stats.batches == 2)
-            assert sub.healthy()
-        finally:
-            await sub.stop()
+    async with TestPublisher(ctx, replay=False) as pub, clocked(ctx, pub, now, replay=False) as sub:
+        assert not sub.healthy()  # nothing heard yet, and nothing to ask
+        await pub.publish([AllBlocksCleared()])
+        await until(lambda: sub.stats.batches == 1)
+        assert sub.healthy()
+        now[0] = 200.0  # idle for 100 s without traffic: still healthy
+        assert sub.healthy()
+        sub.note_traffic(200.0)  # the first request after the idle spell is not a stall
+        assert sub.healthy()
+        now[0] = 209.0
+        sub.note_traffic(209.0)
+        assert sub.healthy()
+        now[0] = 211.0  # 11 s since a request that should have produced events
         assert not sub.healthy()
+        await pub.publish([AllBlocksCleared()])
+        await until(lambda: sub.stats.batches == 2)
+        assert sub.healthy()
+
+
+async def test_a_silent_idle_engine_is_healthy(ctx: zmq.asyncio.Context) -> None:
+    """Prompts shorter than a block make the engine publish nothing; the replay socket
+    shows nothing was missed, so the stream stays up (issue 27: it went down)."""
+    now = [100.0]
+    async with TestPublisher(ctx) as pub, clocked(ctx, pub, now) as sub:
+        # A fresh engine that has published nothing: the probe's empty answer is enough.
+        assert not sub.healthy()
+        await until(lambda: sub.stats.last_probe == "idle")
+        assert sub.healthy()
+        await pub.publish([AllBlocksCleared()])
+        await until(lambda: sub.stats.batches == 1)
+        for _ in range(3):  # 30 s of traffic that produces no events
+            sub.note_traffic(now[0])
+            now[0] += 10.5
+            probes = sub.stats.probes
+            assert sub.healthy()  # overdue: asks, and keeps its standing meanwhile
+            await until(lambda: sub.stats.probes > probes and sub.stats.last_probe == "idle")  # noqa: B023
+            assert sub.healthy()
+        assert pub.replay_requests == [0, 1, 1, 1]
+        assert sub.stats.replays == 0 and sub.stats.gaps == 0  # probes are not repairs
+
+
+@pytest.mark.parametrize("fault", ["live-socket-loses-batches", "replay-silent"])
+async def test_owed_events_and_a_bad_probe_mean_down(ctx: zmq.asyncio.Context, fault: str) -> None:
+    now = [100.0]
+    async with TestPublisher(ctx) as pub, clocked(ctx, pub, now) as sub:
+        await pub.publish([AllBlocksCleared()])
+        await until(lambda: sub.stats.batches == 1)
+        sub.note_traffic(now[0])
+        if fault == "replay-silent":
+            pub.replay_silent = True
+        else:
+            await pub.publish(
+                [BlockStored((7,), None, list(range(BS)), BS, None, "GPU", None)], drop=True
+            )
+        now[0] += 11.0
+        assert sub.healthy()  # the probe is under way
+        want = "failed" if fault == "replay-silent" else "behind"
+        await until(lambda: sub.stats.last_probe == want)
+        assert not sub.healthy()
+        if want == "behind":
+            assert sub.index.blocks_of(POD) == {7}  # what the probe found is applied
+        pub.replay_silent = False
+        await pub.publish([AllBlocksCleared()])  # the live stream speaks again
+        await until(lambda: sub.healthy())
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:

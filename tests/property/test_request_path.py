@@ -156,6 +156,7 @@ def test_forged_destination_and_session_never_pick_outside_the_pool(
         (DESTINATION_HEADER, b"10.66.0.1:443"),
         ("x-session-id", base64.b64encode(b"10.66.0.1:443")),
         ("x-session-id", base64.b64encode(OTHER_POOL[0].encode())),  # another model's pod
+        ("x-session-id", b"s1.AAAAAAAAAAAAAAAAAAAAAA"),  # a forged token
         ("routing-strategy", b"session-affinity"),
     ]
     routed = h.routed

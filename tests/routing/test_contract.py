@@ -22,6 +22,7 @@ from extproc.routing.base import (
     PluginRef,
     PodState,
     PodStats,
+    RoutingMemory,
     RoutingRequest,
     Snapshot,
     Strategy,
@@ -125,7 +126,7 @@ TABLE_IDS = [label for label, _, _ in TABLE]
 
 
 def _strategy(type_name: str) -> Strategy:
-    """A fresh instance (round-robin keeps a counter): same seed, same decision."""
+    """A fresh instance of the type."""
     made: Strategy = PLUGINS.create("strategy", type_name)
     return made
 
@@ -152,7 +153,8 @@ def _outcome(d: Decision) -> tuple[object, ...]:
 
 
 def _decide(make: Callable[[], Strategy], r: RoutingRequest, s: Snapshot, seed: int) -> Decision:
-    return make().route(r, s, random.Random(seed))
+    """A fresh instance and a fresh routing memory (round-robin's turn): same seed, same decision."""
+    return make().route(r, dataclasses.replace(s, memory=RoutingMemory()), random.Random(seed))
 
 
 # ---------------------------------------------------------------- params
@@ -201,6 +203,28 @@ def test_ranks_exactly_the_candidates(
         assert {e.address for e in profile.ranked} <= set(candidates)
     if d.prefill is not None:
         assert d.prefill.address in candidates
+
+
+@pytest.mark.parametrize(("label", "make"), MAKERS, ids=MAKER_IDS)
+@pytest.mark.parametrize(("case", "r", "s"), TABLE, ids=TABLE_IDS)
+def test_state_lives_only_in_the_routing_memory(
+    label: str, make: Callable[[], Strategy], case: str, r: RoutingRequest, s: Snapshot
+) -> None:
+    """What explain relies on: decisions on copies of the memory change nothing, so a rule
+    keeps no state of its own between decisions (round-robin's turn is in RoutingMemory)."""
+    strategy, memory = make(), RoutingMemory()
+    live = dataclasses.replace(s, memory=memory)
+    first = _outcome(strategy.route(r, live, random.Random(3)))
+    for seed in range(4):  # explains: other draws, copied memory
+        strategy.route(r, dataclasses.replace(s, memory=memory.copy()), random.Random(seed))
+    second = _outcome(strategy.route(r, live, random.Random(4)))
+    fresh = make()
+    assert (
+        _outcome(fresh.route(r, dataclasses.replace(s, memory=RoutingMemory()), random.Random(3)))
+        == first
+    )
+    fresh.route(r, dataclasses.replace(s, memory=(m := RoutingMemory())), random.Random(3))
+    assert _outcome(fresh.route(r, dataclasses.replace(s, memory=m), random.Random(4))) == second
 
 
 @pytest.mark.parametrize(("label", "make"), MAKERS, ids=MAKER_IDS)

@@ -1,4 +1,4 @@
-"""StrategyRegistry resolution, session id encoding, saturation and admission helpers."""
+"""StrategyRegistry resolution, opaque session ids, saturation and admission helpers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from extproc.routing.builtin import default_plugins, default_registry
 from extproc.routing.framework import PluginConfigError, Profile
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.saturation import is_saturated, saturation
-from extproc.routing.session import decode_session, encode_session
+from extproc.routing.session import SessionTokens, rendezvous
 from extproc.routing.strategies import StrategyPlugin
 from extproc.types import BadRequest
 from tests.routing._builders import pod, req, snap
@@ -129,40 +129,62 @@ def test_strategy_params_reach_the_strategy() -> None:
     assert "T=0.5" in d.reason
 
 
+PODS = [f"10.0.0.{i}:8000" for i in range(1, 9)]
+SECRET = b"a shared secret"
+
+
 @pytest.mark.parametrize(
     "address", ["10.0.0.1:8000", "127.0.0.1:1", "[::1]:9000", "[2001:db8::5]:65535"]
 )
-def test_session_round_trip(address: str) -> None:
-    assert decode_session(encode_session(address)) == address
+def test_a_token_names_its_pod_without_showing_it(address: str) -> None:
+    mine, peer = SessionTokens(SECRET), SessionTokens(SECRET)  # two processes, one secret
+    sid = mine.token("qwen3", address)
+    assert sid.startswith("s1.") and len(sid) <= 32
+    assert address not in sid and base64.b64encode(address.encode()).decode() not in sid
+    raw = base64.urlsafe_b64decode(sid[3:] + "==")
+    assert address.encode() not in raw
+    assert peer.resolve("qwen3", sid, [*PODS, address]) == address  # any process reads it
+    assert SessionTokens(b"another").token("qwen3", address) != sid  # keyed
+    assert mine.token("other-model", address) != sid
+
+
+def test_a_stale_forged_or_foreign_token_only_ever_picks_a_candidate() -> None:
+    tokens = SessionTokens(SECRET)
+    gone = tokens.token("qwen3", "10.9.9.9:8000")  # its pod left the pool
+    foreign = SessionTokens(b"other gateway").token("qwen3", PODS[0])
+    other_model = tokens.token("other", PODS[0])
+    for value in (gone, foreign, other_model, "s1.AAAAAAAAAAAAAAAAAAAAAA", "s1."):
+        pick = tokens.resolve("qwen3", value, PODS[1:])
+        assert pick in PODS[1:]
+        assert pick == tokens.resolve("qwen3", value, PODS[1:])  # a key like any other
+    assert tokens.resolve("qwen3", _b64(PODS[0]), PODS[1:]) in PODS[1:]  # AIBrix's form
+
+
+def test_an_invented_id_sticks_to_one_pod_on_every_process() -> None:
+    picks = {}
+    for i in range(400):
+        sid = f"client-session-{i}"
+        pick = SessionTokens(SECRET).resolve("qwen3", sid, PODS)
+        # another process, another secret, another candidate order: the same pod
+        assert SessionTokens(b"x").resolve("qwen3", sid, PODS[::-1]) == pick
+        picks[sid] = pick
+    assert set(picks.values()) == set(PODS)  # spread over the pool
+    assert min(list(picks.values()).count(p) for p in PODS) > 20
+    # A pod leaves: only its sessions move.
+    left = PODS[:-1]
+    for sid, pick in picks.items():
+        moved = rendezvous(sid, left)
+        assert moved == pick or pick == PODS[-1]
+
+
+@pytest.mark.parametrize("value", [None, "", "   ", "x" * 257])
+def test_no_usable_session_id(value: str | None) -> None:
+    assert SessionTokens(SECRET).resolve("qwen3", value, PODS) is None
+    assert SessionTokens(SECRET).resolve("qwen3", "abc", []) is None
 
 
 def _b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        None,
-        "",
-        "not base64!!",
-        "MTAuMC4wLjE6ODAwMA",  # missing padding
-        _b64("10.0.0.1"),  # no port
-        _b64("10.0.0.1:0"),
-        _b64("10.0.0.1:70000"),
-        _b64("10.0.0.1:80a"),
-        _b64("evil.example.com:80"),  # hostnames never allowed
-        _b64("http://10.0.0.1:80"),
-        _b64("10.0.0.1:80/x"),
-        _b64("::1:80"),  # IPv6 must be bracketed
-        _b64("999.0.0.1:80"),
-        base64.b64encode("10.0.0.1:80é".encode()).decode(),
-        _b64("1" * 200),
-        "A" * 500,
-    ],
-)
-def test_decode_session_rejects_garbage(value: str | None) -> None:
-    assert decode_session(value) is None
 
 
 def test_saturation_all_over_thresholds() -> None:
@@ -232,3 +254,8 @@ def test_a_strategy_with_an_injected_store_is_registered_with_a_factory() -> Non
     assert strategy.route(req(), snap(pod(A), pod(B)), random.Random(0)).endpoint.address == A
     with pytest.raises(PluginConfigError, match=r"learned-latency\.horizon: unknown key"):
         StrategyRegistry(plugins, strategy_params={"learned-latency": {"horizon": 30}})
+
+
+def test_no_profile_may_take_the_metrics_name_of_ad_hoc_specs() -> None:
+    with pytest.raises(PluginConfigError, match="'adhoc' is already used"):
+        default_registry(profiles={"adhoc": {"scorers": [{"type": "queue"}]}})
