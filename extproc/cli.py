@@ -94,6 +94,16 @@ def _envoy_config(argv: Sequence[str]) -> int:
     return _main(list(argv))
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("extproc-lb")
+    except PackageNotFoundError:  # run from a tree that is not installed
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `sim` and `envoy-config` own their argument parsers.
@@ -104,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="extproc", description="LLM inference load balancer (Envoy ext_proc)"
     )
+    parser.add_argument("--version", action="version", version=f"extproc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the ext_proc gRPC server")
     p.add_argument("--config", required=True, help="YAML config file (hot-reloaded)")

@@ -246,3 +246,14 @@ def test_route_annotations_naming_unknown_strategies_are_reported_and_unset(
     assert len(found) == len(errors)
     for got, want in zip(found, errors, strict=True):
         assert got.startswith(want)
+
+
+def test_version_prints_the_installed_distributions_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"extproc {version('extproc-lb')}"
