@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.harness import running_stack, stack_options, wait_for
+from tests.e2e.harness import metric_samples, metric_sum, running_stack, stack_options, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -106,3 +107,36 @@ def test_router_index_matches_simulator_caches_after_random_multi_turn_workload(
         ).json()
         best = max(explained["candidates"], key=lambda c: c["prefix_match_tokens"])
         assert best["prefix_exact"] is True
+
+
+def test_short_prompts_keep_an_idle_event_stream_healthy(tmp_path: Path) -> None:
+    """Prompts shorter than one block make the engines publish nothing: the streams stay
+    healthy, and explain keeps exact prefixes (issue 27: every pod went down after 10 s)."""
+    opts = stack_options(
+        tmp_path,
+        sims=2,
+        strategy="kv-aware",
+        server_config={"kv_events": {"stall_after_s": 1.0}},
+    )
+    with running_stack(opts) as stack:
+        addrs = [opts.sim_address(i) for i in range(opts.sims)]
+        port = opts.metrics_port
+
+        def healthy() -> list[bool]:
+            kv = httpx.get(f"http://127.0.0.1:{port}/debug/kv", timeout=5).json()
+            return [bool(kv.get(a, {}).get("healthy")) for a in addrs]
+
+        # Silent engines that have published nothing: one probe of each replay socket.
+        assert wait_for(lambda: all(healthy()), timeout=10), healthy()
+        short = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        deadline = time.monotonic() + 3.0  # three times stall_after_s
+        while time.monotonic() < deadline:
+            r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=short, timeout=30)
+            assert r.status_code == 200
+            assert all(healthy()), healthy()
+        samples = metric_samples(f"http://127.0.0.1:{port}/metrics")
+        assert metric_sum(samples, "extproc_kv_events_healthy") == len(addrs)
+        explained = httpx.post(
+            f"http://127.0.0.1:{port}/debug/explain", json=short, timeout=10
+        ).json()
+        assert all(c["prefix_exact"] for c in explained["candidates"])

@@ -165,3 +165,44 @@ def test_nats_going_away_fails_no_request(stack: LocalStack) -> None:
         samples = metrics(stack, i)
         assert metric_sum(samples, "extproc_sync_stale_total") >= 1
         assert metric_sum(samples, "extproc_sync_connected") == 1
+
+
+def test_a_session_holds_whichever_process_routes_it(stack: LocalStack) -> None:
+    """`extproc up` gives every process one session key: a token minted by one process names
+    the same pod on the other, and an invented id lands on the same pod from both."""
+    from tests.e2e.harness import served_counts
+
+    o = stack.options
+    url = f"{stack.base_url}/v1/chat/completions"
+    hdr = {"routing-strategy": "session-affinity"}
+
+    def pick(i: int, sid: str) -> str:
+        """Process i's answer (explain decides exactly as routing does)."""
+        reply = httpx.post(
+            f"http://{o.host}:{o.metrics_port + i}/debug/explain",
+            json=CHAT,
+            headers={**hdr, "x-session-id": sid},
+            timeout=10,
+        ).json()
+        return str(reply["pick"])
+
+    # One token per pod (AIBrix's session key spreads the first turns), minted by either process.
+    tokens: dict[str, str] = {}
+    for n in range(60):
+        if len(tokens) == o.sims:
+            break
+        before = served_counts(stack)
+        r = httpx.post(url, json=CHAT, headers={**hdr, "x-aibrix-session-key": f"k{n}"}, timeout=30)
+        after = served_counts(stack)
+        (pod,) = [a for a in after if after[a] > before[a]]
+        tokens[pod] = r.headers["x-session-id"]
+    assert len(tokens) == o.sims
+    for pod, token in tokens.items():
+        assert pick(0, token) == pick(1, token) == pod  # each process reads the other's token
+    assert pick(0, "abc") == pick(1, "abc")  # an invented id: one pod from both
+    before = served_counts(stack)
+    for _ in range(6):  # through Envoy, whichever process it asks
+        r = httpx.post(url, json=CHAT, headers={**hdr, "x-session-id": "abc"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-session-id"] == tokens[pick(0, "abc")]
+    after = served_counts(stack)
+    assert {a: after[a] - before[a] for a in after if after[a] > before[a]} == {pick(0, "abc"): 6}
