@@ -445,3 +445,64 @@ def test_sim_overlay_runs_four_engines_behind_a_service() -> None:
     route = find(render("envoy-gateway"), "HTTPRoute")
     backend = route["spec"]["rules"][0]["backendRefs"][0]
     assert (backend["name"], backend["port"]) == ("vllm-sim", 8000)
+
+
+# -- what Envoy Gateway's own defaults would break (its translator, read from its source) ------
+
+EG_DEFAULT_BUFFER_BYTES = 32 * 1024  # EG's listener perConnectionBufferLimitBytes
+ENVOY_DEFAULT_CIRCUIT_BREAKER = 1024  # Envoy's per-cluster connection/request limits
+
+
+def _bytes(quantity: int | str) -> int:
+    if isinstance(quantity, int):
+        return quantity
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "k": 10**3, "M": 10**6, "G": 10**9}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("envoy-gateway")])
+def test_the_listener_buffers_any_body_the_server_accepts(overlay: str) -> None:
+    """BUFFERED ext_proc holds the whole body: under EG's 32 KiB default a long prompt gets
+    Envoy's own 413. The limit must exceed the server's max_body_bytes, so the server answers."""
+    docs = render(overlay)
+    policy = find(docs, "ClientTrafficPolicy")
+    gateway = find(docs, "Gateway")
+    assert {"kind": "Gateway", "name": gateway["metadata"]["name"]}.items() <= policy["spec"][
+        "targetRefs"
+    ][0].items()
+    limit = _bytes(policy["spec"]["connection"]["bufferLimit"])
+    max_body = server_config_map(docs).get("server", {}).get("max_body_bytes", 4 * 1024 * 1024)
+    assert limit > max_body > EG_DEFAULT_BUFFER_BYTES
+    # A client never chooses the upstream: its destination header is gone before routing.
+    removed = policy["spec"]["headers"]["earlyRequestHeaders"]["remove"]
+    assert "x-gateway-destination-endpoint" in removed
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("envoy-gateway")])
+def test_both_clusters_lift_envoys_default_circuit_breakers(overlay: str) -> None:
+    docs = render(overlay)
+    extproc = find(docs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["backendSettings"]
+    model = find(docs, "BackendTrafficPolicy", "extproc-endpoint-override")["spec"]
+    for breaker in (extproc["circuitBreaker"], model["circuitBreaker"]):
+        for key in ("maxConnections", "maxPendingRequests", "maxParallelRequests"):
+            assert breaker[key] >= 50 * ENVOY_DEFAULT_CIRCUIT_BREAKER, (key, breaker)
+    assert "refused-stream" in model["retry"]["retryOn"]["triggers"]
+
+
+@pytest.mark.parametrize("header", ["x-session-id", "x-routing-explain"])
+def test_the_route_echoes_the_routers_answers_to_the_client(header: str) -> None:
+    """Session affinity round-trips x-session-id and explain answers in x-routing-explain:
+    both are request headers the server sets, copied onto the response (Envoy evaluates
+    %REQ()% in the value; EG passes it through verbatim)."""
+    route = find(render("envoy-gateway"), "HTTPRoute")
+    sets = [
+        h
+        for rule in route["spec"]["rules"]
+        for f in rule.get("filters", [])
+        if f["type"] == "ResponseHeaderModifier"
+        for h in f["responseHeaderModifier"].get("set", [])
+    ]
+    assert {"name": header, "value": f"%REQ({header})%"} in sets
