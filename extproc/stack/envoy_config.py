@@ -128,7 +128,10 @@ class EnvoyOptions:
     message_timeout_s: float = 5.0
     # Retries go to the next address in our header list (override_host walks it in order).
     num_retries: int = 2
-    retry_on: str = "connect-failure,refused-stream,reset"
+    # Also a pod's own 5xx answer: nothing has reached the client yet (a status line is the
+    # first byte), so the next fallback serves it instead.
+    retry_on: str = "connect-failure,refused-stream,reset,retriable-status-codes"
+    retriable_status_codes: tuple[int, ...] = (500, 502, 503, 504)
     extproc_max_requests: int = 100_000
     upstream_max_requests: int = 100_000
     # gRPC health check of each ext_proc process (its readiness).
@@ -253,6 +256,7 @@ def _models_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     if opts.baseline:
         cluster["lb_policy"] = "ROUND_ROBIN"
         return cluster
+
     # override_host only ever picks hosts of this cluster (no SSRF via the header), walks the
     # comma list on retries, and falls back to round robin when no listed host is usable.
     cluster["load_balancing_policy"] = _lb_policy(
@@ -358,6 +362,7 @@ def _route(opts: EnvoyOptions) -> dict[str, Any]:
     if opts.num_retries and not opts.baseline:
         action["retry_policy"] = {
             "retry_on": opts.retry_on,
+            "retriable_status_codes": list(opts.retriable_status_codes),
             "num_retries": opts.num_retries,
             # Never retry on a host that already failed this request.
             "retry_host_predicate": [

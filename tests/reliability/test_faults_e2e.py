@@ -20,6 +20,8 @@ import pytest
 
 from bench.faults import (
     CHAT,
+    _envoy_counters,
+    _fault,
     accounting_sink_restart,
     accounting_sink_sigterm,
     ext_proc_restart,
@@ -159,6 +161,29 @@ def test_killed_pod_loses_no_request_and_comes_back(stack: LocalStack) -> None:
     assert fig["lost"] == 0, fig
     assert fig["excluded_after_s"] is not None
     assert fig["ready_after_restart_s"] is not None
+
+
+def test_a_pod_answering_5xx_is_retried_on_a_fallback(stack: LocalStack) -> None:
+    """A pod's 503 never reaches the client: Envoy retries it on the next address of the
+    destination header (nothing was sent to the client yet: the status line is the first
+    byte). (Envoy's outlier ejection would not keep the pod out: override_host still picks an
+    ejected host that our header names, measured.)"""
+    bad = stack.options.sim_address(0)
+    _fault(stack, 0, error_rate=1.0)
+    try:
+        got = []
+        with httpx.Client(timeout=30) as client:
+            for _ in range(18):  # round robin: 6 picks of the failing pod
+                r = client.post(f"{stack.base_url}/v1/chat/completions", json=CHAT)
+                got.append((r.status_code, r.headers.get("x-inference-pod")))
+        assert [s for s, _ in got] == [200] * 18, got
+        assert bad not in {pod for _, pod in got}
+        envoy = _envoy_counters(stack, lambda name: name.startswith("cluster.models."))
+        # Round robin picked it for 6 of the 18: each was retried once, on a fallback.
+        assert envoy["cluster.models.upstream_rq_retry"] >= 6, envoy
+        assert envoy.get("cluster.models.upstream_rq_retry_limit_exceeded", 0) == 0, envoy
+    finally:
+        _fault(stack, 0, error_rate=0.0)
 
 
 def test_ext_proc_killed_fail_closed_gives_5xx_then_recovers(stack: LocalStack) -> None:
