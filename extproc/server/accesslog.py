@@ -31,9 +31,10 @@ __all__ = ["ACCESS_LOG_SERVICE", "AccessLogService", "record_from_entry"]
 log = logging.getLogger("extproc.server")
 
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
-# At shutdown, how long to wait for Envoy's next batch before ending the stream (its flush
-# interval is 0.5 s in our bootstraps).
-CLOSE_AFTER_BATCH_WAIT_S = 1.0
+# At shutdown, how long to wait for Envoy's next batch before ending the stream: longer than
+# Envoy's flush interval (0.5 s in our bootstraps, Envoy's default 1 s under Envoy Gateway,
+# which sets none).
+CLOSE_AFTER_BATCH_WAIT_S = 1.5
 
 # Flags that mean the upstream side broke the exchange (a retry that then succeeded leaves
 # connection-failure flags behind, so those alone do not make a 2xx a failure).
