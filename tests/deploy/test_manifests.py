@@ -23,7 +23,16 @@ import pytest
 import yaml
 
 from extproc.config import load_config_text, parse_route_annotations
-from extproc.wire import ACCESS_LOG_NAME, LB_NAMESPACE, REQUEST_NAMESPACE, TOKEN_NAMESPACE
+from extproc.director.steps import EXPLAIN_HEADER
+from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S
+from extproc.stack.envoy_config import EnvoyOptions
+from extproc.wire import (
+    ACCESS_LOG_NAME,
+    DESTINATION_HEADER,
+    LB_NAMESPACE,
+    REQUEST_NAMESPACE,
+    TOKEN_NAMESPACE,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -159,6 +168,10 @@ def test_the_validator_rejects_what_the_api_server_would() -> None:
     del gateway["spec"]["infrastructure"]["parametersRef"]["group"]
     with pytest.raises(jsonschema.ValidationError):
         validate(gateway)
+    client = copy.deepcopy(find(render("envoy-gateway"), "ClientTrafficPolicy"))
+    client["spec"]["connection"]["bufferLimit"] = "8MB"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(client)
     deployment = copy.deepcopy(find(render("envoy-gateway"), "Deployment"))
     deployment["spec"]["replica"] = 2
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -447,62 +460,134 @@ def test_sim_overlay_runs_four_engines_behind_a_service() -> None:
     assert (backend["name"], backend["port"]) == ("vllm-sim", 8000)
 
 
-# -- what Envoy Gateway's own defaults would break (its translator, read from its source) ------
+# -- what Envoy Gateway would otherwise get wrong (its defaults are not the local stack's) ----
 
-EG_DEFAULT_BUFFER_BYTES = 32 * 1024  # EG's listener perConnectionBufferLimitBytes
-ENVOY_DEFAULT_CIRCUIT_BREAKER = 1024  # Envoy's per-cluster connection/request limits
+# Envoy's per-cluster circuit-breaker default, which Envoy Gateway leaves in place.
+ENVOY_DEFAULT_CIRCUIT_BREAKER = 1024
+# Envoy Gateway's listener buffer when no ClientTrafficPolicy sets one.
+EG_DEFAULT_BUFFER_LIMIT = 32 * 1024
+# Envoy's access-log flush interval; Envoy Gateway sets none.
+EG_ACCESS_LOG_FLUSH_S = 1.0
 
-
-def _bytes(quantity: int | str) -> int:
-    if isinstance(quantity, int):
-        return quantity
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "k": 10**3, "M": 10**6, "G": 10**9}
-    for suffix, factor in units.items():
-        if quantity.endswith(suffix):
-            return int(quantity[: -len(suffix)]) * factor
-    return int(quantity)
+_QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
 
-@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("envoy-gateway")])
-def test_the_listener_buffers_any_body_the_server_accepts(overlay: str) -> None:
-    """BUFFERED ext_proc holds the whole body: under EG's 32 KiB default a long prompt gets
-    Envoy's own 413. The limit must exceed the server's max_body_bytes, so the server answers."""
-    docs = render(overlay)
+def quantity_bytes(value: int | str) -> int:
+    """A Kubernetes quantity as Envoy Gateway's bufferLimit takes it (bytes without suffix)."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"([1-9][0-9]*)(Ki|Mi|Gi|k|M|G)?", value)
+    assert m is not None, f"unsupported quantity {value!r}"
+    return int(m.group(1)) * _QUANTITY[m.group(2) or ""]
+
+
+def client_traffic_policy(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     policy = find(docs, "ClientTrafficPolicy")
     gateway = find(docs, "Gateway")
-    assert {"kind": "Gateway", "name": gateway["metadata"]["name"]}.items() <= policy["spec"][
-        "targetRefs"
-    ][0].items()
-    limit = _bytes(policy["spec"]["connection"]["bufferLimit"])
-    max_body = server_config_map(docs).get("server", {}).get("max_body_bytes", 4 * 1024 * 1024)
-    assert limit > max_body > EG_DEFAULT_BUFFER_BYTES
-    # A client never chooses the upstream: its destination header is gone before routing.
-    removed = policy["spec"]["headers"]["earlyRequestHeaders"]["remove"]
-    assert "x-gateway-destination-endpoint" in removed
-
-
-@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("envoy-gateway")])
-def test_both_clusters_lift_envoys_default_circuit_breakers(overlay: str) -> None:
-    docs = render(overlay)
-    extproc = find(docs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["backendSettings"]
-    model = find(docs, "BackendTrafficPolicy", "extproc-endpoint-override")["spec"]
-    for breaker in (extproc["circuitBreaker"], model["circuitBreaker"]):
-        for key in ("maxConnections", "maxPendingRequests", "maxParallelRequests"):
-            assert breaker[key] >= 50 * ENVOY_DEFAULT_CIRCUIT_BREAKER, (key, breaker)
-    assert "refused-stream" in model["retry"]["retryOn"]["triggers"]
-
-
-@pytest.mark.parametrize("header", ["x-session-id", "x-routing-explain"])
-def test_the_route_echoes_the_routers_answers_to_the_client(header: str) -> None:
-    """Session affinity round-trips x-session-id and explain answers in x-routing-explain:
-    both are request headers the server sets, copied onto the response (Envoy evaluates
-    %REQ()% in the value; EG passes it through verbatim)."""
-    route = find(render("envoy-gateway"), "HTTPRoute")
-    sets = [
-        h
-        for rule in route["spec"]["rules"]
-        for f in rule.get("filters", [])
-        if f["type"] == "ResponseHeaderModifier"
-        for h in f["responseHeaderModifier"].get("set", [])
+    assert policy["spec"]["targetRefs"] == [
+        {
+            "group": "gateway.networking.k8s.io",
+            "kind": "Gateway",
+            "name": gateway["metadata"]["name"],
+        }
     ]
-    assert {"name": header, "value": f"%REQ({header})%"} in sets
+    assert policy["metadata"]["namespace"] == gateway["metadata"]["namespace"]
+    return policy
+
+
+@pytest.mark.parametrize("overlay", ["envoy-gateway", "envoy-gateway-token-limits"])
+def test_listener_buffers_any_prompt_the_server_accepts(overlay: str) -> None:
+    # The routing filter buffers the whole body in the listener's buffer: below the server's
+    # limit, Envoy answers 413 itself for prompts the server would take (EG's default: 32 KiB).
+    docs = render(overlay)
+    limit = quantity_bytes(client_traffic_policy(docs)["spec"]["connection"]["bufferLimit"])
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
+    assert limit > config.server.max_body_bytes > EG_DEFAULT_BUFFER_LIMIT
+    assert limit >= EnvoyOptions().buffer_limit_bytes  # as the local stack
+
+
+def test_quantity_bytes_reads_kubernetes_suffixes() -> None:
+    assert quantity_bytes("8Mi") == 8 * 1024 * 1024
+    assert quantity_bytes("32Ki") == EG_DEFAULT_BUFFER_LIMIT
+    assert quantity_bytes(32768) == quantity_bytes("32768") == EG_DEFAULT_BUFFER_LIMIT
+    assert quantity_bytes("4M") == 4_000_000
+
+
+def test_a_client_sent_destination_is_removed_before_routing() -> None:
+    early = client_traffic_policy(render("envoy-gateway"))["spec"]["headers"]["earlyRequestHeaders"]
+    assert DESTINATION_HEADER in early["remove"]
+
+
+def assert_circuit_breaker_lifted(breaker: Mapping[str, int], at_least: int) -> None:
+    for key in ("maxConnections", "maxPendingRequests", "maxParallelRequests"):
+        assert breaker.get(key, ENVOY_DEFAULT_CIRCUIT_BREAKER) >= at_least, key
+    assert at_least > ENVOY_DEFAULT_CIRCUIT_BREAKER
+
+
+@pytest.mark.parametrize("overlay", ["envoy-gateway", "envoy-gateway-token-limits"])
+def test_model_cluster_circuit_breaker_is_lifted(overlay: str) -> None:
+    # Every streamed completion holds a request on the model cluster for its whole length.
+    policy = find(render(overlay), "BackendTrafficPolicy")
+    assert_circuit_breaker_lifted(
+        policy["spec"].get("circuitBreaker", {}), EnvoyOptions().upstream_max_requests
+    )
+
+
+def test_ext_proc_cluster_circuit_breaker_is_lifted() -> None:
+    # The server holds each routing stream until Envoy ends the HTTP request: one ext_proc
+    # stream per in-flight completion; over the limit, fail-closed answers 500.
+    (routing,) = find(render("envoy-gateway"), "EnvoyExtensionPolicy")["spec"]["extProc"]
+    breaker = routing.get("backendSettings", {}).get("circuitBreaker", {})
+    assert_circuit_breaker_lifted(breaker, EnvoyOptions().extproc_max_requests)
+
+
+def test_access_log_cluster_is_health_checked_and_lifted() -> None:
+    proxy = find(render("envoy-gateway"), "EnvoyProxy")
+    (sink,) = [
+        sink["als"]
+        for s in proxy["spec"]["telemetry"]["accessLog"]["settings"]
+        for sink in s["sinks"]
+        if sink["type"] == "ALS"
+    ]
+    settings = sink.get("backendSettings", {})
+    check = settings.get("healthCheck", {}).get("active", {})
+    assert check.get("type") == "GRPC" and check["grpc"] == {"service": "readiness"}
+    assert_circuit_breaker_lifted(settings.get("circuitBreaker", {}), 10_000)
+    # A draining server waits for Envoy's next batch longer than Envoy's flush interval.
+    assert CLOSE_AFTER_BATCH_WAIT_S > EG_ACCESS_LOG_FLUSH_S
+
+
+def test_retries_trigger_as_the_local_stack() -> None:
+    retry = find(render("envoy-gateway"), "BackendTrafficPolicy")["spec"]["retry"]
+    local = EnvoyOptions()
+    assert set(retry["retryOn"]["triggers"]) == set(local.retry_on.split(","))
+    assert retry["retryOn"]["httpStatusCodes"] == list(local.retriable_status_codes)
+    assert retry["numRetries"] == local.num_retries
+
+
+def echoed_headers(route: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The response headers every rule of `route` sets (one ResponseHeaderModifier each)."""
+    sets = []
+    for rule in route["spec"]["rules"]:
+        mods = [
+            f["responseHeaderModifier"]
+            for f in rule.get("filters", [])
+            if f["type"] == "ResponseHeaderModifier"
+        ]
+        assert len(mods) == 1, "each rule needs the ResponseHeaderModifier that echoes"
+        sets.append(mods[0].get("set", []))
+    assert all(s == sets[0] for s in sets)
+    return list(sets[0])
+
+
+def test_route_echoes_what_the_server_set_on_the_request() -> None:
+    # Envoy Gateway copies these values into the route's response_headers_to_add unchanged
+    # (OVERWRITE_IF_EXISTS_OR_ADD, keep_empty_value false): the same Envoy config the local
+    # stack renders from EnvoyOptions.echo_headers, which tests/e2e exercise on a real Envoy.
+    docs = render("envoy-gateway")
+    echoed = echoed_headers(find(docs, "HTTPRoute"))
+    local = EnvoyOptions().echo_headers
+    assert echoed == [{"name": name, "value": f"%REQ({name})%"} for name in local]
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
+    # session-affinity's refreshed id must round-trip; explain must be visible.
+    assert {config.routing.session_header, EXPLAIN_HEADER} <= set(local)
