@@ -128,8 +128,9 @@ class PreRequestStep(Protocol):
 
 
 class Claim(Protocol):
-    """The last step: what the request holds until its routing stream ends. Synchronous, so
-    nothing can cancel the request between the claim and the ticket reaching the stream."""
+    """The last step: what the request holds until its access record ends it (the ticket, in
+    the lease book). Synchronous, so nothing can cancel the request between the claim and the
+    ticket reaching the stream."""
 
     def claim(self, req: PreparedRequest, decision: Decision) -> RequestTicket: ...
 

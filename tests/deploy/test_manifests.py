@@ -534,8 +534,8 @@ def test_model_cluster_circuit_breaker_is_lifted(overlay: str) -> None:
 
 
 def test_ext_proc_cluster_circuit_breaker_is_lifted() -> None:
-    # The server holds each routing stream until Envoy ends the HTTP request: one ext_proc
-    # stream per in-flight completion; over the limit, fail-closed answers 500.
+    # One ext_proc stream per request being decided (per completion where the stream is
+    # held: no access log); over the limit, fail-closed answers 500.
     (routing,) = find(render("envoy-gateway"), "EnvoyExtensionPolicy")["spec"]["extProc"]
     breaker = routing.get("backendSettings", {}).get("circuitBreaker", {})
     assert_circuit_breaker_lifted(breaker, EnvoyOptions().extproc_max_requests)
