@@ -143,6 +143,13 @@ class EnvoyOptions:
     # Larger than any body limit the server enforces, so the server answers 413 itself.
     buffer_limit_bytes: int = 8 * 1024 * 1024
     connect_timeout_s: float = 1.0
+    # Longest a whole request may take, from the end of its body to the end of the answer
+    # (the route's `timeout`). Off (0): a streamed generation runs as long as tokens flow.
+    route_timeout_s: float = 0.0
+    # Longest gap between bytes in either direction (the route's `idle_timeout`; 0: off). A
+    # stream's tokens reset it; a non-streamed answer sends nothing until it is done, so this
+    # is also the longest a non-streamed request may take (docs/operations.md, "Timeouts").
+    stream_idle_timeout_s: float = 300.0
     access_log: bool = False
     # Envoy alone: no ext_proc, no override_host, plain round robin (benchmarks' reference).
     baseline: bool = False
@@ -152,6 +159,8 @@ class EnvoyOptions:
             raise ValueError("at least one model endpoint is required")
         if self.num_retries < 0:
             raise ValueError("num_retries must be >= 0")
+        if self.route_timeout_s < 0 or self.stream_idle_timeout_s < 0:
+            raise ValueError("timeouts must be >= 0 (0: no limit)")
 
 
 def _duration(seconds: float) -> str:
@@ -341,7 +350,8 @@ def _http_filters(opts: EnvoyOptions) -> list[dict[str, Any]]:
 def _route(opts: EnvoyOptions) -> dict[str, Any]:
     action: dict[str, Any] = {
         "cluster": MODELS_CLUSTER,
-        "timeout": "0s",  # no limit: streamed generations can run for minutes
+        "timeout": _duration(opts.route_timeout_s),
+        "idle_timeout": _duration(opts.stream_idle_timeout_s),
     }
     if opts.num_retries and not opts.baseline:
         action["retry_policy"] = {
@@ -401,6 +411,8 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [_route(opts)]}],
         },
         http_filters=_http_filters(opts),
+        # Before a route is chosen (the route's idle_timeout replaces it after).
+        stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
     )
     logs: list[dict[str, Any]] = []
     accounting = opts.response_accounting is ResponseAccounting.ACCESS_LOG

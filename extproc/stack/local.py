@@ -69,6 +69,8 @@ class StackOptions:
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
+    route_timeout_s: float = 0.0  # EnvoyOptions.route_timeout_s
+    stream_idle_timeout_s: float = 300.0  # EnvoyOptions.stream_idle_timeout_s
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
@@ -181,6 +183,8 @@ class LocalStack:
             failure_mode_allow=o.fail_open,
             baseline=o.baseline,
             access_log=o.access_log,
+            route_timeout_s=o.route_timeout_s,
+            stream_idle_timeout_s=o.stream_idle_timeout_s,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
