@@ -210,9 +210,8 @@ def test_cli_refuses_a_typo_in_a_profile_with_the_key_path(
     path.write_text(MODEL + "routing: {profiles: {my-profile: {scorers: [{type: prefx}]}}}\n")
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(
-        "extproc: invalid config: routing.profiles.my-profile.scorers[0].type: unknown scorer"
-    )
+    assert err.startswith(f"extproc: invalid config:\n  {path}:")
+    assert ": routing.profiles.my-profile.scorers[0].type: unknown scorer" in err
     assert "Traceback" not in err
 
 

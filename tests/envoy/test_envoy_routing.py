@@ -73,7 +73,9 @@ class Backend:
         if request.path == "/v1/silent":  # a non-streamed answer: nothing until it is done
             await asyncio.sleep(float(request.query["s"]))
         if request.path == "/v1/trickle":  # a stream: one event every `gap` seconds
-            return await self._trickle(request, float(request.query["gap"]), int(request.query["n"]))
+            return await self._trickle(
+                request, float(request.query["gap"]), int(request.query["n"])
+            )
         return web.json_response(
             {"served_by": self.name, "usage": {"prompt_tokens": 11, "completion_tokens": 5}}
         )
