@@ -401,6 +401,51 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
 }
 
 
+def _openai_error(error_type: str) -> dict[str, Any]:
+    return {
+        "json_format": {
+            "error": {
+                "message": "%LOCAL_REPLY_BODY%",
+                "type": error_type,
+                "param": None,
+                "code": "%RESPONSE_CODE_DETAILS%",
+            }
+        },
+        "content_type": "application/json",
+    }
+
+
+def _local_reply_config() -> dict[str, Any]:
+    """Envoy's own answers (a timeout, no healthy upstream, a request it cannot parse) in the
+    OpenAI error shape our server uses (`extproc/protocol/errors.py`), so a client meets one
+    shape whoever answered. They carry a response flag (UT, SI, UH, DPE ...); our ext_proc's
+    immediate replies carry none and keep their own JSON body."""
+
+    def mapper(low: int, high: int, error_type: str) -> dict[str, Any]:
+        codes = [
+            {
+                "status_code_filter": {
+                    "comparison": {"op": op, "value": {"default_value": v, "runtime_key": key}}
+                }
+            }
+            for op, v, key in (
+                ("GE", low, "extproc.local_reply.low"),
+                ("LE", high, "extproc.local_reply.high"),
+            )
+        ]
+        return {
+            "filter": {"and_filter": {"filters": [{"response_flag_filter": {}}, *codes]}},
+            "body_format_override": _openai_error(error_type),
+        }
+
+    return {
+        "mappers": [
+            mapper(400, 499, "invalid_request_error"),
+            mapper(500, 599, "server_error"),
+        ]
+    }
+
+
 def _listener(opts: EnvoyOptions) -> dict[str, Any]:
     hcm: dict[str, Any] = _typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -413,6 +458,11 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
         http_filters=_http_filters(opts),
         # Before a route is chosen (the route's idle_timeout replaces it after).
         stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
+        # Envoy takes any local 400 on HTTP/1 for a framing error and closes the connection
+        # (`connection: close`), our ext_proc's JSON 400s included: keep-alive clients would
+        # reconnect after each rejected request. A request Envoy cannot frame still closes it.
+        stream_error_on_invalid_http_message=True,
+        local_reply_config=_local_reply_config(),
     )
     logs: list[dict[str, Any]] = []
     accounting = opts.response_accounting is ResponseAccounting.ACCESS_LOG
