@@ -1,4 +1,4 @@
-"""Command line: `extproc serve | sim | up | pod | explain | envoy-config`."""
+"""Command line: `extproc serve | config check | sim | up | pod | explain | envoy-config`."""
 
 from __future__ import annotations
 
@@ -21,17 +21,39 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from extproc.app import App
-    from extproc.config import ConfigError, load_config
-    from extproc.routing.settings import build_strategies
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
-        config = load_config(args.config)
-        build_strategies(config)  # routing names need the plugin registry, a layer above config
-    except ConfigError as exc:
-        print(f"extproc: invalid config: {exc}", file=sys.stderr)
+        return version("extproc-lb")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from extproc.routing.settings import config_file_problems
+
+    problems = config_file_problems(args.file)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        n = len(problems)
+        print(f"{args.file}: {n} problem{'s' if n > 1 else ''}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from extproc.app import App
+    from extproc.config import load_config
+    from extproc.routing.settings import config_file_problems
+
+    problems = config_file_problems(args.config)
+    if problems:
+        print("extproc: invalid config:", *problems, sep="\n  ", file=sys.stderr)
         return 2
+    config = load_config(args.config)
     _setup_logging(args.log_level or config.server.log_level)
     try:
         import uvloop
@@ -67,17 +89,30 @@ def _pod(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     import httpx
 
-    body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    try:
+        body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    except OSError as exc:
+        print(f"extproc explain: cannot read {args.body}: {exc.strerror}", file=sys.stderr)
+        return 2
     headers = {"content-type": "application/json"}
     if args.strategy:
         headers["routing-strategy"] = args.strategy
-    resp = httpx.post(
-        f"{args.server.rstrip('/')}/debug/explain",
-        params={"path": args.path, **({"route": args.route} if args.route else {})},
-        content=body,
-        headers=headers,
-        timeout=10,
-    )
+    url = f"{args.server.rstrip('/')}/debug/explain"
+    try:
+        resp = httpx.post(
+            url,
+            params={"path": args.path, **({"route": args.route} if args.route else {})},
+            content=body,
+            headers=headers,
+            timeout=10,
+        )
+    except httpx.HTTPError as exc:
+        print(
+            f"extproc explain: cannot reach the server at {args.server} ({exc or type(exc).__name__});"
+            " is it running (`extproc up`), and is --server its admin URL?",
+            file=sys.stderr,
+        )
+        return 1
     print(resp.text)
     return 0 if resp.status_code == 200 else 1
 
@@ -94,16 +129,6 @@ def _envoy_config(argv: Sequence[str]) -> int:
     return _main(list(argv))
 
 
-def _version() -> str:
-    """The installed distribution's version (pyproject.toml's)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("extproc-lb")
-    except PackageNotFoundError:  # run from a tree that is not installed
-        return "unknown (not installed)"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `sim` and `envoy-config` own their argument parsers.
@@ -118,15 +143,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the ext_proc gRPC server")
     p.add_argument("--config", required=True, help="YAML config file (hot-reloaded)")
-    p.add_argument("--log-level", default=None)
+    p.add_argument("--log-level", default=None, help="default: the config's server.log_level")
     p.set_defaults(func=_serve)
+    cfg = sub.add_parser("config", help="check a config file (`extproc config check FILE`)")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    check = cfg_sub.add_parser(
+        "check", help="report every problem in a config file, with its line; exit 1 if any"
+    )
+    check.add_argument("file", help="YAML config file")
+    check.set_defaults(func=_config_check)
     sub.add_parser("sim", help="run a simulated vLLM engine (see `extproc sim --help`)")
     sub.add_parser(
         "envoy-config", help="render a local Envoy bootstrap (see `extproc envoy-config --help`)"
     )
     from extproc.stack.cli import add_up_arguments
 
-    up = sub.add_parser("up", help="start simulators, the ext_proc server and Envoy locally")
+    up = sub.add_parser(
+        "up",
+        help="start simulators, the ext_proc server and Envoy locally",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_up_arguments(up)
     up.set_defaults(func=_up)
     from extproc.stack.pods import add_pod_arguments

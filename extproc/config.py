@@ -2,7 +2,9 @@
 
 Every section is a frozen dataclass whose defaults are the one visible place defaults live.
 The loader walks the dataclass type hints: an unknown key or a wrongly typed value is a
-`ConfigError` naming the key path (``models[0].endpoints[1].adress: unknown key``).
+`ConfigError` naming the key path (``models[0].endpoints[1].adress: unknown key``). It goes on
+past a bad key, so one `ConfigError` carries every problem in the file (`errors`), and
+`check_config_text` gives each its line (``extproc config check FILE``).
 HTTPRoute annotations (``lb.extproc.io/...``) decode into `RouteSettings` here too, so the
 local YAML ``routes:`` section and Kubernetes annotations share one schema.
 """
@@ -13,7 +15,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +29,7 @@ __all__ = [
     "AccountingConfig",
     "Config",
     "ConfigError",
+    "ConfigProblem",
     "EndpointConfig",
     "KVEventsConfig",
     "KubernetesConfig",
@@ -40,6 +43,7 @@ __all__ = [
     "SyncConfig",
     "SyncTLSConfig",
     "TLSConfig",
+    "check_config_text",
     "load_config",
     "load_config_text",
     "parse_route_annotations",
@@ -50,7 +54,22 @@ ANNOTATION_PREFIX = "lb.extproc.io/"
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message names the offending key path."""
+    """A configuration problem; the message names the offending key path (the first problem's,
+    when the loader found several: `errors` holds them all, in file order)."""
+
+    def __init__(self, message: str, errors: Sequence[ConfigError] = ()) -> None:
+        super().__init__(message)
+        self.errors: tuple[ConfigError, ...] = tuple(errors) or (self,)
+        self.line: int | None = None  # 1-based, where the loader knew it (YAML syntax errors)
+
+
+def _gathered(errors: list[ConfigError]) -> ConfigError:
+    """One error that carries every problem found (its message is the first one's)."""
+    return errors[0] if len(errors) == 1 else ConfigError(str(errors[0]), errors)
+
+
+def _collect(errors: list[ConfigError], exc: ConfigError) -> None:
+    errors.extend(exc.errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,15 +282,22 @@ class Config:
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
+        errors = []
         for i, model in enumerate(self.models):
             for name in (model.name, *model.aliases):
                 if name in seen:
-                    raise ConfigError(f"models[{i}]: model name {name!r} is declared twice")
+                    errors.append(
+                        ConfigError(f"models[{i}]: model name {name!r} is declared twice")
+                    )
                 seen.add(name)
             if not model.endpoints and model.kubernetes is None:
-                raise ConfigError(
-                    f"models[{i}] ({model.name}): needs `endpoints` or `kubernetes` discovery"
+                errors.append(
+                    ConfigError(
+                        f"models[{i}] ({model.name}): needs `endpoints` or `kubernetes` discovery"
+                    )
                 )
+        if errors:
+            raise _gathered(errors)
 
 
 _ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")
@@ -289,15 +315,17 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        tried: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _decode(arg, value, path)
             except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: invalid value {value!r}")
+                tried.append(exc)
+        if len(tried) == 1:
+            raise tried[0]
+        raise ConfigError(f"{path}: invalid value {value!r}")
     if origin is Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
@@ -306,14 +334,29 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        return [_decode(args[0], item, f"{path}[{i}]") for i, item in enumerate(value)]
+        items: list[Any] = []
+        errors: list[ConfigError] = []
+        for i, item in enumerate(value):
+            try:
+                items.append(_decode(args[0], item, f"{path}[{i}]"))
+            except ConfigError as exc:
+                _collect(errors, exc)
+        if errors:
+            raise _gathered(errors)
+        return items
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return {
-            _decode(args[0], k, f"{path}.<key>"): _decode(args[1], v, f"{path}.{k}")
-            for k, v in value.items()
-        }
+        out: dict[Any, Any] = {}
+        errors = []
+        for k, v in value.items():
+            try:
+                out[_decode(args[0], k, f"{path}.<key>")] = _decode(args[1], v, f"{path}.{k}")
+            except ConfigError as exc:
+                _collect(errors, exc)
+        if errors:
+            raise _gathered(errors)
+        return out
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _decode_dataclass(tp, value, path)
     if tp is bool:
@@ -343,26 +386,39 @@ def _decode_dataclass(cls: type[Any], value: Any, path: str) -> Any:
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(value).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - set(fields))
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
+    errors: list[ConfigError] = []
+    known = ", ".join(sorted(fields))
+    for key in value:  # in file order, so `config check` lists problems top to bottom
+        if key not in fields:
+            errors.append(ConfigError(f"{prefix}{key}: unknown key (known: {known})"))
     kwargs = {}
     for name, f in fields.items():
         if name in value:
-            kwargs[name] = _decode(hints[name], value[name], f"{prefix}{name}")
+            try:
+                kwargs[name] = _decode(hints[name], value[name], f"{prefix}{name}")
+            except ConfigError as exc:
+                _collect(errors, exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{prefix}{name}: required key is missing")
+            errors.append(ConfigError(f"{prefix}{name}: required key is missing"))
+    if errors:
+        raise _gathered(errors)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+        if not path:
+            raise
+        raise _gathered([ConfigError(f"{path}: {e}") for e in exc.errors]) from None
 
 
 def load_config_text(text: str) -> Config:
+    """The config in `text`; a `ConfigError` (with every problem in `errors`) if it is invalid."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config is not valid YAML: {exc}") from None
+        error = ConfigError(f"config is not valid YAML: {exc}")
+        mark = getattr(exc, "problem_mark", None)
+        error.line = None if mark is None else mark.line + 1
+        raise error from None
     result: Config = _decode_dataclass(Config, data, "")
     routing = result.routing
     if routing.session_secret is not None and not routing.session_secret.strip():
@@ -387,6 +443,66 @@ def read_session_secret(cfg: Config) -> Config:
     if not secret:
         raise ConfigError(f"routing.session_secret_file: {path} is empty")
     return dataclasses.replace(cfg, routing=dataclasses.replace(routing, session_secret=secret))
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    line: int | None  # 1-based line of the key the problem names, None if unknown
+    message: str
+
+
+def check_config_text(text: str, extra: Sequence[str] = ()) -> list[ConfigProblem]:
+    """Every problem `load_config_text` finds in `text`, each with the line of the key it
+    names (the nearest enclosing key for a cross-field problem), plus `extra` messages (checks
+    a higher layer ran, e.g. strategy names), placed the same way. Empty: the config is valid."""
+    try:
+        load_config_text(text)
+        errors: Sequence[ConfigError] = ()
+    except ConfigError as exc:
+        errors = exc.errors
+    if any(e.line is not None for e in errors):  # not YAML: no key has a line
+        return [ConfigProblem(e.line, str(e)) for e in errors]
+    lines = _key_lines(text)
+    problems = [ConfigProblem(_line_of(str(e), lines), str(e)) for e in errors]
+    problems += [ConfigProblem(_line_of(m, lines), m) for m in extra]
+    return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Key path (the decoder's spelling: ``models[0].endpoints[1].address``) -> 1-based line."""
+    out: dict[str, int] = {}
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, child in node.value:
+                sub = f"{path}.{key.value}" if path else str(key.value)
+                out.setdefault(sub, key.start_mark.line + 1)
+                walk(child, sub)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, child in enumerate(node.value):
+                sub = f"{path}[{i}]"
+                out.setdefault(sub, child.start_mark.line + 1)
+                walk(child, sub)
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
+    return out
+
+
+_PATH_STEP_RE = re.compile(r"(\.[^.\[]+|\[\d+\])$")
+
+
+def _line_of(message: str, lines: Mapping[str, int]) -> int | None:
+    path = message.split(": ", 1)[0].split(" ", 1)[0].replace(".<key>", "")
+    while path:
+        if path in lines:
+            return lines[path]
+        shorter = _PATH_STEP_RE.sub("", path)
+        if shorter == path:
+            return lines.get(path)
+        path = shorter
+    return None
 
 
 def load_config(path: str | Path) -> Config:

@@ -60,7 +60,7 @@ from extproc.director.steps import (
 from extproc.kvcache.hashing import block_hashes, lora_extra_key
 from extproc.metrics.store import EndpointStore, ReadyEndpoints
 from extproc.protocol.errors import error_json
-from extproc.protocol.openai import parse_request
+from extproc.protocol.openai import kind_for_path, parse_request
 from extproc.routing.base import (
     Decision,
     RoutingMemory,
@@ -241,6 +241,10 @@ class Director:
         if body is None or not head.has_body:
             if head.method == "GET" and path in ("/v1/models", "/models"):
                 return self.models_reply()
+            if head.method == "GET" and path.startswith(("/v1/models/", "/models/")):
+                return self.model_reply(path.split("/models/", 1)[1])
+            if head.method == "POST" and kind_for_path(path) is not RequestKind.OTHER:
+                raise BadRequest("request body is empty; a JSON object is required")
             return self._route_bodyless(head)
         prep = await self.prepare(head, body)
         try:
@@ -455,7 +459,19 @@ class Director:
             destinations=self._destinations(Decision(ranked=tuple(ready), strategy="bodyless"))
         )
 
+    def model_reply(self, model: str) -> ImmediateReply:
+        """`GET /v1/models/{model}`: its card, or OpenAI's 404."""
+        for card in self._model_cards():
+            if card["id"] == model:
+                return ImmediateReply(status=200, body=orjson.dumps(card))
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
+
     def models_reply(self) -> ImmediateReply:
+        return ImmediateReply(
+            status=200, body=orjson.dumps({"object": "list", "data": self._model_cards()})
+        )
+
+    def _model_cards(self) -> list[dict[str, object]]:
         created = 0
         data = []
         for runtime in self._models.values():
@@ -481,7 +497,7 @@ class Director:
                         "parent": runtime.name,
                     }
                 )
-        return ImmediateReply(status=200, body=orjson.dumps({"object": "list", "data": data}))
+        return data
 
     @property
     def deciding(self) -> int:

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
-from extproc.config import Config, ConfigError, RouteSettings
+from extproc.config import Config, ConfigError, RouteSettings, check_config_text, load_config_text
 from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.framework import PluginConfigError, PluginRegistry
 from extproc.routing.registry import StrategyRegistry
 
-__all__ = ["build_strategies", "check_route", "route_annotations"]
+__all__ = [
+    "build_strategies",
+    "check_route",
+    "config_file_problems",
+    "route_annotations",
+    "strategy_problems",
+]
 
 
 def _strategy_names(settings: RouteSettings) -> list[tuple[str, str]]:
@@ -40,8 +47,23 @@ def build_strategies(config: Config, plugins: PluginRegistry | None = None) -> S
     built, and every strategy name the config uses resolved (`routing.default_strategy`,
     `models[i].strategy`, `routes.<name>.strategy|profile|scorers`).
 
-    Raises ConfigError naming the first bad key path.
+    Raises ConfigError naming the first bad key path (`errors`: every one).
     """
+    registry, problems = _build(config, plugins)
+    if problems:
+        raise ConfigError(problems[0], [ConfigError(p) for p in problems])
+    assert registry is not None
+    return registry
+
+
+def strategy_problems(config: Config, plugins: PluginRegistry | None = None) -> list[str]:
+    """Every problem `build_strategies` would raise for, each naming its key path."""
+    return _build(config, plugins)[1]
+
+
+def _build(
+    config: Config, plugins: PluginRegistry | None
+) -> tuple[StrategyRegistry | None, list[str]]:
     routing = config.routing
     try:
         registry = StrategyRegistry(
@@ -51,16 +73,17 @@ def build_strategies(config: Config, plugins: PluginRegistry | None = None) -> S
             builtin=BUILTIN_PROFILES,
         )
     except PluginConfigError as exc:
-        raise ConfigError(str(exc)) from None
+        return None, [str(exc)]
     names: list[tuple[str, str | None]] = [("routing.default_strategy", routing.default_strategy)]
     names += [(f"models[{i}].strategy", m.strategy) for i, m in enumerate(config.models)]
     for route, settings in config.routes.items():
         names += [(f"routes.{route}.{k}", v) for k, v in _strategy_names(settings)]
+    problems = []
     for where, value in names:
         problem = registry.check(value) if value is not None else None
         if problem is not None:
-            raise ConfigError(f"{where}: {problem}")
-    return registry
+            problems.append(f"{where}: {problem}")
+    return registry, problems
 
 
 def check_route(registry: StrategyRegistry, settings: RouteSettings) -> list[tuple[str, str]]:
@@ -89,3 +112,18 @@ def route_annotations(
         return settings, errors
 
     return parse_checked
+
+
+def config_file_problems(path: str | Path) -> list[str]:
+    """Every problem in the config file at `path`, one `FILE:LINE: message` each (empty: valid).
+    Strategy names are checked too (against the plugin registry)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        return [f"{path}: cannot read the file: {exc.strerror}"]
+    except UnicodeDecodeError as exc:
+        return [f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]
+    problems = check_config_text(text)
+    if not problems:
+        problems = check_config_text(text, strategy_problems(load_config_text(text)))
+    return [f"{path}:{p.line}: {p.message}" if p.line else f"{path}: {p.message}" for p in problems]

@@ -175,6 +175,27 @@ def _error_response(err: GatewayError) -> web.Response:
     return web.json_response(body, status=err.status)
 
 
+# vLLM's error types by status (its ErrorResponse `type`), for errors aiohttp raises itself.
+_HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "BadRequestError"}
+
+
+@web.middleware
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """An unknown path or method, or a body over the limit, answered as vLLM does: OpenAI JSON
+    (`{"error": {...}}`), never aiohttp's text `404: Not Found`."""
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = _HTTPStatusError(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        err.error_type = _HTTP_ERROR_TYPES.get(exc.status, "BadRequestError")
+        return _error_response(err)
+
+
 def _int_field(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -236,7 +257,9 @@ class SimServer:
         )
         self.metrics = SimMetrics(self.engine, cfg)
         self.engine.start()
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._pod_header])
+        app = web.Application(
+            client_max_size=64 * 1024 * 1024, middlewares=[self._pod_header, _json_errors]
+        )
         self._routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()

@@ -8,7 +8,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from extproc.routing.settings import config_file_problems
 from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
 from extproc.stack.local import LocalStack, StackError, StackOptions
 from extproc.stack.supervise import Event, EventKind, Supervisor, Throttle
@@ -17,37 +21,86 @@ __all__ = ["add_up_arguments", "run_stack"]
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option has a help text; the parser shows the defaults (ArgumentDefaultsHelpFormatter)."""
     d = StackOptions()
     p.add_argument("--sims", type=int, default=d.sims, help="number of simulated engines")
-    p.add_argument("--sim-base-port", type=int, default=d.sim_base_port)
+    p.add_argument(
+        "--sim-base-port",
+        type=int,
+        default=d.sim_base_port,
+        help="simulator i serves HTTP on this port + i",
+    )
     p.add_argument("--listen-port", type=int, default=d.listen_port, help="Envoy's client port")
     p.add_argument("--admin-port", type=int, default=d.admin_port, help="Envoy admin port")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="ext_proc gRPC port")
     p.add_argument(
         "--metrics-port", type=int, default=d.metrics_port, help="ext_proc metrics/admin port"
     )
-    p.add_argument("--kv-base-port", type=int, default=d.kv_base_port)
+    p.add_argument(
+        "--kv-base-port",
+        type=int,
+        default=d.kv_base_port,
+        help="simulator i publishes KV events on this port + 2i, replays on + 2i + 1",
+    )
     p.add_argument(
         "--processes", type=int, default=d.extproc_processes, help="ext_proc server processes"
     )
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: bundled Qwen3)")
-    p.add_argument("--strategy", default=d.strategy, help="default routing strategy")
+    p.add_argument("--model", default=d.model, help="the model name the simulators serve")
     p.add_argument(
-        "--body-mode", choices=[m.value for m in RequestBodyMode], default=d.body_mode.value
+        "--tokenizer", default=None, help="tokenizer directory (default: the bundled Qwen3)"
+    )
+    p.add_argument(
+        "--strategy",
+        default=None,
+        help=f"default routing strategy (default: the --config file's, else {d.strategy})",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a server config whose settings (routing profiles, strategy params, routes, ...) "
+        "are merged over the local one; its models: and server ports are the stack's",
+    )
+    p.add_argument(
+        "--body-mode",
+        choices=[m.value for m in RequestBodyMode],
+        default=d.body_mode.value,
+        help="how Envoy sends request bodies to ext_proc",
     )
     p.add_argument(
         "--accounting",
         choices=[m.value for m in ResponseAccounting],
         default=d.response_accounting.value,
+        help="response token accounting (Lua + gRPC access log) or none",
+    )
+    p.add_argument(
+        "--route-timeout",
+        type=float,
+        default=d.route_timeout_s,
+        metavar="S",
+        help="longest a whole request may take, in seconds (0: no limit)",
+    )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=d.stream_idle_timeout_s,
+        metavar="S",
+        help="longest gap between bytes of a request or its answer, in seconds (0: no limit)",
     )
     p.add_argument(
         "--fail-open", action="store_true", help="Envoy keeps serving if ext_proc is down"
     )
-    p.add_argument("--no-kv-events", action="store_true")
+    p.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="simulators publish no KV events (the router uses its approximate index)",
+    )
     p.add_argument("--workdir", default=str(d.workdir), help="where configs and logs go")
     p.add_argument(
-        "--sim-arg", action="append", default=[], help="extra simulator argument (repeat)"
+        "--sim-arg",
+        action="append",
+        default=[],
+        help="extra simulator argument, e.g. --sim-arg=--prefill-us-per-token=50 (repeat)",
     )
     p.add_argument("--nats-port", type=int, default=d.nats_port, help="replica-sync bus port")
     p.add_argument(
@@ -55,10 +108,34 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start children that die again (with backoff); without it they stay down",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the ext_proc servers' log level",
+    )
 
 
-def options_from_args(args: argparse.Namespace) -> StackOptions:
+def user_config(path: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The settings of `--config FILE` to merge over the stack's config, and notes on what
+    was left out: the stack makes its own `models:` (the simulators) and server address."""
+    if path is None:
+        return {}, []
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    notes = []
+    if data.pop("models", None) is not None:
+        notes.append("its models: are replaced by the local simulators")
+    server = data.get("server") or {}
+    dropped = [k for k in ("host", "grpc_port", "metrics_port") if server.pop(k, None) is not None]
+    if dropped:
+        notes.append(f"its server {', '.join(dropped)} are the stack's")
+    return data, notes
+
+
+def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -> StackOptions:
+    d = StackOptions()
+    routing = server_config.get("routing") or {}
+    strategy = args.strategy or routing.get("default_strategy") or d.strategy
     return StackOptions(
         sims=args.sims,
         sim_base_port=args.sim_base_port,
@@ -71,19 +148,37 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         extproc_processes=args.processes,
         model=args.model,
         tokenizer_dir=args.tokenizer,
-        strategy=args.strategy,
+        strategy=strategy,
         body_mode=RequestBodyMode(args.body_mode),
         response_accounting=ResponseAccounting(args.accounting),
         fail_open=args.fail_open,
         kv_events=not args.no_kv_events,
         sim_args=tuple(args.sim_arg),
+        server_config=_merge_strategy(server_config, strategy),
+        route_timeout_s=args.route_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         workdir=Path(args.workdir),
         log_level=args.log_level,
     )
 
 
+def _merge_strategy(server_config: dict[str, Any], strategy: str) -> dict[str, Any]:
+    routing = dict(server_config.get("routing") or {})
+    routing["default_strategy"] = strategy
+    return {**server_config, "routing": routing}
+
+
 def run_stack(args: argparse.Namespace) -> int:
-    opts = options_from_args(args)
+    server_config: dict[str, Any] = {}
+    if args.config is not None:
+        problems = config_file_problems(args.config)
+        if problems:
+            print("extproc up: invalid --config:", *problems, sep="\n  ", file=sys.stderr)
+            return 2
+        server_config, notes = user_config(args.config)
+        for note in notes:
+            print(f"extproc up: --config {args.config}: {note}", file=sys.stderr)
+    opts = options_from_args(args, server_config)
     stack = LocalStack(opts)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

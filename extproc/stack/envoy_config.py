@@ -147,6 +147,13 @@ class EnvoyOptions:
     # Larger than any body limit the server enforces, so the server answers 413 itself.
     buffer_limit_bytes: int = 8 * 1024 * 1024
     connect_timeout_s: float = 1.0
+    # Longest a whole request may take, from the end of its body to the end of the answer
+    # (the route's `timeout`). Off (0): a streamed generation runs as long as tokens flow.
+    route_timeout_s: float = 0.0
+    # Longest gap between bytes in either direction (the route's `idle_timeout`; 0: off). A
+    # stream's tokens reset it; a non-streamed answer sends nothing until it is done, so this
+    # is also the longest a non-streamed request may take (docs/operations.md, "Timeouts").
+    stream_idle_timeout_s: float = 300.0
     access_log: bool = False
     # Envoy alone: no ext_proc, no override_host, plain round robin (benchmarks' reference).
     baseline: bool = False
@@ -156,6 +163,8 @@ class EnvoyOptions:
             raise ValueError("at least one model endpoint is required")
         if self.num_retries < 0:
             raise ValueError("num_retries must be >= 0")
+        if self.route_timeout_s < 0 or self.stream_idle_timeout_s < 0:
+            raise ValueError("timeouts must be >= 0 (0: no limit)")
 
 
 def _duration(seconds: float) -> str:
@@ -357,7 +366,8 @@ def _http_filters(opts: EnvoyOptions) -> list[dict[str, Any]]:
 def _route(opts: EnvoyOptions) -> dict[str, Any]:
     action: dict[str, Any] = {
         "cluster": MODELS_CLUSTER,
-        "timeout": "0s",  # no limit: streamed generations can run for minutes
+        "timeout": _duration(opts.route_timeout_s),
+        "idle_timeout": _duration(opts.stream_idle_timeout_s),
     }
     if opts.num_retries and not opts.baseline:
         action["retry_policy"] = {
@@ -408,6 +418,51 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
 }
 
 
+def _openai_error(error_type: str) -> dict[str, Any]:
+    return {
+        "json_format": {
+            "error": {
+                "message": "%LOCAL_REPLY_BODY%",
+                "type": error_type,
+                "param": None,
+                "code": "%RESPONSE_CODE_DETAILS%",
+            }
+        },
+        "content_type": "application/json",
+    }
+
+
+def _local_reply_config() -> dict[str, Any]:
+    """Envoy's own answers (a timeout, no healthy upstream, a request it cannot parse) in the
+    OpenAI error shape our server uses (`extproc/protocol/errors.py`), so a client meets one
+    shape whoever answered. They carry a response flag (UT, SI, UH, DPE ...); our ext_proc's
+    immediate replies carry none and keep their own JSON body."""
+
+    def mapper(low: int, high: int, error_type: str) -> dict[str, Any]:
+        codes = [
+            {
+                "status_code_filter": {
+                    "comparison": {"op": op, "value": {"default_value": v, "runtime_key": key}}
+                }
+            }
+            for op, v, key in (
+                ("GE", low, "extproc.local_reply.low"),
+                ("LE", high, "extproc.local_reply.high"),
+            )
+        ]
+        return {
+            "filter": {"and_filter": {"filters": [{"response_flag_filter": {}}, *codes]}},
+            "body_format_override": _openai_error(error_type),
+        }
+
+    return {
+        "mappers": [
+            mapper(400, 499, "invalid_request_error"),
+            mapper(500, 599, "server_error"),
+        ]
+    }
+
+
 def _listener(opts: EnvoyOptions) -> dict[str, Any]:
     hcm: dict[str, Any] = _typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -418,6 +473,13 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [_route(opts)]}],
         },
         http_filters=_http_filters(opts),
+        # Before a route is chosen (the route's idle_timeout replaces it after).
+        stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
+        # Envoy takes any local 400 on HTTP/1 for a framing error and closes the connection
+        # (`connection: close`), our ext_proc's JSON 400s included: keep-alive clients would
+        # reconnect after each rejected request. A request Envoy cannot frame still closes it.
+        stream_error_on_invalid_http_message=True,
+        local_reply_config=_local_reply_config(),
     )
     logs: list[dict[str, Any]] = []
     accounting = opts.response_accounting is ResponseAccounting.ACCESS_LOG

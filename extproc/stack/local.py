@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,8 @@ class StackOptions:
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
     access_log_flush_s: float = 0.1  # Envoy's access-log flush interval (records arrive this late)
+    route_timeout_s: float = 0.0  # EnvoyOptions.route_timeout_s
+    stream_idle_timeout_s: float = 300.0  # EnvoyOptions.stream_idle_timeout_s
     kv_events: bool = True
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
@@ -185,6 +188,8 @@ class LocalStack:
             access_log_flush_interval_s=o.access_log_flush_s,
             baseline=o.baseline,
             access_log=o.access_log,
+            route_timeout_s=o.route_timeout_s,
+            stream_idle_timeout_s=o.stream_idle_timeout_s,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -196,8 +201,45 @@ class LocalStack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def ports(self) -> dict[int, str]:
+        """Every port the stack will listen on, with what listens there."""
+        o = self.options
+        out: dict[int, str] = {}
+        for i in range(o.sims):
+            out[o.sim_port(i)] = f"simulator sim-{i} (--sim-base-port)"
+            if o.kv_events:
+                out[o.kv_base_port + 2 * i] = f"sim-{i} KV events (--kv-base-port)"
+                out[o.kv_base_port + 2 * i + 1] = f"sim-{i} KV replay (--kv-base-port)"
+        if not o.baseline:
+            for i in range(o.extproc_processes):
+                out[o.grpc_port + i] = f"ext_proc extproc-{i} gRPC (--grpc-port)"
+                out[o.metrics_port + i] = f"ext_proc extproc-{i} metrics (--metrics-port)"
+            if self.sync_enabled:
+                out[o.nats_port] = "NATS (--nats-port)"
+        out[o.listen_port] = "Envoy listener (--listen-port)"
+        out[o.admin_port] = "Envoy admin (--admin-port)"
+        return out
+
+    def check_ports(self) -> None:
+        """StackError naming each port already taken (another stack, or any other program):
+        better than Envoy's "unable to bind domain socket with base_id" after a long start."""
+        taken = []
+        for port, what in self.ports().items():
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+                try:
+                    sock.bind((self.options.host, port))
+                except OSError:
+                    taken.append(f"{self.options.host}:{port} ({what})")
+        if taken:
+            raise StackError(
+                "ports already in use (another `extproc up` running? stop it, or choose other "
+                "ports): " + ", ".join(taken)
+            )
+
     def start(self, timeout: float = 90.0) -> None:
         o = self.options
+        self.check_ports()
         self.workdir.mkdir(parents=True, exist_ok=True)
         for leftover in (FAULTS_DIR, RESTART_DIR):  # requests to a previous stack
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)

@@ -403,6 +403,18 @@ def test_backend_traffic_policy_overrides_the_endpoint_from_our_header() -> None
     }
 
 
+def test_timeouts_match_the_local_stack() -> None:
+    """No limit on a whole request (streams), the local stack's idle limit between bytes."""
+    from extproc.stack.envoy_config import EnvoyOptions
+
+    docs = render("envoy-gateway")
+    route = find(docs, "HTTPRoute")
+    assert [r["timeouts"]["request"] for r in route["spec"]["rules"]] == ["0s"]
+    assert EnvoyOptions().route_timeout_s == 0
+    idle = find(docs, "BackendTrafficPolicy")["spec"]["timeout"]["http"]["streamIdleTimeout"]
+    assert idle == f"{EnvoyOptions().stream_idle_timeout_s:g}s"
+
+
 def test_example_route_annotations_are_valid() -> None:
     route = find(render("envoy-gateway"), "HTTPRoute")
     annotations = route["metadata"]["annotations"]

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import subprocess
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -69,9 +71,25 @@ class Backend:
         self.destination_headers.append(request.headers.get(DESTINATION_HEADER))
         if request.path == "/v1/stream":
             return await self._sse(request, usage=request.query.get("usage") == "1")
+        if request.path == "/v1/silent":  # a non-streamed answer: nothing until it is done
+            await asyncio.sleep(float(request.query["s"]))
+        if request.path == "/v1/trickle":  # a stream: one event every `gap` seconds
+            return await self._trickle(
+                request, float(request.query["gap"]), int(request.query["n"])
+            )
         return web.json_response(
             {"served_by": self.name, "usage": {"prompt_tokens": 11, "completion_tokens": 5}}
         )
+
+    async def _trickle(self, request: web.Request, gap: float, n: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            await asyncio.sleep(gap)
+            await resp.write(f'data: {{"n":{i}}}\n\n'.encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _sse(self, request: web.Request, *, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -233,7 +251,9 @@ async def _wait_ready(admin_port: int, proc: subprocess.Popen[bytes], log: Path)
 
 
 @contextlib.asynccontextmanager
-async def _run_stack(tmp_path: Path, accounting: ResponseAccounting) -> AsyncIterator[Stack]:
+async def _run_stack(
+    tmp_path: Path, accounting: ResponseAccounting, **options: Any
+) -> AsyncIterator[Stack]:
     alive, other, outside = Backend("alive"), Backend("other"), Backend("outside")
     extproc = PickingExtProc()
     access_log = RecordingAccessLog()
@@ -255,6 +275,7 @@ async def _run_stack(tmp_path: Path, accounting: ResponseAccounting) -> AsyncIte
             extproc=(HostPort("127.0.0.1", grpc_port),),
             endpoints=(dead, HostPort("127.0.0.1", alive.port), HostPort("127.0.0.1", other.port)),
             response_accounting=accounting,
+            **options,
         )
         config = tmp_path / "envoy.yaml"
         config.write_text(render_yaml(opts))
@@ -356,3 +377,42 @@ async def test_usage_and_the_decision_reach_the_access_log(tmp_path: Path) -> No
     assert with_usage.first_token_s is not None and with_usage.first_token_s >= 0
     # No usage in the stream: the content events are counted (the empty role delta is not).
     assert without_usage.usage == TokenUsage(completion_tokens=SSE_EVENTS, counted=True)
+
+
+async def _fetch(url: str, headers: dict[str, str]) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as resp:
+        try:
+            return resp.status, await resp.text()
+        except aiohttp.ClientPayloadError:
+            return resp.status, "<reset mid-body>"
+
+
+async def test_the_route_timeout_bounds_a_whole_request(tmp_path: Path) -> None:
+    async with _run_stack(tmp_path, ResponseAccounting.NONE, route_timeout_s=0.5) as stack:
+        pick = {PICK_HEADER: f"127.0.0.1:{stack.alive.port}"}
+        assert (await _fetch(f"{stack.url}/v1/silent?s=0", pick))[0] == 200
+        status, body = await _fetch(f"{stack.url}/v1/silent?s=3", pick)
+        assert status == 504
+        assert json.loads(body) == {
+            "error": {
+                "message": "upstream request timeout",
+                "type": "server_error",
+                "param": None,
+                "code": "response_timeout",
+            }
+        }
+
+
+async def test_the_idle_timeout_cuts_silence_but_not_a_stream_that_keeps_talking(
+    tmp_path: Path,
+) -> None:
+    async with _run_stack(tmp_path, ResponseAccounting.NONE, stream_idle_timeout_s=1.0) as stack:
+        pick = {PICK_HEADER: f"127.0.0.1:{stack.alive.port}"}
+        # 2 s in all, never 1 s without a byte: it runs to the end.
+        status, body = await _fetch(f"{stack.url}/v1/trickle?gap=0.25&n=8", pick)
+        assert status == 200
+        assert body.endswith("data: [DONE]\n\n")
+        # A non-streamed answer that takes longer than the idle timeout is cut.
+        status, body = await _fetch(f"{stack.url}/v1/silent?s=3", pick)
+        assert status == 504
+        assert json.loads(body)["error"]["message"] == "stream timeout"

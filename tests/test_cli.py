@@ -1,0 +1,165 @@
+"""The command line a newcomer meets first: --version, config check, explain's errors, up's
+options, ports already taken."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import main
+from extproc.config import load_config_text
+from extproc.routing.settings import strategy_problems
+from extproc.stack.cli import add_up_arguments, options_from_args, user_config
+from extproc.stack.local import LocalStack, StackError, StackOptions
+
+BAD = """\
+server:
+  grpc_port: "x"
+  metricz_port: 1
+routing:
+  kv_threshold: true
+models:
+  - name: m
+    endpoints:
+      - address: bad
+      - address: 127.0.0.1:8000
+        adress: x
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("extproc ")
+
+
+def test_config_check_lists_every_problem_with_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(BAD)
+    assert main(["config", "check", str(path)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        f"{path}:2",
+        f"{path}:3",
+        f"{path}:5",
+        f"{path}:9",
+        f"{path}:11",
+        str(path),
+    ]
+    assert "server.grpc_port: expected an integer" in lines[0]
+    assert "models[0].endpoints[1].adress: unknown key" in lines[4]
+    assert lines[-1] == f"{path}: 5 problems"
+
+
+def test_config_check_names_strategy_problems_and_passes_a_good_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = "models: [{name: m, endpoints: [{address: 127.0.0.1:8000}]}]\n"
+    path = tmp_path / "c.yaml"
+    path.write_text(good + "routing:\n  default_strategy: kv-awre\n")
+    assert main(["config", "check", str(path)]) == 1
+    assert f"{path}:3: routing.default_strategy:" in capsys.readouterr().err
+    path.write_text(good)
+    assert main(["config", "check", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: ok\n"
+
+
+@pytest.mark.parametrize("text", ["a: [1\n", b"\xff\xfe"])
+def test_config_check_on_broken_yaml_or_bytes_says_so_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | bytes
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["config", "check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith(str(path))
+
+
+def test_config_check_on_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "check", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read the file: No such file or directory" in capsys.readouterr().err
+
+
+def test_explain_on_a_missing_body_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("extproc explain: cannot read")
+    assert "Traceback" not in err
+
+
+def test_explain_on_an_unreachable_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = tmp_path / "b.json"
+    body.write_text('{"model": "m", "prompt": "hi"}')
+    server = f"http://127.0.0.1:{_free_port()}"
+    assert main(["explain", str(body), "--server", server]) == 1
+    assert f"cannot reach the server at {server}" in capsys.readouterr().err
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_up_arguments(parser)
+    return parser
+
+
+def test_every_up_option_has_help_and_shows_its_default() -> None:
+    parser = _up_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert [a.dest for a in options if not a.help] == []
+    text = parser.format_help()
+    assert "Envoy's client port (default: 8080)" in " ".join(text.split())
+    assert "--route-timeout" in text
+    assert "--config" in text
+
+
+def test_up_config_brings_ones_own_profiles_and_keeps_the_stacks_models_and_ports(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "server: {grpc_port: 1, status_page: false}\n"
+        "routing:\n"
+        "  default_strategy: mine\n"
+        "  profiles: {mine: {scorers: [{type: prefix, weight: 2}, {type: queue}]}}\n"
+        "models: [{name: prod, endpoints: [{address: 10.0.0.1:8000}]}]\n"
+    )
+    server_config, notes = user_config(str(path))
+    assert len(notes) == 2
+    opts = options_from_args(_up_parser().parse_args([]), server_config)
+    assert opts.strategy == "mine"
+    cfg = LocalStack(opts).server_config()
+    config = load_config_text(__import__("yaml").safe_dump(cfg))
+    assert [m.name for m in config.models] == ["qwen3"]
+    assert config.server.grpc_port == StackOptions().grpc_port
+    assert config.server.status_page is False
+    assert config.routing.default_strategy == "mine"
+    assert strategy_problems(config) == []
+    # --strategy on the command line wins over the file's
+    explicit = options_from_args(_up_parser().parse_args(["--strategy", "random"]), server_config)
+    assert LocalStack(explicit).server_config()["routing"]["default_strategy"] == "random"
+
+
+def test_up_names_a_port_another_program_holds(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        stack = LocalStack(StackOptions(listen_port=port, workdir=tmp_path))
+        with pytest.raises(StackError, match=rf"127\.0\.0\.1:{port} \(Envoy listener"):
+            stack.start()
+    assert not (tmp_path / "sim-0.log").exists()  # nothing was started
