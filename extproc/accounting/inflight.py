@@ -26,11 +26,22 @@ if TYPE_CHECKING:
     from extproc.accounting.gateway_metrics import GatewayMetrics
     from extproc.accounting.podstats import PodStatsTracker
 
-__all__ = ["STALL_LATENCY_MULTIPLE", "InflightTracker", "Lease", "Load"]
+__all__ = [
+    "FAILING_AFTER",
+    "FAILING_COOLDOWN_S",
+    "STALL_LATENCY_MULTIPLE",
+    "InflightTracker",
+    "Lease",
+    "Load",
+]
 
 # A pod is not hung for holding a request as long as its answers take: a stall needs at least
 # this many times its mean response time (long streams of 800 tokens take 12 s on an A100).
 STALL_LATENCY_MULTIPLE = 3.0
+# A pod whose picks failed this many times in a row (its answer was a 5xx, or Envoy had to retry
+# the request elsewhere) leaves the candidates for FAILING_COOLDOWN_S; one served pick clears it.
+FAILING_AFTER = 3
+FAILING_COOLDOWN_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +149,8 @@ class InflightTracker:
         self._open: dict[Lease, None] = {}  # every watched lease, in start order (oldest first)
         self._answered_at: dict[str, float] = {}
         self._watching = False
+        # Failing picks: consecutive failures per address and the last one's time.
+        self._failures: dict[str, tuple[int, float]] = {}
         # Other replicas' in-flight counts (absolute, per replica), and their sum per address.
         self._remote: dict[str, dict[str, Load]] = {}
         self._remote_total: dict[str, Load] = {}
@@ -180,6 +193,28 @@ class InflightTracker:
         self._watching = True
         if at > self._answered_at.get(address, float("-inf")):
             self._answered_at[address] = at
+
+    def pick_failed(self, address: str, at: float) -> None:
+        """A request routed to `address` failed there (a 5xx, or retried on a fallback)."""
+        count, _ = self._failures.get(address, (0, at))
+        self._failures[address] = (count + 1, at)
+
+    def pick_served(self, address: str) -> None:
+        """A request routed to `address` was served there: it is not failing."""
+        self._failures.pop(address, None)
+
+    def failing_addresses(self) -> frozenset[str]:
+        """Addresses whose last `FAILING_AFTER` picks failed, the last one within
+        `FAILING_COOLDOWN_S` (after it a pod gets a request again: a probe). O(1) while no
+        pick has failed."""
+        if not self._failures:
+            return frozenset()
+        now = self._clock()
+        return frozenset(
+            a
+            for a, (count, at) in self._failures.items()
+            if count >= FAILING_AFTER and now - at < FAILING_COOLDOWN_S
+        )
 
     def _unwait(self, addr: str, lease: Lease) -> None:
         self._open.pop(lease, None)

@@ -402,10 +402,13 @@ class Director:
         if not ready:
             raise ServiceUnavailable(f"no ready endpoint for model {runtime.name!r}")
         after = self._config.routing.stall_after_s
-        if len(ready) > 1 and after > 0:
-            # A hung pod (accepts, never answers) still scrapes fine; leave it out while any
-            # other pod is answering. If every pod looks stalled, none is singled out.
-            stalled = self._inflight.stalled_addresses(after)
+        if len(ready) > 1:
+            # A hung pod (accepts, never answers) and one whose picks keep failing (5xx, or
+            # retried elsewhere by Envoy) still scrape fine; leave them out while any other pod
+            # is fit. If every pod looks unfit, none is singled out.
+            stalled = self._inflight.failing_addresses()
+            if after > 0:
+                stalled |= self._inflight.stalled_addresses(after)
             if stalled:
                 mask = [r[0].address not in stalled for r in ready]
                 if any(mask) and not all(mask):

@@ -128,8 +128,9 @@ class ChargeUser:
 
 
 class PodSamples:
-    """Per-pod facts from the record: when the pod last answered (stall detection), and on a
-    complete success its TTFT, latency and throughput samples."""
+    """Per-pod facts from the record: when the pod last answered (stall detection), whether
+    the pick served it (failing pods), and on a complete success its TTFT, latency and
+    throughput samples."""
 
     def __init__(
         self,
@@ -149,6 +150,14 @@ class PodSamples:
     def complete(self, done: Completed) -> None:
         record, endpoint, usage = done.record, done.endpoint, done.record.usage
         now = self._clock()
+        pick = done.routed.endpoint
+        if record.outcome is not Outcome.CLIENT_ABORTED:
+            if (endpoint != pick and record.attempts > 1) or (
+                endpoint == pick and done.status >= 500
+            ):
+                self._inflight.pick_failed(pick, now)  # Envoy retried it elsewhere, or a 5xx
+            elif endpoint == pick and 200 <= done.status < 500:
+                self._inflight.pick_served(pick)
         last = record.upstream_done_s
         if last is not None and record.start_time > 0:
             # Wall-clock time of the last upstream byte, on this tracker's monotonic clock.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from extproc.accounting.fairness import FairnessCounters
-from extproc.accounting.inflight import InflightTracker
+from extproc.accounting.inflight import FAILING_COOLDOWN_S, InflightTracker
 from extproc.director.api import AccessRecord, Outcome, RoutedRequest
 from extproc.director.lifecycle import Completed
 from extproc.director.response import ChargeUser, CountResponse, PodSamples, RecordAccounting
@@ -177,3 +179,37 @@ def test_pod_samples_observe_how_long_envoy_held_the_request(
     if count:
         hold = parts.sample("extproc_request_hold_seconds_sum", model="qwen3")
         assert hold == pytest.approx(0.0006)  # sent upstream at 1 ms
+
+
+OTHER = "10.0.0.2:8000"
+
+
+@pytest.mark.parametrize(
+    ("records", "failing"),
+    [
+        pytest.param([(POD, 200, 1)] * 5, False, id="served"),
+        pytest.param([(POD, 503, 1)] * 3, True, id="three-5xx-in-a-row"),
+        pytest.param([(OTHER, 200, 2)] * 3, True, id="three-retried-elsewhere"),
+        pytest.param([(POD, 503, 1), (POD, 503, 1), (POD, 200, 1), (POD, 503, 1)], False,
+                     id="a-served-pick-clears-it"),
+        pytest.param([(POD, 503, 1)] * 2, False, id="two-are-not-enough"),
+        pytest.param([(POD, 404, 1)] * 4, False, id="client-errors-are-not-the-pods"),
+    ],
+)  # fmt: skip
+def test_pod_samples_find_a_pod_whose_picks_keep_failing(
+    records: list[tuple[str, int, int]], failing: bool
+) -> None:
+    clock = ManualClock()
+    parts = Parts()
+    inflight = InflightTracker(stats=parts.podstats, metrics=parts.metrics, clock=clock.now)
+    step = PodSamples(
+        metrics=parts.metrics, podstats=parts.podstats, inflight=inflight,
+        clock=clock.now, wall_clock=clock.wall,
+    )  # fmt: skip
+    for upstream, status, attempts in records:
+        rec = replace(record(status=status), upstream=upstream, attempts=attempts)
+        step.complete(Completed(rec, ROUTED, endpoint=upstream, status=status))
+    assert (POD in inflight.failing_addresses()) is failing
+    assert OTHER not in inflight.failing_addresses()  # the fallback that served is fine
+    clock.advance(FAILING_COOLDOWN_S + 0.1)
+    assert POD not in inflight.failing_addresses()  # then it gets a request again

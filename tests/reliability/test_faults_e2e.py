@@ -163,11 +163,12 @@ def test_killed_pod_loses_no_request_and_comes_back(stack: LocalStack) -> None:
     assert fig["ready_after_restart_s"] is not None
 
 
-def test_a_pod_answering_5xx_is_retried_on_a_fallback(stack: LocalStack) -> None:
+def test_a_pod_answering_5xx_is_retried_on_a_fallback_then_left_out(stack: LocalStack) -> None:
     """A pod's 503 never reaches the client: Envoy retries it on the next address of the
     destination header (nothing was sent to the client yet: the status line is the first
-    byte). (Envoy's outlier ejection would not keep the pod out: override_host still picks an
-    ejected host that our header names, measured.)"""
+    byte). After 3 failed picks in a row (seen in the access records) the router leaves the
+    pod out of the candidates. (Envoy's outlier ejection would not: override_host still picks
+    an ejected host that our header names, measured.)"""
     bad = stack.options.sim_address(0)
     _fault(stack, 0, error_rate=1.0)
     try:
@@ -179,8 +180,9 @@ def test_a_pod_answering_5xx_is_retried_on_a_fallback(stack: LocalStack) -> None
         assert [s for s, _ in got] == [200] * 18, got
         assert bad not in {pod for _, pod in got}
         envoy = _envoy_counters(stack, lambda name: name.startswith("cluster.models."))
-        # Round robin picked it for 6 of the 18: each was retried once, on a fallback.
-        assert envoy["cluster.models.upstream_rq_retry"] >= 6, envoy
+        # Round robin alone would pick it for 6 of the 18; once its failures are known it gets
+        # none (records arrive within 0.1 s, so a pick or two more may go out meanwhile).
+        assert 3 <= envoy["cluster.models.upstream_rq_retry"] < 6, envoy
         assert envoy.get("cluster.models.upstream_rq_retry_limit_exceeded", 0) == 0, envoy
     finally:
         _fault(stack, 0, error_rate=0.0)
