@@ -156,12 +156,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "envoy-config", help="render a local Envoy bootstrap (see `extproc envoy-config --help`)"
     )
-    from extproc.stack.cli import add_up_arguments
+    from extproc.stack.cli import DefaultsHelpFormatter, add_up_arguments
 
     up = sub.add_parser(
         "up",
         help="start simulators, the ext_proc server and Envoy locally",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_up_arguments(up)
     up.set_defaults(func=_up)

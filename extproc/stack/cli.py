@@ -17,11 +17,20 @@ from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
 from extproc.stack.local import LocalStack, StackError, StackOptions
 from extproc.stack.supervise import Event, EventKind, Supervisor, Throttle
 
-__all__ = ["add_up_arguments", "run_stack"]
+__all__ = ["DefaultsHelpFormatter", "add_up_arguments", "run_stack"]
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None, a flag, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    """Every option has a help text; the parser shows the defaults (ArgumentDefaultsHelpFormatter)."""
+    """Every option has a help text; `DefaultsHelpFormatter` shows the defaults."""
     d = StackOptions()
     p.add_argument("--sims", type=int, default=d.sims, help="number of simulated engines")
     p.add_argument(
