@@ -21,19 +21,20 @@ import grpc
 
 from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from extproc.director.api import AccessRecord, Outcome, RequestHandler, RoutedRequest
+from extproc.director.api import AccessRecord, LeaseKey, Outcome, RequestHandler, RoutedRequest
 from extproc.server.timers import LoopTimers, Timers, within
 from extproc.types import TokenUsage
-from extproc.wire import ACCESS_LOG_NAME, REQUEST_NAMESPACE, USAGE_NAMESPACE
+from extproc.wire import ACCESS_LOG_NAME, LEASE_KEY, REPLICA_KEY, REQUEST_NAMESPACE, USAGE_NAMESPACE
 
 __all__ = ["ACCESS_LOG_SERVICE", "AccessLogService", "record_from_entry"]
 
 log = logging.getLogger("extproc.server")
 
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
-# At shutdown, how long to wait for Envoy's next batch before ending the stream: longer than
-# Envoy's flush interval (0.5 s in our bootstraps, Envoy's default 1 s under Envoy Gateway,
-# which sets none).
+# At shutdown, how long to wait for Envoy's next batch before ending the stream: 1.5x the
+# longest flush interval in use (Envoy's default 1 s under Envoy Gateway, which sets none;
+# 0.1 s in our bootstraps), so a batch due is never cut. Under load batches come sooner
+# (Envoy also flushes every 16 KiB).
 CLOSE_AFTER_BATCH_WAIT_S = 1.5
 
 # Flags that mean the upstream side broke the exchange (a retry that then succeeded leaves
@@ -110,6 +111,13 @@ def _routed(fields: Any) -> RoutedRequest | None:
     )
 
 
+def _lease(fields: Any) -> LeaseKey | None:
+    if fields is None:
+        return None
+    replica, seq = _str(fields, REPLICA_KEY), _int(fields, LEASE_KEY)
+    return LeaseKey(replica, seq) if replica and seq is not None else None
+
+
 def _usage(fields: Any) -> tuple[TokenUsage, int | None]:
     """The engine's usage when the Lua filter found one; else the content events it counted
     (marked `counted`); else unknown. Also the first-token wall time in ms, if seen."""
@@ -151,6 +159,7 @@ def record_from_entry(entry: al.HTTPAccessLogEntry) -> AccessRecord:
     metadata = common.metadata
     status = entry.response.response_code.value if entry.response.HasField("response_code") else 0
     usage, first_ms = _usage(_fields(metadata, USAGE_NAMESPACE))
+    request = _fields(metadata, REQUEST_NAMESPACE)
     start = float(common.start_time.seconds) + common.start_time.nanos / 1e9
     first_token_s = None
     if first_ms is not None and start > 0:
@@ -159,7 +168,7 @@ def record_from_entry(entry: al.HTTPAccessLogEntry) -> AccessRecord:
         request_id=entry.request.request_id,
         status=status,
         outcome=_outcome(status, common.response_flags),
-        routed=_routed(_fields(metadata, REQUEST_NAMESPACE)),
+        routed=_routed(request),
         upstream=_address(common),
         usage=usage,
         start_time=start,
@@ -169,6 +178,7 @@ def record_from_entry(entry: al.HTTPAccessLogEntry) -> AccessRecord:
         first_token_s=first_token_s,
         upstream_done_s=_seconds(common, "time_to_last_upstream_rx_byte"),
         attempts=common.upstream_request_attempt_count,
+        lease=_lease(request),
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from extproc.director.api import Outcome, RoutedRequest
+from extproc.director.api import LeaseKey, Outcome, RoutedRequest
 from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S, record_from_entry
 from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.types import TokenUsage
@@ -129,6 +129,25 @@ def test_usage(usage: dict[str, Any] | None, want: TokenUsage) -> None:
 )
 def test_entries_without_a_routing_decision_are_unrouted(routed: dict[str, Any] | None) -> None:
     assert record_from_entry(entry(routed=routed)).routed is None
+
+
+@pytest.mark.parametrize(
+    ("request_meta", "lease"),
+    [
+        pytest.param({**ROUTED, "lease": 41}, LeaseKey("gw-0:17", 41), id="routed"),
+        # A route with accounting off carries only the lease: it still ends it.
+        pytest.param({"replica": "gw-0:17", "lease": 7}, LeaseKey("gw-0:17", 7), id="lease-only"),
+        pytest.param(ROUTED, None, id="no-lease-number"),
+        pytest.param({"lease": 7}, None, id="no-replica"),
+        pytest.param({"replica": "gw-0:17", "lease": -1}, None, id="negative"),
+        pytest.param({"replica": "gw-0:17", "lease": "7"}, None, id="not-a-number"),
+        pytest.param(None, None, id="no-metadata"),
+    ],
+)
+def test_the_record_names_the_lease_the_decision_took(
+    request_meta: dict[str, Any] | None, lease: LeaseKey | None
+) -> None:
+    assert record_from_entry(entry(routed=request_meta)).lease == lease
 
 
 def test_an_empty_entry_converts() -> None:
