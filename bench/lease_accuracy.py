@@ -32,10 +32,10 @@ from tests.e2e.harness import metric_samples, metric_sum
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "held stream (former default)": {"server_config": {"accounting": {"access_log": False}}},
-    "record, flush 0.5 s (local default)": {"access_log_flush_s": 0.5},
+    "record, flush 0.5 s (the former local default)": {"access_log_flush_s": 0.5},
     "record, flush 1.0 s (Envoy Gateway's)": {"access_log_flush_s": 1.0},
     "record, flush 0.2 s": {"access_log_flush_s": 0.2},
-    "record, flush 0.1 s": {"access_log_flush_s": 0.1},
+    "record, flush 0.1 s (the local default)": {"access_log_flush_s": 0.1},
 }
 
 
