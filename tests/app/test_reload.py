@@ -15,6 +15,8 @@ import pytest
 from extproc.app import App
 from extproc.config import ConfigError, load_config, load_config_text
 
+pytestmark = pytest.mark.slow  # real config files reloaded by a real app: 2.5-5 s a test
+
 
 def free_port() -> int:
     with socket.socket() as s:

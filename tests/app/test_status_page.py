@@ -122,6 +122,7 @@ async def test_off_by_default_answers_404_with_a_json_error(engines: list[int]) 
         await app.stop()
 
 
+@pytest.mark.slow  # waits for a real reload: ~4 s
 async def test_status_json_shows_endpoints_decisions_and_the_reload_state(
     engines: list[int], tmp_path: Path
 ) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from extproc.sim import SimConfig, SimServer, StepTimeModel
-from extproc.tokenization import load_tokenizer
+from tests._tokenizers import fresh_tokenizer
 
 
 @pytest.fixture
 async def sim(qwen_tokenizer_dir: Path) -> AsyncIterator[SimServer]:
     """A real simulator at 100x speed on a free port."""
     cfg = SimConfig(tokenizer_dir=qwen_tokenizer_dir, port=0, step=StepTimeModel(time_scale=0.01))
-    server = SimServer(cfg, tokenizer=load_tokenizer(qwen_tokenizer_dir))
+    server = SimServer(cfg, tokenizer=fresh_tokenizer(qwen_tokenizer_dir))
     await server.start()
     yield server
     await server.stop()

@@ -31,9 +31,10 @@ from extproc.metrics.store import EndpointStore
 from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.predicted import SLO_TTFT_HEADER, LatencyFeatures
 from extproc.routing.registry import StrategyRegistry
-from extproc.tokenization import TokenizerPool, load_tokenizer
+from extproc.tokenization import TokenizerPool
 from extproc.types import EngineMetrics
 from tests._clock import ManualClock
+from tests._tokenizers import fresh_tokenizer
 from tests.reliability._director import sample
 
 FAST, SLOW, OTHER = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -95,7 +96,7 @@ def kits(qwen_tokenizer_dir: Path) -> Iterator[list[Kit]]:
         for ep in store.endpoints("qwen3"):  # headroom: a sheddable request is not shed as such
             store.record_success(ep, EngineMetrics(clock.now(), running=1.0, waiting=0.0,
                                                    kv_cache_usage=0.2))  # fmt: skip
-        pool = TokenizerPool(load_tokenizer(qwen_tokenizer_dir), max_workers=1)
+        pool = TokenizerPool(fresh_tokenizer(qwen_tokenizer_dir), max_workers=1)
         pools.append(pool)
         runtime = ModelRuntime(
             name="qwen3",

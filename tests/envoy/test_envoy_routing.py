@@ -334,6 +334,7 @@ async def _fetch(url: str, headers: dict[str, str]) -> tuple[int, str]:
             return resp.status, "<reset mid-body>"
 
 
+@pytest.mark.slow  # waits out a timeout through real Envoy: ~3 s
 async def test_the_route_timeout_bounds_a_whole_request(tmp_path: Path) -> None:
     async with _run_stack(tmp_path, ResponseAccounting.NONE, route_timeout_s=0.5) as stack:
         pick = {PICK_HEADER: f"127.0.0.1:{stack.alive.port}"}
@@ -350,6 +351,7 @@ async def test_the_route_timeout_bounds_a_whole_request(tmp_path: Path) -> None:
         }
 
 
+@pytest.mark.slow  # waits out a timeout through real Envoy: ~5 s
 async def test_the_idle_timeout_cuts_silence_but_not_a_stream_that_keeps_talking(
     tmp_path: Path,
 ) -> None:

@@ -6,6 +6,8 @@ import asyncio
 import socket
 from pathlib import Path
 
+import pytest
+
 from extproc.app import App
 from extproc.config import load_config_text
 
@@ -27,6 +29,7 @@ async def eventually(cond, within: float = 15.0) -> bool:  # type: ignore[no-unt
     return bool(cond())
 
 
+@pytest.mark.slow  # a whole app against a fake API server: ~4 s
 async def test_app_follows_pods_and_httproute_annotations(
     apiserver: FakeApiServer, tmp_path: Path
 ) -> None:

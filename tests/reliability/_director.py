@@ -26,8 +26,9 @@ from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
 from extproc.metrics.store import EndpointStore
 from extproc.routing.builtin import default_registry
-from extproc.tokenization import TokenizerPool, load_tokenizer
+from extproc.tokenization import TokenizerPool
 from extproc.tokenization.base import Tokenizer
+from tests._tokenizers import fresh_tokenizer
 
 POOL = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 OTHER_POOL = ("10.1.0.1:8000",)
@@ -106,7 +107,7 @@ def build_director(
     runtimes: dict[str, ModelRuntime] = {}
     for model in config.models:
         pool = TokenizerPool(
-            tokenizer or load_tokenizer(tokenizer_dir),
+            tokenizer or fresh_tokenizer(tokenizer_dir),
             max_workers=1,
             inline_threshold_chars=inline_threshold_chars,
         )

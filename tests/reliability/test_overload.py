@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
-from extproc.tokenization import load_tokenizer
 from extproc.tokenization.base import Tokenizer
+from tests._tokenizers import fresh_tokenizer
 from tests.reliability._director import build_director, config_text
 
 
@@ -72,7 +72,7 @@ BODY = orjson.dumps(
 async def test_requests_over_the_pending_limit_are_shed_with_429(
     limit: int, qwen_tokenizer_dir: Path
 ) -> None:
-    gated = GatedTokenizer(load_tokenizer(qwen_tokenizer_dir))
+    gated = GatedTokenizer(fresh_tokenizer(qwen_tokenizer_dir))
     kit = build_director(
         config_text(max_pending=limit),
         qwen_tokenizer_dir,

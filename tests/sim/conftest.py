@@ -12,14 +12,15 @@ import aiohttp
 import pytest
 
 from extproc.sim import SimConfig, SimServer, StepTimeModel
-from extproc.tokenization import HFTokenizer, load_tokenizer
+from extproc.tokenization import HFTokenizer
+from tests._tokenizers import fresh_tokenizer
 
 MakeSim = Callable[..., Awaitable[SimServer]]
 
 
 @pytest.fixture(scope="session")
 def qwen(qwen_tokenizer_dir: Path) -> HFTokenizer:
-    return load_tokenizer(qwen_tokenizer_dir)
+    return fresh_tokenizer(qwen_tokenizer_dir)
 
 
 @pytest.fixture

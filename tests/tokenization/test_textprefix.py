@@ -130,6 +130,7 @@ word_end = st.tuples(
 )
 
 
+@pytest.mark.slow  # 300 examples of two tokenizers: 6-8 s
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     variant=st.sampled_from(["qwen3", "llama3-digits"]),

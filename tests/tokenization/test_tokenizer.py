@@ -295,3 +295,16 @@ def test_char_estimate_is_labelled_and_prefix_stable() -> None:
         [{"role": "user", "content": "hello there " * 10}, {"role": "assistant", "content": "hi"}]
     )
     assert chat2[: len(chat1) - 4] == chat1[:-4]
+
+
+def test_a_fresh_copy_encodes_the_same_and_shares_no_cache(qwen: HFTokenizer) -> None:
+    messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+    ids = qwen.encode_chat(messages)
+    copy = qwen.with_fresh_caches()
+    assert copy.name == qwen.name
+    assert copy.incremental == qwen.incremental
+    assert copy.text_prefix_disabled_reason == qwen.text_prefix_disabled_reason
+    fresh = copy.cache_stats()
+    assert fresh is not None
+    assert (fresh.entries, fresh.hits) == (0, 0)  # nothing the original cached is there
+    assert copy.encode_chat(messages) == ids
