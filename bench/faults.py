@@ -937,7 +937,7 @@ def sync_process_kill(stack: LocalStack, *, held: int = 6, warmup_s: float = 1.0
         raise RuntimeError(f"the processes do not see each other: {_peer_counts(stack)}")
     expire_s = float(stack.server_config().get("sync", {}).get("expire_s", 0.5))
     release = threading.Event()
-    body = {**CHAT, "stream": True, "max_tokens": 4000, "ignore_eos": True}
+    body = {**CHAT, "stream": True, "max_tokens": 20000, "ignore_eos": True}
     outcomes: list[str] = []
 
     def one() -> None:

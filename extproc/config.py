@@ -131,7 +131,7 @@ class AccountingConfig:
     access_log: bool = True
     # A lease whose record never comes (sink down, Envoy restarted) ends after 3x the longest
     # response its pod has given, within these bounds (the maximum until one is observed).
-    lease_min_s: float = 30.0
+    lease_min_s: float = 300.0
     lease_max_s: float = 900.0
 
     def __post_init__(self) -> None:
