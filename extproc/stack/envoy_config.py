@@ -234,7 +234,10 @@ def _extproc_cluster(name: str, opts: EnvoyOptions) -> dict[str, Any]:
         "enforcing_success_rate": 0,
         "enforcing_local_origin_success_rate": 0,
         "interval": "0.5s",
-        "base_ejection_time": "2s",
+        # Only until the next health check (0.5 s) can tell: a restarted process must not
+        # stay out for seconds (ejections grow with each one) while its peer drains next.
+        "base_ejection_time": "0.5s",
+        "max_ejection_time": "1s",
         "max_ejection_percent": 50,  # never the last process
     }
     cluster["health_checks"] = [

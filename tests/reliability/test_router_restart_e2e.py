@@ -108,7 +108,7 @@ def test_a_client_that_leaves_mid_stream_is_counted_once_and_its_lease_ends(
 
 def test_a_rolling_restart_fails_no_request_and_cuts_no_stream(buffered: LocalStack) -> None:
     fig = rolling_restart(
-        buffered, rate=8, streams=4, max_tokens=STREAM_TOKENS, warmup_s=1.0, pause_s=1.0,
+        buffered, rate=8, streams=4, max_tokens=STREAM_TOKENS, warmup_s=3.0, pause_s=2.0,
         after_s=1.0,
     )  # fmt: skip
     assert fig["sent"] > 30, fig
