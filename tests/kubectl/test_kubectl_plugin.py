@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 def test_status_shows_every_ready_replica_through_the_pod_proxy(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = env.run("status", capsys=capsys)
+    want_sync = "extproc-0: replica sync connected, peers heard from: 1"
+    for _ in range(20):  # a stack that just started: its processes hear each other within ~1 s
+        code, out, err = env.run("status", capsys=capsys)
+        if want_sync in out:
+            break
+        time.sleep(0.5)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["REPLICA", "MODEL", "ENDPOINT"]
@@ -150,7 +156,7 @@ def test_status_shows_every_ready_replica_through_the_pod_proxy(
             row = next(ln for ln in lines if ln.startswith(replica) and o.sim_address(i) in ln)
             assert row.split()[1] == "qwen3" and row.split()[4] == "yes"
     assert "qwen3: 2/2 endpoints ready" in out
-    assert "extproc-0: replica sync connected, peers heard from: 1" in out
+    assert want_sync in out
     assert "extproc-2: not ready, skipped" in err
     proxied = env.proxied()
     assert (
