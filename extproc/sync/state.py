@@ -231,14 +231,25 @@ class StateSync:
         targets: dict[str, list[list[Any]]] = {}
         for row in rows:
             targets.setdefault(owner(f"{row[0]}/{row[1]}", peers), []).append(list(row))
-        self._seq += 1
-        message = {"v": PROTOCOL_VERSION, "r": self.replica, "s": self._seq, "t": self._wall(),
-                   "i": [], "a": targets}  # fmt: skip
+        message = self._next_message({})  # no in-flight left here: they move with the leases
+        message["a"] = targets
         if not await self._bus.publish(msgpack.packb(message)):
             self._count("dropped", "bus_down")
             return 0
         self._count("messages", "sent")
         return len(rows)
+
+    def _next_message(self, inflight: dict[str, Load]) -> dict[str, Any]:
+        """A new message's header (version, replica, sequence, wall time) and this replica's
+        absolute in-flight counts; the caller adds what it carries."""
+        self._seq += 1
+        return {
+            "v": PROTOCOL_VERSION,
+            "r": self.replica,
+            "s": self._seq,
+            "t": self._wall(),
+            "i": [[a, load.requests, load.tokens] for a, load in inflight.items()],
+        }
 
     def owns(self, key: str) -> bool:
         """Whether this replica scrapes `key` (a metrics URL) among the live members."""
@@ -282,14 +293,7 @@ class StateSync:
             or self._releases
         )  # fmt: skip
         if changed_inflight or pending or due:
-            self._seq += 1
-            message: dict[str, Any] = {
-                "v": PROTOCOL_VERSION,
-                "r": self.replica,
-                "s": self._seq,
-                "t": self._wall(),
-                "i": [[a, load.requests, load.tokens] for a, load in inflight.items()],
-            }
+            message = self._next_message(inflight)
             if self._seq == 1:
                 message["h"] = True  # hello: peers answer with a snapshot of their index
             if self._snapshot_due:
