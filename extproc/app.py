@@ -42,10 +42,12 @@ from extproc.config import (
 )
 from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.director import Director, ModelRuntime
+from extproc.director.flow import FlowStep
 from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
 from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
+from extproc.flowcontrol import FlowController, FlowMetrics, FlowSettings, PoolCapacity
 from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
@@ -204,6 +206,8 @@ class App:
         self._discoveries: list[PodDiscovery] = []
         self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
         self._api_client: Any = None
+        self._objectives: dict[str, int] = {}  # InferenceObjective name -> priority (watched)
+        self.flow = self._build_flow(config)
         self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
@@ -343,6 +347,8 @@ class App:
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
             leases=self.leases,
+            flow=FlowStep(self.flow) if self.flow is not None else None,
+            objectives=self._objective_priority,
             pre_request_steps=(
                 MarkRouted(models=self.latency),
                 TagLatency(models=self.latency),
@@ -363,6 +369,49 @@ class App:
         self._rt = rt
         self._routes = self._routes.with_local(rt.config.routes)
         self._publish_endpoints()
+
+    # -- flow control ---------------------------------------------------------------------------
+
+    def _build_flow(self, config: Config) -> FlowController | None:
+        """The queue for demand above the pool, when `flow_control.enabled` (settings apply at
+        start-up only: waiting requests live in it)."""
+        cfg = config.flow_control
+        if not cfg.enabled:
+            return None
+        capacity = PoolCapacity(
+            ready=lambda model: self.store.ready(model),
+            in_flight=lambda address: self.inflight.load(address).requests,
+            queue_threshold=cfg.queue_threshold,
+            kv_threshold=cfg.kv_threshold,
+            max_concurrency=cfg.max_concurrency,
+        )
+        settings = FlowSettings(
+            fairness=cfg.fairness, ordering=cfg.ordering, ttl_s=cfg.ttl_s,
+            max_requests_per_band=cfg.max_requests_per_band,
+            max_bytes_per_band=cfg.max_bytes_per_band, retry_after_s=cfg.retry_after_s,
+        )  # fmt: skip
+        return FlowController(
+            settings=settings, capacity=capacity, tokens=self.fairness.tokens,
+            metrics=FlowMetrics(self.registry),
+        )  # fmt: skip
+
+    def _objective_priority(self, name: str) -> int | None:
+        """An InferenceObjective's priority: the config's, else the watched resource's."""
+        found = self.config.flow_control.objectives.get(name)
+        if found is not None:
+            return found
+        return self._objectives.get(name)
+
+    def _flow_gauges(self) -> None:
+        flow = self.flow
+        if flow is None or flow.metrics is None:
+            return
+        for model in self.store.models():
+            tokens = sum(
+                self.inflight.load(ep.address).tokens for ep in self.store.endpoints(model)
+            )
+            flow.metrics.demand.labels(model).set(tokens + flow.queued_bytes(model) // 4)
+            flow.metrics.saturation.labels(model).set(flow.capacity(model).saturation)
 
     # -- replica sync ---------------------------------------------------------------------------
 
@@ -401,6 +450,8 @@ class App:
             on_latency=self.latency.observe_tagged,
             on_release=self.leases.release,
             on_adopt=self._adopt,
+            queues=self.flow.depths if self.flow is not None else None,
+            on_queues=self.flow.set_remote if self.flow is not None else None,
             settings=cfg,
             metrics=SyncMetrics(self.registry),
         )
@@ -548,11 +599,16 @@ class App:
         await self._admin.start(self.config.server.host, self.config.server.metrics_port)
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease-expiry"))
+        if self.flow is not None:
+            await self.flow.start()
         if self._config_path is not None:
             self._tasks.append(asyncio.create_task(self._reload_loop(), name="config-reload"))
 
     async def stop(self) -> None:
         grace = self.config.server.shutdown_grace_s
+        if self.flow is not None:
+            # What waits is routed now (the engines queue it): a stopping process cuts none.
+            await self.flow.stop()
         await self.server.stop(grace, announce_s=self.config.server.shutdown_announce_s)
         if self.sync is not None:
             # Decisions are drained and no more records come here: the releases still in
@@ -607,6 +663,10 @@ class App:
                 self.metrics.set_stalled(address, self.inflight.stalled(address, stall_after))
             self.state_gauge.labels("access_log_streams").set(self.server.access_log.streams)
             self.state_gauge.labels("deciding").set(self.director.deciding)
+            self.state_gauge.labels("flow_control_waiting").set(
+                self.flow.queued if self.flow is not None else 0
+            )
+            self._flow_gauges()
             self.state_gauge.labels("asyncio_tasks").set(len(asyncio.all_tasks()))
             self.state_gauge.labels("grpc_streams").set(self.server.active_streams)
             # pymalloc blocks in use: a leak of small objects shows here before RSS moves
@@ -639,6 +699,12 @@ class App:
             assert self._config_path is not None
             try:
                 new = load_config(self._config_path)
+                if new.flow_control != self._rt.config.flow_control:
+                    log.warning(
+                        "config reload: `flow_control` settings changed; they apply at the "
+                        "next restart"
+                    )
+                    new = dataclasses.replace(new, flow_control=self._rt.config.flow_control)
                 if new.sync != self._rt.config.sync:
                     # The bus and its membership live as long as the process (replicas must
                     # agree on subjects and timings): the running settings stay in force.

@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "ConfigProblem",
     "EndpointConfig",
+    "FlowControlConfig",
     "KVEventsConfig",
     "KubernetesConfig",
     "KubernetesDiscoveryConfig",
@@ -164,6 +165,36 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FlowControlConfig:
+    """The queue in the gateway for demand above the pool (docs/operations.md, flow control)."""
+
+    enabled: bool = False
+    # Inside a band: "round-robin" between flows, "token" (fewest VTC tokens used goes next),
+    # or "global-strict" (no fairness: one order over the band).
+    fairness: Literal["global-strict", "round-robin", "token"] = "round-robin"
+    ordering: Literal["fcfs", "edf"] = "fcfs"  # inside a flow; edf: the TTFT SLO or the TTL
+    ttl_s: float = 60.0  # then 429 (rejected-ttl-expired), or 503 while no pod was ready
+    max_requests_per_band: int = 5000
+    max_bytes_per_band: int = 1 << 30
+    retry_after_s: int = 1
+    # A pod is full at this many waiting requests or this KV usage (llm-d's defaults), or when
+    # the gateway holds `max_concurrency` requests on it (0: no such limit).
+    queue_threshold: float = 5.0
+    kv_threshold: float = 0.8
+    max_concurrency: int = 0
+    # InferenceObjective names -> priority (higher first, < 0 sheddable), chosen per request by
+    # `x-llm-d-inference-objective` (or `x-gateway-inference-objective`); resources watched
+    # through discovery add to these.
+    objectives: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ttl_s <= 0 or self.max_requests_per_band <= 0 or self.max_bytes_per_band <= 0:
+            raise ConfigError("needs ttl_s, max_requests_per_band and max_bytes_per_band > 0")
+        if self.queue_threshold <= 0 or not 0 < self.kv_threshold <= 1:
+            raise ConfigError("needs queue_threshold > 0 and 0 < kv_threshold <= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class KVEventsConfig:
     mode: Literal["auto", "exact", "approximate"] = "auto"
     approx_ttl_s: float = 600.0
@@ -264,6 +295,9 @@ class RouteSettings:
     shed_sheddable: bool = True  # 429 for sheddable requests when every pod is saturated
     accounting: bool = True  # response token accounting on this route
     inject_include_usage: bool | None = None  # None: the accounting section decides
+    # Flow control on this route: the priority of requests that name none, or an objective.
+    priority: int | None = None
+    objective: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +306,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -531,7 +566,8 @@ def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettin
     """Decode ``lb.extproc.io/*`` annotations. Invalid values are reported and left at defaults.
 
     Keys (all optional): strategy, profile, scorers, model-map ("alias=served,..."),
-    shed-sheddable, accounting, inject-include-usage. Unknown keys under the prefix are errors
+    shed-sheddable, accounting, inject-include-usage, priority (flow control's band for
+    requests that name none), objective (an InferenceObjective name, likewise). Unknown keys under the prefix are errors
     too, since a typo would otherwise be silently ignored.
     """
     kwargs: dict[str, Any] = {}
@@ -562,6 +598,16 @@ def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettin
                 mapping[src.strip()] = dst.strip()
             if mapping:
                 kwargs["model_map"] = mapping
+        elif name == "priority":
+            try:
+                kwargs["priority"] = int(value)
+            except ValueError:
+                errors.append(f"{key}: {raw!r} must be an integer (higher first, < 0 sheddable)")
+        elif name == "objective":
+            if _NAME_RE.match(value):
+                kwargs["objective"] = value
+            else:
+                errors.append(f"{key}: {raw!r} is not a valid InferenceObjective name")
         elif name in ("shed-sheddable", "accounting", "inject-include-usage"):
             flag = _BOOL_WORDS.get(value.lower())
             if flag is None:
@@ -571,7 +617,7 @@ def parse_route_annotations(annotations: Mapping[str, str]) -> tuple[RouteSettin
         else:
             errors.append(
                 f"{key}: unknown annotation (known: strategy, profile, scorers, "
-                "model-map, shed-sheddable, accounting, inject-include-usage)"
+                "model-map, shed-sheddable, accounting, inject-include-usage, priority, objective)"
             )
     return RouteSettings(**kwargs), errors
 

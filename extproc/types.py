@@ -134,6 +134,7 @@ class GatewayError(Exception):
     status: int = 500
     error_type: str = "internal_error"
     code: str | None = None
+    headers: Mapping[str, str] = MappingProxyType({})  # extra response headers (Retry-After)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

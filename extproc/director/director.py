@@ -34,12 +34,14 @@ from extproc.director.api import (
     RouteResult,
 )
 from extproc.director.explain import explain_json
+from extproc.director.flow import FlowStep, fairness_id
 from extproc.director.leases import LeaseBook
 from extproc.director.lifecycle import (
     AdmitStep,
     Claim,
     ModelRuntime,
     Outgoing,
+    Parsed,
     PreparedRequest,
     PreRequestStep,
     ResponseCompleteStep,
@@ -92,6 +94,10 @@ SENSITIVE_HEADERS = frozenset(
 
 
 RouteSettingsLookup = Callable[[str | None], RouteSettings | None]
+# Our header's priority is clamped to this range (a client cannot open unbounded bands or
+# metric series); InferenceObjective priorities come from the operator and are not.
+PRIORITY_LIMIT = 10
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 
 
 def redact(headers: Mapping[str, str]) -> dict[str, str]:
@@ -114,6 +120,7 @@ class Director:
         fairness: FairnessCounters,
         metrics: GatewayMetrics,
         route_settings: RouteSettingsLookup | None = None,
+        objectives: Callable[[str], int | None] | None = None,
         prefill: PrefillClient | None = None,
         on_routed: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -123,6 +130,7 @@ class Director:
         leases: LeaseBook | None = None,
         pre_request_steps: Sequence[PreRequestStep] = (),
         response_complete_steps: Sequence[ResponseCompleteStep] = (),
+        flow: FlowStep | None = None,
     ) -> None:
         self._config = config
         self._models = dict(models)
@@ -139,14 +147,23 @@ class Director:
         self._fairness = fairness
         self._metrics = metrics
         self._route_settings = route_settings or (lambda _name: None)
+        # InferenceObjective name -> priority (config's and the watched resources').
+        self._objectives = objectives or config.flow_control.objectives.get
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
         self._memory = RoutingMemory()  # what decisions carry forward; explain gets a copy
         self._sessions = SessionTokens.from_secret(config.routing.session_secret)
         # The lifecycle's steps, in the order they run (kinds: extproc.director.lifecycle).
         cfg = config.routing
+        # With flow control, the queue decides what waits and what is shed (sheddable requests
+        # first); without it, sheddable requests are shed when every pod is saturated.
+        self._flow = flow
         self._admit: tuple[AdmitStep, ...] = (
-            ShedSheddable(queue_threshold=cfg.queue_threshold, kv_threshold=cfg.kv_threshold),
+            ()
+            if flow is not None
+            else (
+                ShedSheddable(queue_threshold=cfg.queue_threshold, kv_threshold=cfg.kv_threshold),
+            )
         )
         self._pre_request: tuple[PreRequestStep, ...] = (
             RecordPick(metrics=metrics, clock=clock, on_routed=on_routed),
@@ -191,6 +208,8 @@ class Director:
         try:
             if record.lease is not None:
                 self.leases.settle(record.lease)  # the request is over: its lease ends
+                if self._flow is not None:
+                    self._flow.controller.wake()  # its room may let a waiting request go
             self._records.account(record)
         except Exception:  # a bug must never end Envoy's access-log stream
             log.exception("cannot account the record of request %s", record.request_id)
@@ -246,7 +265,24 @@ class Director:
             if head.method == "POST" and kind_for_path(path) is not RequestKind.OTHER:
                 raise BadRequest("request body is empty; a JSON object is required")
             return self._route_bodyless(head)
-        prep = await self.prepare(head, body)
+        parsed = await self._parse(head, body)
+        if self._flow is None:
+            return await self._routed(self.observe(parsed), started)
+        # Flow control: may wait for room (not counted as deciding meanwhile: the queue has
+        # caps of its own). The pod is chosen after it, from the state of that moment.
+        self._deciding -= 1
+        waiting = time.perf_counter()
+        try:
+            grant = await self._flow.admit(parsed)
+        finally:
+            self._deciding += 1
+        started += time.perf_counter() - waiting  # decision time, without the wait
+        try:
+            return await self._routed(self.observe(parsed), started)
+        finally:
+            grant.release()
+
+    async def _routed(self, prep: PreparedRequest, started: float) -> RouteResult:
         try:
             decision = self._decide(prep, self._rng, self._memory)
         except TooManyRequests as err:
@@ -284,6 +320,11 @@ class Director:
 
     async def prepare(self, head: RequestHead, body: bytes) -> PreparedRequest:
         """Parse, resolve, tokenize and collect candidates (shared with `explain`)."""
+        return self.observe(await self._parse(head, body))
+
+    async def _parse(self, head: RequestHead, body: bytes) -> Parsed:
+        """Parse, resolve the model and strategy, tokenize: what does not change while the
+        request waits."""
         path = head.path.split("?", 1)[0]
         req = parse_request(path, body, max_body_bytes=self.max_body_bytes)
         settings = self._route_settings(head.route_name) or RouteSettings()
@@ -307,6 +348,21 @@ class Director:
             prompt_tokens = _estimate_tokens(req)
             self._metrics.observe_tokenization("skipped", 0.0)
         hashes = block_hashes(ids, runtime.block_size, lora_extra_key(lora)) if ids else ()
+        headers = head.headers
+        # A request that names no user is its fairness id's (so the VTC counters know it).
+        user = headers.get(self._config.routing.user_header) or req.user or fairness_id(headers)
+        return Parsed(
+            head=head, req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
+            strategy_name=strategy_name, strategy=strategy, token_ids=ids, hashes=hashes,
+            prompt_tokens=prompt_tokens, tokenize_s=tokenize_s, estimated=estimated, user=user,
+            priority=self._priority(head, settings), size=len(body),
+        )  # fmt: skip
+
+    def observe(self, parsed: Parsed) -> PreparedRequest:
+        """The candidates and their state now (the flow-controlled request's pod is chosen
+        from this, after its wait)."""
+        head, runtime = parsed.head, parsed.runtime
+        strategy, hashes = parsed.strategy, parsed.hashes
         candidates = self._candidates(runtime, head)
         pods = pod_states(
             candidates,
@@ -317,33 +373,33 @@ class Director:
             podstats=self._podstats,
             capabilities=strategy.capabilities,
         )
-        user = head.headers.get(self._config.routing.user_header) or req.user
         # Only a ready endpoint of this model: the pod the token names, or a rendezvous pick.
         session = self._sessions.resolve(
             runtime.name,
             head.headers.get(self._config.routing.session_header),
             [ep.address for ep, _ in candidates],
         )
+        req = parsed.req
         routing = RoutingRequest(
             request_id=head.request_id or uuid.uuid4().hex,
             model=runtime.name,
             kind=req.kind,
-            prompt_tokens=prompt_tokens,
-            tokens_estimated=estimated,
-            token_ids=ids,
+            prompt_tokens=parsed.prompt_tokens,
+            tokens_estimated=parsed.estimated,
+            token_ids=parsed.token_ids,
             block_hashes=hashes,
             block_size=runtime.block_size,
             max_tokens=req.max_tokens,
-            user=user,
+            user=parsed.user,
             session_id=session,
-            lora=lora,
-            priority=self._priority(head),
+            lora=parsed.lora,
+            priority=parsed.priority,
             headers=head.headers,
         )
         return PreparedRequest(
-            head=head, req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
-            strategy_name=strategy_name, strategy=strategy, routing=routing, pods=pods, tokenize_s=tokenize_s,
-            estimated=estimated,
+            head=head, req=req, runtime=runtime, served_model=parsed.served_model, lora=parsed.lora,
+            settings=parsed.settings, strategy_name=parsed.strategy_name, strategy=strategy,
+            routing=routing, pods=pods, tokenize_s=parsed.tokenize_s, estimated=parsed.estimated,
         )  # fmt: skip
 
     def _strategy_name(
@@ -419,16 +475,27 @@ class Director:
                         ready = tuple(compress(ready, mask))
         return ready
 
-    def _priority(self, head: RequestHead) -> int:
+    def _priority(self, head: RequestHead, settings: RouteSettings) -> int:
+        """The request's priority: its priority header, else the InferenceObjective it names
+        (`x-llm-d-inference-objective`), else its route's priority or objective, else 0."""
         raw = head.headers.get(self._config.routing.priority_header)
-        if raw is None:
-            return 0
-        try:
-            return int(raw)
-        except ValueError:
-            raise BadRequest(
-                f"{self._config.routing.priority_header} must be an integer", param="priority"
-            ) from None
+        if raw is not None:
+            try:
+                return max(-PRIORITY_LIMIT, min(PRIORITY_LIMIT, int(raw)))
+            except ValueError:
+                raise BadRequest(
+                    f"{self._config.routing.priority_header} must be an integer",
+                    param="priority",
+                ) from None
+        for name in OBJECTIVE_HEADERS:
+            objective = head.headers.get(name)
+            if objective:
+                return self._objectives(objective.strip()) or 0
+        if settings.priority is not None:
+            return settings.priority
+        if settings.objective is not None:
+            return self._objectives(settings.objective) or 0
+        return 0
 
     def _decide(self, prep: PreparedRequest, rng: random.Random, memory: RoutingMemory) -> Decision:
         """Admit steps, then the strategy ranks the candidates."""
@@ -521,9 +588,11 @@ class Director:
 
     @staticmethod
     def error_reply(err: GatewayError) -> ImmediateReply:
+        headers = {"content-type": "application/json", **err.headers}
         return ImmediateReply(
-            status=err.status, body=error_json(err), details=f"extproc_{err.status}"
-        )
+            status=err.status, body=error_json(err), headers=headers,
+            details=f"extproc_{err.status}",
+        )  # fmt: skip
 
     def lease_count(self) -> int:
         return self._inflight.total()

@@ -1,6 +1,8 @@
 """The request lifecycle's step kinds: what the director runs, in order, for every request.
 
-    route():   prepare (parse, resolve, tokenize, candidates)   -- Director.prepare
+    route():   parse (parse, resolve, tokenize)                 -- Director._parse
+               flow control       FlowStep.admit(parsed)         -- may wait, may reject
+               observe (the candidates' state now)              -- Director.observe
                admit steps        AdmitStep.admit(req)           -- may reject (raise)
                decide             the strategy ranks the candidates
                pre-request steps  PreRequestStep.pre_request(req, decision, out)
@@ -35,6 +37,7 @@ __all__ = [
     "Completed",
     "ModelRuntime",
     "Outgoing",
+    "Parsed",
     "PreRequestStep",
     "PreparedRequest",
     "ResponseCompleteStep",
@@ -52,6 +55,29 @@ class ModelRuntime:
     default_strategy: str | None = None
     lora_adapters: frozenset[str] = frozenset()
     aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A request parsed, resolved and tokenized: what stays true while it waits in flow
+    control (`Director.observe` adds the candidates' state of the moment it is routed)."""
+
+    head: RequestHead
+    req: InferenceRequest
+    runtime: ModelRuntime
+    served_model: str
+    lora: str | None
+    settings: RouteSettings
+    strategy_name: str
+    strategy: Strategy
+    token_ids: Sequence[int]
+    hashes: tuple[int, ...]
+    prompt_tokens: int
+    tokenize_s: float
+    estimated: bool
+    user: str | None
+    priority: int
+    size: int = 0  # body bytes
 
 
 @dataclass

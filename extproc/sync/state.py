@@ -21,6 +21,9 @@ decision path, and publishes one combined message per tick (~10 ms):
 - lease releases: a request's access-log record reached this replica but its lease is held by
   another (the record names it); the holder ends it when it hears. Kept until a publish
   succeeds, like fairness charges (a lost one is caught by the lease's expiry);
+- flow control's waiting requests per (model, band), as absolute values like in-flight (sent
+  while any wait, and once more when the queue empties), so every replica dispatches the
+  highest band first and splits free slots in proportion to the depths;
 - once, at shutdown, this replica's open leases, each addressed to one live peer (rendezvous
   hashing on the lease), which adopts it until its record arrives.
 A message goes out at least every heartbeat even when nothing changed, so peers know who is
@@ -62,6 +65,8 @@ __all__ = [
     "AdoptSink",
     "LatencySink",
     "MetricsSink",
+    "QueueDepths",
+    "QueueSink",
     "ReleaseSink",
     "StateSync",
     "SyncMetrics",
@@ -76,6 +81,10 @@ LatencySink = Callable[[str, str, str, float | None, float | None], object]
 ReleaseSink = Callable[[str, int], object]
 # Lease rows a replica that shut down handed to this one (director.leases.HandoffRow).
 AdoptSink = Callable[[list[Any]], object]
+# Flow control's waiting requests per model and band: {model: {band: (requests, bytes)}}.
+QueueDepths = dict[str, dict[int, tuple[int, int]]]
+# (replica, its depths): a peer's queue as it last said ({} once it is empty or gone).
+QueueSink = Callable[[str, QueueDepths], object]
 _METRIC_FIELDS = (
     "running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries",
     "prompt_tokens_total", "generation_tokens_total", "ttft_avg_s", "itl_avg_s",
@@ -154,6 +163,8 @@ class StateSync:
         on_latency: LatencySink | None = None,
         on_release: ReleaseSink | None = None,
         on_adopt: AdoptSink | None = None,
+        queues: Callable[[], QueueDepths] | None = None,
+        on_queues: QueueSink | None = None,
         settings: SyncConfig = DEFAULT_SETTINGS,  # its tick_s, heartbeat_s and expire_s
         metrics: SyncMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -170,6 +181,9 @@ class StateSync:
         self._on_latency = on_latency
         self._on_release = on_release
         self._on_adopt = on_adopt
+        self._queues = queues
+        self._on_queues = on_queues
+        self._last_queues: QueueDepths = {}
         self.settings = settings
         self._metrics = metrics
         self._clock = clock
@@ -285,6 +299,8 @@ class StateSync:
         self._note_connection()
         inflight = dict(self._inflight.snapshot())
         changed_inflight = inflight != self._last_inflight
+        queues = self._queues() if self._queues is not None else {}
+        changed_queues = queues != self._last_queues
         due = now - self._last_sent >= self.settings.heartbeat_s
         # Samples wait for a live peer: one whose subscription is up, so they reach someone.
         samples = bool(self._samples) and bool(self._peers)
@@ -292,8 +308,10 @@ class StateSync:
             self._blocks or self._charges or self._scrapes or samples or self._snapshot_due
             or self._releases
         )  # fmt: skip
-        if changed_inflight or pending or due:
+        if changed_inflight or changed_queues or pending or due:
             message = self._next_message(inflight)
+            if queues:  # absolute, like in-flight: a message without it says "none waits"
+                message["q"] = {m: {p: list(v) for p, v in b.items()} for m, b in queues.items()}
             if self._seq == 1:
                 message["h"] = True  # hello: peers answer with a snapshot of their index
             if self._snapshot_due:
@@ -317,6 +335,7 @@ class StateSync:
             ok = await self._bus.publish(msgpack.packb(message))
             if ok:
                 self._last_inflight = inflight
+                self._last_queues = queues
                 self._last_sent = now
                 self._charges = {}
                 self._count("messages", "sent")
@@ -360,6 +379,8 @@ class StateSync:
         for replica in [r for r, p in self._peers.items() if p.last_seen < horizon]:
             del self._peers[replica]
             self._inflight.drop_remote(replica)
+            if self._on_queues is not None:
+                self._on_queues(replica, {})
             log.info("state sync: peer %s silent for %.1fs; its share expired", replica,
                      self.settings.expire_s)  # fmt: skip
             if self._metrics is not None:
@@ -412,6 +433,9 @@ class StateSync:
         if seq > peer.last_seq:  # absolute values: only the newest message's count
             peer.last_seq = seq
             self._inflight.set_remote(replica, _loads(message.get("i", ())))
+            queued = message.get("q", {})  # sent whenever anything waits: absent = empty
+            if self._on_queues is not None and isinstance(queued, dict):
+                self._on_queues(replica, queued)
         for model, pod, hashes in message.get("b", ()):
             index = self._approx(model)
             if index is not None:

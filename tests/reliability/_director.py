@@ -20,6 +20,7 @@ from extproc.accounting.podstats import PodStatsTracker
 from extproc.app import build_endpoints
 from extproc.config import Config, load_config_text
 from extproc.director.director import Director, ModelRuntime
+from extproc.director.flow import FlowStep
 from extproc.director.lifecycle import PreRequestStep
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
@@ -68,6 +69,8 @@ class DirectorKit:
     registry: CollectorRegistry
     pools: list[TokenizerPool]
     config: Config
+    store: EndpointStore
+    inflight: InflightTracker
 
     def close(self) -> None:
         for pool in self.pools:
@@ -96,6 +99,7 @@ def build_director(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     pre_request_steps: Sequence[PreRequestStep] = (),
+    flow: FlowStep | None = None,
 ) -> DirectorKit:
     config = load_config_text(text)
     registry = CollectorRegistry()
@@ -123,17 +127,20 @@ def build_director(
             ),
             block_size=model.block_size,
         )
+    inflight = InflightTracker(stats=podstats, metrics=metrics, clock=clock)
     director = Director(
         config=config,
         models=runtimes,
         store=store,
         registry=default_registry(config.routing.profiles, config.routing.strategy_params),
-        inflight=InflightTracker(stats=podstats, metrics=metrics, clock=clock),
+        inflight=inflight,
         podstats=podstats,
         fairness=FairnessCounters(),
         metrics=metrics,
         clock=clock,
         wall_clock=wall_clock,
         pre_request_steps=pre_request_steps,
+        route_settings=lambda name: config.routes.get(name) if name else None,
+        flow=flow,
     )
-    return DirectorKit(director, metrics, registry, pools, config)
+    return DirectorKit(director, metrics, registry, pools, config, store, inflight)

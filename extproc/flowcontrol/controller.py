@@ -1,0 +1,501 @@
+"""The flow controller: a queue in front of routing for when demand exceeds the pool.
+
+    admit(request)  -> Grant          the director's one flow-control step; may wait, may raise
+    Grant.release()                   the request's claim is made (or it failed): its slot is
+                                      counted by the in-flight view from now on
+
+Below saturation `admit` returns at once (no await, no task switch): the pool has free slots
+(`capacity.PoolCapacity`) and nothing of this band or higher is waiting on any replica. Above
+it the request waits here, holding its ext_proc answer, and is dispatched when a pod has room;
+the director then routes it from the state of that moment (late binding: its pod is chosen at
+dispatch, not at arrival). Between priority bands the order is strict; inside a band the
+fairness policy picks the flow and the ordering policy the request (`policies.py`). Every
+request ends one way, counted in `extproc_flow_control_outcomes_total`:
+
+    dispatched      admitted at once, or after a wait
+    rejected-saturated     its band is full (requests or bytes), or it is sheddable
+                           (priority < 0) while the pool is saturated: 429 at once
+    rejected-ttl-expired   waited its TTL while the pool had pods: 429 + Retry-After
+    rejected-no-endpoints  waited its TTL while the model had no ready pod: 503
+    cancelled       the client went away while it waited (Envoy reset the stream)
+    handed-off      the process is stopping: every waiting request is dispatched at once
+                    (over capacity: the engines queue it) rather than cut
+
+Replicas: every replica publishes its depths per (model, band) on the replica bus
+(`depths()`, applied with `set_remote`). A replica dispatches a band only after every higher
+band, its peers' included, has had its share of the free slots; a band's slots are split
+between replicas in proportion to their depths there. The free slots themselves come from the
+shared in-flight view. What is approximate: a peer's depths and in-flight are one sync tick old
+(~10 ms), so for one tick two replicas may both use the same free slot (the pool's queue
+threshold is overshot by at most the number of replicas per tick), and a higher band that
+arrives on a peer during that tick can be passed by one dispatch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.flowcontrol.capacity import Capacity
+from extproc.flowcontrol.policies import (
+    FAIRNESS,
+    ORDERING,
+    FairnessPolicy,
+    Flow,
+    OrderingPolicy,
+    Queued,
+)
+from extproc.types import GatewayError
+
+__all__ = [
+    "DROPPED_HEADER",
+    "FlowController",
+    "FlowMetrics",
+    "FlowRejected",
+    "FlowRequest",
+    "FlowSettings",
+    "Grant",
+    "Outcome",
+]
+
+log = logging.getLogger("extproc.flowcontrol")
+
+DROPPED_HEADER = "x-llm-d-request-dropped-reason"  # llm-d's name, so its clients understand it
+WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+
+class Outcome(enum.StrEnum):
+    DISPATCHED = "dispatched"
+    SATURATED = "rejected-saturated"
+    TTL_EXPIRED = "rejected-ttl-expired"
+    NO_ENDPOINTS = "rejected-no-endpoints"
+    CANCELLED = "cancelled"
+    HANDED_OFF = "handed-off"
+
+
+class FlowRejected(GatewayError):
+    """A request flow control answers itself: 429 (with Retry-After) or 503, and the reason
+    in `x-llm-d-request-dropped-reason`."""
+
+    def __init__(self, outcome: Outcome, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, code=str(outcome))
+        self.outcome = outcome
+        if outcome is Outcome.NO_ENDPOINTS:
+            self.status, self.error_type = 503, "service_unavailable"
+        else:
+            self.status, self.error_type = 429, "rate_limit_error"
+        self.headers = {DROPPED_HEADER: str(outcome), "retry-after": str(retry_after_s)}
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    fairness: str = "round-robin"
+    ordering: str = "fcfs"
+    ttl_s: float = 60.0
+    max_requests_per_band: int = 5000
+    max_bytes_per_band: int = 1 << 30
+    retry_after_s: int = 1
+    tick_s: float = 0.02  # how often a non-empty queue looks for room, besides wake-ups
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRequest:
+    model: str
+    priority: int
+    flow: str  # fairness id (or user); "" for none
+    size: int  # body bytes
+    ttl_s: float | None = None  # None: the settings' TTL
+    slo_ttft_s: float | None = None  # orders it under the `edf` ordering
+
+
+class Grant:
+    """A dispatched request's slot, counted by the controller until the request's own claim is
+    made (then the in-flight view counts it). `release()` is idempotent."""
+
+    __slots__ = ("_controller", "_model", "waited_s")
+
+    def __init__(self, controller: FlowController, model: str, waited_s: float) -> None:
+        self._controller: FlowController | None = controller
+        self._model = model
+        self.waited_s = waited_s
+
+    def release(self) -> None:
+        controller, self._controller = self._controller, None
+        if controller is not None:
+            controller._released(self._model)
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    item: Queued
+    request: FlowRequest
+    future: asyncio.Future[Grant]
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Band:
+    flows: dict[str, Flow] = field(default_factory=dict)
+    live: int = 0
+    bytes: int = 0
+
+
+class FlowMetrics:
+    def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
+        p = f"{namespace}_flow_control"
+        self.queue_size = Gauge(
+            f"{p}_queue_size", "Requests waiting in flow control on this replica.",
+            ["model", "priority"], registry=registry,
+        )  # fmt: skip
+        self.queue_bytes = Gauge(
+            f"{p}_queue_bytes", "Request bytes waiting in flow control on this replica.",
+            ["model", "priority"], registry=registry,
+        )  # fmt: skip
+        self.wait = Histogram(
+            f"{p}_request_queue_duration_seconds",
+            "Time from arrival to dispatch or rejection in flow control.",
+            ["model", "priority", "outcome"], buckets=WAIT_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.outcomes = Counter(
+            f"{p}_outcomes", "How requests left flow control.",
+            ["model", "priority", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.saturation = Gauge(
+            f"{p}_pool_saturation",
+            "Mean over ready pods of max(waiting/queue threshold, KV usage/KV threshold); "
+            "1.0 with no ready pod (the set point flow control gates on).",
+            ["model"], registry=registry,
+        )  # fmt: skip
+        self.demand = Gauge(
+            f"{p}_demand_tokens",
+            "Tokens waiting in flow control (all replicas' queues as last heard, this "
+            "replica's prompt estimates) plus tokens in flight on the model's pods.",
+            ["model"], registry=registry,
+        )  # fmt: skip
+
+
+class FlowController:
+    """One per process; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        settings: FlowSettings,
+        capacity: Callable[[str], Capacity],
+        tokens: Callable[[str], float] = lambda _flow: 0.0,
+        metrics: FlowMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if settings.ordering not in ORDERING:
+            raise ValueError(f"unknown ordering {settings.ordering!r}")
+        if settings.fairness not in FAIRNESS:
+            raise ValueError(f"unknown fairness {settings.fairness!r}")
+        self.settings = settings
+        self.capacity = capacity
+        self._ordering: OrderingPolicy = ORDERING[settings.ordering]()
+        self._fairness: FairnessPolicy = FAIRNESS[settings.fairness](self._ordering, tokens)
+        self.metrics = metrics
+        self._clock = clock
+        self._bands: dict[str, dict[int, _Band]] = {}  # model -> priority -> band
+        self._waiting: dict[Queued, _Waiting] = {}
+        self._expiry: list[tuple[float, int, Queued]] = []  # a heap; done entries skipped
+        self._transit: dict[str, int] = {}  # model -> grants not yet released
+        self._remote: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}  # replica->model->band
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # -- the director's step -----------------------------------------------------------------
+
+    async def admit(self, request: FlowRequest) -> Grant:
+        model, priority = request.model, request.priority
+        if self._stopping:
+            return self._grant(model, 0.0, Outcome.HANDED_OFF, priority)
+        band = self._band(model, priority)
+        s = self.settings
+        if band.live >= s.max_requests_per_band or band.bytes + request.size > s.max_bytes_per_band:
+            raise self._reject(request, Outcome.SATURATED, 0.0,
+                               f"the flow-control queue for priority {priority} is full")  # fmt: skip
+        if not self._waiting_at_or_above(model, priority):
+            cap = self.capacity(model)
+            if self.metrics is not None:
+                self.metrics.saturation.labels(model).set(cap.saturation)
+            if cap.free - self._transit.get(model, 0) > 0:
+                return self._grant(model, 0.0, Outcome.DISPATCHED, priority)
+            if priority < 0 and cap.endpoints > 0:
+                raise self._reject(request, Outcome.SATURATED, 0.0,
+                                   "every endpoint is saturated; sheddable request dropped")  # fmt: skip
+        elif priority < 0:
+            raise self._reject(request, Outcome.SATURATED, 0.0,
+                               "requests are queued; sheddable request dropped")  # fmt: skip
+        return await self._wait(request, band)
+
+    def wake(self) -> None:
+        """Something freed room (a lease ended, a pod appeared): look again now."""
+        if self._waiting:
+            self._wake.set()
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    def depths(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """This replica's waiting requests and their bytes per model and band (what the
+        replica bus carries)."""
+        return {
+            model: {p: (b.live, b.bytes) for p, b in bands.items() if b.live}
+            for model, bands in self._bands.items()
+            if any(b.live for b in bands.values())
+        }
+
+    def set_remote(self, replica: str, depths: Mapping[str, Mapping[int, Sequence[int]]]) -> None:
+        """A peer's `depths()` (an empty mapping once its queue is empty or it is gone)."""
+        clean: dict[str, dict[int, tuple[int, int]]] = {}
+        for model, bands in depths.items():
+            rows = {int(p): (int(v[0]), int(v[1])) for p, v in bands.items() if int(v[0]) > 0}
+            if rows:
+                clean[str(model)] = rows
+        if clean:
+            self._remote[replica] = clean
+        else:
+            self._remote.pop(replica, None)
+        self.wake()
+
+    def drop_remote(self, replica: str) -> None:
+        self._remote.pop(replica, None)
+        self.wake()
+
+    def queued_bytes(self, model: str) -> int:
+        """Bytes waiting for `model` here and on the peers as last heard (demand)."""
+        local = sum(b.bytes for b in self._bands.get(model, {}).values())
+        remote = sum(v[1] for peer in self._remote.values() for v in peer.get(model, {}).values())
+        return local + remote
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="flow-control")
+
+    async def stop(self) -> None:
+        """Dispatch everything still waiting (the engines queue it) and stop the loop: a
+        stopping process cuts no request it holds."""
+        self._stopping = True
+        for waiting in list(self._waiting.values()):
+            self._finish(waiting, Outcome.HANDED_OFF)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _band(self, model: str, priority: int) -> _Band:
+        bands = self._bands.setdefault(model, {})
+        band = bands.get(priority)
+        if band is None:
+            band = bands[priority] = _Band()
+        return band
+
+    def _waiting_at_or_above(self, model: str, priority: int) -> bool:
+        for p, band in self._bands.get(model, {}).items():
+            if p >= priority and band.live:
+                return True
+        for peer in self._remote.values():
+            for p, v in peer.get(model, {}).items():
+                if p >= priority and v[0]:
+                    return True
+        return False
+
+    def _grant(self, model: str, waited: float, outcome: Outcome, priority: int) -> Grant:
+        self._transit[model] = self._transit.get(model, 0) + 1
+        self._observe(model, priority, outcome, waited)
+        return Grant(self, model, waited)
+
+    def _released(self, model: str) -> None:
+        n = self._transit.get(model, 0) - 1
+        if n > 0:
+            self._transit[model] = n
+        else:
+            self._transit.pop(model, None)
+
+    def _observe(self, model: str, priority: int, outcome: Outcome, waited: float) -> None:
+        if self.metrics is not None:
+            labels = (model, str(priority), str(outcome))
+            self.metrics.outcomes.labels(*labels).inc()
+            self.metrics.wait.labels(*labels).observe(waited)
+
+    def _reject(
+        self, request: FlowRequest, outcome: Outcome, waited: float, message: str
+    ) -> FlowRejected:
+        self._observe(request.model, request.priority, outcome, waited)
+        return FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
+
+    async def _wait(self, request: FlowRequest, band: _Band) -> Grant:
+        now = self._clock()
+        ttl = request.ttl_s if request.ttl_s is not None else self.settings.ttl_s
+        expires = now + ttl
+        deadline = expires if request.slo_ttft_s is None else now + request.slo_ttft_s
+        item = Queued(flow=request.flow, enqueued=now, expires=expires,
+                      deadline=min(deadline, expires), size=request.size, seq=next(self._seq))  # fmt: skip
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        waiting = _Waiting(item=item, request=request, future=future)
+        flow = band.flows.get(request.flow)
+        if flow is None:
+            flow = band.flows[request.flow] = Flow(request.flow)
+        flow.push(item, self._ordering)
+        band.live += 1
+        band.bytes += request.size
+        self._waiting[item] = waiting
+        heapq.heappush(self._expiry, (expires, item.seq, item))
+        self._gauge(request.model, request.priority, band)
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not waiting.done:  # the client went away while waiting
+                self._finish(waiting, Outcome.CANCELLED)
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()  # dispatched in the same instant: give it back
+            raise
+
+    def _finish(self, waiting: _Waiting, outcome: Outcome, error: Exception | None = None) -> None:
+        """Take one request out of its band and end its wait (grant, error or nothing)."""
+        if waiting.done:
+            return
+        waiting.done = True
+        item, request = waiting.item, waiting.request
+        self._waiting.pop(item, None)
+        band = self._band(request.model, request.priority)
+        band.live -= 1
+        band.bytes -= request.size
+        flow = band.flows.get(item.flow)
+        if flow is not None and len(flow) == 0:
+            band.flows.pop(item.flow, None)
+        self._gauge(request.model, request.priority, band)
+        waited = self._clock() - item.enqueued
+        if outcome is Outcome.CANCELLED:  # its future is cancelled already
+            self._observe(request.model, request.priority, outcome, waited)
+            return
+        if waiting.future.done():
+            return
+        if outcome in (Outcome.DISPATCHED, Outcome.HANDED_OFF):
+            waiting.future.set_result(self._grant(request.model, waited, outcome, request.priority))
+        else:
+            assert error is not None
+            waiting.future.set_exception(error)
+
+    def _gauge(self, model: str, priority: int, band: _Band) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_size.labels(model, str(priority)).set(band.live)
+            self.metrics.queue_bytes.labels(model, str(priority)).set(band.bytes)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+                self._wake.clear()
+                if self._waiting:
+                    self.dispatch()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must never die: log and go on
+                log.exception("flow control dispatch failed")
+                await asyncio.sleep(self.settings.tick_s)
+
+    def dispatch(self) -> int:
+        """Expire what waited too long, then dispatch into the room each pool has. Returns how
+        many were dispatched (the loop calls it; tests call it directly)."""
+        now = self._clock()
+        self._expire(now)
+        sent = 0
+        for model, bands in self._bands.items():
+            if not any(b.live for b in bands.values()):
+                continue
+            cap = self.capacity(model)
+            if self.metrics is not None:
+                self.metrics.saturation.labels(model).set(cap.saturation)
+            room = cap.free - self._transit.get(model, 0)
+            if room <= 0:
+                continue
+            remote: dict[int, int] = {}
+            for peer in self._remote.values():
+                for p, v in peer.get(model, {}).items():
+                    remote[p] = remote.get(p, 0) + v[0]
+            for priority in sorted({*bands, *remote}, reverse=True):
+                band = bands.get(priority)
+                mine = band.live if band is not None else 0
+                theirs = remote.get(priority, 0)
+                if mine + theirs == 0:
+                    continue
+                if mine + theirs <= room:
+                    take, room = mine, room - mine - theirs
+                else:  # the band's share of what is left, in proportion to its depths
+                    take, room = min(mine, math.ceil(room * mine / (mine + theirs))), 0
+                if band is not None:
+                    sent += self._dispatch_band(band, take)
+                if room <= 0:
+                    break
+        return sent
+
+    def _dispatch_band(self, band: _Band, take: int) -> int:
+        sent = 0
+        while sent < take and band.live:
+            flows = []
+            for name, f in list(band.flows.items()):
+                if self._clean(f):
+                    flows.append(f)
+                else:
+                    del band.flows[name]
+            if not flows:
+                break
+            flow = self._fairness.pick(flows)
+            waiting = self._waiting.get(flow.pop())
+            if waiting is None or waiting.done:
+                continue
+            self._finish(waiting, Outcome.DISPATCHED)
+            sent += 1
+        return sent
+
+    def _clean(self, flow: Flow) -> bool:
+        """Drop finished requests from the flow's head; True if a waiting one is left."""
+        while len(flow):
+            w = self._waiting.get(flow.head())
+            if w is not None and not w.done:
+                return True
+            flow.pop()
+        return False
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, item = heapq.heappop(self._expiry)
+            waiting = self._waiting.get(item)
+            if waiting is None or waiting.done:
+                continue
+            request = waiting.request
+            ready = self.capacity(request.model).endpoints > 0
+            outcome = Outcome.TTL_EXPIRED if ready else Outcome.NO_ENDPOINTS
+            waited = now - item.enqueued
+            message = (
+                f"waited {waited:.1f}s in the flow-control queue without room on a pod"
+                if ready
+                else f"no ready endpoint for model {request.model!r} within {waited:.1f}s"
+            )
+            self._observe(request.model, request.priority, outcome, waited)
+            error = FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
+            self._finish(waiting, outcome, error)
