@@ -100,6 +100,13 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--fail-open", action="store_true", help="Envoy keeps serving if ext_proc is down"
     )
     p.add_argument(
+        "--flow-control",
+        choices=["on", "off"],
+        default=None,
+        help="queue requests above the pool's capacity by priority and fairness "
+        "(default: the --config file's flow_control.enabled, else off)",
+    )
+    p.add_argument(
         "--no-kv-events",
         action="store_true",
         help="simulators publish no KV events (the router uses its approximate index)",
@@ -145,6 +152,14 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
     d = StackOptions()
     routing = server_config.get("routing") or {}
     strategy = args.strategy or routing.get("default_strategy") or d.strategy
+    flow = server_config.get("flow_control") or {}
+    flow_control = (
+        args.flow_control == "on"
+        if args.flow_control is not None
+        else bool(flow.get("enabled", d.flow_control))
+    )
+    if args.flow_control is not None and flow:  # the switch wins over the file
+        server_config = {**server_config, "flow_control": {**flow, "enabled": flow_control}}
     return StackOptions(
         sims=args.sims,
         sim_base_port=args.sim_base_port,
@@ -162,6 +177,7 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
         response_accounting=ResponseAccounting(args.accounting),
         fail_open=args.fail_open,
         kv_events=not args.no_kv_events,
+        flow_control=flow_control,
         sim_args=tuple(args.sim_arg),
         server_config=_merge_strategy(server_config, strategy),
         route_timeout_s=args.route_timeout,

@@ -74,6 +74,7 @@ class StackOptions:
     route_timeout_s: float = 0.0  # EnvoyOptions.route_timeout_s
     stream_idle_timeout_s: float = 300.0  # EnvoyOptions.stream_idle_timeout_s
     kv_events: bool = True
+    flow_control: bool = False  # the server's flow_control.enabled (a queue above capacity)
     sim_args: tuple[str, ...] = ()  # extra arguments for every simulator
     sim_roles: tuple[str, ...] = ()  # per-simulator role (prefill|decode|both); default both
     # Per-simulator extra arguments after `sim_args` (a heterogeneous pool: other speeds).
@@ -98,6 +99,20 @@ class StackOptions:
 
     def sim_address(self, i: int) -> str:
         return f"{self.host}:{self.sim_port(i)}"
+
+
+MESSAGE_TIMEOUT_S = 5.0  # Envoy's wait for an ext_proc answer, flow control off
+MESSAGE_TIMEOUT_MARGIN_S = 5.0  # beyond flow control's TTL: its own 429/503 arrives first
+
+
+def message_timeout_s(server_config: dict[str, Any]) -> float:
+    """Envoy's ext_proc `message_timeout` for a server config: with flow control a queued
+    request holds its answer up to the queue's TTL, so Envoy must wait longer than that (as
+    deploy/overlays/envoy-gateway's `messageTimeout` does)."""
+    flow = server_config.get("flow_control") or {}
+    if not flow.get("enabled"):
+        return MESSAGE_TIMEOUT_S
+    return max(MESSAGE_TIMEOUT_S, float(flow.get("ttl_s", 60.0)) + MESSAGE_TIMEOUT_MARGIN_S)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +186,7 @@ class LocalStack:
             "metrics": {"poll_interval_s": 0.5},
             # Without Envoy's access log no record ends a lease: the routing stream is held.
             "accounting": {"access_log": o.response_accounting is ResponseAccounting.ACCESS_LOG},
+            "flow_control": {"enabled": o.flow_control},
             "models": [model, *o.extra_models],
         }
         return _merge(cfg, o.server_config)
@@ -190,6 +206,7 @@ class LocalStack:
             access_log=o.access_log,
             route_timeout_s=o.route_timeout_s,
             stream_idle_timeout_s=o.stream_idle_timeout_s,
+            message_timeout_s=message_timeout_s(self.server_config()),
         )
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -603,3 +603,25 @@ def test_route_echoes_what_the_server_set_on_the_request() -> None:
     config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
     # session-affinity's refreshed id must round-trip; explain must be visible.
     assert {config.routing.session_header, EXPLAIN_HEADER} <= set(local)
+
+
+def _seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m)", duration)
+    assert match, duration
+    return int(match[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match[2]]
+
+
+def test_ext_proc_message_timeout_outlasts_the_flow_control_queue() -> None:
+    """A request waiting in flow control holds its ext_proc answer up to the TTL: Envoy must
+    wait longer, or the client gets Envoy's 500 instead of our 429/503 with the reason. The
+    local stack derives its timeout the same way (`message_timeout_s`)."""
+    from extproc.stack.local import message_timeout_s
+
+    docs = render("envoy-gateway")
+    (routing,) = find(docs, "EnvoyExtensionPolicy")["spec"]["extProc"]
+    timeout = _seconds(routing["messageTimeout"])
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
+    assert timeout > config.flow_control.ttl_s
+    enabled = {"flow_control": {"enabled": True, "ttl_s": config.flow_control.ttl_s}}
+    assert message_timeout_s(enabled) == timeout
+    assert message_timeout_s({}) == 5.0
