@@ -650,7 +650,9 @@ class App:
         self._stopping.set()
 
     def is_ready(self) -> bool:
-        return bool(self.config.models) and self.store.any_ready()
+        """Serving: some pod is ready, or flow control is on (it holds requests while no pod
+        is: the waiting room of a pool scaling up from zero)."""
+        return bool(self.config.models) and (self.flow is not None or self.store.any_ready())
 
     async def _readiness_loop(self) -> None:
         ready: bool | None = None
