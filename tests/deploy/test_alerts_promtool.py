@@ -223,6 +223,55 @@ SCENARIOS: list[dict[str, Any]] = [
         ],
     },
     {
+        "name": "flow control rejects a tenth of one model's requests",
+        "series": [
+            _series(
+                "extproc_flow_control_outcomes_total",
+                "0+90x40",
+                namespace=EXT,
+                pod="r0",
+                model="m",
+                priority="0",
+                outcome="dispatched",
+            ),
+            _series(
+                "extproc_flow_control_outcomes_total",
+                "0+10x40",
+                namespace=EXT,
+                pod="r0",
+                model="m",
+                priority="0",
+                outcome="rejected-ttl-expired",
+            ),
+            _series(
+                "extproc_flow_control_outcomes_total",
+                "0+100x40",
+                namespace=QUIET,
+                pod="q0",
+                model="m",
+                priority="0",
+                outcome="dispatched",
+            ),
+            _series(
+                "extproc_flow_control_outcomes_total",
+                "0+1x40",
+                namespace=QUIET,
+                pod="q0",
+                model="m",
+                priority="0",
+                outcome="cancelled",
+            ),
+        ],  # fmt: skip
+        "alerts": [
+            ("9m", "ExtprocFlowControlRejecting", []),  # pending: for 10m
+            (
+                "30m",
+                "ExtprocFlowControlRejecting",
+                [{"namespace": EXT, "model": "m", "severity": "warning"}],
+            ),
+        ],
+    },
+    {
         "name": "KV events from one pod stop",
         "series": [
             _series("extproc_kv_events_healthy", "0x10", namespace=EXT, pod="10.0.0.1:8000"),

@@ -41,6 +41,7 @@ OVERLAYS = [
     "envoy-gateway",
     "envoy-gateway-token-limits",
     "inferencepool",
+    "keda",
     "nats",
     "observability",
     "sim",
@@ -625,3 +626,34 @@ def test_ext_proc_message_timeout_outlasts_the_flow_control_queue() -> None:
     enabled = {"flow_control": {"enabled": True, "ttl_s": config.flow_control.ttl_s}}
     assert message_timeout_s(enabled) == timeout
     assert message_timeout_s({}) == 5.0
+
+
+def test_keda_scales_the_model_servers_from_zero_on_flow_control_metrics() -> None:
+    """The ScaledObject targets the model server Deployment, may go to zero, and queries
+    metrics the server exports, for the model the config serves; the overlay's config is the
+    base config with flow control on (else nothing would wait and the queue reads 0)."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.flowcontrol import FlowMetrics
+
+    docs = render("keda")
+    scaled = find(docs, "ScaledObject")
+    sim = find(render("sim"), "Deployment")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == sim["metadata"]["name"]
+    assert scaled["spec"]["minReplicaCount"] == 0
+    registry = CollectorRegistry()
+    FlowMetrics(registry)
+    exported = {m.name for m in registry.collect()}
+    base = yaml.safe_load((DEPLOY / "base" / "config.yaml").read_text())
+    model = base["models"][0]["name"]
+    triggers = {t["name"]: t["metadata"] for t in scaled["spec"]["triggers"]}
+    assert set(triggers) == {"queue-depth", "pool-saturation"}
+    for meta in triggers.values():
+        names = set(re.findall(r"(extproc_[a-z_]+)\{", meta["query"]))
+        assert names and names <= exported, names
+        assert f'model="{model}"' in meta["query"]
+    assert triggers["queue-depth"]["activationThreshold"] == "0"  # a waiting request wakes it
+    overlay = yaml.safe_load(server_config_map(docs)["data"]["config.yaml"])
+    assert overlay["flow_control"].pop("enabled") is True
+    base["flow_control"].pop("enabled")
+    assert overlay == base, "copy deploy/base/config.yaml into the overlay's config.yaml"

@@ -212,7 +212,9 @@ CHAT = {"model": "qwen3", "messages": [{"role": "user", "content": "Hello there"
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     """Series names from every process of a 2-process stack with replica sync, KV events
     and Envoy, after traffic (streamed and not) and one refused request."""
-    opts = stack_options(tmp_path_factory.mktemp("observability"), extproc_processes=2)
+    opts = stack_options(
+        tmp_path_factory.mktemp("observability"), extproc_processes=2, flow_control=True
+    )
     with running_stack(opts) as stack, httpx.Client(timeout=30) as client:
         url = f"{stack.base_url}/v1/chat/completions"
         for i in range(12):

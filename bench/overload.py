@@ -1,0 +1,204 @@
+"""Demand above the pool: flow control off, shedding only, and on with each fairness policy,
+side by side on the same simulated pool, open loop (issue: flow control).
+
+The pool's capacity is measured first (closed loop, requests/s served). Then each variant runs
+a fresh stack under the same Poisson schedule at `--load` x capacity: three tenants (A sends 5x
+what B and C send, each tenant with its own shared system prompt), two priorities (a fifth of
+every tenant's requests are interactive, priority 1; the rest batch, priority 0). A reference
+run at 0.7x capacity (flow control off) gives the interactive TTFT to compare with.
+
+Per variant: TTFT p50/p99 per priority, served output tokens per tenant and their Jain index,
+goodput (requests whose TTFT met a 2 s SLO, per second), prefix hit rate, and every request's
+end: served, answered 429/503 (with the reason header), or lost (anything else).
+
+    python -m bench.overload [--load 2.0] [--seconds 40] [--reps 1] [--processes 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import Arrival, ArrivalKind, Conversation, LoadGenerator, RequestRecord, Turn
+from bench.stats import percentile
+from extproc.stack.local import LocalStack, StackOptions
+from tests.e2e.harness import stack_options
+
+__all__ = ["main"]
+
+TENANTS = {"A": 5.0, "B": 1.0, "C": 1.0}  # relative request rates
+INTERACTIVE_SHARE = 0.2
+OUTPUT_TOKENS = 48
+SLO_TTFT_S = 2.0
+SIM_ARGS = ("--time-scale", "1.0", "--max-num-seqs", "4")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "off": {"routing": {"queue_threshold": 1e9}},  # today: everything is sent on
+    "shed": {"routing": {"queue_threshold": 5, "kv_threshold": 0.8}},  # batch is sheddable
+    "global-strict": {"flow_control": {"enabled": True, "fairness": "global-strict"}},
+    "round-robin": {"flow_control": {"enabled": True, "fairness": "round-robin"}},
+    "token": {"flow_control": {"enabled": True, "fairness": "token"}},
+}
+
+
+def _system(tenant: str) -> str:
+    rng = random.Random(tenant)
+    words = " ".join(rng.choice(["policy", "ledger", "account", "refund", "claim", "quota"])
+                     for _ in range(300))  # fmt: skip
+    return f"You are tenant {tenant}'s assistant. Rules: {words}"
+
+
+def schedule(
+    rate: float, seconds: float, seed: int, *, sheddable_batch: bool
+) -> list[Conversation]:
+    """One Poisson schedule over all tenants at `rate` requests/s in total."""
+    rng = random.Random(seed)
+    out: list[Conversation] = []
+    t = 0.0
+    i = 0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        tenant = rng.choices(list(TENANTS), weights=list(TENANTS.values()))[0]
+        interactive = rng.random() < INTERACTIVE_SHARE
+        priority = 1 if interactive else (-1 if sheddable_batch else 0)
+        question = f"Question {i} from {tenant}: " + " ".join(
+            rng.choice(["why", "how", "when", "which", "what"]) for _ in range(20)
+        )
+        out.append(
+            Conversation(
+                conversation_id=f"{tenant}|{'hi' if interactive else 'lo'}|{i}",
+                turns=(Turn(question, OUTPUT_TOKENS),),
+                system=_system(tenant),
+                headers=(
+                    ("x-llm-d-inference-fairness-id", tenant),
+                    ("x-request-priority", str(priority)),
+                ),
+                at_s=t,
+            )
+        )
+        i += 1
+
+
+def _stack(workdir: Path, processes: int, server: dict[str, Any]) -> LocalStack:
+    opts: StackOptions = stack_options(
+        workdir, sims=2, sim_args=SIM_ARGS, extproc_processes=processes, strategy="kv-aware",
+        log_level="warning", server_config=server,
+    )  # fmt: skip
+    if server.get("flow_control", {}).get("enabled"):
+        opts = replace(opts, flow_control=True)
+    return LocalStack(opts)
+
+
+async def _drive(
+    stack: LocalStack, convs: list[Conversation], arrival: Arrival, seconds: float
+) -> tuple[list[RequestRecord], float]:
+    gen = LoadGenerator(stack.base_url, model=stack.options.model, max_duration_s=seconds,
+                        request_timeout_s=120.0)  # fmt: skip
+    result = await gen.run(convs, arrival)
+    return result.records, result.duration_s
+
+
+def capacity(workdir: Path, processes: int, seconds: float) -> float:
+    """Requests/s the pool serves flat out (closed loop well above its batch slots)."""
+    convs = schedule(1000.0, 10_000, seed=99, sheddable_batch=False)[:4000]
+    with _stack(workdir, processes, VARIANTS["off"]) as s:
+        records, duration = asyncio.run(
+            _drive(s, convs, Arrival(ArrivalKind.CLOSED, concurrency=24), seconds)
+        )
+    ok = [r for r in records if r.ok]
+    return len(ok) / duration
+
+
+def summarize(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
+    ends: Counter[str] = Counter()
+    ttft: dict[str, list[float]] = {"hi": [], "lo": []}
+    served: Counter[str] = Counter()
+    prompt = cached = 0
+    good = 0
+    for r in records:
+        tenant, band, _ = r.conversation_id.split("|")
+        if r.ok:
+            ends["served"] += 1
+            assert r.ttft_s is not None
+            ttft[band].append(r.ttft_s)
+            served[tenant] += r.completion_tokens or 0
+            prompt += r.prompt_tokens or 0
+            cached += r.cached_tokens or 0
+            good += r.ttft_s <= SLO_TTFT_S
+        elif r.status in (429, 503):
+            ends[f"answered_{r.status}"] += 1
+        else:
+            ends["lost"] += 1
+    shares = [served[t] for t in TENANTS]
+    jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if any(shares) else 0.0
+    return {
+        "requests": len(records),
+        "ends": dict(ends),
+        "ttft_p50_s": {b: percentile(v, 50) for b, v in ttft.items()},
+        "ttft_p99_s": {b: percentile(v, 99) for b, v in ttft.items()},
+        "served_tokens": dict(served),
+        "jain": round(jain, 4),
+        "b_over_c": round(served["B"] / served["C"], 3) if served["C"] else None,
+        "goodput_rps": round(good / seconds, 3),
+        "prefix_hit": round(cached / prompt, 4) if prompt else None,
+        "timeline": [
+            [round(r.start_s, 2), r.conversation_id.split("|")[1], r.ttft_s]
+            for r in records
+            if r.ok
+        ],
+    }
+
+
+def run(
+    load: float, seconds: float, reps: int, processes: int, variants: list[str]
+) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="overload-"))
+    cap = capacity(root / "capacity", processes, 20.0)
+    print(f"pool capacity: {cap:.2f} requests/s", flush=True)
+    out: dict[str, Any] = {"capacity_rps": cap, "load": load, "seconds": seconds,
+                           "processes": processes, "runs": []}  # fmt: skip
+    for rep in range(reps):
+        plan = [("reference-0.7x", "off", 0.7), *((v, v, load) for v in variants)]
+        for name, variant, factor in plan:
+            convs = schedule(cap * factor, seconds, seed=rep, sheddable_batch=variant == "shed")
+            with _stack(root / f"{name}-{rep}", processes, VARIANTS[variant]) as s:
+                records, _ = asyncio.run(
+                    _drive(s, convs, Arrival(ArrivalKind.TRACE, concurrency=0), seconds + 60)
+                )
+            summary = summarize(records, seconds)
+            summary.update(variant=name, rep=rep, factor=factor)
+            out["runs"].append(summary)
+            print(json.dumps({k: v for k, v in summary.items() if k != "timeline"}), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--load", type=float, default=2.0, help="offered load, x the measured capacity")
+    p.add_argument("--seconds", type=float, default=40.0, help="length of each open-loop run")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--processes", type=int, default=1, help="ext_proc processes per stack")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    p.add_argument("--out", default="bench/data/overload.json")
+    args = p.parse_args(argv)
+    started = time.time()
+    data = run(args.load, args.seconds, args.reps, args.processes, args.variants.split(","))
+    data["wall_s"] = round(time.time() - started, 1)
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
