@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from extproc.routing.settings import config_file_problems
-from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
+from extproc.stack.envoy_config import HostPort, RequestBodyMode, ResponseAccounting
+from extproc.stack.envoy_gateway import GatewayShape
 from extproc.stack.local import LocalStack, StackError, StackOptions
 from extproc.stack.supervise import Event, EventKind, Supervisor, Throttle
 
@@ -100,6 +101,36 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--fail-open", action="store_true", help="Envoy keeps serving if ext_proc is down"
     )
     p.add_argument(
+        "--gateway-shape",
+        choices=[s.value for s in GatewayShape],
+        default=d.gateway_shape.value,
+        help="which Envoy configuration to run: the local bootstrap, or the one Envoy Gateway "
+        "generates from --overlay (its filters, names, defaults and the manifests' values; "
+        "docs/operations.md, 'The Envoy Gateway shape')",
+    )
+    p.add_argument(
+        "--overlay",
+        default=str(d.gateway_overlay),
+        metavar="DIR",
+        help="the kustomize overlay the envoy-gateway shape translates, e.g. "
+        "deploy/overlays/envoy-gateway-token-limits",
+    )
+    p.add_argument(
+        "--rate-limit-service",
+        default=None,
+        metavar="HOST:PORT",
+        help="a rate limit service (envoy.service.ratelimit.v3) for an overlay's global "
+        "rate limits (envoy-gateway shape)",
+    )
+    p.add_argument(
+        "--rate-limit-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="per-call rate limit service timeout, in seconds (default: Envoy's 20 ms, as "
+        "Envoy Gateway without rateLimit.timeout; a slower answer lets the request through)",
+    )
+    p.add_argument(
         "--no-kv-events",
         action="store_true",
         help="simulators publish no KV events (the router uses its approximate index)",
@@ -141,6 +172,33 @@ def user_config(path: str | None) -> tuple[dict[str, Any], list[str]]:
     return data, notes
 
 
+# What the Envoy Gateway shape takes from the overlay instead of from these options.
+_OVERLAY_OWNS = {
+    "body_mode": "--body-mode (the EnvoyExtensionPolicy's processingMode)",
+    "accounting": "--accounting (the EnvoyProxy's access log)",
+    "fail_open": "--fail-open (the EnvoyExtensionPolicy's failOpen)",
+    "route_timeout": "--route-timeout (the HTTPRoute's timeouts.request)",
+    "stream_idle_timeout": "--stream-idle-timeout (the BackendTrafficPolicy's timeout)",
+}
+
+
+def shape_problems(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> list[str]:
+    """Options that the chosen gateway shape would ignore, as messages (empty: none)."""
+    problems = []
+    if args.gateway_shape == GatewayShape.ENVOY_GATEWAY:
+        for dest, what in _OVERLAY_OWNS.items():
+            if getattr(args, dest) != parser_defaults[dest]:
+                problems.append(f"{what} is set by the overlay in the envoy-gateway shape")
+    elif args.rate_limit_service is not None or args.rate_limit_timeout is not None:
+        problems.append("--rate-limit-service needs --gateway-shape envoy-gateway")
+    if args.rate_limit_service is not None:
+        try:
+            HostPort.parse(args.rate_limit_service)
+        except ValueError as exc:
+            problems.append(f"--rate-limit-service: {exc}")
+    return problems
+
+
 def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -> StackOptions:
     d = StackOptions()
     routing = server_config.get("routing") or {}
@@ -166,6 +224,10 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
         server_config=_merge_strategy(server_config, strategy),
         route_timeout_s=args.route_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
+        gateway_shape=GatewayShape(args.gateway_shape),
+        gateway_overlay=Path(args.overlay),
+        rate_limit_service=args.rate_limit_service,
+        rate_limit_timeout_s=args.rate_limit_timeout,
         workdir=Path(args.workdir),
         log_level=args.log_level,
     )
@@ -178,6 +240,12 @@ def _merge_strategy(server_config: dict[str, Any], strategy: str) -> dict[str, A
 
 
 def run_stack(args: argparse.Namespace) -> int:
+    defaults = argparse.ArgumentParser()
+    add_up_arguments(defaults)
+    problems = shape_problems(args, vars(defaults.parse_args([])))
+    if problems:
+        print("extproc up:", *problems, sep="\n  ", file=sys.stderr)
+        return 2
     server_config: dict[str, Any] = {}
     if args.config is not None:
         problems = config_file_problems(args.config)
@@ -192,8 +260,13 @@ def run_stack(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    shape = (
+        ""
+        if opts.gateway_shape is GatewayShape.LOCAL
+        else f" as Envoy Gateway renders {opts.gateway_overlay}"
+    )
     print(
-        f"starting {opts.sims} simulated engines, the ext_proc server and Envoy (logs in {stack.workdir}) ..."
+        f"starting {opts.sims} simulated engines, the ext_proc server and Envoy{shape} (logs in {stack.workdir}) ..."
     )
     try:
         stack.start()
