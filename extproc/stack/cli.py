@@ -274,8 +274,13 @@ def run_stack(args: argparse.Namespace) -> int:
         print(f"extproc up: {exc}", file=sys.stderr)
         return 1
     base = stack.base_url
+    strategy = f"strategy {opts.strategy}"
+    translation = stack.envoy_gateway_translation()
+    for route, settings in (translation.server_routes if translation else {}).items():
+        picked = settings.get("scorers") or settings.get("profile") or settings.get("strategy")
+        strategy += f"; HTTPRoute {route}: {picked or opts.strategy}"
     print(
-        f"READY: gateway on {base}/v1 (model {opts.model!r}, strategy {opts.strategy}); "
+        f"READY: gateway on {base}/v1 (model {opts.model!r}, {strategy}); "
         f"metrics http://127.0.0.1:{opts.metrics_port}/metrics; Ctrl-C stops everything.\n"
         f"  faults for demos: extproc pod kill|hang|slow|errors|heal {opts.sim_address(0)} "
         f"--workdir {args.workdir}\n"
