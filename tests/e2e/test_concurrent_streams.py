@@ -1,8 +1,9 @@
 """2,000 concurrent streams through one Envoy, on each gateway shape.
 
 Envoy's default circuit breakers (1,024 requests per cluster, which Envoy Gateway leaves in
-place unless a policy sets `circuitBreaker`) would answer 503 past about 1,024 concurrent
-requests. The simulators here are slow per step but give 2-token answers, so each stream is
+place unless a policy sets `circuitBreaker`) run at most 1,024 at once: the next 1,024 wait in
+Envoy's pending queue (measured without the BackendTrafficPolicy's `circuitBreaker`: the peak
+is exactly 1,024 and this test fails), later ones get 503. The simulators here are slow per step but give 2-token answers, so each stream is
 cheap and holds its upstream request for seconds: the requests, started at a pace the single
 ext_proc process keeps up with, pile up on the model cluster beyond that limit.
 """
