@@ -214,17 +214,9 @@ def _circuit_breakers(spec: Mapping[str, Any] | None, where: str) -> dict[str, A
     """cluster.go buildXdsClusterCircuitBreaker: max_retries 1024 unless set."""
     cb = _only(
         spec,
-        {
-            "maxConnections",
-            "maxPendingRequests",
-            "maxParallelRequests",
-            "maxParallelRetries",
-            "maxRequestsPerConnection",
-        },
+        {"maxConnections", "maxPendingRequests", "maxParallelRequests", "maxParallelRetries"},
         where,
     )
-    if "maxRequestsPerConnection" in cb:
-        raise OverlayError(f"{where}: maxRequestsPerConnection: not rendered by the shape")
     threshold: dict[str, Any] = {"max_retries": EG_DEFAULTS["max_retries"]}
     for src, dst in (
         ("maxConnections", "max_connections"),
@@ -453,10 +445,18 @@ def _route_server_settings(route: Mapping[str, Any], where: str) -> dict[str, An
 
 @dataclass
 class _Parts:
+    """What the translation steps add to, in the order Envoy Gateway emits them."""
+
     filters_lua: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     filters_extproc: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     clusters: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     seen_filters: set[str] = dataclasses.field(default_factory=set)
+    vhosts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    route_names: list[str] = dataclasses.field(default_factory=list)
+    model_clusters: list[str] = dataclasses.field(default_factory=list)
+    server_routes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    extproc_cluster: str | None = None
+    rate_limited: bool = False
 
 
 def _extension_filters(
@@ -663,9 +663,7 @@ def _access_logs(
     return hcm, listener, names
 
 
-def _rate_limits(
-    btp: Mapping[str, Any], route_name: str, domain: str, where: str
-) -> list[dict[str, Any]]:
+def _rate_limits(btp: Mapping[str, Any], route_name: str, where: str) -> list[dict[str, Any]]:
     """ratelimit.go buildRouteRateLimits for a global rule set (header selectors only)."""
     rate = _only(btp["spec"]["rateLimit"], {"type", "global"}, f"{where}.rateLimit")
     if rate.get("type") != "Global":
@@ -717,24 +715,181 @@ def _hits_addend(cost: Mapping[str, Any]) -> dict[str, Any]:
     return {"format": f"%DYNAMIC_METADATA({meta['namespace']}:{meta['key']})%"}
 
 
-def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
-    """The Envoy bootstrap Envoy Gateway would program from `overlay`'s Gateway, with the
-    local stack's addresses (`opts`: listener, admin, ext_proc processes, model endpoints,
-    rate limit service). Every other EnvoyOptions field is the local shape's and unused."""
-    if opts.baseline:
-        raise OverlayError("the Envoy Gateway shape has no baseline variant")
-    gateway = overlay.one("Gateway")
-    gw_ns, gw_name = gateway["metadata"].get("namespace", ""), gateway["metadata"]["name"]
-    gw_spec = _only(
-        gateway["spec"], {"gatewayClassName", "infrastructure", "listeners"}, "Gateway.spec"
+def _http_route(
+    route: Mapping[str, Any],
+    gateway: Mapping[str, Any],
+    listener_name: str,
+    overlay: Overlay,
+    opts: EnvoyOptions,
+    parts: _Parts,
+) -> None:
+    """One HTTPRoute: a cluster per rule, an xDS route per match and hostname (route.go),
+    with its BackendTrafficPolicy and EnvoyExtensionPolicy applied."""
+    ns, name = route["metadata"].get("namespace", ""), route["metadata"]["name"]
+    where = f"HTTPRoute {name}"
+    spec = _only(route["spec"], {"parentRefs", "hostnames", "rules"}, f"{where}.spec")
+    parts.server_routes[f"{ns}/{name}"] = _route_server_settings(route, where)
+    btp = overlay.targeting("BackendTrafficPolicy", "HTTPRoute", name)
+    btp_spec = _only(
+        btp["spec"] if btp else None,
+        {"targetRefs", "loadBalancer", "circuitBreaker", "retry", "timeout", "rateLimit"},
+        f"BackendTrafficPolicy for {name}",
     )
-    (gw_listener,) = gw_spec["listeners"]
-    if gw_listener.get("protocol") != "HTTP":
-        raise OverlayError("Gateway listener: only HTTP is rendered by the shape")
-    listener_name = f"{gw_ns}/{gw_name}/{gw_listener['name']}"
-    parts = _Parts()
+    eep = overlay.targeting("EnvoyExtensionPolicy", "HTTPRoute", name)
+    enabled, cluster = _extension_filters(eep, overlay, opts, parts) if eep else ([], None)
+    parts.extproc_cluster = parts.extproc_cluster or cluster
+    timeout = _only(btp_spec.get("timeout"), {"http", "tcp"}, "BTP timeout")
+    http_timeout = _only(
+        timeout.get("http"), {"streamIdleTimeout", "requestTimeout"}, "BTP timeout.http"
+    )
+    tcp_timeout = _only(timeout.get("tcp"), {"connectTimeout"}, "BTP timeout.tcp")
+    lb_policy = _endpoint_override_policy(btp_spec.get("loadBalancer") or {}, "BTP loadBalancer")
+    hosts = spec.get("hostnames") or ["*"]
+    for i, rule in enumerate(spec["rules"]):
+        w = f"{where}.rules[{i}]"
+        _only(rule, {"matches", "backendRefs", "timeouts", "filters"}, w)
+        cluster_name = f"httproute/{ns}/{name}/rule/{i}"
+        parts.model_clusters.append(cluster_name)
+        parts.clusters.append(
+            {
+                **_cluster(
+                    cluster_name,
+                    opts.endpoints,
+                    traffic={"circuitBreaker": btp_spec.get("circuitBreaker")},
+                    where="BackendTrafficPolicy",
+                    grpc=False,
+                    load_balancing_policy=lb_policy,
+                    connect_timeout=(
+                        _envoy_duration(tcp_timeout["connectTimeout"])
+                        if "connectTimeout" in tcp_timeout
+                        else None
+                    ),
+                ),
+                "metadata": _resource_metadata("HTTPRoute", route),
+            }
+        )
+        action = _route_action(cluster_name, rule, btp_spec, http_timeout)
+        response_add: list[dict[str, Any]] = []
+        response_remove: list[str] = []
+        for f in rule.get("filters", []):
+            if f.get("type") != "ResponseHeaderModifier":
+                raise OverlayError(f"{w}.filters: {f.get('type')} is not rendered")
+            mod = _only(f["responseHeaderModifier"], {"set", "add", "remove"}, w)
+            response_add += _added_headers(mod.get("set", []), append=False)
+            response_add += _added_headers(mod.get("add", []), append=True)
+            response_remove += list(mod.get("remove", []))
+        for j, match in enumerate(rule.get("matches") or [{}]):
+            for host in hosts:
+                underscored = host.replace(".", "_")
+                route_name = f"httproute/{ns}/{name}/rule/{i}/match/{j}/{underscored}"
+                parts.route_names.append(route_name)
+                xds_route: dict[str, Any] = {
+                    "name": route_name,
+                    "match": _path_match(match, f"{w}.matches[{j}]"),
+                    "metadata": _resource_metadata("HTTPRoute", route),
+                    "route": action,
+                }
+                if response_add:
+                    xds_route["response_headers_to_add"] = response_add
+                if response_remove:
+                    xds_route["response_headers_to_remove"] = response_remove
+                # The policy's filters, off on the listener, are turned on for this route.
+                per_filter: dict[str, Any] = {
+                    fname: _typed("envoy.config.route.v3.FilterConfig", config={})
+                    for fname in enabled
+                }
+                if btp is not None and "rateLimit" in btp_spec:
+                    parts.rate_limited = True
+                    per_filter[RATE_LIMIT_FILTER] = _typed(
+                        "envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute",
+                        domain=listener_name,
+                        rate_limits=_rate_limits(btp, route_name, "BackendTrafficPolicy"),
+                    )
+                if per_filter:
+                    xds_route["typed_per_filter_config"] = per_filter
+                vhost = parts.vhosts.setdefault(
+                    host,
+                    {
+                        "name": f"{listener_name}/{underscored}",
+                        "domains": [host],
+                        "metadata": _resource_metadata("Gateway", gateway),
+                        "routes": [],
+                    },
+                )
+                vhost["routes"].append(xds_route)
 
-    ctp = overlay.targeting("ClientTrafficPolicy", "Gateway", gw_name)
+
+def _route_action(
+    cluster_name: str,
+    rule: Mapping[str, Any],
+    btp_spec: Mapping[str, Any],
+    http_timeout: Mapping[str, Any],
+) -> dict[str, Any]:
+    """route.go buildXdsRoute's action: timeouts, retries, websocket upgrades."""
+    request_timeout = (rule.get("timeouts") or {}).get(
+        "request", http_timeout.get("requestTimeout")
+    )
+    action: dict[str, Any] = {"cluster": cluster_name}
+    if request_timeout is not None:
+        action["timeout"] = _envoy_duration(request_timeout)
+    if "streamIdleTimeout" in http_timeout:
+        action["idle_timeout"] = _envoy_duration(http_timeout["streamIdleTimeout"])
+    elif request_timeout is not None:
+        rt = duration_s(request_timeout)
+        idle = 0.0 if rt == 0 else max(EG_DEFAULTS["idle_timeout_s"], rt)
+        action["idle_timeout"] = f"{idle:g}s"
+    if "retry" in btp_spec:
+        action["retry_policy"] = _retry_policy(btp_spec["retry"], "BTP retry")
+    action["upgrade_configs"] = [{"upgrade_type": "websocket"}]
+    return action
+
+
+def _rate_limit_filter(listener_name: str, opts: EnvoyOptions, parts: _Parts) -> dict[str, Any]:
+    """ratelimit.go createRateLimitFilter, and the rate limit service's cluster."""
+    if opts.rate_limit_service is None:
+        raise OverlayError(
+            "the overlay sets a global rate limit: the stack needs a rate limit service "
+            "(--rate-limit-service HOST:PORT; Envoy Gateway's is configured in the "
+            "EnvoyGateway config's rateLimit backend)"
+        )
+    rls: dict[str, Any] = {
+        "domain": listener_name,
+        "rate_limit_service": {
+            "grpc_service": {"envoy_grpc": {"cluster_name": RATE_LIMIT_CLUSTER}},
+            "transport_api_version": "V3",
+        },
+        "disable_x_envoy_ratelimited_header": True,
+        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+    }
+    if opts.rate_limit_timeout_s is not None:  # EnvoyGateway config rateLimit.timeout
+        rls["timeout"] = f"{opts.rate_limit_timeout_s:g}s"
+    parts.clusters.append(
+        _cluster(
+            RATE_LIMIT_CLUSTER,
+            (opts.rate_limit_service,),
+            traffic={},
+            where="rate limit service",
+            grpc=True,
+        )
+    )
+    return {
+        "name": RATE_LIMIT_FILTER,
+        "typed_config": _typed("envoy.extensions.filters.http.ratelimit.v3.RateLimit", **rls),
+    }
+
+
+def _listener(
+    listener_name: str,
+    overlay: Overlay,
+    gateway_name: str,
+    filters: list[dict[str, Any]],
+    logs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    opts: EnvoyOptions,
+    parts: _Parts,
+) -> dict[str, Any]:
+    """xds/translator/listener.go: the listener and its HCM, with the Gateway's
+    ClientTrafficPolicy (buffer limit, early header removal) and Envoy Gateway's defaults."""
+    ctp = overlay.targeting("ClientTrafficPolicy", "Gateway", gateway_name)
     ctp_spec = _only(
         ctp["spec"] if ctp else None, {"targetRefs", "connection", "headers"}, "CTP.spec"
     )
@@ -742,177 +897,7 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
     buffer_limit = quantity_bytes(connection.get("bufferLimit", EG_DEFAULTS["buffer_limit_bytes"]))
     headers = _only(ctp_spec.get("headers"), {"earlyRequestHeaders"}, "CTP.spec.headers")
     early = _only(headers.get("earlyRequestHeaders"), {"remove"}, "CTP earlyRequestHeaders")
-
-    proxy = None
-    ref = (gw_spec.get("infrastructure") or {}).get("parametersRef")
-    if ref is not None:
-        proxy = overlay.one("EnvoyProxy", ref["name"])
-    hcm_logs, listener_logs, log_names = _access_logs(proxy, opts, parts)
-
-    vhosts: dict[str, dict[str, Any]] = {}
-    route_names: list[str] = []
-    model_clusters: list[str] = []
-    server_routes: dict[str, dict[str, Any]] = {}
-    extproc_cluster = None
-    rate_limited = False
-    for route in overlay.all("HTTPRoute"):
-        if not any(p.get("name") == gw_name for p in route["spec"].get("parentRefs", [])):
-            continue
-        ns, name = route["metadata"].get("namespace", ""), route["metadata"]["name"]
-        where = f"HTTPRoute {name}"
-        spec = _only(route["spec"], {"parentRefs", "hostnames", "rules"}, f"{where}.spec")
-        server_routes[f"{ns}/{name}"] = _route_server_settings(route, where)
-        btp = overlay.targeting("BackendTrafficPolicy", "HTTPRoute", name)
-        btp_spec = _only(
-            btp["spec"] if btp else None,
-            {"targetRefs", "loadBalancer", "circuitBreaker", "retry", "timeout", "rateLimit"},
-            f"BackendTrafficPolicy for {name}",
-        )
-        eep = overlay.targeting("EnvoyExtensionPolicy", "HTTPRoute", name)
-        enabled, cluster = _extension_filters(eep, overlay, opts, parts) if eep else ([], None)
-        extproc_cluster = extproc_cluster or cluster
-        timeout = _only(btp_spec.get("timeout"), {"http", "tcp"}, "BTP timeout")
-        http_timeout = _only(
-            timeout.get("http"), {"streamIdleTimeout", "requestTimeout"}, "BTP timeout.http"
-        )
-        tcp_timeout = _only(timeout.get("tcp"), {"connectTimeout"}, "BTP timeout.tcp")
-        lb_policy = _endpoint_override_policy(
-            btp_spec.get("loadBalancer") or {}, "BTP loadBalancer"
-        )
-        hosts = spec.get("hostnames") or ["*"]
-        for i, rule in enumerate(spec["rules"]):
-            w = f"{where}.rules[{i}]"
-            _only(rule, {"matches", "backendRefs", "timeouts", "filters"}, w)
-            cluster_name = f"httproute/{ns}/{name}/rule/{i}"
-            model_clusters.append(cluster_name)
-            parts.clusters.append(
-                {
-                    **_cluster(
-                        cluster_name,
-                        opts.endpoints,
-                        traffic={"circuitBreaker": btp_spec.get("circuitBreaker")},
-                        where="BackendTrafficPolicy",
-                        grpc=False,
-                        load_balancing_policy=lb_policy,
-                        connect_timeout=(
-                            _envoy_duration(tcp_timeout["connectTimeout"])
-                            if "connectTimeout" in tcp_timeout
-                            else None
-                        ),
-                    ),
-                    "metadata": _resource_metadata("HTTPRoute", route),
-                }
-            )
-            request_timeout = (rule.get("timeouts") or {}).get(
-                "request", http_timeout.get("requestTimeout")
-            )
-            action: dict[str, Any] = {"cluster": cluster_name}
-            if request_timeout is not None:
-                action["timeout"] = _envoy_duration(request_timeout)
-            if "streamIdleTimeout" in http_timeout:
-                action["idle_timeout"] = _envoy_duration(http_timeout["streamIdleTimeout"])
-            elif request_timeout is not None:
-                rt = duration_s(request_timeout)
-                idle = 0.0 if rt == 0 else max(EG_DEFAULTS["idle_timeout_s"], rt)
-                action["idle_timeout"] = f"{idle:g}s"
-            if "retry" in btp_spec:
-                action["retry_policy"] = _retry_policy(btp_spec["retry"], "BTP retry")
-            action["upgrade_configs"] = [{"upgrade_type": "websocket"}]
-            response_add: list[dict[str, Any]] = []
-            response_remove: list[str] = []
-            for f in rule.get("filters", []):
-                if f.get("type") != "ResponseHeaderModifier":
-                    raise OverlayError(f"{w}.filters: {f.get('type')} is not rendered")
-                mod = _only(f["responseHeaderModifier"], {"set", "add", "remove"}, w)
-                response_add += _added_headers(mod.get("set", []), append=False)
-                response_add += _added_headers(mod.get("add", []), append=True)
-                response_remove += list(mod.get("remove", []))
-            for j, match in enumerate(rule.get("matches") or [{}]):
-                for host in hosts:
-                    underscored = host.replace(".", "_")
-                    route_name = f"httproute/{ns}/{name}/rule/{i}/match/{j}/{underscored}"
-                    route_names.append(route_name)
-                    xds_route: dict[str, Any] = {
-                        "name": route_name,
-                        "match": _path_match(match, f"{w}.matches[{j}]"),
-                        "metadata": _resource_metadata("HTTPRoute", route),
-                        "route": action,
-                    }
-                    if response_add:
-                        xds_route["response_headers_to_add"] = response_add
-                    if response_remove:
-                        xds_route["response_headers_to_remove"] = response_remove
-                    per_filter: dict[str, Any] = {
-                        fname: _typed("envoy.config.route.v3.FilterConfig", config={})
-                        for fname in enabled
-                    }
-                    if btp is not None and "rateLimit" in btp_spec:
-                        rate_limited = True
-                        per_filter[RATE_LIMIT_FILTER] = _typed(
-                            "envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute",
-                            domain=listener_name,
-                            rate_limits=_rate_limits(
-                                btp, route_name, listener_name, "BackendTrafficPolicy"
-                            ),
-                        )
-                    if per_filter:
-                        xds_route["typed_per_filter_config"] = per_filter
-                    vhost = vhosts.setdefault(
-                        host,
-                        {
-                            "name": f"{listener_name}/{underscored}",
-                            "domains": [host],
-                            "metadata": _resource_metadata("Gateway", gateway),
-                            "routes": [],
-                        },
-                    )
-                    vhost["routes"].append(xds_route)
-
-    # httpfilters.go: lua (13+i), ext_proc (100+i), ratelimit (303), router (310).
-    filters = [*parts.filters_lua, *parts.filters_extproc]
-    if rate_limited:
-        if opts.rate_limit_service is None:
-            raise OverlayError(
-                "the overlay sets a global rate limit: the stack needs a rate limit service "
-                "(--rate-limit-service HOST:PORT; Envoy Gateway's is configured in the "
-                "EnvoyGateway config's rateLimit backend)"
-            )
-        rls: dict[str, Any] = {
-            "domain": listener_name,
-            "rate_limit_service": {
-                "grpc_service": {"envoy_grpc": {"cluster_name": RATE_LIMIT_CLUSTER}},
-                "transport_api_version": "V3",
-            },
-            "disable_x_envoy_ratelimited_header": True,
-            "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
-        }
-        if opts.rate_limit_timeout_s is not None:  # EnvoyGateway config rateLimit.timeout
-            rls["timeout"] = f"{opts.rate_limit_timeout_s:g}s"
-        filters.append(
-            {
-                "name": RATE_LIMIT_FILTER,
-                "typed_config": _typed(
-                    "envoy.extensions.filters.http.ratelimit.v3.RateLimit", **rls
-                ),
-            }
-        )
-        parts.clusters.append(
-            _cluster(
-                RATE_LIMIT_CLUSTER,
-                (opts.rate_limit_service,),
-                traffic={},
-                where="rate limit service",
-                grpc=True,
-            )
-        )
-    filters.append(
-        {
-            "name": ROUTER_FILTER,
-            "typed_config": _typed(
-                "envoy.extensions.filters.http.router.v3.Router", suppress_envoy_headers=True
-            ),
-        }
-    )
+    hcm_logs, listener_logs = logs
     hcm: dict[str, Any] = _typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix=f"http-{opts.listener.port}",
@@ -927,7 +912,7 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
         route_config={
             "name": listener_name,
             "ignore_port_in_host_matching": True,
-            "virtual_hosts": list(vhosts.values()),
+            "virtual_hosts": list(parts.vhosts.values()),
         },
     )
     if early.get("remove"):
@@ -958,22 +943,60 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
     }
     if listener_logs:
         listener["access_log"] = listener_logs
-    bootstrap = {
-        "admin": {
-            "address": {
-                "socket_address": {"address": opts.admin.host, "port_value": opts.admin.port}
-            }
-        },
-        "static_resources": {"listeners": [listener], "clusters": parts.clusters},
-    }
+    return listener
+
+
+def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
+    """The Envoy bootstrap Envoy Gateway would program from `overlay`'s Gateway, with the
+    local stack's addresses (`opts`: listener, admin, ext_proc processes, model endpoints,
+    rate limit service). Every other EnvoyOptions field is the local shape's and unused."""
+    if opts.baseline:
+        raise OverlayError("the Envoy Gateway shape has no baseline variant")
+    gateway = overlay.one("Gateway")
+    gw_ns, gw_name = gateway["metadata"].get("namespace", ""), gateway["metadata"]["name"]
+    gw_spec = _only(
+        gateway["spec"], {"gatewayClassName", "infrastructure", "listeners"}, "Gateway.spec"
+    )
+    (gw_listener,) = gw_spec["listeners"]
+    if gw_listener.get("protocol") != "HTTP":
+        raise OverlayError("Gateway listener: only HTTP is rendered by the shape")
+    listener_name = f"{gw_ns}/{gw_name}/{gw_listener['name']}"
+    parts = _Parts()
+    proxy = None
+    ref = (gw_spec.get("infrastructure") or {}).get("parametersRef")
+    if ref is not None:
+        proxy = overlay.one("EnvoyProxy", ref["name"])
+    hcm_logs, listener_logs, log_names = _access_logs(proxy, opts, parts)
+    for route in overlay.all("HTTPRoute"):
+        if any(p.get("name") == gw_name for p in route["spec"].get("parentRefs", [])):
+            _http_route(route, gateway, listener_name, overlay, opts, parts)
+    # httpfilters.go: lua (13+i), ext_proc (100+i), ratelimit (303), router (310).
+    filters = [*parts.filters_lua, *parts.filters_extproc]
+    if parts.rate_limited:
+        filters.append(_rate_limit_filter(listener_name, opts, parts))
+    filters.append(
+        {
+            "name": ROUTER_FILTER,
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.router.v3.Router", suppress_envoy_headers=True
+            ),
+        }
+    )
+    listener = _listener(
+        listener_name, overlay, gw_name, filters, (hcm_logs, listener_logs), opts, parts
+    )
+    admin = {"socket_address": {"address": opts.admin.host, "port_value": opts.admin.port}}
     return EnvoyGatewayTranslation(
-        bootstrap=bootstrap,
-        server_routes=server_routes,
-        route_names=tuple(route_names),
-        model_clusters=tuple(model_clusters),
-        extproc_cluster=extproc_cluster,
+        bootstrap={
+            "admin": {"address": admin},
+            "static_resources": {"listeners": [listener], "clusters": parts.clusters},
+        },
+        server_routes=parts.server_routes,
+        route_names=tuple(parts.route_names),
+        model_clusters=tuple(parts.model_clusters),
+        extproc_cluster=parts.extproc_cluster,
         access_log_names=tuple(log_names),
-        rate_limited=rate_limited,
+        rate_limited=parts.rate_limited,
     )
 
 
