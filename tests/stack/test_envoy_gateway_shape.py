@@ -329,3 +329,10 @@ def test_up_takes_the_shape_and_its_overlay() -> None:
         "--rate-limit-service", "127.0.0.1:8081",
     )  # fmt: skip
     assert shape_problems(args, defaults) == []
+
+
+def test_both_shapes_give_a_decision_the_same_time() -> None:
+    # The local shape's EXTPROC_MESSAGE_TIMEOUT_S and the EnvoyExtensionPolicy's
+    # messageTimeout are one setting in two places: change them together.
+    routing = hcm(translate_overlay(EG, OPTS).bootstrap)["http_filters"][1]["typed_config"]
+    assert duration_s(routing["message_timeout"]) == EnvoyOptions().message_timeout_s
