@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from extproc.routing.settings import config_file_problems
-from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
+from extproc.stack.envoy_config import HostPort, RequestBodyMode, ResponseAccounting
+from extproc.stack.envoy_gateway import GatewayShape
 from extproc.stack.local import LocalStack, StackError, StackOptions
 from extproc.stack.supervise import Event, EventKind, Supervisor, Throttle
 
@@ -107,6 +108,36 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the --config file's flow_control.enabled, else off)",
     )
     p.add_argument(
+        "--gateway-shape",
+        choices=[s.value for s in GatewayShape],
+        default=d.gateway_shape.value,
+        help="which Envoy configuration to run: the local bootstrap, or the one Envoy Gateway "
+        "generates from --overlay (its filters, names, defaults and the manifests' values; "
+        "docs/operations.md, 'The Envoy Gateway shape')",
+    )
+    p.add_argument(
+        "--overlay",
+        default=str(d.gateway_overlay),
+        metavar="DIR",
+        help="the kustomize overlay the envoy-gateway shape translates, e.g. "
+        "deploy/overlays/envoy-gateway-token-limits",
+    )
+    p.add_argument(
+        "--rate-limit-service",
+        default=None,
+        metavar="HOST:PORT",
+        help="a rate limit service (envoy.service.ratelimit.v3) for an overlay's global "
+        "rate limits (envoy-gateway shape)",
+    )
+    p.add_argument(
+        "--rate-limit-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="per-call rate limit service timeout, in seconds (default: Envoy's 20 ms, as "
+        "Envoy Gateway without rateLimit.timeout; a slower answer lets the request through)",
+    )
+    p.add_argument(
         "--no-kv-events",
         action="store_true",
         help="simulators publish no KV events (the router uses its approximate index)",
@@ -148,6 +179,33 @@ def user_config(path: str | None) -> tuple[dict[str, Any], list[str]]:
     return data, notes
 
 
+# What the Envoy Gateway shape takes from the overlay instead of from these options.
+_OVERLAY_OWNS = {
+    "body_mode": "--body-mode (the EnvoyExtensionPolicy's processingMode)",
+    "accounting": "--accounting (the EnvoyProxy's access log)",
+    "fail_open": "--fail-open (the EnvoyExtensionPolicy's failOpen)",
+    "route_timeout": "--route-timeout (the HTTPRoute's timeouts.request)",
+    "stream_idle_timeout": "--stream-idle-timeout (the BackendTrafficPolicy's timeout)",
+}
+
+
+def shape_problems(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> list[str]:
+    """Options that the chosen gateway shape would ignore, as messages (empty: none)."""
+    problems = []
+    if args.gateway_shape == GatewayShape.ENVOY_GATEWAY:
+        for dest, what in _OVERLAY_OWNS.items():
+            if getattr(args, dest) != parser_defaults[dest]:
+                problems.append(f"{what} is set by the overlay in the envoy-gateway shape")
+    elif args.rate_limit_service is not None or args.rate_limit_timeout is not None:
+        problems.append("--rate-limit-service needs --gateway-shape envoy-gateway")
+    if args.rate_limit_service is not None:
+        try:
+            HostPort.parse(args.rate_limit_service)
+        except ValueError as exc:
+            problems.append(f"--rate-limit-service: {exc}")
+    return problems
+
+
 def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -> StackOptions:
     d = StackOptions()
     routing = server_config.get("routing") or {}
@@ -182,6 +240,10 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
         server_config=_merge_strategy(server_config, strategy),
         route_timeout_s=args.route_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
+        gateway_shape=GatewayShape(args.gateway_shape),
+        gateway_overlay=Path(args.overlay),
+        rate_limit_service=args.rate_limit_service,
+        rate_limit_timeout_s=args.rate_limit_timeout,
         workdir=Path(args.workdir),
         log_level=args.log_level,
     )
@@ -194,6 +256,12 @@ def _merge_strategy(server_config: dict[str, Any], strategy: str) -> dict[str, A
 
 
 def run_stack(args: argparse.Namespace) -> int:
+    defaults = argparse.ArgumentParser()
+    add_up_arguments(defaults)
+    problems = shape_problems(args, vars(defaults.parse_args([])))
+    if problems:
+        print("extproc up:", *problems, sep="\n  ", file=sys.stderr)
+        return 2
     server_config: dict[str, Any] = {}
     if args.config is not None:
         problems = config_file_problems(args.config)
@@ -208,8 +276,13 @@ def run_stack(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    shape = (
+        ""
+        if opts.gateway_shape is GatewayShape.LOCAL
+        else f" as Envoy Gateway renders {opts.gateway_overlay}"
+    )
     print(
-        f"starting {opts.sims} simulated engines, the ext_proc server and Envoy (logs in {stack.workdir}) ..."
+        f"starting {opts.sims} simulated engines, the ext_proc server and Envoy{shape} (logs in {stack.workdir}) ..."
     )
     try:
         stack.start()
@@ -217,8 +290,13 @@ def run_stack(args: argparse.Namespace) -> int:
         print(f"extproc up: {exc}", file=sys.stderr)
         return 1
     base = stack.base_url
+    strategy = f"strategy {opts.strategy}"
+    translation = stack.envoy_gateway_translation()
+    for route, settings in (translation.server_routes if translation else {}).items():
+        picked = settings.get("scorers") or settings.get("profile") or settings.get("strategy")
+        strategy += f"; HTTPRoute {route}: {picked or opts.strategy}"
     print(
-        f"READY: gateway on {base}/v1 (model {opts.model!r}, strategy {opts.strategy}); "
+        f"READY: gateway on {base}/v1 (model {opts.model!r}, {strategy}); "
         f"metrics http://127.0.0.1:{opts.metrics_port}/metrics; Ctrl-C stops everything.\n"
         f"  faults for demos: extproc pod kill|hang|slow|errors|heal {opts.sim_address(0)} "
         f"--workdir {args.workdir}\n"

@@ -38,6 +38,7 @@ from extproc.wire import (
 
 __all__ = [
     "EXAMPLES",
+    "EXTPROC_MESSAGE_TIMEOUT_S",
     "USAGE_LUA",
     "EnvoyOptions",
     "HostPort",
@@ -60,6 +61,11 @@ MODELS_CLUSTER = "models"
 EXTPROC_CLUSTER = "extproc"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 USAGE_FILTER = "envoy.filters.http.lua"
+
+# The routing filter's per-message deadline (`message_timeout`) in the local shape: how long
+# Envoy waits for the server's answer to one message before failing the request (fail-closed:
+# 500). The Envoy Gateway shape takes the EnvoyExtensionPolicy's messageTimeout instead.
+EXTPROC_MESSAGE_TIMEOUT_S = 5.0
 
 _T = "type.googleapis.com/"
 _EXTPROC_TYPE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -125,7 +131,7 @@ class EnvoyOptions:
     failure_mode_allow: bool = False
     # Per-message deadline for the routing filter (not applied by Envoy in
     # FULL_DUPLEX_STREAMED or observability mode).
-    message_timeout_s: float = 5.0
+    message_timeout_s: float = EXTPROC_MESSAGE_TIMEOUT_S
     # Retries go to the next address in our header list (override_host walks it in order).
     num_retries: int = 2
     # Also a pod's own 5xx answer: nothing has reached the client yet (a status line is the
@@ -155,6 +161,11 @@ class EnvoyOptions:
     # is also the longest a non-streamed request may take (docs/operations.md, "Timeouts").
     stream_idle_timeout_s: float = 300.0
     access_log: bool = False
+    # A rate limit service (envoy.service.ratelimit.v3) for the Envoy Gateway shape's global
+    # rate limits, and its per-call timeout (None: Envoy's 20 ms, as Envoy Gateway leaves it
+    # unless the EnvoyGateway config sets rateLimit.timeout). The local shape has no limits.
+    rate_limit_service: HostPort | None = None
+    rate_limit_timeout_s: float | None = None
     # Envoy alone: no ext_proc, no override_host, plain round robin (benchmarks' reference).
     baseline: bool = False
 

@@ -26,6 +26,7 @@ import httpx
 import yaml
 
 from extproc.stack.envoy_config import (
+    EXTPROC_MESSAGE_TIMEOUT_S,
     EnvoyOptions,
     HostPort,
     RequestBodyMode,
@@ -33,7 +34,16 @@ from extproc.stack.envoy_config import (
     envoy_binary,
     render_yaml,
 )
+from extproc.stack.envoy_gateway import (
+    DEFAULT_OVERLAY,
+    EnvoyGatewayTranslation,
+    GatewayShape,
+    OverlayError,
+    translate_overlay,
+)
+from extproc.stack.envoy_gateway import render_yaml as render_envoy_gateway_yaml
 from extproc.stack.nats_server import NatsServer, write_password_file
+from extproc.wire import ACCESS_LOG_NAME
 
 __all__ = ["FAULTS_DIR", "RESTART_DIR", "STATE_FILE", "LocalStack", "StackError", "StackOptions"]
 
@@ -70,6 +80,13 @@ class StackOptions:
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
+    # Whose Envoy configuration to run: the local bootstrap, or Envoy Gateway's translation of
+    # `gateway_overlay` (then body mode, fail-open, timeouts and accounting are the overlay's).
+    gateway_shape: GatewayShape = GatewayShape.LOCAL
+    gateway_overlay: Path = DEFAULT_OVERLAY
+    # host:port of a rate limit service, for an overlay with global (token) rate limits.
+    rate_limit_service: str | None = None
+    rate_limit_timeout_s: float | None = None  # None: Envoy's 20 ms (Envoy Gateway's default)
     access_log_flush_s: float = 0.1  # Envoy's access-log flush interval (records arrive this late)
     route_timeout_s: float = 0.0  # EnvoyOptions.route_timeout_s
     stream_idle_timeout_s: float = 300.0  # EnvoyOptions.stream_idle_timeout_s
@@ -101,7 +118,6 @@ class StackOptions:
         return f"{self.host}:{self.sim_port(i)}"
 
 
-MESSAGE_TIMEOUT_S = 5.0  # Envoy's wait for an ext_proc answer, flow control off
 MESSAGE_TIMEOUT_MARGIN_S = 5.0  # beyond flow control's TTL: its own 429/503 arrives first
 
 
@@ -111,8 +127,8 @@ def message_timeout_s(server_config: dict[str, Any]) -> float:
     deploy/overlays/envoy-gateway's `messageTimeout` does)."""
     flow = server_config.get("flow_control") or {}
     if not flow.get("enabled"):
-        return MESSAGE_TIMEOUT_S
-    return max(MESSAGE_TIMEOUT_S, float(flow.get("ttl_s", 60.0)) + MESSAGE_TIMEOUT_MARGIN_S)
+        return EXTPROC_MESSAGE_TIMEOUT_S
+    return max(EXTPROC_MESSAGE_TIMEOUT_S, float(flow.get("ttl_s", 60.0)) + MESSAGE_TIMEOUT_MARGIN_S)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -189,6 +205,12 @@ class LocalStack:
             "flow_control": {"enabled": o.flow_control},
             "models": [model, *o.extra_models],
         }
+        translation = self.envoy_gateway_translation()
+        if translation is not None:
+            # What the cluster would give the server: the HTTPRoutes' annotations (the
+            # HTTPRoute watcher's part) and an access log only if the EnvoyProxy sends one.
+            cfg["accounting"]["access_log"] = ACCESS_LOG_NAME in translation.access_log_names
+            cfg["routes"] = dict(translation.server_routes)
         return _merge(cfg, o.server_config)
 
     def envoy_options(self) -> EnvoyOptions:
@@ -206,8 +228,36 @@ class LocalStack:
             access_log=o.access_log,
             route_timeout_s=o.route_timeout_s,
             stream_idle_timeout_s=o.stream_idle_timeout_s,
-            message_timeout_s=message_timeout_s(self.server_config()),
+            # The flow_control part of server_config() (which reads this in the EG shape).
+            message_timeout_s=message_timeout_s(
+                {
+                    "flow_control": _merge(
+                        {"enabled": o.flow_control}, o.server_config.get("flow_control") or {}
+                    )
+                }
+            ),  # fmt: skip
+            rate_limit_service=(
+                HostPort.parse(o.rate_limit_service) if o.rate_limit_service else None
+            ),
+            rate_limit_timeout_s=o.rate_limit_timeout_s,
         )
+
+    def envoy_gateway_translation(self) -> EnvoyGatewayTranslation | None:
+        """Envoy Gateway's translation of the overlay (None in the local shape); read from
+        deploy/ at every call, so an edited manifest shows at the next start."""
+        if self.options.gateway_shape is GatewayShape.LOCAL:
+            return None
+        try:
+            return translate_overlay(self.options.gateway_overlay, self.envoy_options())
+        except OverlayError as exc:
+            raise StackError(f"--gateway-shape {self.options.gateway_shape}: {exc}") from exc
+
+    def envoy_yaml(self) -> str:
+        """The bootstrap Envoy runs with, in the stack's gateway shape."""
+        translation = self.envoy_gateway_translation()
+        if translation is None:
+            return render_yaml(self.envoy_options())
+        return render_envoy_gateway_yaml(translation, self.options.gateway_overlay)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -257,6 +307,7 @@ class LocalStack:
     def start(self, timeout: float = 90.0) -> None:
         o = self.options
         self.check_ports()
+        envoy_text = self.envoy_yaml()  # a bad overlay fails before anything starts
         self.workdir.mkdir(parents=True, exist_ok=True)
         for leftover in (FAULTS_DIR, RESTART_DIR):  # requests to a previous stack
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
@@ -300,7 +351,7 @@ class LocalStack:
                         env=dict(o.server_env),
                     )
             envoy_yaml = self.workdir / "envoy.yaml"
-            envoy_yaml.write_text(render_yaml(self.envoy_options()))
+            envoy_yaml.write_text(envoy_text)
             base_id = str(o.admin_port)  # distinct shared-memory id per stack on one machine
             self._spawn(
                 "envoy",

@@ -261,7 +261,7 @@ SCENARIOS: list[dict[str, Any]] = [
                 priority="0",
                 outcome="cancelled",
             ),
-        ],  # fmt: skip
+        ],
         "alerts": [
             ("9m", "ExtprocFlowControlRejecting", []),  # pending: for 10m
             (

@@ -26,6 +26,7 @@ from extproc.config import load_config_text, parse_route_annotations
 from extproc.director.steps import EXPLAIN_HEADER
 from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S
 from extproc.stack.envoy_config import EnvoyOptions
+from extproc.stack.envoy_gateway import EG_DEFAULTS, quantity_bytes
 from extproc.wire import (
     ACCESS_LOG_NAME,
     DESTINATION_HEADER,
@@ -406,8 +407,6 @@ def test_backend_traffic_policy_overrides_the_endpoint_from_our_header() -> None
 
 def test_timeouts_match_the_local_stack() -> None:
     """No limit on a whole request (streams), the local stack's idle limit between bytes."""
-    from extproc.stack.envoy_config import EnvoyOptions
-
     docs = render("envoy-gateway")
     route = find(docs, "HTTPRoute")
     assert [r["timeouts"]["request"] for r in route["spec"]["rules"]] == ["0s"]
@@ -478,20 +477,9 @@ def test_sim_overlay_runs_four_engines_behind_a_service() -> None:
 # Envoy's per-cluster circuit-breaker default, which Envoy Gateway leaves in place.
 ENVOY_DEFAULT_CIRCUIT_BREAKER = 1024
 # Envoy Gateway's listener buffer when no ClientTrafficPolicy sets one.
-EG_DEFAULT_BUFFER_LIMIT = 32 * 1024
+EG_DEFAULT_BUFFER_LIMIT = EG_DEFAULTS["buffer_limit_bytes"]
 # Envoy's access-log flush interval; Envoy Gateway sets none.
 EG_ACCESS_LOG_FLUSH_S = 1.0
-
-_QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
-
-
-def quantity_bytes(value: int | str) -> int:
-    """A Kubernetes quantity as Envoy Gateway's bufferLimit takes it (bytes without suffix)."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"([1-9][0-9]*)(Ki|Mi|Gi|k|M|G)?", value)
-    assert m is not None, f"unsupported quantity {value!r}"
-    return int(m.group(1)) * _QUANTITY[m.group(2) or ""]
 
 
 def client_traffic_policy(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""End to end through real Envoy, the real ext_proc server and real simulated engines."""
+"""End to end through real Envoy, the real ext_proc server and real simulated engines.
+
+Every case runs on each gateway shape: the local bootstrap (with both request body modes) and
+the bootstrap Envoy Gateway renders from deploy/overlays/envoy-gateway (extproc/stack/
+envoy_gateway.py: its filter order and names, route names, defaults and the manifests' values).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,11 @@ import httpx
 import openai
 import pytest
 
-from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
+from extproc.stack.envoy_config import ROUTE_NAME, EnvoyOptions, RequestBodyMode, ResponseAccounting
+from extproc.stack.envoy_gateway import DEFAULT_OVERLAY, GatewayShape, translate_overlay
 from extproc.stack.local import LocalStack
 from tests.e2e.harness import (
+    FAST_SIM,
     in_flight,
     metric_samples,
     metric_sum,
@@ -31,16 +38,34 @@ CHAT = {
 }
 
 
-@pytest.fixture(
-    scope="module", params=[RequestBodyMode.BUFFERED, RequestBodyMode.FULL_DUPLEX_STREAMED]
-)
+# The HTTPRoute's lb.extproc.io annotations, as the server's settings for that route: the
+# Envoy Gateway shape gives them to the server under `extproc/llm-route` (what the HTTPRoute
+# watcher does on a cluster), the local stack under its own route name.
+(ROUTE_SETTINGS,) = translate_overlay(DEFAULT_OVERLAY, EnvoyOptions()).server_routes.values()
+MAX_BODY = 2 * 1024 * 1024  # the server's limit here: a 1 MiB prompt passes
+# Room in the simulators for a 1 MiB prompt (about 131k Qwen3 tokens).
+LONG_CONTEXT_SIM = ("--max-model-len", "262144", "--cache-blocks", "20000")
+
+SHAPES = [
+    pytest.param((GatewayShape.LOCAL, RequestBodyMode.BUFFERED), id="local-buffered"),
+    pytest.param((GatewayShape.LOCAL, RequestBodyMode.FULL_DUPLEX_STREAMED), id="local-duplex"),
+    # The body mode is the EnvoyExtensionPolicy's (Buffered).
+    pytest.param((GatewayShape.ENVOY_GATEWAY, RequestBodyMode.BUFFERED), id="envoy-gateway"),
+]
+
+
+@pytest.fixture(scope="module", params=SHAPES)
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalStack]:
+    shape, body_mode = request.param
+    routes = {} if shape is GatewayShape.ENVOY_GATEWAY else {ROUTE_NAME: ROUTE_SETTINGS}
     opts = stack_options(
         tmp_path_factory.mktemp("stack"),
-        body_mode=request.param,
-        server_config={"server": {"max_body_bytes": 256 * 1024}},
+        gateway_shape=shape,
+        body_mode=body_mode,
+        server_config={"server": {"max_body_bytes": MAX_BODY}, "routes": routes},
+        sim_args=(*FAST_SIM, *LONG_CONTEXT_SIM),
         extra_models=(
             {
                 "name": "ghost",
@@ -64,10 +89,18 @@ def server_metrics(stack: LocalStack) -> dict:
     return metric_samples(f"http://127.0.0.1:{stack.options.metrics_port}/metrics")
 
 
+def settled_metrics(stack: LocalStack) -> dict:
+    """The server's metrics once every earlier request's access record has arrived (a record
+    ends its request's lease): Envoy Gateway's flush interval is 1 s, so a previous test's
+    last records may otherwise land inside the next test's window."""
+    assert wait_for(lambda: in_flight(stack) == 0, timeout=15)
+    return server_metrics(stack)
+
+
 def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(
     stack: LocalStack,
 ) -> None:
-    before = server_metrics(stack)
+    before = settled_metrics(stack)
     stream = client(stack).chat.completions.create(
         model="qwen3",
         messages=[{"role": "user", "content": "Hello there, how are you today?"}],
@@ -115,7 +148,7 @@ def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(
 
 
 def test_streaming_without_include_usage_is_still_accounted(stack: LocalStack) -> None:
-    before = server_metrics(stack)
+    before = settled_metrics(stack)
     with httpx.stream(
         "POST", f"{stack.base_url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
     ) as r:
@@ -144,7 +177,7 @@ def test_completions_endpoint(stack: LocalStack, stream: bool) -> None:
         "max_tokens": 5,
         "stream": stream,
     }
-    before = server_metrics(stack)
+    before = settled_metrics(stack)
     r = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 200
     if stream:
@@ -166,7 +199,7 @@ def test_completions_endpoint(stack: LocalStack, stream: bool) -> None:
 
 
 def test_non_streaming_chat_usage_matches_gateway_accounting(stack: LocalStack) -> None:
-    before = server_metrics(stack)
+    before = settled_metrics(stack)
     r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=CHAT, timeout=30)
     assert r.status_code == 200
     usage = r.json()["usage"]
@@ -184,7 +217,12 @@ def test_models_and_health_work_without_a_body(stack: LocalStack) -> None:
     models = httpx.get(f"{stack.base_url}/v1/models", timeout=10)
     assert models.status_code == 200
     assert {m["id"] for m in models.json()["data"]} == {"qwen3", "ghost"}
-    assert httpx.get(f"{stack.base_url}/health", timeout=10).status_code == 200
+    health = httpx.get(f"{stack.base_url}/health", timeout=10)
+    if stack.options.gateway_shape is GatewayShape.ENVOY_GATEWAY:
+        # The HTTPRoute matches /v1 only: Envoy itself answers anything else (no route).
+        assert health.status_code == 404
+    else:
+        assert health.status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -198,7 +236,7 @@ def test_models_and_health_work_without_a_body(stack: LocalStack) -> None:
             404,
             "model",
         ),
-        (json.dumps({**CHAT, "messages": "x" * (300 * 1024)}).encode(), {}, 413, None),
+        (json.dumps({**CHAT, "messages": "x" * (MAX_BODY + 256 * 1024)}).encode(), {}, 413, None),
         (
             json.dumps(CHAT).encode(),
             {"routing-strategy": "no-such-strategy"},
@@ -362,3 +400,46 @@ def test_without_accounting_in_flight_still_returns_to_zero(tmp_path: Path) -> N
         metrics = server_metrics(stack)
         assert metric_sum(metrics, "extproc_routed_requests_total") == 2
         assert metric_sum(metrics, "extproc_completion_tokens_total") == 0
+
+
+def test_a_1_mib_prompt_is_served_and_accounted(stack: LocalStack) -> None:
+    # Envoy buffers the whole body for the routing filter: on Envoy Gateway's 32 KiB listener
+    # default this would be Envoy's own 413 (the ClientTrafficPolicy lifts it).
+    content = "x" * (1024 * 1024)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+    before = settled_metrics(stack)
+    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] > 100_000
+    assert wait_for(
+        lambda: (
+            metric_sum(server_metrics(stack), "extproc_prompt_tokens_total")
+            - metric_sum(before, "extproc_prompt_tokens_total")
+            == usage["prompt_tokens"]
+        ),
+        timeout=15,
+    )
+
+
+def test_the_routes_settings_apply(stack: LocalStack) -> None:
+    # ROUTE_SETTINGS come from the HTTPRoute's annotations; on the Envoy Gateway shape the
+    # server finds them by the xDS route name Envoy Gateway gives the route
+    # (httproute/extproc/llm-route/rule/0/match/0/*), which it resolves to extproc/llm-route.
+    assert ROUTE_SETTINGS["strategy"] == "prefix-cache"  # what deploy/ says today
+    r = httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json=CHAT,
+        headers={"x-routing-explain": "true"},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    assert f"strategy={ROUTE_SETTINGS['strategy']}" in r.headers["x-routing-explain"]
+    # A request's own strategy header still wins over the route's.
+    r = httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json=CHAT,
+        headers={"x-routing-explain": "true", "routing-strategy": "round-robin"},
+        timeout=30,
+    )
+    assert "strategy=round-robin" in r.headers["x-routing-explain"]

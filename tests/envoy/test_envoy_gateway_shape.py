@@ -1,37 +1,26 @@
-"""Real Envoy configured the way Envoy Gateway translates deploy/overlays/envoy-gateway.
+"""Real Envoy with the bootstrap Envoy Gateway renders from deploy/overlays/envoy-gateway.
 
 Envoy Gateway itself cannot run here (nor envoyproxy/ratelimit, a Go service no registry
-here packages: tests/envoy/rls_server.py is a small real one), so this takes the local bootstrap and changes what Envoy
-Gateway does differently (docs/operations.md §1), with the values read from the rendered
-manifests:
-- the listener's per-connection buffer: the ClientTrafficPolicy's `bufferLimit`, or Envoy
-  Gateway's 32 KiB default without it;
-- the filter order: Lua before ext_proc (Envoy Gateway orders filters by type), and no
-  request header_mutation filter (Envoy Gateway generates none);
-- the route's response headers: the HTTPRoute's ResponseHeaderModifier as Envoy Gateway renders
-  it (`buildXdsAddedHeaders`: OVERWRITE_IF_EXISTS_OR_ADD, keep_empty_value only for an empty
-  value), replacing the local echo.
-A small real ext_proc answers the BUFFERED body as the server does (header mutations in the
-body answer). It proves that a prompt over 32 KiB gets Envoy's own 413 on Envoy Gateway's
-default and reaches the server with the manifests' limit, that the HTTPRoute's echo brings
-what the ext_proc set on the request back to the client, and (token-limits overlay) that the
-budget is checked at the request for nothing and charged the answer's total tokens, which the
-Lua filter wrote, when the answer is done.
+here packages: tests/envoy/rls_server.py is a small real one). The bootstrap is the one
+`extproc up --gateway-shape envoy-gateway` runs (extproc/stack/envoy_gateway.py: Envoy
+Gateway's translation of the manifests, read from deploy/ at render time), here with a small
+real ext_proc that answers the BUFFERED body as the server does (header mutations in the body
+answer) and a model that answers with usage. It proves that a prompt over 32 KiB gets Envoy's
+own 413 on Envoy Gateway's default (the overlay without its ClientTrafficPolicy) and reaches
+the server with the manifests' limit, that the HTTPRoute's echo brings what the ext_proc set
+on the request back to the client, and (token-limits overlay) that the budget is checked at
+the request for nothing and charged the answer's total tokens, which the Lua filter wrote,
+when the answer is done. tests/e2e run the same shape with the real server.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
@@ -43,21 +32,11 @@ from extproc._pb.envoy.config.core.v3 import base_pb2 as core
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.stack.envoy_config import (
-    ROUTING_FILTER,
-    USAGE_FILTER,
-    EnvoyOptions,
-    HostPort,
-    render_bootstrap,
-)
-from tests.deploy.test_manifests import (
-    EG_DEFAULT_BUFFER_LIMIT,
-    echoed_headers,
-    find,
-    quantity_bytes,
-    render,
-)
+from extproc.stack.envoy_config import EnvoyOptions, HostPort
+from extproc.stack.envoy_gateway import DEPLOY_DIR, translate
+from extproc.stack.overlay import Overlay, load_overlay
 from tests.envoy._envoy_process import envoy_process, free_port, wait_ready
+from tests.envoy._rls import calls_settled, rate_limit_service
 
 pytestmark = pytest.mark.e2e
 
@@ -126,126 +105,12 @@ class Model:
         )
 
 
-def eg_route_headers(route: dict[str, Any]) -> list[dict[str, Any]]:
-    """The HTTPRoute's ResponseHeaderModifier `set` as Envoy Gateway renders it."""
-    return [
-        {
-            "header": {"key": h["name"], "value": h["value"]},
-            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            "keep_empty_value": h["value"] == "",
-        }
-        for h in echoed_headers(route)
-    ]
+OVERLAYS = DEPLOY_DIR / "overlays"
 
 
-def eg_shaped_bootstrap(opts: EnvoyOptions, buffer_limit: int) -> dict[str, Any]:
-    bootstrap = render_bootstrap(opts)
-    (listener,) = bootstrap["static_resources"]["listeners"]
-    listener["per_connection_buffer_limit_bytes"] = buffer_limit
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    by_name = {f["name"]: f for f in hcm["http_filters"]}
-    hcm["http_filters"] = [
-        by_name[USAGE_FILTER],
-        by_name[ROUTING_FILTER],
-        by_name["envoy.filters.http.router"],
-    ]
-    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    route["response_headers_to_add"] = eg_route_headers(find(render("envoy-gateway"), "HTTPRoute"))
-    return bootstrap
-
-
-RATE_LIMIT_CLUSTER = "ratelimit"
-
-
-def token_limit_rule() -> dict[str, Any]:
-    policy = find(render("envoy-gateway-token-limits"), "BackendTrafficPolicy")
-    (rule,) = policy["spec"]["rateLimit"]["global"]["rules"]
-    assert isinstance(rule, dict)
-    return rule
-
-
-def eg_hits_addend(cost: dict[str, Any]) -> dict[str, Any]:
-    """A BackendTrafficPolicy cost as Envoy Gateway renders it (ratelimit.go)."""
-    if cost["from"] == "Number":
-        return {"number": cost["number"]}
-    meta = cost["metadata"]
-    return {"format": f"%DYNAMIC_METADATA({meta['namespace']}:{meta['key']})%"}
-
-
-def add_token_limits(bootstrap: dict[str, Any], port: int) -> None:
-    """The token-limits overlay's global rule as Envoy Gateway renders it (ratelimit.go):
-    Envoy's rate limit filter after ext_proc (EG order: lua, ext_proc, ratelimit, router), the
-    route's limits in its RateLimitPerRoute (typed_per_filter_config), one entry with the
-    request cost, one with the response cost applied when the stream is done. (Envoy 1.40
-    ignores hits_addend on RouteAction.rate_limits: the charge must be carried this way.)"""
-    rule = token_limit_rule()
-    ((selector,),) = [s["headers"] for s in rule["clientSelectors"]]
-    assert selector["type"] == "Distinct"
-    actions = [{"request_headers": {"header_name": selector["name"], "descriptor_key": "user"}}]
-    (listener,) = bootstrap["static_resources"]["listeners"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"].insert(
-        len(hcm["http_filters"]) - 1,
-        {
-            "name": "envoy.filters.http.ratelimit",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
-                "domain": "llm-gateway",
-                "rate_limit_service": {
-                    "grpc_service": {"envoy_grpc": {"cluster_name": RATE_LIMIT_CLUSTER}},
-                    "transport_api_version": "V3",
-                },
-            },
-        },
-    )
-    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    route["typed_per_filter_config"] = {
-        "envoy.filters.http.ratelimit": {
-            "@type": "type.googleapis.com/"
-            "envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute",
-            "rate_limits": [
-                {"actions": actions, "hits_addend": eg_hits_addend(rule["cost"]["request"])},
-                {
-                    "actions": actions,
-                    "hits_addend": eg_hits_addend(rule["cost"]["response"]),
-                    "apply_on_stream_done": True,
-                },
-            ],
-        }
-    }
-    bootstrap["static_resources"]["clusters"].append(
-        {
-            "name": RATE_LIMIT_CLUSTER,
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "load_assignment": {
-                "cluster_name": RATE_LIMIT_CLUSTER,
-                "endpoints": [
-                    {
-                        "lb_endpoints": [
-                            {
-                                "endpoint": {
-                                    "address": {
-                                        "socket_address": {
-                                            "address": "127.0.0.1",
-                                            "port_value": port,
-                                        }
-                                    }
-                                }
-                            }
-                        ]
-                    }
-                ],
-            },
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/"
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}},
-                }
-            },
-        }
-    )
+def without(overlay: Overlay, kind: str) -> Overlay:
+    """The overlay less its `kind` objects (what Envoy Gateway does without them)."""
+    return Overlay(overlay.directory, tuple(o for o in overlay.objects if o["kind"] != kind))
 
 
 @dataclass
@@ -257,7 +122,7 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def eg_gateway(
-    tmp_path: Path, buffer_limit: int, rate_limit_port: int | None = None
+    tmp_path: Path, overlay: Overlay, rate_limit_port: int | None = None
 ) -> AsyncIterator[Gateway]:
     model, extproc = Model(), BufferedExtProc()
     async with contextlib.AsyncExitStack() as exits:
@@ -282,21 +147,18 @@ async def eg_gateway(
             admin=HostPort("127.0.0.1", admin),
             extproc=(HostPort("127.0.0.1", grpc_port),),
             endpoints=(HostPort("127.0.0.1", model.port),),
+            rate_limit_service=(
+                None if rate_limit_port is None else HostPort("127.0.0.1", rate_limit_port)
+            ),
+            rate_limit_timeout_s=2.0,  # a Python service on a busy machine (Envoy's: 20 ms)
         )
         config = tmp_path / "envoy.yaml"
-        bootstrap = eg_shaped_bootstrap(opts, buffer_limit)
-        if rate_limit_port is not None:
-            add_token_limits(bootstrap, rate_limit_port)
+        bootstrap = translate(overlay, opts).bootstrap
         config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         log = tmp_path / "envoy.log"
         with envoy_process(config, log) as proc:
             await wait_ready(admin, proc, log)
             yield Gateway(f"http://127.0.0.1:{listener}", extproc, model)
-
-
-def manifest_buffer_limit() -> int:
-    policy = find(render("envoy-gateway"), "ClientTrafficPolicy")
-    return quantity_bytes(policy["spec"]["connection"]["bufferLimit"])
 
 
 def prompt(size: int) -> bytes:
@@ -318,7 +180,8 @@ async def _post(url: str, body: bytes) -> tuple[int, dict[str, str]]:
 async def test_a_prompt_over_32_kib_is_refused_by_envoy_at_envoy_gateways_default(
     tmp_path: Path,
 ) -> None:
-    async with eg_gateway(tmp_path, EG_DEFAULT_BUFFER_LIMIT) as gw:
+    overlay = without(load_overlay(OVERLAYS / "envoy-gateway"), "ClientTrafficPolicy")
+    async with eg_gateway(tmp_path, overlay) as gw:
         status, _ = await _post(gw.url, prompt(64 * 1024))
         assert status == 413
         assert gw.extproc.bodies == [] and gw.model.bodies == []  # Envoy's own answer
@@ -329,7 +192,7 @@ async def test_the_manifests_buffer_limit_lets_a_large_prompt_reach_the_server(
 ) -> None:
     size = 3 * 1024 * 1024  # under the server's 4 MiB max_body_bytes
     body = prompt(size)
-    async with eg_gateway(tmp_path, manifest_buffer_limit()) as gw:
+    async with eg_gateway(tmp_path, load_overlay(OVERLAYS / "envoy-gateway")) as gw:
         status, headers = await _post(gw.url, body)
         assert status == 200
         assert gw.extproc.bodies == [len(body)] and gw.model.bodies == [len(body)]
@@ -341,41 +204,13 @@ async def test_the_manifests_buffer_limit_lets_a_large_prompt_reach_the_server(
 
 # -- token limits (deploy/overlays/envoy-gateway-token-limits) ----------------------------
 
-RLS_SERVER = Path(__file__).with_name("rls_server.py")
+TOKEN_LIMITS = OVERLAYS / "envoy-gateway-token-limits"
+ROUTE = "httproute/extproc/llm-route/rule/0/match/0/*"  # Envoy Gateway's name for the route
 
 
-@contextlib.contextmanager
-def rate_limit_service(tmp_path: Path, limit: int) -> Iterator[tuple[int, Path]]:
-    port_file, record = tmp_path / "rls.port", tmp_path / "rls.jsonl"
-    record.touch()
-    proc = subprocess.Popen(
-        [sys.executable, str(RLS_SERVER), str(port_file), str(record), str(limit)],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "rls.log").open("wb"),
-    )
-    try:
-        for _ in range(200):
-            assert proc.poll() is None, (tmp_path / "rls.log").read_text()
-            if port_file.exists() and port_file.read_text():
-                break
-            time.sleep(0.05)
-        yield int(port_file.read_text()), record
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _calls(record: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in record.read_text().splitlines()]
-
-
-async def _calls_settled(record: Path, count: int) -> list[dict[str, Any]]:
-    for _ in range(100):
-        calls = await asyncio.to_thread(_calls, record)
-        if len(calls) >= count:
-            return calls
-        await asyncio.sleep(0.05)
-    return await asyncio.to_thread(_calls, record)
+def descriptors(user: str) -> list[list[list[str]]]:
+    # ratelimit.go: the route's generic key, then the Distinct header under rule-0-match-0.
+    return [[[ROUTE, ROUTE], ["rule-0-match-0", user]]]
 
 
 async def _post_as(url: str, user: str, query: str = "") -> int:
@@ -396,19 +231,17 @@ async def test_token_limit_checks_at_the_request_and_charges_the_answers_tokens(
 ) -> None:
     total = PROMPT_TOKENS + COMPLETION_TOKENS
     with rate_limit_service(tmp_path, limit=total + 1) as (port, record):
-        async with eg_gateway(tmp_path, manifest_buffer_limit(), port) as gw:
+        async with eg_gateway(tmp_path, load_overlay(TOKEN_LIMITS), port) as gw:
             assert await _post_as(gw.url, "alice") == 200
-            calls = await _calls_settled(record, 2)
+            calls = await calls_settled(record, 2)
             # The check costs nothing; the charge, once the answer is done, is its total
             # tokens as the Lua filter wrote them, for the user that sent it.
             assert [c["costs"] for c in calls] == [[0], [total]]
-            assert {json.dumps(c["descriptors"]) for c in calls} == {
-                json.dumps([[["user", "alice"]]])
-            }
+            assert all(c["descriptors"] == descriptors("alice") for c in calls)
             # Under budget (16 of 17): served and charged again; now over budget: 429 before
             # the engine is reached. Another user is not affected.
             assert await _post_as(gw.url, "alice") == 200
-            await _calls_settled(record, 4)
+            await calls_settled(record, 4)
             served = len(gw.model.bodies)
             assert await _post_as(gw.url, "alice") == 429
             assert len(gw.model.bodies) == served
@@ -417,10 +250,10 @@ async def test_token_limit_checks_at_the_request_and_charges_the_answers_tokens(
 
 async def test_an_answer_without_usage_charges_nothing(tmp_path: Path) -> None:
     with rate_limit_service(tmp_path, limit=1000) as (port, record):
-        async with eg_gateway(tmp_path, manifest_buffer_limit(), port) as gw:
+        async with eg_gateway(tmp_path, load_overlay(TOKEN_LIMITS), port) as gw:
             assert await _post_as(gw.url, "carol", "?usage=0") == 200
             assert await _post_as(gw.url, "carol") == 200  # a marker that the first is done
-            calls = await _calls_settled(record, 3)
+            calls = await calls_settled(record, 3)
     # The answer without usage: the check (0) and no charge at all, or a charge of 0.
     costs = [c["costs"] for c in calls]
     assert costs[-1] == [PROMPT_TOKENS + COMPLETION_TOKENS]
