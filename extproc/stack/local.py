@@ -235,7 +235,7 @@ class LocalStack:
                         {"enabled": o.flow_control}, o.server_config.get("flow_control") or {}
                     )
                 }
-            ),  # fmt: skip
+            ),
             rate_limit_service=(
                 HostPort.parse(o.rate_limit_service) if o.rate_limit_service else None
             ),
