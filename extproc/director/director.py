@@ -185,7 +185,7 @@ class Director:
         if status == 413:
             err.code = "request_too_large"
         self._metrics.observe_request("", status, "")
-        return self.error_reply(err)
+        return self.error_reply(err, head.path if head is not None else "")
 
     def account(self, record: AccessRecord) -> None:
         try:
@@ -210,7 +210,8 @@ class Director:
             return self.error_reply(
                 TooManyRequests(
                     f"the gateway is overloaded ({limit} requests awaiting a routing decision)"
-                )
+                ),
+                head.path,
             )
         self._deciding += 1
         try:
@@ -224,11 +225,13 @@ class Director:
                 err.status,
                 err.message,
             )
-            return self.error_reply(err)
+            return self.error_reply(err, head.path)
         except Exception:  # a bug must never crash the stream: answer 500 and log it
             log.exception("unexpected error routing request %s", head.request_id)
             self._metrics.observe_request("", 500, "")
-            return self.error_reply(GatewayError("internal error while routing the request"))
+            return self.error_reply(
+                GatewayError("internal error while routing the request"), head.path
+            )
         finally:
             self._deciding -= 1
 
@@ -366,13 +369,12 @@ class Director:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), 0.0, False
         pool = runtime.tokenizer
-        if req.kind == RequestKind.CHAT and req.messages is not None:
-            tools = req.body.get("tools")
+        if req.messages is not None:  # chat, and responses / messages rendered as chat
             kwargs = req.body.get("chat_template_kwargs")
             try:
                 res = await pool.encode_chat(
                     req.messages,
-                    tools=tools if isinstance(tools, list) else None,
+                    tools=req.tools,
                     add_generation_prompt=bool(req.body.get("add_generation_prompt", True)),
                     chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
                 )
@@ -520,9 +522,10 @@ class Director:
         )
 
     @staticmethod
-    def error_reply(err: GatewayError) -> ImmediateReply:
+    def error_reply(err: GatewayError, path: str = "") -> ImmediateReply:
+        """The error's body in the shape the path's clients read (Anthropic on /v1/messages)."""
         return ImmediateReply(
-            status=err.status, body=error_json(err), details=f"extproc_{err.status}"
+            status=err.status, body=error_json(err, path=path), details=f"extproc_{err.status}"
         )
 
     def lease_count(self) -> int:
