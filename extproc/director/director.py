@@ -46,6 +46,12 @@ from extproc.director.lifecycle import (
 )
 from extproc.director.prefill import PrefillClient
 from extproc.director.response import RecordAccounting
+from extproc.director.responses import (
+    StampResponseId,
+    pin_candidates,
+    stored_response_id,
+    stored_response_pod,
+)
 from extproc.director.snapshot import pod_states
 from extproc.director.steps import (
     ClaimEndpoint,
@@ -153,6 +159,7 @@ class Director:
             RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
             RemotePrefill(client=prefill, metrics=metrics),
             SessionAffinity(header=cfg.session_header, tokens=self._sessions),
+            StampResponseId(tokens=self._sessions),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=replica),
             *pre_request_steps,  # the composition root's own (the status page's decision log)
@@ -311,6 +318,9 @@ class Director:
             self._metrics.observe_tokenization("skipped", 0.0)
         hashes = block_hashes(ids, runtime.block_size, lora_extra_key(lora)) if ids else ()
         candidates = self._candidates(runtime, head)
+        if req.previous_response_id is not None:  # only the pod that stored it holds it
+            known = [ep.address for ep in self._store.endpoints(runtime.name)]
+            candidates = pin_candidates(self._sessions, req.previous_response_id, candidates, known)
         pods = pod_states(
             candidates,
             prefix=runtime.prefix,
@@ -456,6 +466,14 @@ class Director:
         ready = [ep for model in self._store.models() for ep, _ in self._store.ready(model)]
         if head.subset is not None:
             ready = [ep for ep in ready if ep.address in set(head.subset)]
+        response_id = stored_response_id(head.path)  # GET /v1/responses/{id}, /cancel
+        if response_id is not None:
+            known = [ep.address for ep in self._store.endpoints()]
+            pod = stored_response_pod(
+                self._sessions, response_id, [ep.address for ep in ready], known
+            )
+            if pod is not None:
+                return RouteResult(destinations=(pod,))
         if not ready:
             raise ServiceUnavailable("no ready endpoint")
         self._rng.shuffle(ready)

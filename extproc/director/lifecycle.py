@@ -87,6 +87,7 @@ class Outgoing:
     model: str | None = None  # the served model name written into the body
     include_usage: bool = False  # ask a streaming engine for `usage` in its last event
     kv_transfer_params: Mapping[str, Any] | None = None  # P/D: the prefill's KV handle
+    request_id: str | None = None  # Responses API: the response id, naming the pick
     # Headers Envoy sets on the request it forwards (it echoes the session and explain ones
     # to the client).
     set_headers: dict[str, str] = field(default_factory=dict)
@@ -99,6 +100,7 @@ class Outgoing:
             include_usage=self.include_usage,
             model=self.model,
             kv_transfer_params=self.kv_transfer_params,
+            request_id=self.request_id,
         )
 
 

@@ -236,6 +236,7 @@ def rewrite_body(
     include_usage: bool = False,
     model: str | None = None,
     kv_transfer_params: Mapping[str, Any] | None = None,
+    request_id: str | None = None,
 ) -> bytes | None:
     """Serialized body with the requested changes, or None when nothing would change.
 
@@ -243,6 +244,7 @@ def rewrite_body(
       rejects stream_options when stream is false); other stream options are kept.
     - `model`: the served model name (model-name mapping).
     - `kv_transfer_params`: the prefill's KV handle for the decode pod (P/D disaggregation).
+    - `request_id`: a Responses request's id, which vLLM makes the response's id.
 
     Other fields and their values are kept, in their order; `body` is not mutated.
     """
@@ -260,5 +262,8 @@ def rewrite_body(
             changed = True
     if kv_transfer_params is not None:
         out["kv_transfer_params"] = dict(kv_transfer_params)
+        changed = True
+    if request_id is not None:
+        out["request_id"] = request_id
         changed = True
     return orjson.dumps(out) if changed else None

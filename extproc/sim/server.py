@@ -736,6 +736,12 @@ class SimServer:
                 return
             yield self.vocab[item]
 
+    def _sse_response(self) -> web.StreamResponse:
+        # Headers go out at prepare(): the pod header middleware would be too late.
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                   "x-inference-pod": self.pod_name}  # fmt: skip
+        return web.StreamResponse(headers=headers)
+
     def _store(self, rid: str, stored: StoredResponse) -> None:
         if len(self._stored) >= self._STORE_LIMIT:
             self._stored.pop(next(iter(self._stored)))
@@ -762,7 +768,9 @@ class SimServer:
                     messages.append({"role": "assistant", "content": part.get("text", "")})
         messages.extend(dict(m) for m in new)
         max_tokens = _int_field(body, "max_output_tokens", None)
-        rid = "resp_" + uuid.uuid4().hex
+        # vLLM makes a request's `request_id` its response's id (the gateway writes one).
+        given = body.get("request_id")
+        rid = given if isinstance(given, str) and given else "resp_" + uuid.uuid4().hex
         item_id = "msg_" + uuid.uuid4().hex
         model, req = await self._agent_request(
             body, messages, tools, max_tokens=max_tokens, rid=rid, received=received
@@ -786,7 +794,7 @@ class SimServer:
                     self._store(rid, StoredResponse(out, messages))
                 return web.json_response(out)
             events = ResponseEvents(body, rid=rid, item_id=item_id, model=model, created=created)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp = self._sse_response()
             await resp.prepare(request)
             try:
                 for chunk in events.start():
@@ -857,7 +865,7 @@ class SimServer:
                                    usage=usage)
                 )  # fmt: skip
             events = AnthropicEvents(mid=mid, model=model)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp = self._sse_response()
             await resp.prepare(request)
             try:
                 started = False
