@@ -12,7 +12,7 @@
 --   io.envoy.ai_gateway:  llm_input_token, llm_output_token, llm_total_token,
 --                         llm_cached_input_token (Envoy Gateway's usage-based rate limits)
 --
--- Three usage shapes are read (docs/protocols.md): chat / completions (`prompt_tokens`,
+-- Three usage shapes are read (docs/engines.md, APIs): chat / completions (`prompt_tokens`,
 -- `completion_tokens`, `cached_tokens`), the Responses API (`input_tokens` with cached ones
 -- in it, `output_tokens`, `input_tokens_details.cached_tokens`, in `response.completed`) and
 -- Anthropic Messages (`input_tokens` without cache reads or writes, `output_tokens`,
