@@ -76,6 +76,7 @@ from extproc.routing.base import (
 )
 from extproc.routing.predicted import SLO_UNMET
 from extproc.routing.registry import StrategyRegistry
+from extproc.routing.rewrites import ModelRewrites, RewriteChoice
 from extproc.routing.session import SessionTokens
 from extproc.types import (
     BadRequest,
@@ -129,6 +130,7 @@ class Director:
         leases: LeaseBook | None = None,
         pre_request_steps: Sequence[PreRequestStep] = (),
         response_complete_steps: Sequence[ResponseCompleteStep] = (),
+        model_rewrites: Callable[[], ModelRewrites] | None = None,
     ) -> None:
         self._config = config
         self._models = dict(models)
@@ -145,6 +147,9 @@ class Director:
         self._fairness = fairness
         self._metrics = metrics
         self._route_settings = route_settings or (lambda _name: None)
+        # The rewrites in force (config + discovered InferenceModelRewrites), read per request.
+        own_rewrites = ModelRewrites(config.model_rewrites)
+        self._rewrites = model_rewrites or (lambda: own_rewrites)
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
         self._memory = RoutingMemory()  # what decisions carry forward; explain gets a copy
@@ -159,7 +164,7 @@ class Director:
             RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
             RemotePrefill(client=prefill, metrics=metrics),
             SessionAffinity(header=cfg.session_header, tokens=self._sessions),
-            StampResponseId(tokens=self._sessions),
+            StampResponseId(tokens=self._sessions, session_header=cfg.session_header),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=replica),
             *pre_request_steps,  # the composition root's own (the status page's decision log)
@@ -292,12 +297,16 @@ class Director:
             hold=not self.leases.records,
         )
 
-    async def prepare(self, head: RequestHead, body: bytes) -> PreparedRequest:
-        """Parse, resolve, tokenize and collect candidates (shared with `explain`)."""
+    async def prepare(
+        self, head: RequestHead, body: bytes, *, explain_rng: random.Random | None = None
+    ) -> PreparedRequest:
+        """Parse, resolve, tokenize and collect candidates (shared with `explain`, which
+        passes its copy of the random state: it leaves no trace)."""
         path = head.path.split("?", 1)[0]
         req = parse_request(path, body, max_body_bytes=self.max_body_bytes)
         settings = self._route_settings(head.route_name) or RouteSettings()
-        served = settings.model_map.get(req.model, req.model)
+        rewrite = self._rewrite(head, req, settings, explain_rng)
+        served = rewrite.target if rewrite is not None else req.model
         found = self._by_name.get(served)
         if found is None:
             raise NotFound(f"The model `{req.model}` does not exist.", param="model")
@@ -356,8 +365,37 @@ class Director:
         return PreparedRequest(
             head=head, req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
             strategy_name=strategy_name, strategy=strategy, routing=routing, pods=pods, tokenize_s=tokenize_s,
-            estimated=estimated,
+            estimated=estimated, rewrite=rewrite,
         )  # fmt: skip
+
+    def _rewrite(
+        self,
+        head: RequestHead,
+        req: InferenceRequest,
+        settings: RouteSettings,
+        explain_rng: random.Random | None,
+    ) -> RewriteChoice | None:
+        """The model rewrite's target (the route's model map first). A conversation keeps its
+        target: the tag its session token or stored response carries, else a hash of its key."""
+        rewrites = self._rewrites()
+        if not rewrites and not settings.model_map:
+            return None
+        session = head.headers.get(self._config.routing.session_header)
+        key, tag = None, None
+        if req.previous_response_id is not None:
+            key, tag = (
+                req.previous_response_id,
+                SessionTokens.response_tag(req.previous_response_id),
+            )
+        elif session:
+            key, tag = session, SessionTokens.split_tag(session)[1]
+        choice = rewrites.choose(
+            req.model, rng=explain_rng or self._rng, route_map=settings.model_map, key=key,
+            tag=tag, tag_of=self._sessions.target_tag,
+        )  # fmt: skip
+        if choice is not None and explain_rng is None:
+            self._metrics.observe_rewrite(choice.rewrite, choice.target)
+        return choice
 
     def _strategy_name(
         self, head: RequestHead, settings: RouteSettings, runtime: ModelRuntime
@@ -531,9 +569,9 @@ class Director:
         """What `route` would decide, without routing (no lease, no index update, no
         pre-request step). It draws from copies of the router's random state and routing
         memory, so it shows the next decision and leaves it as it was."""
-        prep = await self.prepare(head, body)
         rng = random.Random()
         rng.setstate(self._rng.getstate())
+        prep = await self.prepare(head, body, explain_rng=rng)
         decision = self._decide(prep, rng, self._memory.copy())
         return explain_json(
             decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated

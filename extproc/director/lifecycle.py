@@ -26,6 +26,7 @@ from extproc.director.snapshot import pod_at
 from extproc.kvcache.prefix import PrefixIndex
 from extproc.protocol.openai import rewrite_body
 from extproc.routing.base import Decision, PodState, RoutingRequest, Strategy
+from extproc.routing.rewrites import RewriteChoice
 from extproc.tokenization import TokenizerPool
 from extproc.types import InferenceRequest
 
@@ -70,6 +71,7 @@ class PreparedRequest:
     pods: Sequence[PodState]  # a `PodRows`, or a `SnapshotTable` over many pods
     tokenize_s: float
     estimated: bool  # prompt_tokens is an estimate, not the tokenizer's count
+    rewrite: RewriteChoice | None = None  # the model rewrite that chose served_model
     _picked: tuple[str, PodState | None] | None = field(default=None, repr=False)
 
     def pod(self, address: str) -> PodState | None:

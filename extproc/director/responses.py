@@ -33,14 +33,21 @@ _PATH = "/v1/responses/"
 
 
 class StampResponseId:
-    """A Responses request gets a response id naming its pick (pre-request step)."""
+    """Pre-request step, after SessionAffinity: a Responses request gets a response id naming
+    its pick; when a model rewrite chose the target, the id and the session token carry the
+    target's tag, so the conversation's next turns keep that target."""
 
-    def __init__(self, *, tokens: SessionTokens) -> None:
+    def __init__(self, *, tokens: SessionTokens, session_header: str) -> None:
         self._tokens = tokens
+        self._session_header = session_header
 
     async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+        tag = self._tokens.target_tag(req.rewrite.target) if req.rewrite is not None else None
         if req.req.kind is RequestKind.RESPONSES:
-            out.request_id = self._tokens.response_id(decision.endpoint.address)
+            out.request_id = self._tokens.response_id(decision.endpoint.address, tag)
+        sid = out.set_headers.get(self._session_header)
+        if tag is not None and sid is not None:
+            out.set_headers[self._session_header] = f"{sid}.{tag}"
 
 
 def stored_response_id(path: str) -> str | None:

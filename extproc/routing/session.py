@@ -29,6 +29,7 @@ MAX_SESSION_ID_LEN = 256  # longer values are ignored (no session)
 _PREFIX = "s1."
 _MEMO_LIMIT = 8192  # (model, address) -> token entries kept; cleared past it (pods churn)
 RESPONSE_ID_PREFIX = "resp_"  # vLLM's own prefix, kept: clients may look for it
+_TAG, _TAG_LEN = "t", 9  # a model rewrite's target tag: "t" + base64url of 6 MAC bytes
 
 
 def rendezvous(key: str, addresses: Sequence[str]) -> str:
@@ -83,6 +84,7 @@ class SessionTokens:
         if not value or len(value) > MAX_SESSION_ID_LEN:
             return None
         if value.startswith(_PREFIX):
+            value = self.split_tag(value)[0]  # a model rewrite's target tag rides after the token
             pod = self._pods.get((model, value))
             if pod is None:  # not seen yet on this process: the candidates' tokens
                 for address in candidates:
@@ -104,9 +106,11 @@ class SessionTokens:
         mac = hashlib.blake2b(f"response\0{address}".encode(), key=self._key, digest_size=12)
         return base64.urlsafe_b64encode(mac.digest()).decode("ascii")
 
-    def response_id(self, address: str) -> str:
-        """A new response id that names `address` (unique: 128 random bits)."""
-        return f"{RESPONSE_ID_PREFIX}{secrets.token_hex(16)}.{self._pod_mac(address)}"
+    def response_id(self, address: str, tag: str | None = None) -> str:
+        """A new response id that names `address` (unique: 128 random bits), with a model
+        rewrite's target tag when one placed the request."""
+        middle = f".{tag}" if tag else ""
+        return f"{RESPONSE_ID_PREFIX}{secrets.token_hex(16)}{middle}.{self._pod_mac(address)}"
 
     def response_pod(self, response_id: str, addresses: Sequence[str]) -> str | None:
         """The address among `addresses` that a gateway-made response id names, or None."""
@@ -123,3 +127,25 @@ class SessionTokens:
         """Shaped like an id this gateway makes (its pod may be gone)."""
         head, dot, mac = value.rpartition(".")
         return bool(dot) and head.startswith(RESPONSE_ID_PREFIX) and len(mac) == 16
+
+    @classmethod
+    def response_tag(cls, response_id: str) -> str | None:
+        """The target tag inside a gateway-made response id, if a rewrite placed it."""
+        if not cls.is_response_id(response_id):
+            return None
+        return cls.split_tag(response_id.rpartition(".")[0])[1]
+
+    # -- model rewrite targets: a conversation keeps its target ------------------------------
+
+    def target_tag(self, model: str) -> str:
+        """`t` + 8 characters naming a rewrite target under the secret (opaque to clients)."""
+        mac = hashlib.blake2b(f"target\0{model}".encode(), key=self._key, digest_size=6)
+        return _TAG + base64.urlsafe_b64encode(mac.digest()).decode("ascii")
+
+    @staticmethod
+    def split_tag(value: str) -> tuple[str, str | None]:
+        """(the value without its trailing `.t...` target tag, the tag or None)."""
+        base, dot, last = value.rpartition(".")
+        if dot and base and len(last) == _TAG_LEN and last.startswith(_TAG):
+            return base, last
+        return value, None

@@ -106,10 +106,16 @@ def test_the_gateway_tokenizes_a_response_as_the_engine_does(stack: LocalStack) 
         f"http://127.0.0.1:{stack.options.metrics_port}/debug/explain?path=/v1/responses",
         json=body, headers={"routing-strategy": "prefix-cache"}, timeout=10,
     ).json()  # fmt: skip
+    before = _counters(stack)
     got = _openai(stack).responses.create(**body, max_output_tokens=2)
     assert got.usage is not None
     assert explained["prompt_tokens"] == got.usage.input_tokens
     assert explained["tokens_estimated"] is False
+    # Its record is in before the next test reads the counters.
+    u = got.usage
+    assert _accounted(
+        stack, before, _want(u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens)
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -122,6 +122,8 @@ def build_director(
                 approximate=ApproximateIndex(ttl_s=60.0, max_blocks=10_000),
             ),
             block_size=model.block_size,
+            lora_adapters=frozenset(model.lora_adapters),
+            aliases=tuple(model.aliases),
         )
     director = Director(
         config=config,
