@@ -1,4 +1,5 @@
-"""Kubernetes discovery: model-server pods per model, and per-route settings from HTTPRoutes.
+"""Kubernetes discovery: model-server pods per model, per-route settings from HTTPRoutes, and
+llm-d's InferenceModelRewrite resources.
 
 Each watched collection runs in its own thread (see `_listwatch`). Callbacks run in that
 thread, or on an asyncio loop when one is given, so consumers that live on the loop never
@@ -24,7 +25,12 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from extproc.config import KubernetesDiscoveryConfig
+from extproc.config import (
+    ConfigError,
+    KubernetesDiscoveryConfig,
+    ModelRewriteConfig,
+    parse_model_rewrite,
+)
 from extproc.discovery._listwatch import Backoff, ListWatcher, ObjectKey, Store
 from extproc.types import EMPTY_LABELS, Endpoint, EndpointRole
 
@@ -32,6 +38,7 @@ __all__ = [
     "DEFAULT_ROLE_LABEL",
     "Backoff",
     "HTTPRouteWatcher",
+    "ModelRewriteWatcher",
     "PodDiscovery",
     "PodSource",
     "endpoints_from_pods",
@@ -46,6 +53,7 @@ _LOG = logging.getLogger(__name__)
 DEFAULT_ROLE_LABEL = "llm-d.ai/role"
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL = "gateway.networking.k8s.io", "v1", "httproutes"
+REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL = "llm-d.ai", "v1alpha2", "inferencemodelrewrites"
 
 S = TypeVar("S")
 OnChange = Callable[[str, tuple[Endpoint, ...]], None]
@@ -465,3 +473,87 @@ class HTTPRouteWatcher(Generic[S]):
         else:
             self.events_posted += 1
         self._posted.add((uid, message))
+
+
+class ModelRewriteWatcher:
+    """Watches InferenceModelRewrites (llm-d.ai/v1alpha2) and reports every valid one.
+
+    A resource that does not parse is left out and logged once per (uid, problem); the others
+    keep applying. Reports only when the parsed set changes.
+    """
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        on_rewrites: Callable[[list[ModelRewriteConfig]], None],
+        *,
+        namespaces: Sequence[str] = (),
+        loop: asyncio.AbstractEventLoop | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        watch_timeout_s: int = 300,
+    ) -> None:
+        custom = k8s.CustomObjectsApi(api_client)
+        self._on_rewrites = on_rewrites
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._stores: dict[str, Store] = {}
+        self._last: list[ModelRewriteConfig] | None = None
+        self._logged: set[tuple[str, str]] = set()
+        self._watchers: list[ListWatcher] = []
+        scopes: Sequence[str | None] = list(namespaces) or [None]
+        for namespace in scopes:
+            if namespace is None:
+                list_fn = functools.partial(
+                    custom.list_cluster_custom_object,
+                    REWRITE_GROUP,
+                    REWRITE_VERSION,
+                    REWRITE_PLURAL,
+                )
+            else:
+                list_fn = functools.partial(
+                    custom.list_namespaced_custom_object,
+                    REWRITE_GROUP, REWRITE_VERSION, namespace, REWRITE_PLURAL,
+                )  # fmt: skip
+            scope = namespace or "*"
+            self._watchers.append(
+                ListWatcher(
+                    name=f"inferencemodelrewrites/{scope}",
+                    list_fn=list_fn,
+                    on_sync=functools.partial(self._on_sync, scope),
+                    backoff=Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
+                    watch_timeout_s=watch_timeout_s,
+                )
+            )
+
+    def start(self) -> None:
+        for watcher in self._watchers:
+            watcher.start()
+
+    def stop(self) -> None:
+        for watcher in self._watchers:
+            watcher.stop()
+
+    def _on_sync(self, scope: str, store: Store) -> None:
+        with self._lock:
+            self._stores[scope] = store
+            resources = [r for s in self._stores.values() for r in s.values()]
+        parsed: list[ModelRewriteConfig] = []
+        for resource in resources:
+            try:
+                parsed.append(parse_model_rewrite(resource))
+            except ConfigError as exc:
+                meta = resource.get("metadata") or {}
+                key = (str(meta.get("uid") or meta.get("name")), str(exc))
+                if key not in self._logged:
+                    self._logged.add(key)
+                    _LOG.warning(
+                        "InferenceModelRewrite %s/%s ignored: %s",
+                        meta.get("namespace"), meta.get("name"), exc,
+                    )  # fmt: skip
+        parsed.sort(key=lambda r: (r.created, r.namespace, r.name))
+        with self._lock:
+            if parsed == self._last:
+                return
+            self._last = parsed
+        _dispatch(self._loop, self._on_rewrites, list(parsed))
