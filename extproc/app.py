@@ -140,6 +140,7 @@ def build_endpoints(model: ModelConfig) -> tuple[Endpoint, ...]:
             role=EndpointRole(e.role),
             kv_events_endpoint=e.kv_events,
             kv_replay_endpoint=e.kv_replay,
+            data_parallel_size=e.data_parallel_size,
         )
         for e in model.endpoints
     )

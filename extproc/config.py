@@ -217,10 +217,13 @@ class EndpointConfig:
     role: Literal["both", "prefill", "decode"] = "both"
     kv_events: str | None = None  # tcp://host:port of the engine's ZMQ PUB
     kv_replay: str | None = None  # tcp://host:port of the engine's ZMQ ROUTER
+    data_parallel_size: int = 1  # vLLM --data-parallel-size: rank r on kv_events/kv_replay port + r
 
     def __post_init__(self) -> None:
         if not _ADDRESS_RE.match(self.address):
             raise ConfigError(f"address {self.address!r} must be ip:port (IPv6 in brackets)")
+        if not 1 <= self.data_parallel_size <= 1024:
+            raise ConfigError(f"data_parallel_size: {self.data_parallel_size} is not in 1..1024")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +236,9 @@ class KubernetesDiscoveryConfig:
     role_label: str | None = "llm-d.ai/role"
     kv_events_port: int | None = None
     kv_replay_port: int | None = None
+    # vLLM --data-parallel-size of every pod; a pod's `lb.extproc.io/data-parallel-size`
+    # annotation overrides it.
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

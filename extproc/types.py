@@ -52,7 +52,9 @@ class Endpoint:
     metrics_url: str | None = None
     role: EndpointRole = EndpointRole.BOTH
     kv_events_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5557 (ZMQ PUB)
-    kv_replay_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5558 (ZMQ ROUTER)
+    kv_replay_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5657 (ZMQ ROUTER)
+    # vLLM --data-parallel-size: rank r publishes on the events (and replay) port + r.
+    data_parallel_size: int = 1
     labels: Mapping[str, str] = field(
         default_factory=lambda: EMPTY_LABELS, compare=False, hash=False
     )

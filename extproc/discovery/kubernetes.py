@@ -35,6 +35,7 @@ from extproc.discovery._listwatch import Backoff, ListWatcher, ObjectKey, Store
 from extproc.types import EMPTY_LABELS, Endpoint, EndpointRole
 
 __all__ = [
+    "DATA_PARALLEL_ANNOTATION",
     "DEFAULT_ROLE_LABEL",
     "Backoff",
     "HTTPRouteWatcher",
@@ -51,6 +52,7 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 
 DEFAULT_ROLE_LABEL = "llm-d.ai/role"
+DATA_PARALLEL_ANNOTATION = "lb.extproc.io/data-parallel-size"  # the pod's vLLM DP size
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL = "gateway.networking.k8s.io", "v1", "httproutes"
 REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL = "llm-d.ai", "v1alpha2", "inferencemodelrewrites"
@@ -89,8 +91,9 @@ class PodSource:
     metrics_port: int | None = None  # None: scrape the target port
     metrics_path: str = "/metrics"
     kv_events_template: str | None = None  # e.g. "tcp://{ip}:5557"
-    kv_replay_template: str | None = None  # e.g. "tcp://{ip}:5558"
+    kv_replay_template: str | None = None  # e.g. "tcp://{ip}:5657"
     role_label: str | None = DEFAULT_ROLE_LABEL
+    data_parallel_size: int = 1  # a pod's DATA_PARALLEL_ANNOTATION overrides it
 
     @classmethod
     def from_config(cls, config: KubernetesDiscoveryConfig) -> PodSource:
@@ -109,6 +112,7 @@ class PodSource:
                 f"tcp://{{ip}}:{config.kv_replay_port}" if config.kv_replay_port else None
             ),
             role_label=config.role_label,
+            data_parallel_size=config.data_parallel_size,
         )
 
     def __post_init__(self) -> None:
@@ -153,6 +157,23 @@ def _role(labels: Mapping[str, str], role_label: str | None) -> EndpointRole:
         return EndpointRole.BOTH
 
 
+def _data_parallel_size(meta: Mapping[str, Any], default: int) -> int:
+    raw = (meta.get("annotations") or {}).get(DATA_PARALLEL_ANNOTATION)
+    if raw is None:
+        return default
+    try:
+        size = int(str(raw))
+    except ValueError:
+        size = 0
+    if not 1 <= size <= 1024:
+        _LOG.warning(
+            "pod %s: %s=%r is not an integer in 1..1024; using %d",
+            meta.get("name"), DATA_PARALLEL_ANNOTATION, raw, default,
+        )  # fmt: skip
+        return default
+    return size
+
+
 def endpoints_from_pods(
     model: str,
     pods: Iterable[Mapping[str, Any]],
@@ -168,6 +189,7 @@ def endpoints_from_pods(
         labels: Mapping[str, str] = dict(meta.get("labels") or {})
         host = _host(str(pod["status"]["podIP"]))
         role = _role(labels, source.role_label)
+        dp_size = _data_parallel_size(meta, source.data_parallel_size)
         for port in target_ports:
             metrics_port = source.metrics_port if source.metrics_port is not None else port
             endpoints.append(
@@ -188,6 +210,7 @@ def endpoints_from_pods(
                     ),
                     labels=labels,
                     name=str(meta.get("name") or ""),
+                    data_parallel_size=dp_size,
                 )
             )
     endpoints.sort(key=lambda ep: (ep.name, ep.address))
