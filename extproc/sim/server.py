@@ -1031,7 +1031,7 @@ class SimServer:
                 "page_size": cfg.block_size,
                 "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
                 "context_length": cfg.max_model_len,
-                "lora_paths": list(cfg.lora_adapters),
+                "lora_paths": [cfg.lora_path(name) for name in cfg.lora_adapters],
                 "dp_size": 1,
                 "num_running_reqs": e.num_running,
                 "version": "0.33.0",
