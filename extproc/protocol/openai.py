@@ -178,11 +178,15 @@ def parse_request(path: str, body: bytes, *, max_body_bytes: int) -> InferenceRe
         max_tokens = mct if mct is not None else max_tokens
 
     user = data.get("user")
-    if kind is RequestKind.MESSAGES:
+    user_field = "user"
+    if kind is RequestKind.MESSAGES:  # Anthropic names the end user in metadata.user_id
         meta = data.get("metadata")
-        user = meta.get("user_id") if isinstance(meta, dict) else None
+        user, user_field = (
+            (meta.get("user_id") if isinstance(meta, dict) else None),
+            "metadata.user_id",
+        )
     if user is not None and not isinstance(user, str):
-        raise BadRequest("user must be a string", param="user")
+        raise BadRequest(f"{user_field} must be a string", param=user_field)
 
     messages: tuple[Mapping[str, object], ...] | None = None
     tools: tuple[Mapping[str, object], ...] | None = None

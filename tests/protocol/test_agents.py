@@ -123,6 +123,8 @@ def test_anthropic_system_blocks_tools_and_tool_results() -> None:
         (RESP, {"model": "m", "input": "x", "previous_response_id": 5}, "previous_response_id"),
         (MSGS, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         (MSGS, {"model": "m", "max_tokens": 1}, "messages"),
+        (MSGS, {"model": "m", "max_tokens": 1, "metadata": {"user_id": 3},
+                "messages": [{"role": "user", "content": "x"}]}, "metadata.user_id"),
         (MSGS, {"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]},
          "messages[0].role"),
         (MSGS, {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": 1}]},
