@@ -362,6 +362,40 @@ def route_key_from_xds_name(name: str) -> ObjectKey | None:
     return (parts[1], parts[2])
 
 
+def _custom_object_watchers(
+    custom: k8s.CustomObjectsApi,
+    resource: tuple[str, str, str],
+    namespaces: Sequence[str],
+    on_sync: Callable[[str, Store], None],
+    *,
+    backoff: Callable[[], Backoff],
+    watch_timeout_s: int,
+) -> list[ListWatcher]:
+    """One list+watch of a custom resource (group, version, plural) per namespace, or one
+    cluster-wide when `namespaces` is empty; `on_sync(scope, store)` gets each one's store."""
+    group, version, plural = resource
+    watchers: list[ListWatcher] = []
+    scopes: Sequence[str | None] = list(namespaces) or [None]
+    for namespace in scopes:
+        if namespace is None:
+            list_fn = functools.partial(custom.list_cluster_custom_object, group, version, plural)
+        else:
+            list_fn = functools.partial(
+                custom.list_namespaced_custom_object, group, version, namespace, plural
+            )
+        scope = namespace or "*"
+        watchers.append(
+            ListWatcher(
+                name=f"{plural}/{scope}",
+                list_fn=list_fn,
+                on_sync=functools.partial(on_sync, scope),
+                backoff=backoff(),  # each its own: a Backoff counts failures
+                watch_timeout_s=watch_timeout_s,
+            )
+        )
+    return watchers
+
+
 class HTTPRouteWatcher(Generic[S]):
     """Watches HTTPRoutes and reports each route's parsed settings.
 
@@ -397,31 +431,11 @@ class HTTPRouteWatcher(Generic[S]):
         self._last: dict[ObjectKey, S] | None = None
         self._posted: set[tuple[str, str]] = set()  # (route uid, message)
         self.events_posted = 0
-        self._watchers: list[ListWatcher] = []
-        scopes: Sequence[str | None] = list(namespaces) or [None]
-        for namespace in scopes:
-            if namespace is None:
-                list_fn = functools.partial(
-                    custom.list_cluster_custom_object, ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL
-                )
-            else:
-                list_fn = functools.partial(
-                    custom.list_namespaced_custom_object,
-                    ROUTE_GROUP,
-                    ROUTE_VERSION,
-                    namespace,
-                    ROUTE_PLURAL,
-                )
-            scope = namespace or "*"
-            self._watchers.append(
-                ListWatcher(
-                    name=f"httproutes/{scope}",
-                    list_fn=list_fn,
-                    on_sync=functools.partial(self._on_sync, scope),
-                    backoff=Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
-                    watch_timeout_s=watch_timeout_s,
-                )
-            )
+        self._watchers = _custom_object_watchers(
+            custom, (ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL), namespaces, self._on_sync,
+            backoff=lambda: Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
+            watch_timeout_s=watch_timeout_s,
+        )  # fmt: skip
 
     def start(self) -> None:
         for watcher in self._watchers:
@@ -523,31 +537,11 @@ class ModelRewriteWatcher:
         self._stores: dict[str, Store] = {}
         self._last: list[ModelRewriteConfig] | None = None
         self._logged: set[tuple[str, str]] = set()
-        self._watchers: list[ListWatcher] = []
-        scopes: Sequence[str | None] = list(namespaces) or [None]
-        for namespace in scopes:
-            if namespace is None:
-                list_fn = functools.partial(
-                    custom.list_cluster_custom_object,
-                    REWRITE_GROUP,
-                    REWRITE_VERSION,
-                    REWRITE_PLURAL,
-                )
-            else:
-                list_fn = functools.partial(
-                    custom.list_namespaced_custom_object,
-                    REWRITE_GROUP, REWRITE_VERSION, namespace, REWRITE_PLURAL,
-                )  # fmt: skip
-            scope = namespace or "*"
-            self._watchers.append(
-                ListWatcher(
-                    name=f"inferencemodelrewrites/{scope}",
-                    list_fn=list_fn,
-                    on_sync=functools.partial(self._on_sync, scope),
-                    backoff=Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
-                    watch_timeout_s=watch_timeout_s,
-                )
-            )
+        self._watchers = _custom_object_watchers(
+            custom, (REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL), namespaces, self._on_sync,
+            backoff=lambda: Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
+            watch_timeout_s=watch_timeout_s,
+        )  # fmt: skip
 
     def start(self) -> None:
         for watcher in self._watchers:

@@ -742,6 +742,15 @@ class SimServer:
                    "x-inference-pod": self.pod_name}  # fmt: skip
         return web.StreamResponse(headers=headers)
 
+    async def _drain(self, req: SimRequest) -> tuple[str, str | None]:
+        """A non-streamed answer: the whole text and the finish reason."""
+        parts: list[str] = []
+        async for piece in self._tokens(req):
+            if isinstance(piece, Finished):
+                return "".join(parts), piece.reason
+            parts.append(piece)
+        return "".join(parts), None
+
     def _store(self, rid: str, stored: StoredResponse) -> None:
         if len(self._stored) >= self._STORE_LIMIT:
             self._stored.pop(next(iter(self._stored)))
@@ -779,16 +788,10 @@ class SimServer:
         store = body.get("store", True) is not False
         try:
             if not body.get("stream"):
-                parts: list[str] = []
-                reason: str | None = None
-                async for piece in self._tokens(req):
-                    if isinstance(piece, Finished):
-                        reason = piece.reason
-                    else:
-                        parts.append(piece)
+                text, reason = await self._drain(req)
                 out = response_body(
                     body, rid=rid, item_id=item_id, model=model, created=created,
-                    text="".join(parts), reason=reason, usage=self._responses_usage(req),
+                    text=text, reason=reason, usage=self._responses_usage(req),
                 )  # fmt: skip
                 if store:
                     self._store(rid, StoredResponse(out, messages))
@@ -852,16 +855,10 @@ class SimServer:
         )  # fmt: skip
         try:
             if not body.get("stream"):
-                parts: list[str] = []
-                reason: str | None = None
-                async for piece in self._tokens(req):
-                    if isinstance(piece, Finished):
-                        reason = piece.reason
-                    else:
-                        parts.append(piece)
+                text, reason = await self._drain(req)
                 usage = self._anthropic_usage(req)
                 return web.json_response(
-                    anthropic_body(mid=mid, model=model, text="".join(parts), reason=reason,
+                    anthropic_body(mid=mid, model=model, text=text, reason=reason,
                                    usage=usage)
                 )  # fmt: skip
             events = AnthropicEvents(mid=mid, model=model)
