@@ -35,6 +35,7 @@ from extproc.config import (
     Config,
     ConfigError,
     ModelConfig,
+    ModelRewriteConfig,
     RouteSettings,
     RouteTable,
     load_config,
@@ -46,7 +47,13 @@ from extproc.director.flow import FlowStep
 from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
 from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
 from extproc.director.prefill import PrefillClient
-from extproc.discovery.kubernetes import HTTPRouteWatcher, PodDiscovery, PodSource, make_api_client
+from extproc.discovery.kubernetes import (
+    HTTPRouteWatcher,
+    ModelRewriteWatcher,
+    PodDiscovery,
+    PodSource,
+    make_api_client,
+)
 from extproc.flowcontrol import FlowController, FlowMetrics, FlowSettings, PoolCapacity
 from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
@@ -60,6 +67,7 @@ from extproc.metrics.store import EndpointStore
 from extproc.metrics.transport import PerHostTransport
 from extproc.routing.builtin import default_plugins
 from extproc.routing.registry import StrategyRegistry
+from extproc.routing.rewrites import ModelRewrites
 from extproc.routing.settings import build_strategies, route_annotations
 from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.sync import StateSync, SyncMetrics
@@ -134,6 +142,7 @@ def build_endpoints(model: ModelConfig) -> tuple[Endpoint, ...]:
             role=EndpointRole(e.role),
             kv_events_endpoint=e.kv_events,
             kv_replay_endpoint=e.kv_replay,
+            data_parallel_size=e.data_parallel_size,
         )
         for e in model.endpoints
     )
@@ -205,6 +214,11 @@ class App:
         self._discovered: dict[str, tuple[Endpoint, ...]] = {}
         self._discoveries: list[PodDiscovery] = []
         self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
+        # Model rewrites: the config file's plus discovered InferenceModelRewrites (one object,
+        # rebuilt whole on either change and read by the director per request).
+        self._found_rewrites: list[ModelRewriteConfig] = []
+        self._rewrites = ModelRewrites()
+        self._rewrite_watcher: ModelRewriteWatcher | None = None
         self._api_client: Any = None
         self._objectives: dict[str, int] = {}  # InferenceObjective name -> priority (watched)
         self.flow = self._build_flow(config)
@@ -343,6 +357,7 @@ class App:
             fairness=self.fairness,
             metrics=self.metrics,
             route_settings=self.route_settings_for,
+            model_rewrites=lambda: self._rewrites,
             prefill=PrefillClient(self._http),
             on_routed=lambda address: self.kv.note_traffic(address),
             replica=self.replica,
@@ -368,6 +383,7 @@ class App:
         requests the old director is still tokenizing use them."""
         self._rt = rt
         self._routes = self._routes.with_local(rt.config.routes)
+        self._set_rewrites(self._found_rewrites)
         self._publish_endpoints()
 
     # -- flow control ---------------------------------------------------------------------------
@@ -540,6 +556,15 @@ class App:
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
+    def _set_rewrites(self, found: list[ModelRewriteConfig]) -> None:
+        """The rewrites in force: the config's, then discovered ones for our pools."""
+        self._found_rewrites = found
+        cfg = self._rt.config
+        pools = [m.kubernetes.inference_pool for m in cfg.models if m.kubernetes is not None]
+        self._rewrites = ModelRewrites(
+            [*cfg.model_rewrites, *found], pools=[p for p in pools if p is not None]
+        )
+
     def _on_routes(self, routes: Mapping[tuple[str, str], RouteSettings]) -> None:
         self.set_route_settings(
             {f"{ns}/{name}": settings for (ns, name), settings in routes.items()}
@@ -548,7 +573,9 @@ class App:
     def _start_kubernetes(self) -> None:
         cfg = self.config
         wanted = [m for m in cfg.models if m.kubernetes is not None]
-        if not wanted and not cfg.kubernetes.watch_httproutes:
+        if not wanted and not (
+            cfg.kubernetes.watch_httproutes or cfg.kubernetes.watch_model_rewrites
+        ):
             return
         self._api_client = make_api_client(
             in_cluster=cfg.kubernetes.in_cluster, kubeconfig=cfg.kubernetes.kubeconfig
@@ -570,6 +597,14 @@ class App:
                 namespaces=cfg.kubernetes.namespaces, loop=loop,
             )  # fmt: skip
             self._route_watcher.start()
+        if cfg.kubernetes.watch_model_rewrites:
+            self._rewrite_watcher = ModelRewriteWatcher(
+                self._api_client,
+                self._set_rewrites,
+                namespaces=cfg.kubernetes.namespaces,
+                loop=loop,
+            )
+            self._rewrite_watcher.start()
 
     async def _stop_kubernetes(self) -> None:
         for discovery in self._discoveries:
@@ -578,6 +613,9 @@ class App:
         if self._route_watcher is not None:
             await asyncio.to_thread(self._route_watcher.stop)
             self._route_watcher = None
+        if self._rewrite_watcher is not None:
+            await asyncio.to_thread(self._rewrite_watcher.stop)
+            self._rewrite_watcher = None
         if self._api_client is not None:
             self._api_client.close()
             self._api_client = None

@@ -12,6 +12,7 @@ local YAML ``routes:`` section and Kubernetes annotations share one schema.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 import types
 import typing
@@ -37,6 +38,9 @@ __all__ = [
     "KubernetesDiscoveryConfig",
     "MetricsConfig",
     "ModelConfig",
+    "ModelRewriteConfig",
+    "RewriteRule",
+    "RewriteTarget",
     "RouteSettings",
     "RouteTable",
     "RoutingConfig",
@@ -47,6 +51,7 @@ __all__ = [
     "check_config_text",
     "load_config",
     "load_config_text",
+    "parse_model_rewrite",
     "parse_route_annotations",
     "read_session_secret",
 ]
@@ -243,10 +248,13 @@ class EndpointConfig:
     role: Literal["both", "prefill", "decode"] = "both"
     kv_events: str | None = None  # tcp://host:port of the engine's ZMQ PUB
     kv_replay: str | None = None  # tcp://host:port of the engine's ZMQ ROUTER
+    data_parallel_size: int = 1  # vLLM --data-parallel-size: rank r on kv_events/kv_replay port + r
 
     def __post_init__(self) -> None:
         if not _ADDRESS_RE.match(self.address):
             raise ConfigError(f"address {self.address!r} must be ip:port (IPv6 in brackets)")
+        if not 1 <= self.data_parallel_size <= 1024:
+            raise ConfigError(f"data_parallel_size: {self.data_parallel_size} is not in 1..1024")
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +267,9 @@ class KubernetesDiscoveryConfig:
     role_label: str | None = "llm-d.ai/role"
     kv_events_port: int | None = None
     kv_replay_port: int | None = None
+    # vLLM --data-parallel-size of every pod; a pod's `lb.extproc.io/data-parallel-size`
+    # annotation overrides it.
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,9 +287,115 @@ class ModelConfig:
     kubernetes: KubernetesDiscoveryConfig | None = None
 
 
+# -- model rewrites (llm-d's InferenceModelRewrite, llm-d.ai/v1alpha2) -------------------------
+
+MAX_REWRITE_WEIGHT = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class RewriteTarget:
+    """A weighted destination: the model (or LoRA adapter) name the request is rewritten to."""
+
+    model: str
+    weight: int | None = None  # 1..1,000,000; set on every target of a rule or on none
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model: must not be empty")
+        if self.weight is not None and not 1 <= self.weight <= MAX_REWRITE_WEIGHT:
+            raise ConfigError(f"weight: {self.weight} is not in 1..{MAX_REWRITE_WEIGHT:,}")
+
+
+@dataclass(frozen=True, slots=True)
+class RewriteRule:
+    """`models` are Exact matches on the request's `model` (OR'd); none: every model."""
+
+    targets: list[RewriteTarget]
+    models: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ConfigError("targets: needs at least one target")
+        weighted = [t.weight is not None for t in self.targets]
+        if any(weighted) and not all(weighted):
+            raise ConfigError("targets: set a weight on every target or on none")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRewriteConfig:
+    """One rewrite resource: config-file entries in file order, or discovered ones."""
+
+    name: str
+    rules: list[RewriteRule]
+    pool: str | None = None  # poolRef.name: applies to the models of that InferencePool only
+    namespace: str = ""
+    created: float = 0.0  # creationTimestamp (epoch s): the oldest resource wins a tie
+
+
+def _rfc3339(value: object) -> float:
+    if not isinstance(value, str) or not value:
+        return float("inf")  # no timestamp: after every dated resource
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return float("inf")
+
+
+def parse_model_rewrite(resource: Mapping[str, Any]) -> ModelRewriteConfig:
+    """An InferenceModelRewrite object (as the API server returns it) -> ModelRewriteConfig.
+    Raises ConfigError naming the field of the first problem."""
+    meta = resource.get("metadata") or {}
+    spec = resource.get("spec")
+    name = str(meta.get("name") or "")
+    if not isinstance(spec, Mapping):
+        raise ConfigError("spec: required")
+    pool_ref = spec.get("poolRef")
+    if not isinstance(pool_ref, Mapping) or not isinstance(pool_ref.get("name"), str):
+        raise ConfigError("spec.poolRef.name: required")
+    raw_rules = spec.get("rules")
+    if not isinstance(raw_rules, list):
+        raise ConfigError("spec.rules: must be a list")
+    rules: list[RewriteRule] = []
+    for i, rule in enumerate(raw_rules):
+        where = f"spec.rules[{i}]"
+        if not isinstance(rule, Mapping):
+            raise ConfigError(f"{where}: must be an object")
+        models: list[str] = []
+        for j, match in enumerate(rule.get("matches") or []):
+            model = match.get("model") if isinstance(match, Mapping) else None
+            if not isinstance(model, Mapping) or not isinstance(model.get("value"), str):
+                raise ConfigError(f"{where}.matches[{j}].model.value: required")
+            if model.get("type", "Exact") != "Exact":
+                raise ConfigError(f"{where}.matches[{j}].model.type: only Exact is supported")
+            models.append(model["value"])
+        targets: list[RewriteTarget] = []
+        for j, target in enumerate(rule.get("targets") or []):
+            if not isinstance(target, Mapping) or not isinstance(target.get("modelRewrite"), str):
+                raise ConfigError(f"{where}.targets[{j}].modelRewrite: required")
+            weight = target.get("weight")
+            if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)):
+                raise ConfigError(f"{where}.targets[{j}].weight: must be an integer")
+            try:
+                targets.append(RewriteTarget(model=target["modelRewrite"], weight=weight))
+            except ConfigError as exc:
+                raise ConfigError(f"{where}.targets[{j}].{exc}") from None
+        try:
+            rules.append(RewriteRule(targets=targets, models=models))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc}") from None
+    return ModelRewriteConfig(
+        name=name,
+        rules=rules,
+        pool=pool_ref["name"],
+        namespace=str(meta.get("namespace") or ""),
+        created=_rfc3339(meta.get("creationTimestamp")),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class KubernetesConfig:
     watch_httproutes: bool = False
+    watch_model_rewrites: bool = False  # InferenceModelRewrite resources (llm-d.ai/v1alpha2)
     namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
     in_cluster: bool = True
     kubeconfig: str | None = None  # used when in_cluster is false (local development)
@@ -311,6 +428,7 @@ class Config:
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     models: list[ModelConfig] = field(default_factory=list)
+    model_rewrites: list[ModelRewriteConfig] = field(default_factory=list)  # aliases, canaries
     routes: dict[str, RouteSettings] = field(
         default_factory=dict
     )  # key: "<ns>/<name>" or an xDS route name

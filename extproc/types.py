@@ -52,7 +52,9 @@ class Endpoint:
     metrics_url: str | None = None
     role: EndpointRole = EndpointRole.BOTH
     kv_events_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5557 (ZMQ PUB)
-    kv_replay_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5558 (ZMQ ROUTER)
+    kv_replay_endpoint: str | None = None  # e.g. tcp://10.0.0.5:5657 (ZMQ ROUTER)
+    # vLLM --data-parallel-size: rank r publishes on the events (and replay) port + r.
+    data_parallel_size: int = 1
     labels: Mapping[str, str] = field(
         default_factory=lambda: EMPTY_LABELS, compare=False, hash=False
     )
@@ -92,6 +94,8 @@ class RequestKind(enum.StrEnum):
     CHAT = "chat"  # /v1/chat/completions
     COMPLETION = "completion"  # /v1/completions
     EMBEDDINGS = "embeddings"  # /v1/embeddings
+    RESPONSES = "responses"  # POST /v1/responses (OpenAI Responses API)
+    MESSAGES = "messages"  # POST /v1/messages (Anthropic Messages API)
     OTHER = "other"  # body-less or unknown path: routed without a prompt
 
 
@@ -106,10 +110,13 @@ class InferenceRequest:
     include_usage: bool = False  # client asked for stream_options.include_usage
     max_tokens: int | None = None
     user: str | None = None
-    # Chat messages (kind CHAT) or prompt text (kind COMPLETION); None otherwise.
+    # Chat messages (CHAT, and RESPONSES / MESSAGES converted as vLLM converts them) or
+    # prompt text (COMPLETION); None otherwise.
     messages: tuple[Mapping[str, object], ...] | None = None
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # when the client sent token ids
+    tools: tuple[Mapping[str, object], ...] | None = None  # chat-completions shaped, as rendered
+    previous_response_id: str | None = None  # RESPONSES: the stored response it continues
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,13 @@ class GatewayMetrics:
             "pod over its thresholds), slo (a sheddable request no pod is predicted to serve "
             "within its SLO headers)", ["model", "reason"], namespace=ns, registry=registry,
         )  # fmt: skip
+        # llm-d's model_rewrite_decisions_total; no requested-model label: with a catch-all
+        # rule that would be whatever clients send (unbounded).
+        self.model_rewrites = Counter(
+            "model_rewrite_decisions", "Requests a model rewrite sent to a target, by rewrite "
+            "(the resource's name, or route-model-map) and target model",
+            ["rewrite", "target"], namespace=ns, registry=registry,
+        )  # fmt: skip
         self.pd_fallbacks = Counter(
             "pd_fallbacks", "pd requests served by a decode pod without a prefill pod",
             ["model"], namespace=ns, registry=registry,
@@ -211,6 +218,9 @@ class GatewayMetrics:
 
     def observe_shed(self, model: str, reason: ShedReason) -> None:
         self.shed.labels(model, reason).inc()
+
+    def observe_rewrite(self, rewrite: str, target: str) -> None:
+        self.child(self.model_rewrites, rewrite, target).inc()
 
     def observe_pd_fallback(self, model: str) -> None:
         self.pd_fallbacks.labels(model).inc()

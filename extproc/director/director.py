@@ -48,6 +48,12 @@ from extproc.director.lifecycle import (
 )
 from extproc.director.prefill import PrefillClient
 from extproc.director.response import RecordAccounting
+from extproc.director.responses import (
+    StampResponseId,
+    pin_candidates,
+    stored_response_id,
+    stored_response_pod,
+)
 from extproc.director.snapshot import pod_states
 from extproc.director.steps import (
     ClaimEndpoint,
@@ -72,6 +78,7 @@ from extproc.routing.base import (
 )
 from extproc.routing.predicted import SLO_UNMET
 from extproc.routing.registry import StrategyRegistry
+from extproc.routing.rewrites import ModelRewrites, RewriteChoice
 from extproc.routing.session import SessionTokens
 from extproc.types import (
     BadRequest,
@@ -131,6 +138,7 @@ class Director:
         pre_request_steps: Sequence[PreRequestStep] = (),
         response_complete_steps: Sequence[ResponseCompleteStep] = (),
         flow: FlowStep | None = None,
+        model_rewrites: Callable[[], ModelRewrites] | None = None,
     ) -> None:
         self._config = config
         self._models = dict(models)
@@ -149,6 +157,9 @@ class Director:
         self._route_settings = route_settings or (lambda _name: None)
         # InferenceObjective name -> priority (config's and the watched resources').
         self._objectives = objectives or config.flow_control.objectives.get
+        # The rewrites in force (config + discovered InferenceModelRewrites), read per request.
+        own_rewrites = ModelRewrites(config.model_rewrites)
+        self._rewrites = model_rewrites or (lambda: own_rewrites)
         self._clock = clock
         self._rng = rng or random.Random(config.routing.seed)
         self._memory = RoutingMemory()  # what decisions carry forward; explain gets a copy
@@ -170,6 +181,7 @@ class Director:
             RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
             RemotePrefill(client=prefill, metrics=metrics),
             SessionAffinity(header=cfg.session_header, tokens=self._sessions),
+            StampResponseId(tokens=self._sessions, session_header=cfg.session_header),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=replica),
             *pre_request_steps,  # the composition root's own (the status page's decision log)
@@ -202,7 +214,7 @@ class Director:
         if status == 413:
             err.code = "request_too_large"
         self._metrics.observe_request("", status, "")
-        return self.error_reply(err)
+        return self.error_reply(err, head.path if head is not None else "")
 
     def account(self, record: AccessRecord) -> None:
         try:
@@ -229,7 +241,8 @@ class Director:
             return self.error_reply(
                 TooManyRequests(
                     f"the gateway is overloaded ({limit} requests awaiting a routing decision)"
-                )
+                ),
+                head.path,
             )
         self._deciding += 1
         try:
@@ -243,11 +256,13 @@ class Director:
                 err.status,
                 err.message,
             )
-            return self.error_reply(err)
+            return self.error_reply(err, head.path)
         except Exception:  # a bug must never crash the stream: answer 500 and log it
             log.exception("unexpected error routing request %s", head.request_id)
             self._metrics.observe_request("", 500, "")
-            return self.error_reply(GatewayError("internal error while routing the request"))
+            return self.error_reply(
+                GatewayError("internal error while routing the request"), head.path
+            )
         finally:
             self._deciding -= 1
 
@@ -318,17 +333,23 @@ class Director:
             hold=not self.leases.records,
         )
 
-    async def prepare(self, head: RequestHead, body: bytes) -> PreparedRequest:
-        """Parse, resolve, tokenize and collect candidates (shared with `explain`)."""
-        return self.observe(await self._parse(head, body))
+    async def prepare(
+        self, head: RequestHead, body: bytes, *, explain_rng: random.Random | None = None
+    ) -> PreparedRequest:
+        """Parse, resolve, tokenize and collect candidates (shared with `explain`, which
+        passes its copy of the random state: it leaves no trace)."""
+        return self.observe(await self._parse(head, body, explain_rng=explain_rng))
 
-    async def _parse(self, head: RequestHead, body: bytes) -> Parsed:
+    async def _parse(
+        self, head: RequestHead, body: bytes, *, explain_rng: random.Random | None = None
+    ) -> Parsed:
         """Parse, resolve the model and strategy, tokenize: what does not change while the
         request waits."""
         path = head.path.split("?", 1)[0]
         req = parse_request(path, body, max_body_bytes=self.max_body_bytes)
         settings = self._route_settings(head.route_name) or RouteSettings()
-        served = settings.model_map.get(req.model, req.model)
+        rewrite = self._rewrite(head, req, settings, explain_rng)
+        served = rewrite.target if rewrite is not None else req.model
         found = self._by_name.get(served)
         if found is None:
             raise NotFound(f"The model `{req.model}` does not exist.", param="model")
@@ -355,15 +376,18 @@ class Director:
             head=head, req=req, runtime=runtime, served_model=served, lora=lora, settings=settings,
             strategy_name=strategy_name, strategy=strategy, token_ids=ids, hashes=hashes,
             prompt_tokens=prompt_tokens, tokenize_s=tokenize_s, estimated=estimated, user=user,
-            priority=self._priority(head, settings), size=len(body),
+            priority=self._priority(head, settings), size=len(body), rewrite=rewrite,
         )  # fmt: skip
 
     def observe(self, parsed: Parsed) -> PreparedRequest:
         """The candidates and their state now (the flow-controlled request's pod is chosen
         from this, after its wait)."""
-        head, runtime = parsed.head, parsed.runtime
+        head, runtime, req = parsed.head, parsed.runtime, parsed.req
         strategy, hashes = parsed.strategy, parsed.hashes
         candidates = self._candidates(runtime, head)
+        if req.previous_response_id is not None:  # only the pod that stored it holds it
+            known = [ep.address for ep in self._store.endpoints(runtime.name)]
+            candidates = pin_candidates(self._sessions, req.previous_response_id, candidates, known)
         pods = pod_states(
             candidates,
             prefix=runtime.prefix,
@@ -379,7 +403,6 @@ class Director:
             head.headers.get(self._config.routing.session_header),
             [ep.address for ep, _ in candidates],
         )
-        req = parsed.req
         routing = RoutingRequest(
             request_id=head.request_id or uuid.uuid4().hex,
             model=runtime.name,
@@ -400,7 +423,37 @@ class Director:
             head=head, req=req, runtime=runtime, served_model=parsed.served_model, lora=parsed.lora,
             settings=parsed.settings, strategy_name=parsed.strategy_name, strategy=strategy,
             routing=routing, pods=pods, tokenize_s=parsed.tokenize_s, estimated=parsed.estimated,
+            rewrite=parsed.rewrite,
         )  # fmt: skip
+
+    def _rewrite(
+        self,
+        head: RequestHead,
+        req: InferenceRequest,
+        settings: RouteSettings,
+        explain_rng: random.Random | None,
+    ) -> RewriteChoice | None:
+        """The model rewrite's target (the route's model map first). A conversation keeps its
+        target: the tag its session token or stored response carries, else a hash of its key."""
+        rewrites = self._rewrites()
+        if not rewrites and not settings.model_map:
+            return None
+        session = head.headers.get(self._config.routing.session_header)
+        key, tag = None, None
+        if req.previous_response_id is not None:
+            key, tag = (
+                req.previous_response_id,
+                SessionTokens.response_tag(req.previous_response_id),
+            )
+        elif session:
+            key, tag = session, SessionTokens.split_tag(session)[1]
+        choice = rewrites.choose(
+            req.model, rng=explain_rng or self._rng, route_map=settings.model_map, key=key,
+            tag=tag, tag_of=self._sessions.target_tag,
+        )  # fmt: skip
+        if choice is not None and explain_rng is None:
+            self._metrics.observe_rewrite(choice.rewrite, choice.target)
+        return choice
 
     def _strategy_name(
         self, head: RequestHead, settings: RouteSettings, runtime: ModelRuntime
@@ -422,13 +475,12 @@ class Director:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids), 0.0, False
         pool = runtime.tokenizer
-        if req.kind == RequestKind.CHAT and req.messages is not None:
-            tools = req.body.get("tools")
+        if req.messages is not None:  # chat, and responses / messages rendered as chat
             kwargs = req.body.get("chat_template_kwargs")
             try:
                 res = await pool.encode_chat(
                     req.messages,
-                    tools=tools if isinstance(tools, list) else None,
+                    tools=req.tools,
                     add_generation_prompt=bool(req.body.get("add_generation_prompt", True)),
                     chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
                 )
@@ -521,6 +573,14 @@ class Director:
         ready = [ep for model in self._store.models() for ep, _ in self._store.ready(model)]
         if head.subset is not None:
             ready = [ep for ep in ready if ep.address in set(head.subset)]
+        response_id = stored_response_id(head.path)  # GET /v1/responses/{id}, /cancel
+        if response_id is not None:
+            known = [ep.address for ep in self._store.endpoints()]
+            pod = stored_response_pod(
+                self._sessions, response_id, [ep.address for ep in ready], known
+            )
+            if pod is not None:
+                return RouteResult(destinations=(pod,))
         if not ready:
             raise ServiceUnavailable("no ready endpoint")
         self._rng.shuffle(ready)
@@ -578,19 +638,21 @@ class Director:
         """What `route` would decide, without routing (no lease, no index update, no
         pre-request step). It draws from copies of the router's random state and routing
         memory, so it shows the next decision and leaves it as it was."""
-        prep = await self.prepare(head, body)
         rng = random.Random()
         rng.setstate(self._rng.getstate())
+        prep = await self.prepare(head, body, explain_rng=rng)
         decision = self._decide(prep, rng, self._memory.copy())
         return explain_json(
             decision, prep.pods, prep.routing, tokenize_s=prep.tokenize_s, estimated=prep.estimated
         )
 
     @staticmethod
-    def error_reply(err: GatewayError) -> ImmediateReply:
+    def error_reply(err: GatewayError, path: str = "") -> ImmediateReply:
+        """The error's body in the shape the path's clients read (Anthropic on /v1/messages),
+        with the error's own headers (flow control's reason and Retry-After)."""
         headers = {"content-type": "application/json", **err.headers}
         return ImmediateReply(
-            status=err.status, body=error_json(err), headers=headers,
+            status=err.status, body=error_json(err, path=path), headers=headers,
             details=f"extproc_{err.status}",
         )  # fmt: skip
 

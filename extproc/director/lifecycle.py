@@ -28,6 +28,7 @@ from extproc.director.snapshot import pod_at
 from extproc.kvcache.prefix import PrefixIndex
 from extproc.protocol.openai import rewrite_body
 from extproc.routing.base import Decision, PodState, RoutingRequest, Strategy
+from extproc.routing.rewrites import RewriteChoice
 from extproc.tokenization import TokenizerPool
 from extproc.types import InferenceRequest
 
@@ -78,6 +79,7 @@ class Parsed:
     user: str | None
     priority: int
     size: int = 0  # body bytes
+    rewrite: RewriteChoice | None = None  # the model rewrite that chose served_model
 
 
 @dataclass
@@ -96,6 +98,7 @@ class PreparedRequest:
     pods: Sequence[PodState]  # a `PodRows`, or a `SnapshotTable` over many pods
     tokenize_s: float
     estimated: bool  # prompt_tokens is an estimate, not the tokenizer's count
+    rewrite: RewriteChoice | None = None  # the model rewrite that chose served_model
     _picked: tuple[str, PodState | None] | None = field(default=None, repr=False)
 
     def pod(self, address: str) -> PodState | None:
@@ -113,6 +116,7 @@ class Outgoing:
     model: str | None = None  # the served model name written into the body
     include_usage: bool = False  # ask a streaming engine for `usage` in its last event
     kv_transfer_params: Mapping[str, Any] | None = None  # P/D: the prefill's KV handle
+    request_id: str | None = None  # Responses API: the response id, naming the pick
     # Headers Envoy sets on the request it forwards (it echoes the session and explain ones
     # to the client).
     set_headers: dict[str, str] = field(default_factory=dict)
@@ -125,6 +129,7 @@ class Outgoing:
             include_usage=self.include_usage,
             model=self.model,
             kv_transfer_params=self.kv_transfer_params,
+            request_id=self.request_id,
         )
 
 

@@ -117,7 +117,9 @@ class RewriteBody:
             if settings.inject_include_usage is not None
             else self._inject
         )
-        out.include_usage = settings.accounting and inject
+        # Only chat and completions streams report usage on request; the others always do.
+        usage_opt_in = req.req.kind in (RequestKind.CHAT, RequestKind.COMPLETION)
+        out.include_usage = settings.accounting and inject and usage_opt_in
 
 
 class RemotePrefill:

@@ -1,4 +1,5 @@
-"""Kubernetes discovery: model-server pods per model, and per-route settings from HTTPRoutes.
+"""Kubernetes discovery: model-server pods per model, per-route settings from HTTPRoutes, and
+llm-d's InferenceModelRewrite resources.
 
 Each watched collection runs in its own thread (see `_listwatch`). Callbacks run in that
 thread, or on an asyncio loop when one is given, so consumers that live on the loop never
@@ -24,14 +25,21 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from extproc.config import KubernetesDiscoveryConfig
+from extproc.config import (
+    ConfigError,
+    KubernetesDiscoveryConfig,
+    ModelRewriteConfig,
+    parse_model_rewrite,
+)
 from extproc.discovery._listwatch import Backoff, ListWatcher, ObjectKey, Store
 from extproc.types import EMPTY_LABELS, Endpoint, EndpointRole
 
 __all__ = [
+    "DATA_PARALLEL_ANNOTATION",
     "DEFAULT_ROLE_LABEL",
     "Backoff",
     "HTTPRouteWatcher",
+    "ModelRewriteWatcher",
     "PodDiscovery",
     "PodSource",
     "endpoints_from_pods",
@@ -44,8 +52,10 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 
 DEFAULT_ROLE_LABEL = "llm-d.ai/role"
+DATA_PARALLEL_ANNOTATION = "lb.extproc.io/data-parallel-size"  # the pod's vLLM DP size
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL = "gateway.networking.k8s.io", "v1", "httproutes"
+REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL = "llm-d.ai", "v1alpha2", "inferencemodelrewrites"
 
 S = TypeVar("S")
 OnChange = Callable[[str, tuple[Endpoint, ...]], None]
@@ -81,8 +91,9 @@ class PodSource:
     metrics_port: int | None = None  # None: scrape the target port
     metrics_path: str = "/metrics"
     kv_events_template: str | None = None  # e.g. "tcp://{ip}:5557"
-    kv_replay_template: str | None = None  # e.g. "tcp://{ip}:5558"
+    kv_replay_template: str | None = None  # e.g. "tcp://{ip}:5657"
     role_label: str | None = DEFAULT_ROLE_LABEL
+    data_parallel_size: int = 1  # a pod's DATA_PARALLEL_ANNOTATION overrides it
 
     @classmethod
     def from_config(cls, config: KubernetesDiscoveryConfig) -> PodSource:
@@ -101,6 +112,7 @@ class PodSource:
                 f"tcp://{{ip}}:{config.kv_replay_port}" if config.kv_replay_port else None
             ),
             role_label=config.role_label,
+            data_parallel_size=config.data_parallel_size,
         )
 
     def __post_init__(self) -> None:
@@ -145,6 +157,23 @@ def _role(labels: Mapping[str, str], role_label: str | None) -> EndpointRole:
         return EndpointRole.BOTH
 
 
+def _data_parallel_size(meta: Mapping[str, Any], default: int) -> int:
+    raw = (meta.get("annotations") or {}).get(DATA_PARALLEL_ANNOTATION)
+    if raw is None:
+        return default
+    try:
+        size = int(str(raw))
+    except ValueError:
+        size = 0
+    if not 1 <= size <= 1024:
+        _LOG.warning(
+            "pod %s: %s=%r is not an integer in 1..1024; using %d",
+            meta.get("name"), DATA_PARALLEL_ANNOTATION, raw, default,
+        )  # fmt: skip
+        return default
+    return size
+
+
 def endpoints_from_pods(
     model: str,
     pods: Iterable[Mapping[str, Any]],
@@ -160,6 +189,7 @@ def endpoints_from_pods(
         labels: Mapping[str, str] = dict(meta.get("labels") or {})
         host = _host(str(pod["status"]["podIP"]))
         role = _role(labels, source.role_label)
+        dp_size = _data_parallel_size(meta, source.data_parallel_size)
         for port in target_ports:
             metrics_port = source.metrics_port if source.metrics_port is not None else port
             endpoints.append(
@@ -180,6 +210,7 @@ def endpoints_from_pods(
                     ),
                     labels=labels,
                     name=str(meta.get("name") or ""),
+                    data_parallel_size=dp_size,
                 )
             )
     endpoints.sort(key=lambda ep: (ep.name, ep.address))
@@ -331,6 +362,40 @@ def route_key_from_xds_name(name: str) -> ObjectKey | None:
     return (parts[1], parts[2])
 
 
+def _custom_object_watchers(
+    custom: k8s.CustomObjectsApi,
+    resource: tuple[str, str, str],
+    namespaces: Sequence[str],
+    on_sync: Callable[[str, Store], None],
+    *,
+    backoff: Callable[[], Backoff],
+    watch_timeout_s: int,
+) -> list[ListWatcher]:
+    """One list+watch of a custom resource (group, version, plural) per namespace, or one
+    cluster-wide when `namespaces` is empty; `on_sync(scope, store)` gets each one's store."""
+    group, version, plural = resource
+    watchers: list[ListWatcher] = []
+    scopes: Sequence[str | None] = list(namespaces) or [None]
+    for namespace in scopes:
+        if namespace is None:
+            list_fn = functools.partial(custom.list_cluster_custom_object, group, version, plural)
+        else:
+            list_fn = functools.partial(
+                custom.list_namespaced_custom_object, group, version, namespace, plural
+            )
+        scope = namespace or "*"
+        watchers.append(
+            ListWatcher(
+                name=f"{plural}/{scope}",
+                list_fn=list_fn,
+                on_sync=functools.partial(on_sync, scope),
+                backoff=backoff(),  # each its own: a Backoff counts failures
+                watch_timeout_s=watch_timeout_s,
+            )
+        )
+    return watchers
+
+
 class HTTPRouteWatcher(Generic[S]):
     """Watches HTTPRoutes and reports each route's parsed settings.
 
@@ -366,31 +431,11 @@ class HTTPRouteWatcher(Generic[S]):
         self._last: dict[ObjectKey, S] | None = None
         self._posted: set[tuple[str, str]] = set()  # (route uid, message)
         self.events_posted = 0
-        self._watchers: list[ListWatcher] = []
-        scopes: Sequence[str | None] = list(namespaces) or [None]
-        for namespace in scopes:
-            if namespace is None:
-                list_fn = functools.partial(
-                    custom.list_cluster_custom_object, ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL
-                )
-            else:
-                list_fn = functools.partial(
-                    custom.list_namespaced_custom_object,
-                    ROUTE_GROUP,
-                    ROUTE_VERSION,
-                    namespace,
-                    ROUTE_PLURAL,
-                )
-            scope = namespace or "*"
-            self._watchers.append(
-                ListWatcher(
-                    name=f"httproutes/{scope}",
-                    list_fn=list_fn,
-                    on_sync=functools.partial(self._on_sync, scope),
-                    backoff=Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
-                    watch_timeout_s=watch_timeout_s,
-                )
-            )
+        self._watchers = _custom_object_watchers(
+            custom, (ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL), namespaces, self._on_sync,
+            backoff=lambda: Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
+            watch_timeout_s=watch_timeout_s,
+        )  # fmt: skip
 
     def start(self) -> None:
         for watcher in self._watchers:
@@ -465,3 +510,67 @@ class HTTPRouteWatcher(Generic[S]):
         else:
             self.events_posted += 1
         self._posted.add((uid, message))
+
+
+class ModelRewriteWatcher:
+    """Watches InferenceModelRewrites (llm-d.ai/v1alpha2) and reports every valid one.
+
+    A resource that does not parse is left out and logged once per (uid, problem); the others
+    keep applying. Reports only when the parsed set changes.
+    """
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        on_rewrites: Callable[[list[ModelRewriteConfig]], None],
+        *,
+        namespaces: Sequence[str] = (),
+        loop: asyncio.AbstractEventLoop | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        watch_timeout_s: int = 300,
+    ) -> None:
+        custom = k8s.CustomObjectsApi(api_client)
+        self._on_rewrites = on_rewrites
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._stores: dict[str, Store] = {}
+        self._last: list[ModelRewriteConfig] | None = None
+        self._logged: set[tuple[str, str]] = set()
+        self._watchers = _custom_object_watchers(
+            custom, (REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL), namespaces, self._on_sync,
+            backoff=lambda: Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
+            watch_timeout_s=watch_timeout_s,
+        )  # fmt: skip
+
+    def start(self) -> None:
+        for watcher in self._watchers:
+            watcher.start()
+
+    def stop(self) -> None:
+        for watcher in self._watchers:
+            watcher.stop()
+
+    def _on_sync(self, scope: str, store: Store) -> None:
+        with self._lock:
+            self._stores[scope] = store
+            resources = [r for s in self._stores.values() for r in s.values()]
+        parsed: list[ModelRewriteConfig] = []
+        for resource in resources:
+            try:
+                parsed.append(parse_model_rewrite(resource))
+            except ConfigError as exc:
+                meta = resource.get("metadata") or {}
+                key = (str(meta.get("uid") or meta.get("name")), str(exc))
+                if key not in self._logged:
+                    self._logged.add(key)
+                    _LOG.warning(
+                        "InferenceModelRewrite %s/%s ignored: %s",
+                        meta.get("namespace"), meta.get("name"), exc,
+                    )  # fmt: skip
+        parsed.sort(key=lambda r: (r.created, r.namespace, r.name))
+        with self._lock:
+            if parsed == self._last:
+                return
+            self._last = parsed
+        _dispatch(self._loop, self._on_rewrites, list(parsed))

@@ -52,10 +52,11 @@ def hash_fn(algo: HashAlgo) -> Callable[[object], bytes]:
 
 
 def none_hash(algo: HashAlgo, env: Mapping[str, str] | None = None) -> bytes:
-    """Parent hash of a sequence's first block: H(PYTHONHASHSEED or "vllm-none-hash")."""
+    """Parent hash of a sequence's first block: H(PYTHONHASHSEED) when it is set, even to ""
+    (vLLM tests `is not None`: an empty seed is a seed of its own), else H("vllm-none-hash")."""
     environ = os.environ if env is None else env
-    seed = environ.get("PYTHONHASHSEED") or _NONE_HASH_DEFAULT_SEED
-    return hash_fn(algo)(seed)
+    seed = environ.get("PYTHONHASHSEED")
+    return hash_fn(algo)(_NONE_HASH_DEFAULT_SEED if seed is None else seed)
 
 
 def to_published(block_hash: bytes) -> int:
@@ -63,12 +64,17 @@ def to_published(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def block_extra_keys(lora_name: str | None) -> ExtraKeys:
-    """Extra hash keys of a request: one ("lora", name) key for an adapter, else None.
+def block_extra_keys(lora_name: str | None, lora_path: str | None = None) -> ExtraKeys:
+    """Extra hash keys of a request: one ("lora", name, path) key for an adapter, as vLLM
+    0.33 builds it (`_gen_lora_extra_hash_keys`), else None. `lora_path` is where the adapter
+    was loaded from (`--lora-modules name=path`); None: the name (`--lora-modules name=name`).
 
-    A LoRA's KV differs from the base model's for the same tokens, so its blocks must hash apart.
+    A LoRA's KV differs from the base model's for the same tokens, so its blocks must hash apart;
+    events carry the adapter's name only, so the router keys LoRA blocks by name (exact.py).
     """
-    return None if lora_name is None else (("lora", lora_name),)
+    if lora_name is None:
+        return None
+    return (("lora", lora_name, lora_name if lora_path is None else lora_path),)
 
 
 class VllmBlockHasher:
@@ -78,7 +84,7 @@ class VllmBlockHasher:
         self,
         *,
         block_size: int = 16,
-        algo: HashAlgo = HashAlgo.SHA256_CBOR,
+        algo: HashAlgo = HashAlgo.SHA256,  # vLLM's default --prefix-caching-hash-algo
         env: Mapping[str, str] | None = None,
     ) -> None:
         if block_size <= 0:

@@ -24,16 +24,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from extproc.config import KVEventsConfig
-from extproc.kvcache.exact import ExactIndex
+from extproc.kvcache.exact import ExactIndex, StoreResult
 from extproc.kvevents.decode import (
     AllBlocksCleared,
     BlockRemoved,
@@ -49,15 +50,20 @@ from extproc.types import Endpoint
 
 __all__ = [
     "ApplyCounts",
+    "IndexWriter",
     "KVEventManager",
     "KVEventSubscriber",
+    "PodRanks",
     "StreamProbe",
     "SubscriberSettings",
     "SubscriberStats",
     "apply_events",
+    "rank_endpoint",
 ]
 
 _log = logging.getLogger(__name__)
+
+_Key = tuple[str, str, str | None, int]
 
 # Tiers the prefix index models: the GPU cache (vLLM reports "GPU", older builds None).
 _INDEXED_MEDIA = (None, "GPU")
@@ -108,6 +114,105 @@ class SubscriberStats:
     lag_s: float | None = None
 
 
+class IndexWriter(Protocol):
+    """What applying a stream's events needs of the index: ExactIndex, or one rank's view."""
+
+    def stored(
+        self,
+        pod: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int],
+        *,
+        block_size: int | None = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[object] | None = None,
+    ) -> StoreResult: ...
+
+    def removed(self, pod: str, engine_hashes: Iterable[int]) -> int: ...
+
+    def cleared(self, pod: str) -> int: ...
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """`tcp://host:port` of data-parallel rank `rank`: vLLM binds each rank's publisher and
+    replay socket on the configured port + rank (distributed/kv_events.py)."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"a data-parallel pod's KV endpoint needs a port: {endpoint!r}")
+    return f"{head}:{int(port) + rank}"
+
+
+class PodRanks:
+    """The ranks of one data-parallel vLLM server into the pod's one index entry.
+
+    Each rank has a KV cache of its own and its own event stream; the pod holds a block while
+    any rank does. A rank's removal (or clear, or reset) removes only the blocks no other rank
+    still holds, so one rank's eviction never hides another rank's cache.
+    """
+
+    def __init__(self, index: ExactIndex, size: int) -> None:
+        self.index = index
+        self.size = size
+        self._held: list[set[int]] = [set() for _ in range(size)]
+        self._count: dict[int, int] = {}
+
+    def view(self, rank: int) -> _RankView:
+        return _RankView(self, rank)
+
+    def _add(self, rank: int, hashes: Iterable[int]) -> None:
+        held = self._held[rank]
+        for h in hashes:
+            if h not in held:
+                held.add(h)
+                self._count[h] = self._count.get(h, 0) + 1
+
+    def _drop(self, pod: str, rank: int, hashes: Iterable[int]) -> int:
+        held, gone = self._held[rank], []
+        for h in hashes:
+            if h in held:
+                held.discard(h)
+                left = self._count[h] - 1
+                if left:
+                    self._count[h] = left
+                else:
+                    del self._count[h]
+                    gone.append(h)
+        return self.index.removed(pod, gone) if gone else 0
+
+
+class _RankView:
+    def __init__(self, ranks: PodRanks, rank: int) -> None:
+        self._ranks = ranks
+        self._rank = rank
+
+    def stored(
+        self,
+        pod: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int],
+        *,
+        block_size: int | None = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[object] | None = None,
+    ) -> StoreResult:
+        result = self._ranks.index.stored(
+            pod, engine_hashes, parent_engine_hash, token_ids,
+            block_size=block_size, lora_name=lora_name, extra_keys=extra_keys,
+        )  # fmt: skip
+        self._ranks._add(self._rank, engine_hashes)
+        return result
+
+    def removed(self, pod: str, engine_hashes: Iterable[int]) -> int:
+        return self._ranks._drop(pod, self._rank, engine_hashes)
+
+    def cleared(self, pod: str) -> int:
+        return self._ranks._drop(pod, self._rank, list(self._ranks._held[self._rank]))
+
+
 class KVEventSubscriber:
     """Feeds one pod's KV events into an ExactIndex."""
 
@@ -123,8 +228,14 @@ class KVEventSubscriber:
         metrics: KVEventMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        label: str | None = None,
+        writer: IndexWriter | None = None,
     ) -> None:
+        """`label` names the stream in metrics and logs (a data-parallel rank: `pod/dp1`);
+        `writer` applies its events (a rank's share of the pod's entry), else `index`."""
         self.pod = pod
+        self.label = label or pod
+        self._writer: IndexWriter = writer if writer is not None else index
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.index = index
@@ -160,11 +271,11 @@ class KVEventSubscriber:
         sub.connect(self.endpoint)
         self._sub = sub
         self._task = asyncio.get_running_loop().create_task(
-            self._run(sub), name=f"kv-events:{self.pod}"
+            self._run(sub), name=f"kv-events:{self.label}"
         )
         if self._metrics is not None:
             self._metrics.watch(
-                self.pod, lambda: self.index.pod_block_count(self.pod), self.healthy
+                self.label, lambda: self.index.pod_block_count(self.pod), self.healthy
             )
 
     async def stop(self) -> None:
@@ -226,7 +337,7 @@ class KVEventSubscriber:
         except RuntimeError:  # asked from another thread: answer, probe next time
             return
         self._probed_at = now
-        self._probe_task = loop.create_task(self._probe(), name=f"kv-events-probe:{self.pod}")
+        self._probe_task = loop.create_task(self._probe(), name=f"kv-events-probe:{self.label}")
 
     async def _probe(self) -> None:
         """Ask the replay socket for every batch after the last one held: none means the
@@ -253,7 +364,7 @@ class KVEventSubscriber:
                 self._probe_verdict = verdict
             self._stats.last_probe = verdict.value
             if self._metrics is not None:
-                self._metrics.probes.labels(self.pod, verdict.value).inc()
+                self._metrics.probes.labels(self.label, verdict.value).inc()
         finally:
             self._probe_task = None
 
@@ -266,7 +377,7 @@ class KVEventSubscriber:
                 async with self._lock:
                     await self._on_live(frames)
             except Exception:  # a bug must not end the subscription silently forever
-                _log.exception("kv-events %s: failed to apply a batch", self.pod)
+                _log.exception("kv-events %s: failed to apply a batch", self.label)
                 self._reset("gap")
             if self._budget <= 0:
                 await asyncio.sleep(0)
@@ -287,7 +398,10 @@ class KVEventSubscriber:
         if self._live_high is not None and seq <= self._live_high:
             # A publisher's seq only grows; going back means a new process with an empty cache.
             _log.info(
-                "kv-events %s: seq %d after %d, publisher restarted", self.pod, seq, self._live_high
+                "kv-events %s: seq %d after %d, publisher restarted",
+                self.label,
+                seq,
+                self._live_high,
             )
             self._stats.restarts += 1
             self._reset("restart")
@@ -302,7 +416,7 @@ class KVEventSubscriber:
             if last is not None:
                 self._stats.gaps += 1
                 if self._metrics is not None:
-                    self._metrics.gaps.labels(self.pod).inc()
+                    self._metrics.gaps.labels(self.label).inc()
             await self._replay(expected)
             last = self._stats.last_seq
             expected = 0 if last is None else last + 1
@@ -376,7 +490,7 @@ class KVEventSubscriber:
                     await asyncio.sleep(0)
                     self._budget = self._settings.max_blocks_per_wake
         except TimeoutError:
-            _log.warning("kv-events %s: replay from seq %d timed out", self.pod, start)
+            _log.warning("kv-events %s: replay from seq %d timed out", self.label, start)
             return applied, "failed"
         finally:
             sock.close(linger=0)
@@ -387,7 +501,7 @@ class KVEventSubscriber:
     def _apply(self, batch: EventBatch) -> None:
         st = self._stats
         pod = self.pod
-        counts = apply_events(self.index, pod, batch.events)
+        counts = apply_events(self._writer, pod, batch.events)
         st.batches += 1
         st.stored_blocks += counts.stored_blocks
         st.removed_blocks += counts.removed_blocks
@@ -401,8 +515,8 @@ class KVEventSubscriber:
         self._budget -= counts.stored_blocks + counts.removed_blocks + 1
         m = self._metrics
         if m is not None:
-            m.batches.labels(pod).inc()
-            m.lag.labels(pod).set(st.lag_s)
+            m.batches.labels(self.label).inc()
+            m.lag.labels(self.label).set(st.lag_s)
             for kind, n in (
                 ("stored_blocks", counts.stored_blocks),
                 ("removed_blocks", counts.removed_blocks),
@@ -411,27 +525,27 @@ class KVEventSubscriber:
                 ("unknown", batch.unknown_events),
             ):
                 if n:
-                    m.events.labels(pod, kind).inc(n)
+                    m.events.labels(self.label, kind).inc(n)
             if counts.orphans:
-                m.orphans.labels(pod).inc(counts.orphans)
+                m.orphans.labels(self.label).inc(counts.orphans)
 
     def _reset(self, reason: str) -> None:
-        self.index.cleared(self.pod)
+        self._writer.cleared(self.pod)
         self._stats.resets += 1
         if self._metrics is not None:
-            self._metrics.resets.labels(self.pod, reason).inc()
+            self._metrics.resets.labels(self.label, reason).inc()
 
     def _replay_outcome(self, outcome: str) -> None:
         if outcome != "complete":
             self._stats.replay_failures += 1
         if self._metrics is not None:
-            self._metrics.replays.labels(self.pod, outcome).inc()
+            self._metrics.replays.labels(self.label, outcome).inc()
 
     def _decode_error(self, exc: DecodeError) -> None:
         self._stats.decode_errors += 1
-        _log.debug("kv-events %s: skipped a malformed message: %s", self.pod, exc.reason)
+        _log.debug("kv-events %s: skipped a malformed message: %s", self.label, exc.reason)
         if self._metrics is not None:
-            self._metrics.decode_errors.labels(self.pod).inc()
+            self._metrics.decode_errors.labels(self.label).inc()
 
 
 @dataclass(slots=True)
@@ -443,7 +557,7 @@ class ApplyCounts:
     orphans: int = 0
 
 
-def apply_events(index: ExactIndex, pod: str, events: Iterable[KVEvent]) -> ApplyCounts:
+def apply_events(index: IndexWriter, pod: str, events: Iterable[KVEvent]) -> ApplyCounts:
     """Apply one batch's events for `pod` to `index`.
 
     Only the GPU tier and KV-cache group 0 are indexed: CPU/disk copies and the extra groups
@@ -507,72 +621,101 @@ class KVEventManager:
         self._metrics = metrics
         self._clock = clock
         self._wall = wall_clock
+        # One subscriber per stream, by label (the address; `address/dp<r>` for rank r > 0).
         self._subs: dict[str, KVEventSubscriber] = {}
-        self._keys: dict[str, tuple[str, str, str | None]] = {}  # address -> (model, pub, replay)
+        self._ranks: dict[str, tuple[str, ...]] = {}  # address -> its streams' labels
+        self._keys: dict[str, _Key] = {}  # address -> (model, pub, replay, data-parallel size)
 
     async def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
-        """Start subscribers for new pods, stop (and forget) removed or changed ones."""
-        wanted: dict[str, tuple[str, str, str | None]] = {}
+        """Start subscribers for new pods, stop (and forget) removed or changed ones. A pod
+        with `data_parallel_size` N gets one subscriber per rank (base port + rank), all
+        feeding its one index entry."""
+        wanted: dict[str, _Key] = {}
         for ep in endpoints:
             if ep.kv_events_endpoint and ep.model in self._indexes:
-                wanted[ep.address] = (ep.model, ep.kv_events_endpoint, ep.kv_replay_endpoint)
-        for address in [a for a in self._subs if self._keys.get(a) != wanted.get(a)]:
+                size = max(1, ep.data_parallel_size)
+                wanted[ep.address] = (ep.model, ep.kv_events_endpoint, ep.kv_replay_endpoint, size)
+        for address in [a for a in self._ranks if self._keys.get(a) != wanted.get(a)]:
             await self._remove(address)
         for address, key in wanted.items():
-            if address in self._subs:
+            if address in self._ranks:
                 continue
-            model, pub, replay = key
-            sub = KVEventSubscriber(
-                pod=address,
-                endpoint=pub,
-                replay_endpoint=replay,
-                index=self._indexes[model],
-                context=self._ctx,
-                settings=self._settings,
-                metrics=self._metrics,
-                clock=self._clock,
-                wall_clock=self._wall,
-            )
-            self._subs[address] = sub
+            model, pub, replay, size = key
+            index = self._indexes[model]
+            ranks = PodRanks(index, size) if size > 1 else None
+            labels = []
+            for rank in range(size):
+                label = address if rank == 0 else f"{address}/dp{rank}"
+                try:
+                    rank_pub = rank_endpoint(pub, rank)
+                    rank_replay = rank_endpoint(replay, rank)
+                except ValueError as exc:
+                    _log.warning("kv-events %s: %s", address, exc)
+                    break
+                assert rank_pub is not None
+                sub = KVEventSubscriber(
+                    pod=address,
+                    endpoint=rank_pub,
+                    replay_endpoint=rank_replay,
+                    index=index,
+                    context=self._ctx,
+                    settings=self._settings,
+                    metrics=self._metrics,
+                    clock=self._clock,
+                    wall_clock=self._wall,
+                    label=label,
+                    writer=ranks.view(rank) if ranks is not None else None,
+                )
+                self._subs[label] = sub
+                labels.append(label)
+                sub.start()
+            self._ranks[address] = tuple(labels)
             self._keys[address] = key
-            sub.start()
 
     async def set_indexes(self, indexes: Mapping[str, ExactIndex]) -> None:
         """Feed these indexes from now on (a config reload). A subscriber whose model's index
         is another object stops (its pod leaves the old index); `set_endpoints` then starts
         one on the new index. Subscribers of unchanged indexes keep running."""
         new = dict(indexes)
-        for address in list(self._subs):
+        for address in list(self._ranks):
             model = self._keys[address][0]
             if new.get(model) is not self._indexes.get(model):
                 await self._remove(address)
         self._indexes = new
 
     def is_healthy(self, address: str) -> bool:
-        sub = self._subs.get(address)
-        return sub is not None and sub.healthy()
+        """Every rank's stream is alive (one silent rank hides its cache); for a rank's
+        label (`pod/dp1`), that stream alone."""
+        labels = self._ranks.get(address)
+        if labels is None:
+            sub = self._subs.get(address)
+            return sub is not None and sub.healthy()
+        return bool(labels) and all(self._subs[label].healthy() for label in labels)
 
     def note_traffic(self, address: str, now: float | None = None) -> None:
-        sub = self._subs.get(address)
-        if sub is not None:
-            sub.note_traffic(now)
+        # The server picks a rank itself: each rank's stream may owe the events.
+        for label in self._ranks.get(address, ()):
+            self._subs[label].note_traffic(now)
 
     def subscriber(self, address: str) -> KVEventSubscriber | None:
+        """The stream of `address`, or of `address/dp<r>` (a rank)."""
         return self._subs.get(address)
 
     def stats(self) -> dict[str, SubscriberStats]:
-        return {address: sub.stats for address, sub in self._subs.items()}
+        return {label: sub.stats for label, sub in self._subs.items()}
 
     async def close(self) -> None:
-        for address in list(self._subs):
+        for address in list(self._ranks):
             await self._remove(address)
         if self._own_context:
             self._ctx.term()
 
     async def _remove(self, address: str) -> None:
-        sub = self._subs.pop(address)
-        model, _, _ = self._keys.pop(address)
-        await sub.stop()
+        labels = self._ranks.pop(address)
+        model = self._keys.pop(address)[0]
+        for label in labels:
+            await self._subs.pop(label).stop()
         self._indexes[model].drop_pod(address)
         if self._metrics is not None:
-            self._metrics.forget(address)
+            for label in labels:
+                self._metrics.forget(label)

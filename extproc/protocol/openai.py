@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from extproc.protocol.agents import anthropic_chat, responses_chat
 from extproc.types import BadRequest, InferenceRequest, PayloadTooLarge, RequestKind
 
 __all__ = ["kind_for_path", "parse_request", "rewrite_body"]
@@ -19,6 +20,8 @@ _KINDS = {
     "/v1/chat/completions": RequestKind.CHAT,
     "/v1/completions": RequestKind.COMPLETION,
     "/v1/embeddings": RequestKind.EMBEDDINGS,
+    "/v1/responses": RequestKind.RESPONSES,
+    "/v1/messages": RequestKind.MESSAGES,
 }
 
 
@@ -162,28 +165,54 @@ def parse_request(path: str, body: bytes, *, max_body_bytes: int) -> InferenceRe
             )
         include_usage = bool(iu)
 
-    max_tokens = _optional_positive_int(data, "max_tokens")
+    if kind is RequestKind.RESPONSES:
+        max_tokens = _optional_positive_int(data, "max_output_tokens")
+    elif kind is RequestKind.MESSAGES:
+        max_tokens = _optional_positive_int(data, "max_tokens")
+        if max_tokens is None:
+            raise BadRequest("max_tokens is required", param="max_tokens")
+    else:
+        max_tokens = _optional_positive_int(data, "max_tokens")
     if kind is RequestKind.CHAT:
         mct = _optional_positive_int(data, "max_completion_tokens")
         max_tokens = mct if mct is not None else max_tokens
 
     user = data.get("user")
+    user_field = "user"
+    if kind is RequestKind.MESSAGES:  # Anthropic names the end user in metadata.user_id
+        meta = data.get("metadata")
+        user, user_field = (
+            (meta.get("user_id") if isinstance(meta, dict) else None),
+            "metadata.user_id",
+        )
     if user is not None and not isinstance(user, str):
-        raise BadRequest("user must be a string", param="user")
+        raise BadRequest(f"{user_field} must be a string", param=user_field)
 
     messages: tuple[Mapping[str, object], ...] | None = None
+    tools: tuple[Mapping[str, object], ...] | None = None
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    previous: str | None = None
     if kind is RequestKind.CHAT:
         messages = _messages(data)
-        tools = data.get("tools")
-        if tools is not None and (
-            not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+        raw_tools = data.get("tools")
+        if raw_tools is not None and (
+            not isinstance(raw_tools, list) or not all(isinstance(t, dict) for t in raw_tools)
         ):
             raise BadRequest("tools must be a list of objects", param="tools")
+        tools = tuple(raw_tools) if raw_tools else None
         ctk = data.get("chat_template_kwargs")
         if ctk is not None and not isinstance(ctk, dict):
             raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    elif kind is RequestKind.RESPONSES:
+        messages, tools = responses_chat(data)
+        previous = data.get("previous_response_id")
+        if previous is not None and (not isinstance(previous, str) or not previous):
+            raise BadRequest(
+                "previous_response_id must be a non-empty string", param="previous_response_id"
+            )
+    elif kind is RequestKind.MESSAGES:
+        messages, tools = anthropic_chat(data)
     elif kind is RequestKind.COMPLETION:
         prompt, prompt_ids = _prompt(data, "prompt")
     else:
@@ -200,6 +229,8 @@ def parse_request(path: str, body: bytes, *, max_body_bytes: int) -> InferenceRe
         messages=messages,
         prompt=prompt,
         prompt_token_ids=prompt_ids,
+        tools=tools,
+        previous_response_id=previous,
     )
 
 
@@ -209,6 +240,7 @@ def rewrite_body(
     include_usage: bool = False,
     model: str | None = None,
     kv_transfer_params: Mapping[str, Any] | None = None,
+    request_id: str | None = None,
 ) -> bytes | None:
     """Serialized body with the requested changes, or None when nothing would change.
 
@@ -216,6 +248,7 @@ def rewrite_body(
       rejects stream_options when stream is false); other stream options are kept.
     - `model`: the served model name (model-name mapping).
     - `kv_transfer_params`: the prefill's KV handle for the decode pod (P/D disaggregation).
+    - `request_id`: a Responses request's id, which vLLM makes the response's id.
 
     Other fields and their values are kept, in their order; `body` is not mutated.
     """
@@ -233,5 +266,8 @@ def rewrite_body(
             changed = True
     if kv_transfer_params is not None:
         out["kv_transfer_params"] = dict(kv_transfer_params)
+        changed = True
+    if request_id is not None:
+        out["request_id"] = request_id
         changed = True
     return orjson.dumps(out) if changed else None

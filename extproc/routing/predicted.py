@@ -52,6 +52,8 @@ from extproc.types import BadRequest, TooManyRequests
 
 __all__ = [
     "FEATURE_NAMES",
+    "LLMD_SLO_TPOT_HEADER",
+    "LLMD_SLO_TTFT_HEADER",
     "SLO_TPOT_HEADER",
     "SLO_TTFT_HEADER",
     "SLO_UNMET",
@@ -68,6 +70,10 @@ __all__ = [
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
+# llm-d's names for the same targets (its predicted-latency producer reads them): accepted too;
+# where a request sends both, ours wins.
+LLMD_SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
+LLMD_SLO_TPOT_HEADER = "x-llm-d-slo-tpot-ms"
 SLO_UNMET = "slo_unmet"  # the error code of the 429 for a sheddable request no pod can serve
 MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a typo, not a target
 # Where the columns pay (`VECTOR_MIN_PODS * 1.0` = 48 pods): the columns path runs ~60 numpy
@@ -257,9 +263,13 @@ class PredictedLatencyParams:
             raise ValueError("temperature, overlap_weight and probe_after_s must be >= 0")
 
 
-def _slo_ms(headers: Mapping[str, str], name: str) -> float | None:
-    raw = headers.get(name)
-    if raw is None or not raw.strip():
+def _slo_ms(headers: Mapping[str, str], *names: str) -> float | None:
+    """The first of `names` the request sends (ours, then llm-d's); 400 naming it if bad."""
+    for name in names:
+        raw = headers.get(name)
+        if raw is not None and raw.strip():
+            break
+    else:
         return None
     try:
         value = float(raw)
@@ -276,7 +286,8 @@ def _slo_ms(headers: Mapping[str, str], name: str) -> float | None:
 
 def _slo(headers: Mapping[str, str]) -> _Slo | None:
     """The request's SLO headers; None without any (the common case: nothing built)."""
-    ttft, tpot = _slo_ms(headers, SLO_TTFT_HEADER), _slo_ms(headers, SLO_TPOT_HEADER)
+    ttft = _slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER)
+    tpot = _slo_ms(headers, SLO_TPOT_HEADER, LLMD_SLO_TPOT_HEADER)
     return None if ttft is None and tpot is None else _Slo(ttft, tpot)
 
 

@@ -23,11 +23,13 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 
-__all__ = ["MAX_SESSION_ID_LEN", "SessionTokens", "rendezvous"]
+__all__ = ["MAX_SESSION_ID_LEN", "RESPONSE_ID_PREFIX", "SessionTokens", "rendezvous"]
 
 MAX_SESSION_ID_LEN = 256  # longer values are ignored (no session)
 _PREFIX = "s1."
 _MEMO_LIMIT = 8192  # (model, address) -> token entries kept; cleared past it (pods churn)
+RESPONSE_ID_PREFIX = "resp_"  # vLLM's own prefix, kept: clients may look for it
+_TAG, _TAG_LEN = "t", 9  # a model rewrite's target tag: "t" + base64url of 6 MAC bytes
 
 
 def rendezvous(key: str, addresses: Sequence[str]) -> str:
@@ -82,6 +84,7 @@ class SessionTokens:
         if not value or len(value) > MAX_SESSION_ID_LEN:
             return None
         if value.startswith(_PREFIX):
+            value = self.split_tag(value)[0]  # a model rewrite's target tag rides after the token
             pod = self._pods.get((model, value))
             if pod is None:  # not seen yet on this process: the candidates' tokens
                 for address in candidates:
@@ -91,3 +94,58 @@ class SessionTokens:
             if pod is not None and pod in candidates:
                 return pod
         return rendezvous(value, candidates)
+
+    # -- stored responses (the Responses API) -------------------------------------------------
+    # vLLM keeps a stored response in the memory of the engine that made it, under the
+    # `request_id` of its request. The gateway writes that id, so the id itself names the pod:
+    #     "resp_" + 32 random hex + "." + base64url(BLAKE2b-96 keyed, of "response" NUL address)
+    # Every process and replica that shares the secret reads it alike, with no shared memory and
+    # no delay (a client may send the next turn the moment the last one ends).
+
+    def _pod_mac(self, address: str) -> str:
+        mac = hashlib.blake2b(f"response\0{address}".encode(), key=self._key, digest_size=12)
+        return base64.urlsafe_b64encode(mac.digest()).decode("ascii")
+
+    def response_id(self, address: str, tag: str | None = None) -> str:
+        """A new response id that names `address` (unique: 128 random bits), with a model
+        rewrite's target tag when one placed the request."""
+        middle = f".{tag}" if tag else ""
+        return f"{RESPONSE_ID_PREFIX}{secrets.token_hex(16)}{middle}.{self._pod_mac(address)}"
+
+    def response_pod(self, response_id: str, addresses: Sequence[str]) -> str | None:
+        """The address among `addresses` that a gateway-made response id names, or None."""
+        _, dot, mac = response_id.rpartition(".")
+        if not dot or len(mac) != 16:
+            return None
+        for address in addresses:
+            if secrets.compare_digest(self._pod_mac(address), mac):
+                return address
+        return None
+
+    @staticmethod
+    def is_response_id(value: str) -> bool:
+        """Shaped like an id this gateway makes (its pod may be gone)."""
+        head, dot, mac = value.rpartition(".")
+        return bool(dot) and head.startswith(RESPONSE_ID_PREFIX) and len(mac) == 16
+
+    @classmethod
+    def response_tag(cls, response_id: str) -> str | None:
+        """The target tag inside a gateway-made response id, if a rewrite placed it."""
+        if not cls.is_response_id(response_id):
+            return None
+        return cls.split_tag(response_id.rpartition(".")[0])[1]
+
+    # -- model rewrite targets: a conversation keeps its target ------------------------------
+
+    def target_tag(self, model: str) -> str:
+        """`t` + 8 characters naming a rewrite target under the secret (opaque to clients)."""
+        mac = hashlib.blake2b(f"target\0{model}".encode(), key=self._key, digest_size=6)
+        return _TAG + base64.urlsafe_b64encode(mac.digest()).decode("ascii")
+
+    @staticmethod
+    def split_tag(value: str) -> tuple[str, str | None]:
+        """(the value without its trailing `.t...` target tag, the tag or None)."""
+        base, dot, last = value.rpartition(".")
+        if dot and base and len(last) == _TAG_LEN and last.startswith(_TAG):
+            return base, last
+        return value, None

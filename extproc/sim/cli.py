@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from extproc.kvcache.vllm_hash import HashAlgo
 from extproc.sim.config import EventEncoding, SimConfig, SimRole, StepTimeModel
 from extproc.sim.server import SimServer
 from extproc.tokenization import bundled_qwen_dir
@@ -25,7 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
     p.add_argument("--model", default=d.model, help="served model name")
     p.add_argument("--tokenizer", type=Path, default=None, help="HF tokenizer dir (default: Qwen3)")
-    p.add_argument("--lora", action="append", default=[], help="LoRA adapter name (repeat)")
+    p.add_argument(
+        "--lora", action="append", default=[],
+        help="LoRA adapter NAME or NAME=PATH, as vLLM's --lora-modules (repeat)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-caching-hash-algo", choices=[a.value for a in HashAlgo],
+        default=d.hash_algo.value, help="vLLM's block hash (its default: sha256 over pickle)",
+    )  # fmt: skip
     p.add_argument("--max-loras", type=int, default=d.max_loras)
     p.add_argument("--role", choices=[r.value for r in SimRole], default=d.role.value)
     p.add_argument("--engine-id", default="", help="P/D remote_engine_id (default sim-host:port)")
@@ -66,7 +74,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         model=args.model,
         host=args.host,
         port=args.port,
-        lora_adapters=tuple(args.lora),
+        lora_adapters=tuple(spec.partition("=")[0] for spec in args.lora),
+        lora_paths=tuple(
+            (name, path) for name, sep, path in (s.partition("=") for s in args.lora) if sep
+        ),
+        hash_algo=HashAlgo(args.prefix_caching_hash_algo),
         max_loras=args.max_loras,
         role=SimRole(args.role),
         engine_id=args.engine_id,

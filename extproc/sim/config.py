@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from extproc.kvcache.vllm_hash import HashAlgo
+
 __all__ = ["EventEncoding", "SimConfig", "SimRole", "StepTimeModel"]
 
 
@@ -69,7 +71,13 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     lora_adapters: tuple[str, ...] = ()
+    # Where each adapter was loaded from (vLLM's --lora-modules name=path): part of its blocks'
+    # hash key. An adapter not listed was loaded from its name.
+    lora_paths: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
+    # vLLM's --prefix-caching-hash-algo (its default: sha256 over pickle); the seed is the
+    # process's PYTHONHASHSEED, as in vLLM.
+    hash_algo: HashAlgo = HashAlgo.SHA256
     role: SimRole = SimRole.BOTH
     engine_id: str = ""  # P/D remote_engine_id; defaults to "sim-<host>:<port>"
     # Scheduler (vLLM defaults for an H100-class GPU are 8192 / 1024, docs/engines.md §2).
@@ -93,3 +101,9 @@ class SimConfig:
     # Failure injection: fraction of completion requests answered with 503.
     error_rate: float = 0.0
     seed: int = 0
+
+    def lora_path(self, name: str | None) -> str | None:
+        """The path adapter `name` was loaded from (its name when none was given)."""
+        if name is None:
+            return None
+        return dict(self.lora_paths).get(name, name)

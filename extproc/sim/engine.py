@@ -128,7 +128,7 @@ class Engine:
         self.step_model: StepTimeModel = config.step
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks=config.num_gpu_blocks, block_size=config.block_size)
-        self.hasher = VllmBlockHasher(block_size=config.block_size)
+        self.hasher = VllmBlockHasher(block_size=config.block_size, algo=config.hash_algo)
         self.stats = EngineStats()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -295,7 +295,7 @@ class Engine:
         bs = self.block_size
         tokens = [req.token(i) for i in range(have * bs, want * bs)]
         parent = req.token_hashes[-1] if have else None
-        extra = block_extra_keys(req.lora_name)
+        extra = block_extra_keys(req.lora_name, self.config.lora_path(req.lora_name))
         for k in range(want - have):
             parent = self.hasher.hash_block(parent, tokens[k * bs : (k + 1) * bs], extra)
             req.token_hashes.append(parent)

@@ -75,7 +75,7 @@ class _EngineCollector(Collector):
             "num_cpu_blocks": "None",
             "cache_dtype": "auto",
             "enable_prefix_caching": "True",
-            "prefix_caching_hash_algo": "sha256_cbor",
+            "prefix_caching_hash_algo": cfg.hash_algo.value,
             "gpu_memory_utilization": "0.92",
             "engine": "0",
         }

@@ -21,6 +21,17 @@ from typing import Any
 from aiohttp import web
 
 from extproc.kvcache.vllm_hash import to_published
+from extproc.protocol.agents import anthropic_chat, responses_chat
+from extproc.sim.agents import (
+    AnthropicEvents,
+    ResponseEvents,
+    StoredResponse,
+    anthropic_body,
+    anthropic_error,
+    anthropic_usage,
+    response_body,
+    responses_usage,
+)
 from extproc.sim.config import SimConfig, SimRole
 from extproc.sim.engine import Engine, Finished, RequestStats, SimRequest
 from extproc.sim.kvevents import KVEvent, KVEventPublisher
@@ -209,6 +220,22 @@ def _sse(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _guard_anthropic(
+    fn: Callable[[SimServer, web.Request], Any],
+) -> Callable[[SimServer, web.Request], Any]:
+    """Errors of /v1/messages in Anthropic's shape, as vLLM's Anthropic endpoint answers."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: SimServer, request: web.Request) -> web.StreamResponse:
+        try:
+            resp: web.StreamResponse = await fn(self, request)
+            return resp
+        except GatewayError as err:
+            return web.json_response(anthropic_error(err.status, err.message), status=err.status)
+
+    return wrapper
+
+
 def _guard(fn: Callable[[SimServer, web.Request], Any]) -> Callable[[SimServer, web.Request], Any]:
     """Map GatewayError raised by a handler to an OpenAI-style error response."""
 
@@ -240,6 +267,8 @@ class SimServer:
         self.engine: Engine | None = None
         self.metrics: SimMetrics | None = None
         self._created = int(time.time())
+        # Stored responses live in this engine's memory only, as in vLLM (`store: true`).
+        self._stored: dict[str, StoredResponse] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -301,6 +330,10 @@ class SimServer:
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/responses", self._responses)
+        r.add_get("/v1/responses/{rid}", self._get_response)
+        r.add_post("/v1/responses/{rid}/cancel", self._cancel_response)
+        r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/chat/completions/render", self._render_chat)
         r.add_post("/v1/completions/render", self._render_completion)
         r.add_post("/tokenize", self._tokenize)
@@ -658,6 +691,201 @@ class SimServer:
             log.debug("stream %s: client disconnected", rid)
         return resp
 
+    # -- Responses API and Anthropic Messages -------------------------------------------------
+    _STORE_LIMIT = 10_000  # stored responses kept; the oldest go first
+
+    async def _agent_request(
+        self,
+        body: Mapping[str, Any],
+        messages: list[dict[str, object]],
+        tools: Any,
+        *,
+        max_tokens: int | None,
+        rid: str,
+        received: float,
+    ) -> tuple[str, SimRequest]:
+        """Render the converted messages as a chat, then queue the request on the engine."""
+        model, lora = self._resolve_model(body)
+        fn = functools.partial(
+            self.tokenizer.encode_chat, messages, tools=list(tools) if tools else None
+        )
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, fn)
+        limit = self.config.max_model_len
+        if len(prompt_ids) + (max_tokens or 1) > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + (max_tokens or 0)} tokens.",
+                param="input",
+            )
+        engine = self._eng()
+        req = engine.new_request(
+            prompt_ids, request_id=rid, received_wall=received, output_vocab=self._vocab_ids,
+            lora_name=lora, max_tokens=max_tokens, ignore_eos=bool(body.get("ignore_eos", False)),
+        )  # fmt: skip
+        await engine.submit(req)
+        return model, req
+
+    async def _tokens(self, req: SimRequest) -> Any:
+        """The request's output text piece by piece, then its Finished."""
+        while True:
+            item = await req.queue.get()
+            if isinstance(item, Finished):
+                if item.reason == "error":
+                    raise InternalError("the prompt does not fit in the simulated KV cache")
+                yield item
+                return
+            yield self.vocab[item]
+
+    def _sse_response(self) -> web.StreamResponse:
+        # Headers go out at prepare(): the pod header middleware would be too late.
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                   "x-inference-pod": self.pod_name}  # fmt: skip
+        return web.StreamResponse(headers=headers)
+
+    async def _drain(self, req: SimRequest) -> tuple[str, str | None]:
+        """A non-streamed answer: the whole text and the finish reason."""
+        parts: list[str] = []
+        async for piece in self._tokens(req):
+            if isinstance(piece, Finished):
+                return "".join(parts), piece.reason
+            parts.append(piece)
+        return "".join(parts), None
+
+    def _store(self, rid: str, stored: StoredResponse) -> None:
+        if len(self._stored) >= self._STORE_LIMIT:
+            self._stored.pop(next(iter(self._stored)))
+        self._stored[rid] = stored
+
+    @_guard
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        await self._inject_faults(request)
+        received = self._eng().now()
+        body = await self._body(request)
+        # vLLM: instructions, then the stored conversation and its output, then the new input.
+        new, tools = responses_chat({**body, "instructions": None})
+        messages: list[dict[str, object]] = []
+        if isinstance(body.get("instructions"), str) and body["instructions"]:
+            messages.append({"role": "system", "content": body["instructions"]})
+        prev_id = body.get("previous_response_id")
+        if prev_id is not None:
+            prev = self._stored.get(str(prev_id))
+            if prev is None:
+                raise NotFound(f"Response with id '{prev_id}' not found.", code="not_found")
+            messages.extend(prev.messages)
+            for item in prev.body.get("output", []):
+                for part in item.get("content", []):
+                    messages.append({"role": "assistant", "content": part.get("text", "")})
+        messages.extend(dict(m) for m in new)
+        max_tokens = _int_field(body, "max_output_tokens", None)
+        # vLLM makes a request's `request_id` its response's id (the gateway writes one).
+        given = body.get("request_id")
+        rid = given if isinstance(given, str) and given else "resp_" + uuid.uuid4().hex
+        item_id = "msg_" + uuid.uuid4().hex
+        model, req = await self._agent_request(
+            body, messages, tools, max_tokens=max_tokens, rid=rid, received=received
+        )
+        created = int(time.time())
+        store = body.get("store", True) is not False
+        try:
+            if not body.get("stream"):
+                text, reason = await self._drain(req)
+                out = response_body(
+                    body, rid=rid, item_id=item_id, model=model, created=created,
+                    text=text, reason=reason, usage=self._responses_usage(req),
+                )  # fmt: skip
+                if store:
+                    self._store(rid, StoredResponse(out, messages))
+                return web.json_response(out)
+            events = ResponseEvents(body, rid=rid, item_id=item_id, model=model, created=created)
+            resp = self._sse_response()
+            await resp.prepare(request)
+            try:
+                for chunk in events.start():
+                    await resp.write(chunk)
+                async for piece in self._tokens(req):
+                    if isinstance(piece, Finished):
+                        for chunk in events.finish(piece.reason, self._responses_usage(req)):
+                            await resp.write(chunk)
+                    else:
+                        await resp.write(events.delta(piece))
+                if store and events.final is not None:
+                    self._store(rid, StoredResponse(events.final, messages))
+                await resp.write_eof()
+            except ConnectionResetError:
+                log.debug("stream %s: client disconnected", rid)
+            return resp
+        finally:
+            self._eng().abort(req)
+
+    def _responses_usage(self, req: SimRequest) -> dict[str, Any]:
+        return responses_usage(len(req.prompt_ids), len(req.output_ids), max(0, req.cached_tokens))
+
+    @_guard
+    async def _get_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        stored = self._stored.get(rid)
+        if stored is None:
+            raise NotFound(f"Response with id '{rid}' not found.", code="not_found")
+        return web.json_response(stored.body)
+
+    @_guard
+    async def _cancel_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        stored = self._stored.get(rid)
+        if stored is None:
+            raise NotFound(f"Response with id '{rid}' not found.", code="not_found")
+        if stored.body.get("status") not in ("queued", "in_progress"):
+            raise BadRequest("Cannot cancel a synchronous response.")  # vLLM's words
+        stored.body["status"] = "cancelled"
+        return web.json_response(stored.body)
+
+    @_guard_anthropic
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        await self._inject_faults(request)
+        received = self._eng().now()
+        body = await self._body(request)
+        messages, tools = anthropic_chat(body)
+        max_tokens = _int_field(body, "max_tokens", None)
+        if max_tokens is None:
+            raise BadRequest("max_tokens is required", param="max_tokens")
+        mid = "msg_" + uuid.uuid4().hex
+        model, req = await self._agent_request(
+            body, [dict(m) for m in messages], tools, max_tokens=max_tokens, rid=mid,
+            received=received,
+        )  # fmt: skip
+        try:
+            if not body.get("stream"):
+                text, reason = await self._drain(req)
+                usage = self._anthropic_usage(req)
+                return web.json_response(
+                    anthropic_body(mid=mid, model=model, text=text, reason=reason,
+                                   usage=usage)
+                )  # fmt: skip
+            events = AnthropicEvents(mid=mid, model=model)
+            resp = self._sse_response()
+            await resp.prepare(request)
+            try:
+                started = False
+                async for piece in self._tokens(req):
+                    if not started:  # the input counts are known once the prompt is admitted
+                        started = True
+                        for chunk in events.start(self._anthropic_usage(req)):
+                            await resp.write(chunk)
+                    if isinstance(piece, Finished):
+                        for chunk in events.finish(piece.reason, len(req.output_ids)):
+                            await resp.write(chunk)
+                    else:
+                        await resp.write(events.delta(piece))
+                await resp.write_eof()
+            except ConnectionResetError:
+                log.debug("stream %s: client disconnected", mid)
+            return resp
+        finally:
+            self._eng().abort(req)
+
+    def _anthropic_usage(self, req: SimRequest) -> dict[str, Any]:
+        return anthropic_usage(len(req.prompt_ids), len(req.output_ids), max(0, req.cached_tokens))
+
     # -- tokenizer endpoints -----------------------------------------------------------------
     async def _tokens_of(self, body: Mapping[str, Any]) -> list[int]:
         if "messages" in body:
@@ -800,7 +1028,7 @@ class SimServer:
                 "page_size": cfg.block_size,
                 "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
                 "context_length": cfg.max_model_len,
-                "lora_paths": list(cfg.lora_adapters),
+                "lora_paths": [cfg.lora_path(name) for name in cfg.lora_adapters],
                 "dp_size": 1,
                 "num_running_reqs": e.num_running,
                 "version": "0.33.0",

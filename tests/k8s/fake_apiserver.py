@@ -33,12 +33,14 @@ PODS: Resource = ("", "v1", "pods")
 POOLS: Resource = ("inference.networking.k8s.io", "v1", "inferencepools")
 ROUTES: Resource = ("gateway.networking.k8s.io", "v1", "httproutes")
 EVENTS: Resource = ("", "v1", "events")
+REWRITES: Resource = ("llm-d.ai", "v1alpha2", "inferencemodelrewrites")
 CONFIGMAPS: Resource = ("", "v1", "configmaps")
 _KINDS = {
     PODS: "Pod",
     POOLS: "InferencePool",
     ROUTES: "HTTPRoute",
     EVENTS: "Event",
+    REWRITES: "InferenceModelRewrite",
     CONFIGMAPS: "ConfigMap",
 }
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}

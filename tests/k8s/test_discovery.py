@@ -295,3 +295,27 @@ def test_a_kubeconfig_client_reaches_the_api_server_with_its_token(
         discovery.stop()
         api.close()  # type: ignore[no-untyped-call]
     assert apiserver.headers[0].get("Authorization") == "Bearer t0k3n"
+
+
+def test_data_parallel_size_from_config_or_the_pods_annotation() -> None:
+    from extproc.config import KubernetesDiscoveryConfig
+    from extproc.discovery.kubernetes import (
+        DATA_PARALLEL_ANNOTATION,
+        PodSource,
+        endpoints_from_pods,
+    )
+
+    source = PodSource.from_config(
+        KubernetesDiscoveryConfig(namespace="llm", selector={"app": "vllm"}, kv_events_port=5557,
+                                  kv_replay_port=5657, data_parallel_size=2)
+    )  # fmt: skip
+    plain, annotated, bad = (
+        make_pod("a", "10.0.0.1"),
+        make_pod("b", "10.0.0.2"),
+        make_pod("c", "10.0.0.3"),
+    )
+    annotated["metadata"]["annotations"] = {DATA_PARALLEL_ANNOTATION: "4"}
+    bad["metadata"]["annotations"] = {DATA_PARALLEL_ANNOTATION: "lots"}
+    eps = endpoints_from_pods("m", [plain, annotated, bad], source, [8000])
+    assert [(e.name, e.data_parallel_size) for e in eps] == [("a", 2), ("b", 4), ("c", 2)]
+    assert eps[1].kv_events_endpoint == "tcp://10.0.0.2:5557"

@@ -31,6 +31,8 @@ class TestPublisher:
         replay: bool = True,
         legacy_replay: bool = False,
         topic: bytes = b"kv@test",
+        pub_port: int | None = None,  # fixed ports (a data-parallel rank's): else any free one
+        replay_port: int | None = None,
     ) -> None:
         self.encoding = encoding
         self.topic = topic
@@ -42,7 +44,7 @@ class TestPublisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         # Report every subscription, also one that duplicates a subscriber still detaching.
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.pub.bind("tcp://127.0.0.1:*")
+        self.pub.bind(f"tcp://127.0.0.1:{pub_port or '*'}")
         self.endpoint: str = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
@@ -51,7 +53,7 @@ class TestPublisher:
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
-            self.router.bind("tcp://127.0.0.1:*")
+            self.router.bind(f"tcp://127.0.0.1:{replay_port or '*'}")
             self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def __aenter__(self) -> TestPublisher:

@@ -177,6 +177,9 @@ def test_embeddings_input() -> None:
         ("/v1/chat/completions/", RequestKind.CHAT),
         ("/v1/completions?stream=1", RequestKind.COMPLETION),
         ("/v1/embeddings", RequestKind.EMBEDDINGS),
+        ("/v1/responses", RequestKind.RESPONSES),
+        ("/v1/messages/", RequestKind.MESSAGES),
+        ("/v1/responses/resp_1", RequestKind.OTHER),  # GET a stored response: no prompt
         ("/v1/models", RequestKind.OTHER),
         ("/health", RequestKind.OTHER),
         ("/v1/chat/completions/batch", RequestKind.OTHER),
@@ -189,10 +192,11 @@ def test_kind_for_path(path: str, kind: RequestKind) -> None:
 
 def test_other_paths_never_rejected_for_body() -> None:
     assert parse_request("/v1/models", b"", max_body_bytes=LIMIT).model == ""
-    assert parse_request("/v1/responses", b"{bad", max_body_bytes=LIMIT).kind is RequestKind.OTHER
-    assert parse_request("/v1/responses", j({"model": "r"}), max_body_bytes=LIMIT).model == "r"
+    other = "/v1/audio/transcriptions"
+    assert parse_request(other, b"{bad", max_body_bytes=LIMIT).kind is RequestKind.OTHER
+    assert parse_request(other, j({"model": "r"}), max_body_bytes=LIMIT).model == "r"
     with pytest.raises(GatewayError) as err:
-        parse_request("/v1/responses", b"x" * 10, max_body_bytes=5)
+        parse_request(other, b"x" * 10, max_body_bytes=5)
     assert err.value.status == 413
 
 

@@ -126,6 +126,8 @@ def build_director(
                 approximate=ApproximateIndex(ttl_s=60.0, max_blocks=10_000),
             ),
             block_size=model.block_size,
+            lora_adapters=frozenset(model.lora_adapters),
+            aliases=tuple(model.aliases),
         )
     inflight = InflightTracker(stats=podstats, metrics=metrics, clock=clock)
     director = Director(

@@ -13,6 +13,8 @@ from extproc.routing.affinity import KvAwareStrategy
 from extproc.routing.base import PodState, RoutingRequest, Snapshot
 from extproc.routing.builtin import default_plugins, default_registry
 from extproc.routing.predicted import (
+    LLMD_SLO_TPOT_HEADER,
+    LLMD_SLO_TTFT_HEADER,
     SLO_TPOT_HEADER,
     SLO_TTFT_HEADER,
     LatencyFeatures,
@@ -178,6 +180,19 @@ def test_a_bad_slo_header_is_a_400_naming_it(value: str) -> None:
     with pytest.raises(BadRequest) as err:
         s.route(request({SLO_TTFT_HEADER: value}), Snapshot(0.0, (pod(FAST),)), random.Random(0))
     assert err.value.param == SLO_TTFT_HEADER
+
+
+def test_llm_d_slo_headers_work_the_same_and_ours_win_when_both_come() -> None:
+    s = strategy(learned({FAST: 3.0, SLOW: 1.0}), temperature=1000.0)
+    snap = Snapshot(0.0, (pod(SLOW), pod(FAST)))
+    for headers in ({LLMD_SLO_TTFT_HEADER: "50"}, {LLMD_SLO_TPOT_HEADER: "5"}):
+        assert picks(s, snap, request(headers), n=50) == {FAST: 50}, headers
+    # Ours first: a loose x-slo-ttft-ms beside a tight llm-d one filters nothing.
+    loose = {SLO_TTFT_HEADER: "500", LLMD_SLO_TTFT_HEADER: "50"}
+    assert picks(s, snap, request(loose), n=100)[SLOW] > 20
+    with pytest.raises(BadRequest) as err:
+        s.route(request({LLMD_SLO_TPOT_HEADER: "soon"}), snap, random.Random(0))
+    assert err.value.param == LLMD_SLO_TPOT_HEADER
 
 
 def test_registered_with_its_params_and_the_app_predictor() -> None:

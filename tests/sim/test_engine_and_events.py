@@ -187,7 +187,7 @@ async def test_replay_gap_and_reset(make_sim: MakeSim, http: aiohttp.ClientSessi
 async def test_debug_cache_and_lora_hashes(
     make_sim: MakeSim, http: aiohttp.ClientSession, qwen: HFTokenizer
 ) -> None:
-    sim = await make_sim(lora_adapters=("sql-lora",))
+    sim = await make_sim(lora_adapters=("sql-lora",), lora_paths=(("sql-lora", "/adapters/sql"),))
     prompt = LONG[:300]
     ids = qwen.encode_text(prompt)
     await _complete(http, sim.url, prompt, max_tokens=1)
@@ -198,7 +198,8 @@ async def test_debug_cache_and_lora_hashes(
         blocks = await resp.json()
     h = VllmBlockHasher(env={})
     base = {to_published(x) for x in h.hash_blocks(ids)}
-    lora = {to_published(x) for x in h.hash_blocks(ids, extra=block_extra_keys("sql-lora"))}
+    key = block_extra_keys("sql-lora", "/adapters/sql")  # vLLM 0.33: the path is in the key
+    lora = {to_published(x) for x in h.hash_blocks(ids, extra=key)}
     assert base.isdisjoint(lora)
     assert {b["block_hash"] for b in blocks if b["lora_name"] is None} == base
     assert {b["block_hash"] for b in blocks if b["lora_name"] == "sql-lora"} == lora

@@ -31,10 +31,21 @@ def test_sha256_pickle_vectors_from_vllm() -> None:
     ]
 
 
-def test_pythonhashseed_changes_none_hash() -> None:
-    default = none_hash(HashAlgo.SHA256_CBOR, {})
-    assert none_hash(HashAlgo.SHA256_CBOR, {"PYTHONHASHSEED": "0"}) != default
-    assert none_hash(HashAlgo.SHA256_CBOR, {"PYTHONHASHSEED": ""}) == default
+@pytest.mark.parametrize("algo", list(HashAlgo))
+def test_pythonhashseed_changes_none_hash_and_empty_is_a_seed_of_its_own(algo: HashAlgo) -> None:
+    default = none_hash(algo, {})
+    assert none_hash(algo, {"PYTHONHASHSEED": "0"}) != default
+    # vLLM tests `is not None`: an empty PYTHONHASHSEED hashes "", not the default string.
+    empty = none_hash(algo, {"PYTHONHASHSEED": ""})
+    assert empty != default
+    assert empty == VllmBlockHasher(algo=algo, env={"PYTHONHASHSEED": ""}).none_hash
+
+
+def test_the_default_is_vllms_sha256_over_pickle() -> None:
+    assert VllmBlockHasher(env={}).algo is HashAlgo.SHA256
+    assert VllmBlockHasher(env={}).hash_blocks(TOKENS) == VllmBlockHasher(
+        algo=HashAlgo.SHA256, env={}
+    ).hash_blocks(TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -52,3 +63,24 @@ def test_chain_resume_and_lora_keys() -> None:
     lora = h.hash_blocks(TOKENS, extra=block_extra_keys("sql-lora"))
     assert set(lora).isdisjoint(full)
     assert block_extra_keys(None) is None
+    # vLLM 0.33's key holds the adapter's path too: the same name loaded from elsewhere is a
+    # different cache; no path given means the name is the path (--lora-modules name=name).
+    assert block_extra_keys("sql-lora", "/adapters/sql") == (("lora", "sql-lora", "/adapters/sql"),)
+    assert block_extra_keys("sql-lora") == (("lora", "sql-lora", "sql-lora"),)
+    moved = h.hash_blocks(TOKENS, extra=block_extra_keys("sql-lora", "/adapters/sql"))
+    assert set(moved).isdisjoint(lora)
+
+
+def test_the_simulator_hashes_as_a_default_vllm_unless_told() -> None:
+    from extproc.sim.cli import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["--lora", "a=/adapters/a", "--lora", "b"]))
+    assert cfg.hash_algo is HashAlgo.SHA256
+    assert cfg.lora_adapters == ("a", "b")
+    assert (cfg.lora_path("a"), cfg.lora_path("b"), cfg.lora_path(None)) == (
+        "/adapters/a",
+        "b",
+        None,
+    )
+    cbor = build_parser().parse_args(["--prefix-caching-hash-algo", "sha256_cbor"])
+    assert config_from_args(cbor).hash_algo is HashAlgo.SHA256_CBOR

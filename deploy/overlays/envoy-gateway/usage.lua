@@ -12,16 +12,32 @@
 --   io.envoy.ai_gateway:  llm_input_token, llm_output_token, llm_total_token,
 --                         llm_cached_input_token (Envoy Gateway's usage-based rate limits)
 --
--- An OpenAI `usage` object is searched in the bytes, never decoded as a whole: model text
+-- Three usage shapes are read (docs/engines.md, APIs): chat / completions (`prompt_tokens`,
+-- `completion_tokens`, `cached_tokens`), the Responses API (`input_tokens` with cached ones
+-- in it, `output_tokens`, `input_tokens_details.cached_tokens`, in `response.completed`) and
+-- Anthropic Messages (`input_tokens` without cache reads or writes, `output_tokens`,
+-- `cache_read_input_tokens`, `cache_creation_input_tokens`; `message_start` has the input
+-- count, `message_delta` the final output count, maybe alone). All become prompt / completion
+-- / cached tokens here, so the access log reads one shape.
+--
+-- A `usage` object is searched in the bytes, never decoded as a whole: model text
 -- inside a JSON string has its quotes escaped (\"usage\"), so it cannot forge one.
 -- Cost is per chunk, not per stream: each chunk is scanned once, with the last TAIL bytes of
 -- the one before (a marker split across two chunks is still found). Only when a usage object
 -- starts but does not end in a chunk are its bytes kept until it does (at most PENDING_MAX).
 
-local TAIL = 32
+local TAIL = 64 -- longer than any marker below, so one split across two chunks is found
 local PENDING_MAX = 65536
 local EVENTS_EVERY = 8 -- publish the event count this often, so an aborted stream keeps it
+-- A content event: a chat delta or completions text that is not empty; in a Responses stream
+-- (told by its event types) a text / reasoning / arguments delta event. Anthropic's
+-- `content_block_delta` events carry `"text":"..."` too.
 local CONTENT = { '"content":"[^"]', '"text":"[^"]' }
+local RESPONSES_CONTENT = {
+  '"type":"response%.output_text%.delta"',
+  '"type":"response%.reasoning_text%.delta"',
+  '"type":"response%.function_call_arguments%.delta"',
+}
 local USAGE = '"usage"%s*:%s*{'
 
 local function number_after(obj, key)
@@ -32,10 +48,10 @@ local function number_after(obj, key)
   return tonumber(v)
 end
 
--- The last complete `"usage": {...}` object in s, and where an incomplete one after it
--- starts (nil when none is incomplete).
+-- Every complete `"usage": {...}` object in s, in order, and where an incomplete one after
+-- them starts (nil when none is incomplete).
 local function scan_usage(s)
-  local complete = nil
+  local complete = {}
   local open_at = nil
   local init = 1
   while true do
@@ -45,7 +61,7 @@ local function scan_usage(s)
     end
     local obj = string.match(s, "^%b{}", e)
     if obj ~= nil then
-      complete = obj
+      complete[#complete + 1] = obj
       open_at = nil
     else
       open_at = b
@@ -54,13 +70,34 @@ local function scan_usage(s)
   end
 end
 
-local function publish_usage(meta, obj)
+-- Publishes one usage object; `state.prompt` keeps the input count an Anthropic
+-- `message_start` gave, for a `message_delta` that carries the output count alone.
+local function publish_usage(meta, obj, state)
   local prompt = number_after(obj, "prompt_tokens")
   local completion = number_after(obj, "completion_tokens")
-  if prompt == nil or completion == nil then
+  local cached = number_after(obj, "cached_tokens")
+  if prompt == nil and completion == nil then
+    prompt = number_after(obj, "input_tokens")
+    completion = number_after(obj, "output_tokens")
+    local read = number_after(obj, "cache_read_input_tokens")
+    local write = number_after(obj, "cache_creation_input_tokens")
+    if read ~= nil then
+      cached = read
+    end
+    if prompt ~= nil then
+      prompt = prompt + (read or 0) + (write or 0)
+    end
+  end
+  if completion == nil then
     return false
   end
-  local cached = number_after(obj, "cached_tokens")
+  if prompt == nil then
+    prompt = state.prompt
+  end
+  if prompt == nil then
+    return false
+  end
+  state.prompt = prompt
   meta:set("extproc.usage", "prompt_tokens", prompt)
   meta:set("extproc.usage", "completion_tokens", completion)
   meta:set("io.envoy.ai_gateway", "llm_input_token", prompt)
@@ -93,13 +130,17 @@ function envoy_on_response(handle)
   local events = 0
   local published = 0
   local first = false
+  local state = { prompt = nil }
+  local content = CONTENT
   for chunk in handle:bodyChunks() do
     local bytes = chunk:getBytes(0, chunk:length())
     local s = tail .. bytes
     local skip = #tail -- matches ending inside the tail were counted with the last chunk
     if sse then
-      -- A content event: a delta (chat) or text (completions) that is not empty.
-      for _, pattern in ipairs(CONTENT) do
+      if content == CONTENT and string.find(s, '"type":"response.', 1, true) ~= nil then
+        content = RESPONSES_CONTENT -- its done events repeat the text: count deltas only
+      end
+      for _, pattern in ipairs(content) do
         local init = 1
         while true do
           local _, e = string.find(s, pattern, init)
@@ -132,9 +173,9 @@ function envoy_on_response(handle)
     end
     pending = nil
     if region ~= nil then
-      local obj, open_at = scan_usage(region)
-      if obj ~= nil then
-        publish_usage(meta(), obj)
+      local objs, open_at = scan_usage(region)
+      for _, obj in ipairs(objs) do
+        publish_usage(meta(), obj, state)
       end
       if open_at ~= nil and #region - open_at < PENDING_MAX then
         pending = string.sub(region, open_at)
