@@ -241,7 +241,10 @@ class App:
                 host=config.server.host,
                 port=config.server.grpc_port,
                 max_concurrent_streams=config.server.max_concurrent_streams,
-                max_message_bytes=config.server.max_body_bytes + 1024 * 1024,
+                # Above Envoy's buffer limit (8 MiB locally and in the Envoy Gateway overlay),
+                # so any body Envoy forwards reaches the director and gets its 413, not a
+                # gRPC error (fail-closed 500).
+                max_message_bytes=max(config.server.max_body_bytes + 1024 * 1024, 16 << 20),
                 tls_cert_file=config.server.tls.cert_file if config.server.tls else None,
                 tls_key_file=config.server.tls.key_file if config.server.tls else None,
                 tls_client_ca_file=config.server.tls.client_ca_file if config.server.tls else None,
