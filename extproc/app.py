@@ -49,6 +49,8 @@ from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
 from extproc.director.prefill import PrefillClient
 from extproc.discovery.kubernetes import (
     HTTPRouteWatcher,
+    InferenceObjective,
+    InferenceObjectiveWatcher,
     ModelRewriteWatcher,
     PodDiscovery,
     PodSource,
@@ -219,6 +221,7 @@ class App:
         self._found_rewrites: list[ModelRewriteConfig] = []
         self._rewrites = ModelRewrites()
         self._rewrite_watcher: ModelRewriteWatcher | None = None
+        self._objective_watcher: InferenceObjectiveWatcher | None = None
         self._api_client: Any = None
         self._objectives: dict[str, int] = {}  # InferenceObjective name -> priority (watched)
         self.flow = self._build_flow(config)
@@ -576,8 +579,9 @@ class App:
     def _start_kubernetes(self) -> None:
         cfg = self.config
         wanted = [m for m in cfg.models if m.kubernetes is not None]
+        k = cfg.kubernetes
         if not wanted and not (
-            cfg.kubernetes.watch_httproutes or cfg.kubernetes.watch_model_rewrites
+            k.watch_httproutes or k.watch_model_rewrites or k.watch_inference_objectives
         ):
             return
         self._api_client = make_api_client(
@@ -608,6 +612,21 @@ class App:
                 loop=loop,
             )
             self._rewrite_watcher.start()
+        if cfg.kubernetes.watch_inference_objectives:
+            self._objective_watcher = InferenceObjectiveWatcher(
+                self._api_client, self._set_objectives,
+                namespaces=cfg.kubernetes.namespaces, loop=loop,
+            )  # fmt: skip
+            self._objective_watcher.start()
+
+    def _set_objectives(self, objectives: list[InferenceObjective]) -> None:
+        """The watched InferenceObjectives' priorities, by name (one namespace per gateway is
+        the usual case; with several, the same name's first in namespace order wins)."""
+        by_name: dict[str, int] = {}
+        for objective in objectives:
+            by_name.setdefault(objective.name, objective.priority)
+        self._objectives = by_name
+        log.info("%d InferenceObjectives in force", len(by_name))
 
     async def _stop_kubernetes(self) -> None:
         for discovery in self._discoveries:
@@ -619,6 +638,9 @@ class App:
         if self._rewrite_watcher is not None:
             await asyncio.to_thread(self._rewrite_watcher.stop)
             self._rewrite_watcher = None
+        if self._objective_watcher is not None:
+            await asyncio.to_thread(self._objective_watcher.stop)
+            self._objective_watcher = None
         if self._api_client is not None:
             self._api_client.close()
             self._api_client = None

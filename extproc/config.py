@@ -396,6 +396,8 @@ def parse_model_rewrite(resource: Mapping[str, Any]) -> ModelRewriteConfig:
 class KubernetesConfig:
     watch_httproutes: bool = False
     watch_model_rewrites: bool = False  # InferenceModelRewrite resources (llm-d.ai/v1alpha2)
+    # InferenceObjective resources (llm-d.ai/v1alpha2): flow-control priorities by name.
+    watch_inference_objectives: bool = False
     namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
     in_cluster: bool = True
     kubeconfig: str | None = None  # used when in_cluster is false (local development)

@@ -38,13 +38,17 @@ __all__ = [
     "DATA_PARALLEL_ANNOTATION",
     "DEFAULT_ROLE_LABEL",
     "Backoff",
+    "CustomResourceWatcher",
     "HTTPRouteWatcher",
+    "InferenceObjective",
+    "InferenceObjectiveWatcher",
     "ModelRewriteWatcher",
     "PodDiscovery",
     "PodSource",
     "endpoints_from_pods",
     "format_selector",
     "make_api_client",
+    "parse_inference_objective",
     "pod_is_routable",
     "route_key_from_xds_name",
 ]
@@ -56,8 +60,10 @@ DATA_PARALLEL_ANNOTATION = "lb.extproc.io/data-parallel-size"  # the pod's vLLM 
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 ROUTE_GROUP, ROUTE_VERSION, ROUTE_PLURAL = "gateway.networking.k8s.io", "v1", "httproutes"
 REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL = "llm-d.ai", "v1alpha2", "inferencemodelrewrites"
+OBJECTIVE_GROUP, OBJECTIVE_VERSION, OBJECTIVE_PLURAL = "llm-d.ai", "v1alpha2", "inferenceobjectives"
 
 S = TypeVar("S")
+T = TypeVar("T")
 OnChange = Callable[[str, tuple[Endpoint, ...]], None]
 
 
@@ -512,18 +518,24 @@ class HTTPRouteWatcher(Generic[S]):
         self._posted.add((uid, message))
 
 
-class ModelRewriteWatcher:
-    """Watches InferenceModelRewrites (llm-d.ai/v1alpha2) and reports every valid one.
+class CustomResourceWatcher(Generic[T]):
+    """Watches one kind of custom resource and reports every valid one, parsed, sorted.
 
     A resource that does not parse is left out and logged once per (uid, problem); the others
-    keep applying. Reports only when the parsed set changes.
+    keep applying. Reports only when the parsed set changes. `ModelRewriteWatcher` and
+    `InferenceObjectiveWatcher` are this with their resource, parser and order.
     """
+
+    kind = "resource"
 
     def __init__(
         self,
         api_client: k8s.ApiClient,
-        on_rewrites: Callable[[list[ModelRewriteConfig]], None],
+        resource: tuple[str, str, str],  # group, version, plural
+        parse: Callable[[Mapping[str, Any]], T],
+        on_change: Callable[[list[T]], None],
         *,
+        sort_key: Callable[[T], Any],
         namespaces: Sequence[str] = (),
         loop: asyncio.AbstractEventLoop | None = None,
         backoff_base_s: float = 0.5,
@@ -531,14 +543,16 @@ class ModelRewriteWatcher:
         watch_timeout_s: int = 300,
     ) -> None:
         custom = k8s.CustomObjectsApi(api_client)
-        self._on_rewrites = on_rewrites
+        self._parse = parse
+        self._on_change = on_change
+        self._sort_key = sort_key
         self._loop = loop
         self._lock = threading.Lock()
         self._stores: dict[str, Store] = {}
-        self._last: list[ModelRewriteConfig] | None = None
+        self._last: list[T] | None = None
         self._logged: set[tuple[str, str]] = set()
         self._watchers = _custom_object_watchers(
-            custom, (REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL), namespaces, self._on_sync,
+            custom, resource, namespaces, self._on_sync,
             backoff=lambda: Backoff(base_s=backoff_base_s, cap_s=backoff_cap_s),
             watch_timeout_s=watch_timeout_s,
         )  # fmt: skip
@@ -555,22 +569,86 @@ class ModelRewriteWatcher:
         with self._lock:
             self._stores[scope] = store
             resources = [r for s in self._stores.values() for r in s.values()]
-        parsed: list[ModelRewriteConfig] = []
+        parsed: list[T] = []
         for resource in resources:
             try:
-                parsed.append(parse_model_rewrite(resource))
+                parsed.append(self._parse(resource))
             except ConfigError as exc:
                 meta = resource.get("metadata") or {}
                 key = (str(meta.get("uid") or meta.get("name")), str(exc))
                 if key not in self._logged:
                     self._logged.add(key)
                     _LOG.warning(
-                        "InferenceModelRewrite %s/%s ignored: %s",
-                        meta.get("namespace"), meta.get("name"), exc,
+                        "%s %s/%s ignored: %s",
+                        self.kind, meta.get("namespace"), meta.get("name"), exc,
                     )  # fmt: skip
-        parsed.sort(key=lambda r: (r.created, r.namespace, r.name))
+        parsed.sort(key=self._sort_key)
         with self._lock:
             if parsed == self._last:
                 return
             self._last = parsed
-        _dispatch(self._loop, self._on_rewrites, list(parsed))
+        _dispatch(self._loop, self._on_change, list(parsed))
+
+
+class ModelRewriteWatcher(CustomResourceWatcher[ModelRewriteConfig]):
+    """InferenceModelRewrites (llm-d.ai/v1alpha2), oldest first (llm-d's precedence)."""
+
+    kind = "InferenceModelRewrite"
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        on_rewrites: Callable[[list[ModelRewriteConfig]], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            api_client, (REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL), parse_model_rewrite,
+            on_rewrites, sort_key=lambda r: (r.created, r.namespace, r.name), **kwargs,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceObjective:
+    """An InferenceObjective (llm-d.ai/v1alpha2): a name requests choose by header, and the
+    flow-control priority it gives them (unset: 0, as the resource's documentation says)."""
+
+    namespace: str
+    name: str
+    priority: int
+    pool: str
+
+
+def parse_inference_objective(resource: Mapping[str, Any]) -> InferenceObjective:
+    meta = resource.get("metadata") or {}
+    spec = resource.get("spec") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("metadata.name: missing")
+    priority = spec.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"spec.priority: expected an integer, got {priority!r}")
+    if not -(2**31) <= priority < 2**31:
+        raise ConfigError(f"spec.priority: {priority} is outside int32")
+    pool = (spec.get("poolRef") or {}).get("name")
+    if not isinstance(pool, str) or not pool:
+        raise ConfigError("spec.poolRef.name: missing")
+    return InferenceObjective(str(meta.get("namespace") or ""), name, priority, pool)
+
+
+class InferenceObjectiveWatcher(CustomResourceWatcher[InferenceObjective]):
+    """InferenceObjectives (llm-d.ai/v1alpha2): the priorities flow control gives requests
+    that name them (`x-llm-d-inference-objective`)."""
+
+    kind = "InferenceObjective"
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        on_objectives: Callable[[list[InferenceObjective]], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            api_client, (OBJECTIVE_GROUP, OBJECTIVE_VERSION, OBJECTIVE_PLURAL),
+            parse_inference_objective, on_objectives,
+            sort_key=lambda o: (o.namespace, o.name), **kwargs,
+        )  # fmt: skip

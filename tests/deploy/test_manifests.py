@@ -236,7 +236,9 @@ def test_rbac_is_read_only_except_creating_events() -> None:
     expected = {("", "pods", v) for v in read}
     expected |= {("inference.networking.k8s.io", "inferencepools", v) for v in read}
     expected |= {("gateway.networking.k8s.io", "httproutes", v) for v in read}
-    expected |= {("llm-d.ai", "inferencemodelrewrites", v) for v in read}
+    expected |= {
+        ("llm-d.ai", r, v) for r in ("inferencemodelrewrites", "inferenceobjectives") for v in read
+    }
     expected |= {("", "events", "create")}
     assert granted == expected
     assert not any(d["kind"].startswith("Cluster") for d in render("envoy-gateway"))

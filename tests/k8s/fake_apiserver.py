@@ -34,6 +34,7 @@ POOLS: Resource = ("inference.networking.k8s.io", "v1", "inferencepools")
 ROUTES: Resource = ("gateway.networking.k8s.io", "v1", "httproutes")
 EVENTS: Resource = ("", "v1", "events")
 REWRITES: Resource = ("llm-d.ai", "v1alpha2", "inferencemodelrewrites")
+OBJECTIVES: Resource = ("llm-d.ai", "v1alpha2", "inferenceobjectives")
 CONFIGMAPS: Resource = ("", "v1", "configmaps")
 _KINDS = {
     PODS: "Pod",
@@ -41,6 +42,7 @@ _KINDS = {
     ROUTES: "HTTPRoute",
     EVENTS: "Event",
     REWRITES: "InferenceModelRewrite",
+    OBJECTIVES: "InferenceObjective",
     CONFIGMAPS: "ConfigMap",
 }
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
