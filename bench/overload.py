@@ -199,13 +199,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, help="ext_proc processes per stack")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     p.add_argument("--out", default="bench/data/overload.json")
+    p.add_argument("--plot", default="docs/img/overload.png", help="'' for none")
+    p.add_argument("--plot-only", action="store_true", help="re-plot --out without running")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.plot))
+        return 0
     started = time.time()
     data = run(args.load, args.seconds, args.reps, args.processes, args.variants.split(","))
     data["wall_s"] = round(time.time() - started, 1)
     Path(args.out).write_text(json.dumps(data, indent=1))
     print(f"wrote {args.out}")
+    if args.plot:
+        plot(data, Path(args.plot))
+        print(f"wrote {args.plot}")
     return 0
+
+
+def plot(
+    data: dict[str, Any], out: Path, variants: tuple[str, ...] = ("off", "round-robin")
+) -> None:
+    """TTFT of every served request over the run, per priority, one panel per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in data["runs"] if r["variant"] in variants and r["rep"] == 0]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), sharey=True)
+    if len(runs) == 1:
+        axes = [axes]
+    for ax, run_ in zip(axes, runs, strict=True):
+        for band, color, label in (("lo", "tab:blue", "batch (priority 0)"),
+                                   ("hi", "tab:red", "interactive (priority 1)")):  # fmt: skip
+            pts = [(t, ttft) for t, b, ttft in run_["timeline"] if b == band]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=4, color=color, label=label)
+        ax.set_title(f"{run_['variant']} at {run_['factor']}x capacity")
+        ax.set_xlabel("arrival (s)")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("TTFT (s)")
+    axes[0].legend(loc="upper left", markerscale=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
 
 
 if __name__ == "__main__":
