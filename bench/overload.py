@@ -171,7 +171,13 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
 
 
 def run(
-    load: float, seconds: float, reps: int, processes: int, variants: list[str]
+    load: float,
+    seconds: float,
+    reps: int,
+    processes: int,
+    variants: list[str],
+    *,
+    reference: bool = True,
 ) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="overload-"))
     cap = capacity(root / "capacity", processes, 20.0)
