@@ -25,7 +25,14 @@ from extproc.routing.base import Decision, PodState, RoutingRequest
 if TYPE_CHECKING:
     from extproc.admin.source import AdminSource
 
-__all__ = ["DecisionLog", "DecisionRecord", "ReloadStatus", "endpoint_rows", "status_json"]
+__all__ = [
+    "DecisionLog",
+    "DecisionRecord",
+    "ReloadStatus",
+    "endpoint_rows",
+    "redacted",
+    "status_json",
+]
 
 MAX_CANDIDATES_SHOWN = 32  # per decision: a 512-pod model would make every poll megabytes
 
@@ -200,8 +207,27 @@ def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
             "kept": src.decisions.size,
             "recent": [rec.to_json() for rec in src.decisions.newest_first()],
         },
-        "config": {"in_force": cfg, "reload": dataclasses.asdict(src.reload_status)},
+        "config": {"in_force": redacted(cfg), "reload": dataclasses.asdict(src.reload_status)},
     }
+
+
+def redacted(obj: Any) -> Any:
+    """`obj` (a config dataclass) as plain data with every secret (a `repr=False` field: the
+    session key, the admin token) shown as "<redacted>": /status.json never hands them out."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            f.name: (
+                "<redacted>"
+                if not f.repr and getattr(obj, f.name) is not None
+                else redacted(getattr(obj, f.name))
+            )
+            for f in dataclasses.fields(obj)
+        }
+    if isinstance(obj, dict):
+        return {k: redacted(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [redacted(v) for v in obj]
+    return obj
 
 
 def _engine_view(state: EndpointState | None) -> dict[str, Any]:

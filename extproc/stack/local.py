@@ -25,6 +25,7 @@ from typing import IO, Any
 import httpx
 import yaml
 
+from extproc.admin.guard import ADMIN_TOKEN_HEADER
 from extproc.stack.envoy_config import (
     EnvoyOptions,
     HostPort,
@@ -35,7 +36,15 @@ from extproc.stack.envoy_config import (
 )
 from extproc.stack.nats_server import NatsServer, write_password_file
 
-__all__ = ["FAULTS_DIR", "RESTART_DIR", "STATE_FILE", "LocalStack", "StackError", "StackOptions"]
+__all__ = [
+    "ADMIN_TOKEN_FILE",
+    "FAULTS_DIR",
+    "RESTART_DIR",
+    "STATE_FILE",
+    "LocalStack",
+    "StackError",
+    "StackOptions",
+]
 
 log = logging.getLogger("extproc.stack")
 
@@ -44,6 +53,7 @@ NATS_USER = "extproc"
 STATE_FILE = "stack.json"  # children and pids, for `extproc pod`
 RESTART_DIR = "restart"  # one empty file per child that `extproc pod heal` wants back
 FAULTS_DIR = "faults"  # faults/<child>: the fraction of time `extproc pod slow` pauses it
+ADMIN_TOKEN_FILE = "admin.token"  # the admin port's token, new at every start (mode 0600)
 
 
 class StackError(RuntimeError):
@@ -98,6 +108,19 @@ class StackOptions:
 
     def sim_address(self, i: int) -> str:
         return f"{self.host}:{self.sim_port(i)}"
+
+    def admin_token(self) -> str:
+        """The token the stack's admin ports want (`admin.token[_file]` of `server_config`, or
+        the one the stack generated into its workdir)."""
+        admin = self.server_config.get("admin") or {}
+        if admin.get("token"):
+            return str(admin["token"])
+        path = Path(admin.get("token_file") or self.workdir / ADMIN_TOKEN_FILE)
+        return path.read_text(encoding="utf-8").strip()
+
+    def admin_headers(self) -> dict[str, str]:
+        """Headers for a request to a private admin path (`/debug/*`, `/status.json`)."""
+        return {ADMIN_TOKEN_HEADER: self.admin_token()}
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -254,6 +277,12 @@ class LocalStack:
                     secret_file = self.workdir / "session.secret"
                     write_password_file(secret_file)
                     cfg = _merge(cfg, {"routing": {"session_secret_file": str(secret_file)}})
+                admin = cfg.get("admin") or {}
+                if not admin.get("token") and not admin.get("token_file"):
+                    # /debug/* and the status page want it; `extproc explain` finds it here.
+                    token_file = self.workdir / ADMIN_TOKEN_FILE
+                    write_password_file(token_file)
+                    cfg = _merge(cfg, {"admin": {"token_file": str(token_file)}})
                 if self.sync_enabled:
                     cfg = _merge(cfg, {"sync": self._start_nats()})
                 for i in range(o.extproc_processes):
