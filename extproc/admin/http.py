@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,8 @@ from extproc.protocol.errors import error_json
 from extproc.types import GatewayError, PayloadTooLarge
 
 __all__ = ["AdminServer", "status_page_html"]
+
+log = logging.getLogger("extproc.admin")
 
 
 def status_page_html() -> tuple[bytes, str]:
@@ -94,6 +97,12 @@ class AdminServer:
 
     async def start(self, host: str, port: int) -> None:
         self._page, self._page_csp = status_page_html()
+        token = self._src.config.admin.token
+        if token is not None and token.startswith("replace-me"):
+            log.warning(
+                "the admin token is deploy/'s example value: anyone who read the repository "
+                "has it; replace the Secret extproc-admin (openssl rand -hex 32)"
+            )
         app = web.Application(
             client_max_size=self._src.config.server.max_body_bytes, middlewares=[self._auth]
         )

@@ -191,6 +191,9 @@ class LocalStack:
                 "log_level": o.log_level,
             },
             "routing": {"default_strategy": o.strategy},
+            # One user on one machine, and tests that ask explain in loops: a wider gate
+            # than the product's (1 at a time, 10 a second).
+            "admin": {"explain_queue": 16, "explain_rate_per_s": 200.0},
             "metrics": {"poll_interval_s": 0.5},
             # Without Envoy's access log no record ends a lease: the routing stream is held.
             "accounting": {"access_log": o.response_accounting is ResponseAccounting.ACCESS_LOG},
@@ -277,7 +280,7 @@ class LocalStack:
                     secret_file = self.workdir / "session.secret"
                     write_password_file(secret_file)
                     cfg = _merge(cfg, {"routing": {"session_secret_file": str(secret_file)}})
-                admin = cfg.get("admin") or {}
+                admin = cfg["admin"]
                 if not admin.get("token") and not admin.get("token_file"):
                     # /debug/* and the status page want it; `extproc explain` finds it here.
                     token_file = self.workdir / ADMIN_TOKEN_FILE

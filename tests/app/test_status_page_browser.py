@@ -70,11 +70,14 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
     for process in (0, 1):
         assert wait_for(
             lambda p=process: all(
-                e["ready"] for e in httpx.get(f"{admin_url(stack, p)}/debug/endpoints").json()
+                e["ready"]
+                for e in httpx.get(
+                    f"{admin_url(stack, p)}/debug/endpoints", headers=stack.options.admin_headers()
+                ).json()
             ),
             timeout=20,
         )
-    async with chromium_page() as page:
+    async with chromium_page(stack.options.admin_headers()) as page:
         await page.navigate(f"{admin_url(stack, 0)}/")
         await page.wait_for("document.querySelectorAll('tr.endpoint').length === 4")
         shown = await page.evaluate(
@@ -105,7 +108,9 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
         while sent < 5 * REQUESTS:
             await send_traffic(stack, REQUESTS)
             sent += REQUESTS
-            async with httpx.AsyncClient(timeout=5) as client:
+            async with httpx.AsyncClient(
+                timeout=5, headers=stack.options.admin_headers()
+            ) as client:
                 own = (await client.get(f"{admin_url(stack, 0)}/status.json")).json()
             if own["decisions"]["total"] > 0:
                 break
@@ -144,7 +149,7 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
             await asyncio.to_thread(Path(target).write_bytes, png)
 
     # Each process keeps its own decisions: together they made exactly one per request.
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=stack.options.admin_headers()) as client:
         totals = [(await client.get(f"{admin_url(stack, p)}/status.json")).json() for p in (0, 1)]
     assert sum(t["decisions"]["total"] for t in totals) == sent
     assert totals[0]["replica"] != totals[1]["replica"]

@@ -213,7 +213,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     """Series names from every process of a 2-process stack with replica sync, KV events
     and Envoy, after traffic (streamed and not) and one refused request."""
     opts = stack_options(tmp_path_factory.mktemp("observability"), extproc_processes=2)
-    with running_stack(opts) as stack, httpx.Client(timeout=30) as client:
+    with (
+        running_stack(opts) as stack,
+        httpx.Client(timeout=30, headers=stack.options.admin_headers()) as client,
+    ):
         url = f"{stack.base_url}/v1/chat/completions"
         for i in range(12):
             body = {

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-__all__ = ["CONFIGMAPS", "EVENTS", "PODS", "POOLS", "ROUTES", "FakeApiServer"]
+__all__ = ["CONFIGMAPS", "EVENTS", "PODS", "POOLS", "ROUTES", "SECRETS", "FakeApiServer"]
 
 Resource = tuple[str, str, str]  # (group, version, plural); group "" is the core API
 PODS: Resource = ("", "v1", "pods")
@@ -34,12 +34,14 @@ POOLS: Resource = ("inference.networking.k8s.io", "v1", "inferencepools")
 ROUTES: Resource = ("gateway.networking.k8s.io", "v1", "httproutes")
 EVENTS: Resource = ("", "v1", "events")
 CONFIGMAPS: Resource = ("", "v1", "configmaps")
+SECRETS: Resource = ("", "v1", "secrets")
 _KINDS = {
     PODS: "Pod",
     POOLS: "InferencePool",
     ROUTES: "HTTPRoute",
     EVENTS: "Event",
     CONFIGMAPS: "ConfigMap",
+    SECRETS: "Secret",
 }
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
 
