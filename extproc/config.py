@@ -122,8 +122,8 @@ class AdminConfig:
     # loop: this many at once, this many more waiting, this many a second on average, 429
     # beyond; bodies up to this size.
     explain_concurrency: int = 1
-    explain_queue: int = 4
-    explain_rate_per_s: float = 10.0
+    explain_queue: int = 2
+    explain_rate_per_s: float = 2.0  # a person asks a few a minute; bench/explain_flood.py
     explain_max_body_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:

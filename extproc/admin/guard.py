@@ -20,6 +20,7 @@ import binascii
 import contextlib
 import hmac
 import ipaddress
+import math
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from extproc.types import GatewayError, TooManyRequests
@@ -121,6 +122,10 @@ class ExplainGate:
             return False
         self._bucket -= 1.0
         return True
+
+    def retry_after_s(self) -> int:
+        """Whole seconds until the bucket holds one more explain (Retry-After of a 429)."""
+        return max(1, math.ceil((1.0 - self._bucket) / self._rate))
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:

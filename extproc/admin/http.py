@@ -23,7 +23,7 @@ from extproc.director.api import RequestHead
 from extproc.director.director import Director
 from extproc.memdiag import MemoryDiagnostics
 from extproc.protocol.errors import error_json
-from extproc.types import GatewayError, PayloadTooLarge
+from extproc.types import GatewayError, PayloadTooLarge, TooManyRequests
 
 __all__ = ["AdminServer", "status_page_html"]
 
@@ -230,9 +230,12 @@ class AdminServer:
         return web.Response(body=body, content_type="application/json")
 
     async def _h_explain(self, request: web.Request) -> web.Response:
+        gate = self._explain_gate()
         try:
-            async with self._explain_gate().slot():
+            async with gate.slot():
                 return await self._explain(request)
+        except TooManyRequests as err:
+            return _error_response(err, {"Retry-After": str(gate.retry_after_s())})
         except GatewayError as err:
             return _error_response(err)
 

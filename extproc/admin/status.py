@@ -156,16 +156,22 @@ def endpoint_rows(
         for ep in store.endpoints(model):
             state = store.state(ep)
             load = inflight.load(ep.address)
+            ready = state is not None and store.is_ready(state, now)
             row = {
                 "model": model,
                 "address": ep.address,
                 "role": str(ep.role),
-                "ready": state is not None and store.is_ready(state, now),
+                "ready": ready,
                 "metrics_age_s": state.age(now) if state else None,
                 "last_error": state.last_error if state else None,
+                # The last scrape could not connect at all: nothing listens there.
+                "unreachable": bool(state is not None and state.unreachable),
+                "failed_scrapes": state.failures if state else 0,
                 "in_flight": load.requests,
                 "stalled": inflight.stalled(ep.address, stall_after_s),
-                "kv_events_healthy": kv_healthy(ep.address),
+                # A pod whose metrics stopped is not vouched for by a quiet event stream
+                # (a dead engine's ZMQ socket says nothing for a long while).
+                "kv_events_healthy": ready and kv_healthy(ep.address),
             }
             yield row, state
 
@@ -181,7 +187,8 @@ def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
         src.store, src.inflight, src.kv.is_healthy, cfg.routing.stall_after_s, now
     ):
         model, address = row["model"], row["address"]
-        row.update(_engine_view(state))
+        # A pod that is not ready shows no engine figures: its last ones would look live.
+        row.update(_engine_view(state if row["ready"] else None))
         row["in_flight_tokens"] = src.inflight.load(address).tokens
         row["cached_blocks_exact"] = _pod_blocks(src.exact_indexes, model, address)
         row["cached_blocks_approx"] = _pod_blocks(src.approx_indexes, model, address)

@@ -32,6 +32,7 @@ pytestmark = [
 
 HOSTILE = 'qwen3<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 REQUESTS = 24
+BLANK = "\u2013"  # the page's "no figure" (an en dash)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,41 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
     assert sum(t["decisions"]["total"] for t in totals) == sent
     assert totals[0]["replica"] != totals[1]["replica"]
     assert sorted(totals[0]["processes"]["members"]) == sorted(t["replica"] for t in totals)
+
+
+async def test_a_dead_pod_shows_down_with_no_frozen_numbers(stack: LocalStack) -> None:
+    """Issue 27 #9: a killed pod is "down" in plain sight (why, and the age of its last
+    sample), its engine figures blank instead of frozen, its KV events not "healthy"."""
+    o = stack.options
+    dead = o.sim_address(3)
+    row = f"document.querySelector('tr.endpoint[data-address=\"{dead}\"]')"
+
+    def cell(column: int) -> str:
+        return f"{row}.children[{column}].textContent"
+
+    async with chromium_page(stack.options.admin_headers()) as page:
+        await page.navigate(f"{admin_url(stack, 0)}/")
+        await page.wait_for(f"{row} !== null && {cell(10)} === 'healthy'")
+        assert await page.evaluate(cell(5)) != BLANK  # running: a live figure
+        stack.kill("sim-3")
+        try:
+            await page.wait_for(f"{row}.querySelector('.badge').textContent === 'down'")
+            why = await page.evaluate(f"{row}.querySelector('.why').textContent")
+            assert "unreachable" in why and "last sample" in why, why
+            # running, waiting, KV cache, prefix hits: blank, not the last values.
+            assert [await page.evaluate(cell(c)) for c in (5, 6, 7, 8)] == [BLANK] * 4
+            assert await page.evaluate(cell(10)) == "down"
+            assert await page.evaluate(f"{row}.classList.contains('down')")
+            # The age of the last sample keeps growing: the row is live, the pod is not.
+            first = float((await page.evaluate(cell(3))).split()[0])
+            await page.wait_for(f"parseFloat({cell(3)}) >= {first + 1.5}")
+            others = await page.evaluate(
+                "[...document.querySelectorAll('tr.endpoint')]"
+                f".filter(tr => tr.dataset.address !== '{dead}')"
+                ".map(tr => tr.querySelector('.badge').textContent)"
+            )
+            assert others == ["ready"] * 3
+        finally:
+            stack.restart("sim-3")
+        await page.wait_for(f"{row}.querySelector('.badge').textContent === 'ready'")
+        assert await page.evaluate(cell(5)) != BLANK
