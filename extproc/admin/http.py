@@ -3,7 +3,9 @@ status page (`/`, `/status.json`, when `server.status_page` is on)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -17,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from extproc.admin.guard import ExplainGate, authorized
+from extproc.admin.series import PodSeries
 from extproc.admin.source import AdminSource
 from extproc.admin.status import endpoint_rows, status_json
 from extproc.director.api import RequestHead
@@ -69,9 +72,18 @@ class AdminServer:
     """Serves the admin port; every handler reads `source` afresh, so a reload shows at once
     (a rotated admin token too). Who may read what: `extproc/admin/guard.py`."""
 
-    def __init__(self, source: AdminSource, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        source: AdminSource,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sample_every_s: float = 2.0,
+    ) -> None:
         self._src = source
         self._clock = clock
+        self._series = PodSeries()  # the status page's sparklines
+        self._sample_every_s = sample_every_s
+        self._sampler: asyncio.Task[None] | None = None
         self._memdiag = MemoryDiagnostics()
         self._runner: web.AppRunner | None = None
         self._page, self._page_csp = b"", ""
@@ -121,8 +133,22 @@ class AdminServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
+        self._sampler = asyncio.create_task(self._sample_loop(), name="admin-sampler")
+
+    async def _sample_loop(self) -> None:
+        while True:
+            if self._src.config.server.status_page:
+                store = self._src.store
+                addresses = [ep.address for m in store.models() for ep in store.endpoints(m)]
+                self._series.sample(addresses, self._src.inflight, time.time())
+            await asyncio.sleep(self._sample_every_s)
 
     async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -192,7 +218,7 @@ class AdminServer:
         off = self._status_off()
         if off is not None:
             return off
-        body = status_json(self._src, now=time.monotonic(), wall=time.time())
+        body = status_json(self._src, now=time.monotonic(), wall=time.time(), series=self._series)
         return web.Response(
             body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
             content_type="application/json",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.accounting.inflight import InflightTracker
+from extproc.admin.series import PodSeries
 from extproc.director.explain import explain_json
 from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.kvcache.approx import ApproximateIndex
@@ -176,7 +177,9 @@ def endpoint_rows(
             yield row, state
 
 
-def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
+def status_json(
+    src: AdminSource, *, now: float, wall: float, series: PodSeries | None = None
+) -> dict[str, Any]:
     """Everything the status page shows, read from the live runtime at this moment."""
     cfg = src.config
     scores = src.decisions.recent_scores(
@@ -193,6 +196,7 @@ def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
         row["cached_blocks_exact"] = _pod_blocks(src.exact_indexes, model, address)
         row["cached_blocks_approx"] = _pod_blocks(src.approx_indexes, model, address)
         row["recent"] = scores.get(address)
+        row["series"] = series.json(address) if series is not None else None
         models.setdefault(model, []).append(row)
     strategies = {m.name: m.strategy or cfg.routing.default_strategy for m in cfg.models}
     sync = src.sync
