@@ -132,6 +132,7 @@ async def test_without_the_token_every_private_path_is_refused_and_the_open_ones
     ],
     ids=["x-extproc-admin-token", "bearer", "basic"],
 )
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_the_token_opens_every_private_path(
     running: Running, headers: dict[str, str]
 ) -> None:
@@ -143,6 +144,7 @@ async def test_the_token_opens_every_private_path(
             assert resp.status_code == (404 if path == "/no-such-path" else 200), (path, resp.text)
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_status_json_hands_out_no_secret(running: Running) -> None:
     async with httpx.AsyncClient(
         base_url=running.url, headers={ADMIN_TOKEN_HEADER: TOKEN}, timeout=10
@@ -155,6 +157,7 @@ async def test_status_json_hands_out_no_secret(running: Running) -> None:
     assert in_force["routing"]["session_secret"] == "<redacted>"
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_explains_beyond_the_bound_get_429_and_big_bodies_413(running: Running) -> None:
     async with httpx.AsyncClient(
         base_url=running.url, headers={ADMIN_TOKEN_HEADER: TOKEN}, timeout=10
@@ -175,6 +178,7 @@ async def test_explains_beyond_the_bound_get_429_and_big_bodies_413(running: Run
     assert err["type"] == "rate_limit_error" and err["code"] == "explain_limited"
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_extproc_explain_finds_the_local_token(
     running: Running,
     tmp_path: Path,
@@ -266,6 +270,7 @@ def network_address() -> Iterator[str]:
     yield address
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_without_a_token_a_client_from_the_network_is_refused(
     engine: int, network_address: str
 ) -> None:

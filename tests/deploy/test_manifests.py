@@ -143,10 +143,12 @@ def test_overlay_renders(overlay: str) -> None:
 
 
 @pytest.mark.parametrize(("overlay", "obj"), list(all_objects()))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_every_object_validates_against_its_schema(overlay: str, obj: dict[str, Any]) -> None:
     validate(obj)
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_the_validator_rejects_what_the_api_server_would() -> None:
     policy = copy.deepcopy(find(render("envoy-gateway"), "EnvoyExtensionPolicy"))
     policy["spec"]["extProc"][0]["processingMode"]["request"]["body"] = "Bufferd"

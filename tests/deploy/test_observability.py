@@ -156,6 +156,7 @@ def test_alerts_cover_what_the_issue_lists(wanted: str) -> None:
     assert any(wanted in metric_names(r["expr"]) for r in alert_rules())
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_the_validator_rejects_a_misspelt_rule() -> None:
     rule = copy.deepcopy(find(render(OVERLAY), "PrometheusRule"))
     rule["spec"]["groups"][0]["rules"][0]["fro"] = "5m"
