@@ -1,6 +1,7 @@
 """Does a flood of explains move real decisions' latency? (issue 27 #8)
 
-The real local stack (1 server process, 2 simulated pods answering at once). A closed loop of
+The real local stack (1 server process, 2 simulated pods answering at once, kv-aware: every
+decision and every explain tokenizes). A closed loop of
 real chats through Envoy runs alone, then beside a flood: `--flooders` clients, in a process
 of their own (so their CPU does not stall the chats' client loop), posting
 `POST /debug/explain` with a long document (~14k tokens, a full tokenization each) with the
@@ -11,7 +12,8 @@ token, as fast as the admin port answers. Runs:
   flooders wait the 429's Retry-After (as `kubectl extproc` or a script would);
 - gated-hammer: the same gate, flooders that retry a 429 at once (5 ms): what remains is
   the cost of refusing on the shared event loop;
-- open: the gate opened wide (64 at once, 100,000 a second), to show what it protects.
+- open: the gate opened wide (64 at once, 100,000 a second), to show what it protects;
+- quiet-again: no flood again, last: its ratio to the first quiet run is the noise floor.
 
 Reported per run: the chats' p50 / p99 latency and the router's own mean decision time
 (`extproc_routing_decision_seconds`, last body byte in to answer out), each as a ratio to
@@ -49,9 +51,24 @@ RUNS: dict[str, tuple[dict[str, Any] | None, bool]] = {
     "gated": (PRODUCT, True),
     "gated-hammer": (PRODUCT, False),
     "open": (WIDE, True),
+    "quiet-again": (None, True),  # the noise floor: the same quiet run, later
 }
 CHAT = {"model": "qwen3", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1}
-WORDS = ["the", "router", "reads", "a", "long", "document", "before", "it", "explains", "where", "this", "would", "go"]
+WORDS = [
+    "the",
+    "router",
+    "reads",
+    "a",
+    "long",
+    "document",
+    "before",
+    "it",
+    "explains",
+    "where",
+    "this",
+    "would",
+    "go",
+]
 
 
 def _document(i: int) -> dict[str, Any]:
@@ -154,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             if gate is not None:
                 server_config["admin"] = gate
             opts = stack_options(
-                Path(tmp), sims=2, strategy="least-request", server_config=server_config
+                Path(tmp), sims=2, strategy="kv-aware", server_config=server_config
             )
             with LocalStack(opts) as stack:
                 _run(stack, 1.0, args.clients, 0, polite)  # warm-up
