@@ -98,7 +98,9 @@ def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(
     assert explained["tokens_estimated"] is False
     # A rule that reads no tokens skips tokenizing and says the count is an estimate.
     skipped = httpx.post(
-        explain_url, json=body, headers={"routing-strategy": "least-request"}
+        explain_url,
+        json=body,
+        headers={"routing-strategy": "least-request", **stack.options.admin_headers()},
     ).json()
     assert skipped["tokens_estimated"] is True
     assert wait_for(
