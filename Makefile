@@ -37,8 +37,10 @@ run: install
 test: install
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+# The inner loop: no real-Envoy stacks, none of the tests that take a second or more (the
+# `slow` marker), one worker per core, a test file per worker (its module fixtures load once).
 test-fast: install
-	$(BIN)/pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not e2e and not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check extproc tests bench

@@ -205,7 +205,11 @@ class OpenLoad(Load):
 def _endpoint_field(stack: LocalStack, address: str, field: str) -> bool | None:
     o = stack.options
     try:
-        eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=2).json()
+        eps = httpx.get(
+            f"http://{o.host}:{o.metrics_port}/debug/endpoints",
+            headers=o.admin_headers(),
+            timeout=2,
+        ).json()
     except httpx.HTTPError:
         return None
     return next((bool(e[field]) for e in eps if e["address"] == address), None)
@@ -488,7 +492,11 @@ def _counter(stack: LocalStack, index: int, name: str, **labels: str) -> float:
 def _in_flight(stack: LocalStack, index: int) -> int | None:
     o = stack.options
     try:
-        eps = httpx.get(f"http://{o.host}:{o.metrics_port + index}/debug/endpoints", timeout=1)
+        eps = httpx.get(
+            f"http://{o.host}:{o.metrics_port + index}/debug/endpoints",
+            headers=o.admin_headers(),
+            timeout=1,
+        )
         return sum(int(e["in_flight"]) for e in eps.json())
     except httpx.HTTPError:
         return None
@@ -810,7 +818,9 @@ def bucket_quantile(
 def _sync_state(stack: LocalStack, i: int) -> dict[str, Any] | None:
     o = stack.options
     try:
-        state = httpx.get(f"http://{o.host}:{o.metrics_port + i}/debug/sync", timeout=1).json()
+        state = httpx.get(
+            f"http://{o.host}:{o.metrics_port + i}/debug/sync", headers=o.admin_headers(), timeout=1
+        ).json()
     except httpx.HTTPError:
         return None
     return state if isinstance(state, dict) else None

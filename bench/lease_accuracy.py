@@ -41,7 +41,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _gateway(stack: LocalStack) -> dict[str, int]:
     o = stack.options
-    eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=1).json()
+    eps = httpx.get(
+        f"http://{o.host}:{o.metrics_port}/debug/endpoints", headers=o.admin_headers(), timeout=1
+    ).json()
     return {e["address"]: int(e["in_flight"]) for e in eps}
 
 

@@ -99,7 +99,12 @@ def main() -> None:
         o = stack.options
         url = f"http://{o.host}:{o.metrics_port}/debug/endpoints"
         ok = wait_for(
-            lambda: sum(e["ready"] for e in httpx.get(url, timeout=10).json()) == args.pods,
+            lambda: (
+                sum(
+                    e["ready"] for e in httpx.get(url, headers=o.admin_headers(), timeout=10).json()
+                )
+                == args.pods
+            ),
             timeout=60,
         )
         if not ok:

@@ -45,7 +45,9 @@ def peers(stack: LocalStack, processes: int) -> list[int]:
     o = stack.options
     out = []
     for i in range(processes):
-        state = httpx.get(f"http://{o.host}:{o.metrics_port + i}/debug/sync", timeout=5).json()
+        state = httpx.get(
+            f"http://{o.host}:{o.metrics_port + i}/debug/sync", headers=o.admin_headers(), timeout=5
+        ).json()
         out.append(len(state.get("peers_last_heard_s", {})))
     return out
 

@@ -131,7 +131,11 @@ class Soak:
 
     def in_flight(self) -> int:
         o = self._stack.options
-        eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=60).json()
+        eps = httpx.get(
+            f"http://{o.host}:{o.metrics_port}/debug/endpoints",
+            headers=o.admin_headers(),
+            timeout=60,
+        ).json()
         return sum(int(e["in_flight"]) for e in eps)
 
     def server_state(self) -> dict[str, float]:
@@ -152,7 +156,9 @@ class Soak:
         """The server's /debug/memory report (RSS, object types, tracemalloc growth)."""
         o = self._stack.options
         url = f"http://{o.host}:{o.metrics_port}/debug/memory"
-        report: dict[str, Any] = httpx.get(url, params=query, timeout=120).json()
+        report: dict[str, Any] = httpx.get(
+            url, params=query, headers=o.admin_headers(), timeout=120
+        ).json()
         return report
 
     def run(self, minutes: float, sample_s: float, *, memory: bool = False) -> dict[str, Any]:

@@ -97,6 +97,9 @@ def _explain(args: argparse.Namespace) -> int:
     headers = {"content-type": "application/json"}
     if args.strategy:
         headers["routing-strategy"] = args.strategy
+    token = _admin_token(args.token_file)
+    if token is not None:
+        headers["x-extproc-admin-token"] = token
     url = f"{args.server.rstrip('/')}/debug/explain"
     try:
         resp = httpx.post(
@@ -115,6 +118,22 @@ def _explain(args: argparse.Namespace) -> int:
         return 1
     print(resp.text)
     return 0 if resp.status_code == 200 else 1
+
+
+def _admin_token(path: str | None) -> str | None:
+    """The admin token: `--token-file`, else $EXTPROC_ADMIN_TOKEN, else the one a local stack
+    (`extproc up`, `make run`) generated in ./.run."""
+    import os
+
+    if path is None and os.environ.get("EXTPROC_ADMIN_TOKEN"):
+        return os.environ["EXTPROC_ADMIN_TOKEN"].strip()
+    from extproc.stack.local import ADMIN_TOKEN_FILE
+
+    candidate = Path(path) if path is not None else Path(".run") / ADMIN_TOKEN_FILE
+    try:
+        return candidate.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 def _sim(argv: Sequence[str]) -> int:
@@ -181,6 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--strategy", default=None)
     e.add_argument(
         "--route", default=None, help="an xDS route name, to apply that route's settings"
+    )
+    e.add_argument(
+        "--token-file",
+        default=None,
+        help="the admin token (default: $EXTPROC_ADMIN_TOKEN, else .run/admin.token of a local "
+        "stack started here)",
     )
     e.set_defaults(func=_explain)
     args = parser.parse_args(argv)

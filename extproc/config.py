@@ -28,6 +28,7 @@ from extproc.wire import SYNC_SUBJECT_PREFIX
 __all__ = [
     "ANNOTATION_PREFIX",
     "AccountingConfig",
+    "AdminConfig",
     "Config",
     "ConfigError",
     "ConfigProblem",
@@ -53,6 +54,7 @@ __all__ = [
     "load_config_text",
     "parse_model_rewrite",
     "parse_route_annotations",
+    "read_admin_token",
     "read_session_secret",
 ]
 
@@ -113,6 +115,32 @@ class ServerConfig:
     # the config cannot make the server read files elsewhere.
     tokenizer_root: str | None = None
     log_level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """The admin port (`server.metrics_port`): `/metrics` and the probes are open; `/debug/*`,
+    the status page and `/status.json` need the token (docs/operations.md, "The admin port")."""
+
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None  # read by load_config (a mounted Secret), at every reload
+    # POST /debug/explain runs a whole decision (tokenization included) on the router's event
+    # loop: this many at once, this many more waiting, this many a second on average, 429
+    # beyond; bodies up to this size.
+    explain_concurrency: int = 1
+    explain_queue: int = 2
+    explain_rate_per_s: float = 2.0  # a person asks a few a minute; bench/explain_flood.py
+    explain_max_body_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if self.token is not None and len(self.token.strip()) < 16:
+            raise ConfigError("token: must be at least 16 characters (`openssl rand -hex 32`)")
+        if self.explain_concurrency < 1 or self.explain_queue < 0 or self.explain_rate_per_s <= 0:
+            raise ConfigError(
+                "needs explain_concurrency >= 1, explain_queue >= 0, explain_rate_per_s > 0"
+            )
+        if self.explain_max_body_bytes < 1:
+            raise ConfigError("explain_max_body_bytes: must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +450,7 @@ class RouteSettings:
 @dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -580,6 +609,8 @@ def load_config_text(text: str) -> Config:
         raise ConfigError("routing.session_secret: must not be empty")
     if routing.session_secret is not None and routing.session_secret_file is not None:
         raise ConfigError("routing.session_secret_file: set it or routing.session_secret, not both")
+    if result.admin.token is not None and result.admin.token_file is not None:
+        raise ConfigError("admin.token_file: set it or admin.token, not both")
     return result
 
 
@@ -598,6 +629,22 @@ def read_session_secret(cfg: Config) -> Config:
     if not secret:
         raise ConfigError(f"routing.session_secret_file: {path} is empty")
     return dataclasses.replace(cfg, routing=dataclasses.replace(routing, session_secret=secret))
+
+
+def read_admin_token(cfg: Config) -> Config:
+    """`admin.token_file` read into `admin.token` (`load_config` does it at every load, so a
+    reload picks up a rotated Secret; `load_config_text` reads no file)."""
+    path = cfg.admin.token_file
+    if path is None:
+        return cfg
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"admin.token_file: cannot read {path}: {reason}") from None
+    if len(token) < 16:
+        raise ConfigError(f"admin.token_file: {path} holds fewer than 16 characters")
+    return dataclasses.replace(cfg, admin=dataclasses.replace(cfg.admin, token=token))
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,7 +716,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(
             f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
         ) from None
-    return read_session_secret(load_config_text(text))
+    return read_admin_token(read_session_secret(load_config_text(text)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,19 +3,24 @@
     kubectl extproc status [--pod NAME] [-o table|json]
     kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME]
     kubectl extproc config [--pod NAME] [-o yaml|json]
+    (every command: [--admin-secret NAME], the Secret that holds the admin token)
 
 Installed with the package as the `kubectl-extproc` script, which kubectl finds on PATH.
 The router replicas are the pods matching `--selector` in `--namespace`; each one's admin
 port (the container port named `metrics`, or `--port`) is reached through the API server's
 pod proxy (`/api/v1/namespaces/NS/pods/NAME:PORT/proxy/...`) with the kubeconfig's
 credentials: the caller needs `get` and `create` on `pods/proxy` in that namespace, nothing
-is exposed further. Every string that came from the cluster is stripped of control
+is exposed further. The admin port's private paths want the admin token: the plugin reads it
+from the Secret `extproc-admin` (key `token`; `get` on that one Secret) and sends it as
+`X-Extproc-Admin-Token`, since the API server removes the `Authorization` header it
+authenticated the caller with before it proxies. Every string that came from the cluster is stripped of control
 characters before it reaches the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import sys
@@ -30,6 +35,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from extproc.admin.guard import ADMIN_TOKEN_HEADER
 from extproc.config import ANNOTATION_PREFIX, parse_route_annotations
 from extproc.discovery.kubernetes import (
     ROUTE_GROUP,
@@ -45,6 +51,8 @@ DEFAULT_NAMESPACE = "extproc"  # deploy/base
 DEFAULT_SELECTOR = "app.kubernetes.io/name=extproc"
 ADMIN_PORT_NAME = "metrics"
 DEFAULT_ADMIN_PORT = 9090
+ADMIN_SECRET = "extproc-admin"  # deploy/base: the admin token, key `token`
+ADMIN_SECRET_KEY = "token"
 TIMEOUT_S = 10.0
 
 
@@ -77,11 +85,34 @@ class Reply:
 class Cluster:
     """The calls the plugin makes, on one configured `ApiClient`."""
 
-    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+    def __init__(
+        self, api: k8s.ApiClient, namespace: str, admin_secret: str = ADMIN_SECRET
+    ) -> None:
         self.api = api
         self.namespace = namespace
         self.core = k8s.CoreV1Api(api)
         self.custom = k8s.CustomObjectsApi(api)
+        self.admin_secret = admin_secret
+        self._token: str | bool | None = False  # False: not read yet
+
+    def admin_token(self) -> str | None:
+        """The admin token from the Secret (read once); None when there is no such Secret (a
+        router without one serves its loopback only: the replies say so)."""
+        if self._token is False:
+            try:
+                secret = self.core.read_namespaced_secret(self.admin_secret, self.namespace)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise KubectlError(
+                        f"cannot read the admin token (Secret {self.namespace}/"
+                        f"{self.admin_secret}): HTTP {exc.status} {exc.reason}; the caller needs "
+                        f"`get` on secrets/{self.admin_secret} (deploy/overlays/observability)"
+                    ) from exc
+                self._token = None
+            else:
+                raw = (secret.data or {}).get(ADMIN_SECRET_KEY)
+                self._token = base64.b64decode(raw).decode().strip() if raw else None
+        return self._token if isinstance(self._token, str) else None
 
     def replicas(self, selector: str, port: int | None) -> list[Replica]:
         listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
@@ -111,7 +142,7 @@ class Cluster:
             method,
             resource,
             query_params=list((query or {}).items()),
-            header_params={"Accept": "application/json", **(headers or {})},
+            header_params={"Accept": "application/json", **self._admin_header(), **(headers or {})},
             body=body,
             auth_settings=["BearerToken"],
         )
@@ -121,6 +152,10 @@ class Cluster:
         except (ApiException, Urllib3Error, OSError) as exc:
             raise KubectlError(f"{replica.name}: the API server did not answer: {exc}") from exc
         return Reply(response.status, bytes(data or b""))
+
+    def _admin_header(self) -> dict[str, str]:
+        token = self.admin_token()
+        return {ADMIN_TOKEN_HEADER: token} if token else {}
 
     def routes(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
         listed: Any
@@ -233,8 +268,14 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
         except ValueError:
             endpoints = None
         if not isinstance(endpoints, list):
-            text = reply.body[:200].decode(errors="replace")
-            notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(text)}")
+            text = _error_message(reply) or reply.body[:200].decode(errors="replace")
+            hint = (
+                f" (the admin token: Secret {cluster.namespace}/{cluster.admin_secret}, key "
+                f"{ADMIN_SECRET_KEY}; --admin-secret)"
+                if reply.status == 401
+                else ""
+            )
+            notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(text)}{hint}")
             failed += 1
             continue
         report[replica.name] = endpoints
@@ -263,6 +304,15 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
         for note in notes:
             sys.stderr.write(_printable(note) + "\n")
     return 1 if failed else 0
+
+
+def _error_message(reply: Reply) -> str | None:
+    """The message of an OpenAI-style error body (the router's), else None."""
+    try:
+        error = reply.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return str(error["message"]) if isinstance(error, dict) and "message" in error else None
 
 
 def _sync_state(cluster: Cluster, replica: Replica) -> dict[str, Any] | None:
@@ -433,6 +483,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None)
     p.add_argument("-l", "--selector", default=DEFAULT_SELECTOR, help="the router's pods")
     p.add_argument("--port", type=int, default=None, help="admin port (default: named 'metrics')")
+    p.add_argument(
+        "--admin-secret",
+        default=ADMIN_SECRET,
+        help="the Secret holding the admin token (key 'token')",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="endpoints and their state, from every ready replica")
     s.add_argument("--pod", default=None, help="one replica only")
@@ -474,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         with api:
-            cluster = Cluster(api, namespace)
+            cluster = Cluster(api, namespace, args.admin_secret)
             replicas = cluster.replicas(args.selector, args.port)
             if not replicas:
                 raise KubectlError(f"no pod matches {args.selector!r} in namespace {namespace!r}")

@@ -43,11 +43,15 @@ async def main(target: Path) -> None:
     with running_stack(opts) as stack:
         admin = f"http://{opts.host}:{opts.metrics_port}"
         assert wait_for(
-            lambda: all(e["ready"] for e in httpx.get(f"{admin}/debug/endpoints").json()), 20
+            lambda: all(
+                e["ready"]
+                for e in httpx.get(f"{admin}/debug/endpoints", headers=opts.admin_headers()).json()
+            ),
+            20,
         )
         stop = asyncio.Event()
         load = asyncio.create_task(traffic(stack.base_url, stop))
-        async with chromium_page() as page:
+        async with chromium_page(opts.admin_headers()) as page:
             await page.navigate(f"{admin}/")
             await asyncio.sleep(8)  # a few turns per user: caches fill, decisions accumulate
             await page.evaluate("document.querySelector('#decisions button.toggle').click()")

@@ -25,6 +25,7 @@ from extproc.types import Endpoint
 if TYPE_CHECKING:
     from extproc.accounting.gateway_metrics import GatewayMetrics
     from extproc.accounting.podstats import PodStatsTracker
+    from extproc.routing.base import PodStats
 
 __all__ = [
     "FAILING_AFTER",
@@ -151,6 +152,7 @@ class InflightTracker:
         self._watching = False
         # Failing picks: consecutive failures per address and the last one's time.
         self._failures: dict[str, tuple[int, float]] = {}
+        self._failed_total: dict[str, int] = {}  # every failed pick, for the status page
         # Other replicas' in-flight counts (absolute, per replica), and their sum per address.
         self._remote: dict[str, dict[str, Load]] = {}
         self._remote_total: dict[str, Load] = {}
@@ -198,10 +200,19 @@ class InflightTracker:
         """A request routed to `address` failed there (a 5xx, or retried on a fallback)."""
         count, _ = self._failures.get(address, (0, at))
         self._failures[address] = (count + 1, at)
+        self._failed_total[address] = self._failed_total.get(address, 0) + 1
 
     def pick_served(self, address: str) -> None:
         """A request routed to `address` was served there: it is not failing."""
         self._failures.pop(address, None)
+
+    def failed_total(self, address: str) -> int:
+        """Picks of `address` that failed since start (5xx, or retried elsewhere)."""
+        return self._failed_total.get(address, 0)
+
+    def pod_stats(self, address: str) -> PodStats | None:
+        """What this process measured of `address` (None without a stats tracker)."""
+        return None if self._stats is None else self._stats.stats(address, self._clock())
 
     def failing_addresses(self) -> frozenset[str]:
         """Addresses whose last `FAILING_AFTER` picks failed, the last one within

@@ -3,26 +3,34 @@ status page (`/`, `/status.json`, when `server.status_page` is on)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import dataclasses
 import hashlib
+import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from extproc.admin.guard import ExplainGate, authorized
+from extproc.admin.series import PodSeries
 from extproc.admin.source import AdminSource
 from extproc.admin.status import endpoint_rows, status_json
 from extproc.director.api import RequestHead
 from extproc.director.director import Director
 from extproc.memdiag import MemoryDiagnostics
 from extproc.protocol.errors import error_json
-from extproc.types import GatewayError
+from extproc.types import GatewayError, PayloadTooLarge, TooManyRequests
 
 __all__ = ["AdminServer", "status_page_html"]
+
+log = logging.getLogger("extproc.admin")
 
 
 def status_page_html() -> tuple[bytes, str]:
@@ -51,18 +59,65 @@ class _StatusPageOff(GatewayError):
     code = "status_page_disabled"
 
 
-class AdminServer:
-    """Serves the admin port; every handler reads `source` afresh, so a reload shows at once."""
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-    def __init__(self, source: AdminSource) -> None:
+
+def _error_response(err: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=err.status, body=error_json(err), content_type="application/json", headers=headers
+    )
+
+
+class AdminServer:
+    """Serves the admin port; every handler reads `source` afresh, so a reload shows at once
+    (a rotated admin token too). Who may read what: `extproc/admin/guard.py`."""
+
+    def __init__(
+        self,
+        source: AdminSource,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sample_every_s: float = 2.0,
+    ) -> None:
         self._src = source
+        self._clock = clock
+        self._series = PodSeries()  # the status page's sparklines
+        self._sample_every_s = sample_every_s
+        self._sampler: asyncio.Task[None] | None = None
         self._memdiag = MemoryDiagnostics()
         self._runner: web.AppRunner | None = None
         self._page, self._page_csp = b"", ""
+        self._gate: ExplainGate | None = None
+
+    def _explain_gate(self) -> ExplainGate:
+        a = self._src.config.admin
+        shape = (a.explain_concurrency, a.explain_queue, a.explain_rate_per_s)
+        if self._gate is None or self._gate.shape != shape:  # new limits after a reload
+            self._gate = ExplainGate(*shape, clock=self._clock)
+        return self._gate
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        refused = authorized(
+            request.path, request.headers, request.remote, self._src.config.admin.token
+        )
+        if refused is None:
+            return await handler(request)
+        # A browser asks for the token once (any user name) and sends it with every fetch.
+        challenge = {"WWW-Authenticate": 'Basic realm="extproc admin", charset="UTF-8"'}
+        return _error_response(refused, challenge)
 
     async def start(self, host: str, port: int) -> None:
         self._page, self._page_csp = status_page_html()
-        app = web.Application(client_max_size=self._src.config.server.max_body_bytes)
+        token = self._src.config.admin.token
+        if token is not None and token.startswith("replace-me"):
+            log.warning(
+                "the admin token is deploy/'s example value: anyone who read the repository "
+                "has it; replace the Secret extproc-admin (openssl rand -hex 32)"
+            )
+        app = web.Application(
+            client_max_size=self._src.config.server.max_body_bytes, middlewares=[self._auth]
+        )
         app.router.add_get("/metrics", self._h_metrics)
         app.router.add_get("/healthz", self._h_healthz)
         app.router.add_get("/readyz", self._h_readyz)
@@ -78,8 +133,22 @@ class AdminServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
+        self._sampler = asyncio.create_task(self._sample_loop(), name="admin-sampler")
+
+    async def _sample_loop(self) -> None:
+        while True:
+            if self._src.config.server.status_page:
+                store = self._src.store
+                addresses = [ep.address for m in store.models() for ep in store.endpoints(m)]
+                self._series.sample(addresses, self._src.inflight, time.time())
+            await asyncio.sleep(self._sample_every_s)
 
     async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -149,7 +218,7 @@ class AdminServer:
         off = self._status_off()
         if off is not None:
             return off
-        body = status_json(self._src, now=time.monotonic(), wall=time.time())
+        body = status_json(self._src, now=time.monotonic(), wall=time.time(), series=self._series)
         return web.Response(
             body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
             content_type="application/json",
@@ -187,7 +256,28 @@ class AdminServer:
         return web.Response(body=body, content_type="application/json")
 
     async def _h_explain(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        gate = self._explain_gate()
+        try:
+            async with gate.slot():
+                return await self._explain(request)
+        except TooManyRequests as err:
+            return _error_response(err, {"Retry-After": str(gate.retry_after_s())})
+        except GatewayError as err:
+            return _error_response(err)
+
+    async def _explain(self, request: web.Request) -> web.Response:
+        cap = self._src.config.admin.explain_max_body_bytes
+        if (request.content_length or 0) > cap:
+            raise PayloadTooLarge(
+                f"an explain body is at most {cap} bytes (admin.explain_max_body_bytes)"
+            )
+        body = bytearray()
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > cap:
+                raise PayloadTooLarge(
+                    f"an explain body is at most {cap} bytes (admin.explain_max_body_bytes)"
+                )
         headers = {k.lower(): v for k, v in request.headers.items()}
         head = RequestHead(
             request_id="explain",
@@ -197,7 +287,7 @@ class AdminServer:
             route_name=request.query.get("route"),
         )
         try:
-            result = await self._src.director.explain(head, body)
+            result = await self._src.director.explain(head, bytes(body))
         except GatewayError as err:
             reply = Director.error_reply(err)
             return web.Response(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.accounting.inflight import InflightTracker
+from extproc.admin.series import PodSeries
 from extproc.director.explain import explain_json
 from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.kvcache.approx import ApproximateIndex
@@ -25,7 +26,14 @@ from extproc.routing.base import Decision, PodState, RoutingRequest
 if TYPE_CHECKING:
     from extproc.admin.source import AdminSource
 
-__all__ = ["DecisionLog", "DecisionRecord", "ReloadStatus", "endpoint_rows", "status_json"]
+__all__ = [
+    "DecisionLog",
+    "DecisionRecord",
+    "ReloadStatus",
+    "endpoint_rows",
+    "redacted",
+    "status_json",
+]
 
 MAX_CANDIDATES_SHOWN = 32  # per decision: a 512-pod model would make every poll megabytes
 
@@ -149,21 +157,29 @@ def endpoint_rows(
         for ep in store.endpoints(model):
             state = store.state(ep)
             load = inflight.load(ep.address)
+            ready = state is not None and store.is_ready(state, now)
             row = {
                 "model": model,
                 "address": ep.address,
                 "role": str(ep.role),
-                "ready": state is not None and store.is_ready(state, now),
+                "ready": ready,
                 "metrics_age_s": state.age(now) if state else None,
                 "last_error": state.last_error if state else None,
+                # The last scrape could not connect at all: nothing listens there.
+                "unreachable": bool(state is not None and state.unreachable),
+                "failed_scrapes": state.failures if state else 0,
                 "in_flight": load.requests,
                 "stalled": inflight.stalled(ep.address, stall_after_s),
-                "kv_events_healthy": kv_healthy(ep.address),
+                # A pod whose metrics stopped is not vouched for by a quiet event stream
+                # (a dead engine's ZMQ socket says nothing for a long while).
+                "kv_events_healthy": ready and kv_healthy(ep.address),
             }
             yield row, state
 
 
-def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
+def status_json(
+    src: AdminSource, *, now: float, wall: float, series: PodSeries | None = None
+) -> dict[str, Any]:
     """Everything the status page shows, read from the live runtime at this moment."""
     cfg = src.config
     scores = src.decisions.recent_scores(
@@ -174,11 +190,13 @@ def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
         src.store, src.inflight, src.kv.is_healthy, cfg.routing.stall_after_s, now
     ):
         model, address = row["model"], row["address"]
-        row.update(_engine_view(state))
+        # A pod that is not ready shows no engine figures: its last ones would look live.
+        row.update(_engine_view(state if row["ready"] else None))
         row["in_flight_tokens"] = src.inflight.load(address).tokens
         row["cached_blocks_exact"] = _pod_blocks(src.exact_indexes, model, address)
         row["cached_blocks_approx"] = _pod_blocks(src.approx_indexes, model, address)
         row["recent"] = scores.get(address)
+        row["series"] = series.json(address) if series is not None else None
         models.setdefault(model, []).append(row)
     strategies = {m.name: m.strategy or cfg.routing.default_strategy for m in cfg.models}
     sync = src.sync
@@ -200,8 +218,27 @@ def status_json(src: AdminSource, *, now: float, wall: float) -> dict[str, Any]:
             "kept": src.decisions.size,
             "recent": [rec.to_json() for rec in src.decisions.newest_first()],
         },
-        "config": {"in_force": cfg, "reload": dataclasses.asdict(src.reload_status)},
+        "config": {"in_force": redacted(cfg), "reload": dataclasses.asdict(src.reload_status)},
     }
+
+
+def redacted(obj: Any) -> Any:
+    """`obj` (a config dataclass) as plain data with every secret (a `repr=False` field: the
+    session key, the admin token) shown as "<redacted>": /status.json never hands them out."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            f.name: (
+                "<redacted>"
+                if not f.repr and getattr(obj, f.name) is not None
+                else redacted(getattr(obj, f.name))
+            )
+            for f in dataclasses.fields(obj)
+        }
+    if isinstance(obj, dict):
+        return {k: redacted(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [redacted(v) for v in obj]
+    return obj
 
 
 def _engine_view(state: EndpointState | None) -> dict[str, Any]:

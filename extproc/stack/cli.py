@@ -298,6 +298,8 @@ def run_stack(args: argparse.Namespace) -> int:
     print(
         f"READY: gateway on {base}/v1 (model {opts.model!r}, {strategy}); "
         f"metrics http://127.0.0.1:{opts.metrics_port}/metrics; Ctrl-C stops everything.\n"
+        f"  status page http://127.0.0.1:{opts.metrics_port}/ (any user name, the password is "
+        f"the admin token in {stack.workdir}/admin.token; `extproc explain` finds it)\n"
         f"  faults for demos: extproc pod kill|hang|slow|errors|heal {opts.sim_address(0)} "
         f"--workdir {args.workdir}\n"
         f"  try: curl -s {base}/v1/chat/completions -H 'content-type: application/json' "

@@ -25,6 +25,7 @@ from typing import IO, Any
 import httpx
 import yaml
 
+from extproc.admin.guard import ADMIN_TOKEN_HEADER
 from extproc.stack.envoy_config import (
     EXTPROC_MESSAGE_TIMEOUT_S,
     EnvoyOptions,
@@ -45,7 +46,15 @@ from extproc.stack.envoy_gateway import render_yaml as render_envoy_gateway_yaml
 from extproc.stack.nats_server import NatsServer, write_password_file
 from extproc.wire import ACCESS_LOG_NAME
 
-__all__ = ["FAULTS_DIR", "RESTART_DIR", "STATE_FILE", "LocalStack", "StackError", "StackOptions"]
+__all__ = [
+    "ADMIN_TOKEN_FILE",
+    "FAULTS_DIR",
+    "RESTART_DIR",
+    "STATE_FILE",
+    "LocalStack",
+    "StackError",
+    "StackOptions",
+]
 
 log = logging.getLogger("extproc.stack")
 
@@ -54,6 +63,7 @@ NATS_USER = "extproc"
 STATE_FILE = "stack.json"  # children and pids, for `extproc pod`
 RESTART_DIR = "restart"  # one empty file per child that `extproc pod heal` wants back
 FAULTS_DIR = "faults"  # faults/<child>: the fraction of time `extproc pod slow` pauses it
+ADMIN_TOKEN_FILE = "admin.token"  # the admin port's token, new at every start (mode 0600)
 
 
 class StackError(RuntimeError):
@@ -116,6 +126,19 @@ class StackOptions:
 
     def sim_address(self, i: int) -> str:
         return f"{self.host}:{self.sim_port(i)}"
+
+    def admin_token(self) -> str:
+        """The token the stack's admin ports want (`admin.token[_file]` of `server_config`, or
+        the one the stack generated into its workdir)."""
+        admin = self.server_config.get("admin") or {}
+        if admin.get("token"):
+            return str(admin["token"])
+        path = Path(admin.get("token_file") or self.workdir / ADMIN_TOKEN_FILE)
+        return path.read_text(encoding="utf-8").strip()
+
+    def admin_headers(self) -> dict[str, str]:
+        """Headers for a request to a private admin path (`/debug/*`, `/status.json`)."""
+        return {ADMIN_TOKEN_HEADER: self.admin_token()}
 
 
 MESSAGE_TIMEOUT_MARGIN_S = 5.0  # beyond flow control's TTL: its own 429/503 arrives first
@@ -199,6 +222,9 @@ class LocalStack:
                 "log_level": o.log_level,
             },
             "routing": {"default_strategy": o.strategy},
+            # One user on one machine, and tests that ask explain in loops: a wider gate
+            # than the product's (1 at a time, 10 a second).
+            "admin": {"explain_queue": 16, "explain_rate_per_s": 200.0},
             "metrics": {"poll_interval_s": 0.5},
             # Without Envoy's access log no record ends a lease: the routing stream is held.
             "accounting": {"access_log": o.response_accounting is ResponseAccounting.ACCESS_LOG},
@@ -322,6 +348,12 @@ class LocalStack:
                     secret_file = self.workdir / "session.secret"
                     write_password_file(secret_file)
                     cfg = _merge(cfg, {"routing": {"session_secret_file": str(secret_file)}})
+                admin = cfg["admin"]
+                if not admin.get("token") and not admin.get("token_file"):
+                    # /debug/* and the status page want it; `extproc explain` finds it here.
+                    token_file = self.workdir / ADMIN_TOKEN_FILE
+                    write_password_file(token_file)
+                    cfg = _merge(cfg, {"admin": {"token_file": str(token_file)}})
                 if self.sync_enabled:
                     cfg = _merge(cfg, {"sync": self._start_nats()})
                 for i in range(o.extproc_processes):

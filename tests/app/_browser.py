@@ -105,8 +105,9 @@ class Page:
 
 
 @contextlib.asynccontextmanager
-async def chromium_page() -> AsyncIterator[Page]:
-    """A fresh headless Chromium (its own throwaway profile) with one tab."""
+async def chromium_page(headers: dict[str, str] | None = None) -> AsyncIterator[Page]:
+    """A fresh headless Chromium (its own throwaway profile) with one tab; `headers` go with
+    every request the tab makes (the admin token, as a browser's saved credentials would)."""
     profile = tempfile.mkdtemp(prefix="extproc-chromium-")
     proc = await asyncio.create_subprocess_exec(
         CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -131,6 +132,9 @@ async def chromium_page() -> AsyncIterator[Page]:
                 try:
                     await page.send("Page.enable")
                     await page.send("Runtime.enable")
+                    if headers:
+                        await page.send("Network.enable")
+                        await page.send("Network.setExtraHTTPHeaders", headers=headers)
                     yield page
                 finally:
                     await page.close()

@@ -33,6 +33,7 @@ def tracing() -> Iterator[None]:
             tracemalloc.stop()
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_growth_names_the_type_and_the_line_that_allocated(tracing: None) -> None:
     diag = MemoryDiagnostics()
     first = diag.report(types=True)
@@ -60,6 +61,7 @@ def test_without_tracemalloc_the_report_says_how_to_get_sites() -> None:
     assert report["gc_objects"] > 1000
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_admin_endpoint_serves_the_report_and_rejects_a_bad_top() -> None:
     metrics_port = free_port()
     cfg = load_config_text(f"""

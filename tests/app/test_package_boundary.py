@@ -82,6 +82,7 @@ def test_the_binaries_of_the_local_stack_are_not_runtime_dependencies() -> None:
     assert "extproc-lb" in dev  # dev pulls in the stack extra: `make install` runs `make run`
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_server_modules_import_only_runtime_dependencies() -> None:
     from importlib import metadata
 
@@ -156,6 +157,7 @@ def _clean_env(home: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_extproc_up_without_the_stack_extra_names_the_extra(env_without_stack_extra: Path) -> None:
     python = env_without_stack_extra
     env = _clean_env(python.parent)
@@ -174,6 +176,7 @@ def test_extproc_up_without_the_stack_extra_names_the_extra(env_without_stack_ex
     assert "starting" not in proc.stdout  # nothing was spawned
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_the_server_starts_without_the_stack_extra(env_without_stack_extra: Path) -> None:
     """The same environment serves: the server's imports and its CLI need nothing from it."""
     proc = subprocess.run(

@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -32,6 +33,7 @@ pytestmark = [
 
 HOSTILE = 'qwen3<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 REQUESTS = 24
+BLANK = "\u2013"  # the page's "no figure" (an en dash)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def admin_url(stack: LocalStack, process: int) -> str:
     return f"http://{o.host}:{o.metrics_port + process}"
 
 
-async def send_traffic(stack: LocalStack, n: int) -> None:
+async def send_traffic(stack: LocalStack, n: int, *, stream: bool = False) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
 
         async def one(i: int) -> None:
@@ -56,6 +58,7 @@ async def send_traffic(stack: LocalStack, n: int) -> None:
                 "model": HOSTILE,
                 "messages": [{"role": "user", "content": f"tell me about request {i}"}],
                 "max_tokens": 8,
+                "stream": stream,  # streamed: the access record carries the first token's time
             }
             resp = await client.post("/v1/chat/completions", json=body)
             assert resp.status_code == 200, resp.text
@@ -70,11 +73,14 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
     for process in (0, 1):
         assert wait_for(
             lambda p=process: all(
-                e["ready"] for e in httpx.get(f"{admin_url(stack, p)}/debug/endpoints").json()
+                e["ready"]
+                for e in httpx.get(
+                    f"{admin_url(stack, p)}/debug/endpoints", headers=stack.options.admin_headers()
+                ).json()
             ),
             timeout=20,
         )
-    async with chromium_page() as page:
+    async with chromium_page(stack.options.admin_headers()) as page:
         await page.navigate(f"{admin_url(stack, 0)}/")
         await page.wait_for("document.querySelectorAll('tr.endpoint').length === 4")
         shown = await page.evaluate(
@@ -105,7 +111,9 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
         while sent < 5 * REQUESTS:
             await send_traffic(stack, REQUESTS)
             sent += REQUESTS
-            async with httpx.AsyncClient(timeout=5) as client:
+            async with httpx.AsyncClient(
+                timeout=5, headers=stack.options.admin_headers()
+            ) as client:
                 own = (await client.get(f"{admin_url(stack, 0)}/status.json")).json()
             if own["decisions"]["total"] > 0:
                 break
@@ -118,7 +126,7 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
         assert count_after != count_before
         await page.wait_for(
             "[...document.querySelectorAll('tr.endpoint')]"
-            ".some(tr => tr.lastChild.textContent.startsWith('picked'))"
+            ".some(tr => tr.children[11].textContent.startsWith('picked'))"
         )
         assert await page.evaluate("window.__sameDocument") == "yes"
         assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
@@ -144,8 +152,97 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
             await asyncio.to_thread(Path(target).write_bytes, png)
 
     # Each process keeps its own decisions: together they made exactly one per request.
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=stack.options.admin_headers()) as client:
         totals = [(await client.get(f"{admin_url(stack, p)}/status.json")).json() for p in (0, 1)]
     assert sum(t["decisions"]["total"] for t in totals) == sent
     assert totals[0]["replica"] != totals[1]["replica"]
     assert sorted(totals[0]["processes"]["members"]) == sorted(t["replica"] for t in totals)
+
+
+async def test_a_dead_pod_shows_down_with_no_frozen_numbers(stack: LocalStack) -> None:
+    """Issue 27 #9: a killed pod is "down" in plain sight (why, and the age of its last
+    sample), its engine figures blank instead of frozen, its KV events not "healthy"."""
+    o = stack.options
+    dead = o.sim_address(3)
+    row = f"document.querySelector('tr.endpoint[data-address=\"{dead}\"]')"
+
+    def cell(column: int) -> str:
+        return f"{row}.children[{column}].textContent"
+
+    async with chromium_page(stack.options.admin_headers()) as page:
+        await page.navigate(f"{admin_url(stack, 0)}/")
+        await page.wait_for(f"{row} !== null && {cell(10)} === 'healthy'")
+        assert await page.evaluate(cell(5)) != BLANK  # running: a live figure
+        stack.kill("sim-3")
+        try:
+            await page.wait_for(f"{row}.querySelector('.badge').textContent === 'down'")
+            why = await page.evaluate(f"{row}.querySelector('.why').textContent")
+            assert "unreachable" in why and "last sample" in why, why
+            # running, waiting, KV cache, prefix hits: blank, not the last values.
+            assert [await page.evaluate(cell(c)) for c in (5, 6, 7, 8)] == [BLANK] * 4
+            assert await page.evaluate(cell(10)) == "down"
+            assert await page.evaluate(f"{row}.classList.contains('down')")
+            # The age of the last sample keeps growing: the row is live, the pod is not.
+            first = float((await page.evaluate(cell(3))).split()[0])
+            await page.wait_for(f"parseFloat({cell(3)}) >= {first + 1.5}")
+            others = await page.evaluate(
+                "[...document.querySelectorAll('tr.endpoint')]"
+                f".filter(tr => tr.dataset.address !== '{dead}')"
+                ".map(tr => tr.querySelector('.badge').textContent)"
+            )
+            assert others == ["ready"] * 3
+        finally:
+            stack.restart("sim-3")
+        await page.wait_for(f"{row}.querySelector('.badge').textContent === 'ready'")
+        assert await page.evaluate(cell(5)) != BLANK
+
+
+async def test_sparklines_per_pod_and_a_collapsible_decision_list(stack: LocalStack) -> None:
+    """Issue 27 #10: each pod's row draws its recent samples (requests/s, in flight, TTFT,
+    errors) from the server's ring; the decision list folds away and stays folded. Envoy
+    sends a worker's access records to one process: the page of the process that accounts
+    them shows the served rates."""
+    items = "tr.endpoint .spark-item"
+    for _ in range(4):  # across a few of the server's 2 s sampling intervals
+        await send_traffic(stack, REQUESTS, stream=True)
+        await asyncio.sleep(1.0)
+
+    def accounts(status: dict[str, Any]) -> bool:
+        series = [e["series"] for m in status["models"] for e in m["endpoints"]]
+        assert all(s is not None and 3 <= len(s["at"]) <= 60 for s in series), series
+        return any(max(v or 0 for v in s["requests_per_s"]) > 0 for s in series) and any(
+            v is not None for s in series for v in s["ttft_ms"]
+        )
+
+    async with httpx.AsyncClient(timeout=5, headers=stack.options.admin_headers()) as client:
+        states = [(await client.get(f"{admin_url(stack, p)}/status.json")).json() for p in (0, 1)]
+    accounting = [p for p in (0, 1) if accounts(states[p])]
+    assert accounting, "no process shows served requests and TTFT in its samples"
+    async with chromium_page(stack.options.admin_headers()) as page:
+        await page.navigate(f"{admin_url(stack, accounting[0])}/")
+        await page.wait_for("document.querySelectorAll('tr.endpoint').length === 4")
+        await page.wait_for(
+            f"[...document.querySelectorAll('{items}')].some(i => +i.dataset.points >= 3)"
+        )
+        kinds = await page.evaluate(
+            "[...document.querySelectorAll('tr.endpoint')].map(tr => "
+            "[...tr.querySelectorAll('.spark-item')].map(i => i.dataset.series).join(','))"
+        )
+        assert kinds == ["requests_per_s,in_flight,ttft_ms,errors_per_s"] * 4
+        drawn = await page.evaluate(
+            f"[...document.querySelectorAll('{items}[data-series=requests_per_s] polyline')]"
+            ".filter(p => p.getAttribute('points').split(' ').length >= 2).length"
+        )
+        assert drawn == 4  # a line per pod
+        assert await page.evaluate("document.querySelectorAll('img').length") == 0
+
+        await send_traffic(stack, REQUESTS)  # decisions on this page's process too
+        shown = "document.querySelector('tr.decision').checkVisibility()"
+        await page.wait_for(f"document.querySelector('tr.decision') !== null && {shown}")
+        await page.evaluate("document.querySelector('#decisions-box > summary').click()")
+        assert await page.evaluate("document.getElementById('decisions-box').open") is False
+        assert not await page.evaluate(shown)
+        await asyncio.sleep(1.5)  # the page refreshes: the list stays folded
+        assert not await page.evaluate(shown)
+        await page.evaluate("document.querySelector('#decisions-box > summary').click()")
+        assert await page.evaluate(shown)

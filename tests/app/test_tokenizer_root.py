@@ -15,6 +15,7 @@ def model(tokenizer: str) -> ModelConfig:
     return ModelConfig(name="m", tokenizer=tokenizer)
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_tokenizer_inside_the_root_loads(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
     inside = tmp_path / "tokenizers" / "qwen3"
     shutil.copytree(qwen_tokenizer_dir, inside)

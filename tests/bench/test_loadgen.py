@@ -94,6 +94,7 @@ def test_hit_rate_counts_only_successful_requests() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 17, 200, 2000])
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_text_factory_hits_exact_token_counts(qwen_tokenizer_dir: Path, tokens: int) -> None:
     tok = Tokenizer.from_file(str(qwen_tokenizer_dir / "tokenizer.json"))
     text = TextFactory(tok, seed=tokens).text(tokens)

@@ -114,6 +114,7 @@ def test_a_valid_trace_loads_with_extra_keys_ignored(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("input_length", [1, 200, 511, 512, 513, 1100, 2048, 5000])
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_a_prompt_is_exactly_input_length_tokens(
     tok: Tokenizer, blocks: BlockText, input_length: int
 ) -> None:
@@ -141,6 +142,7 @@ def test_shared_hash_ids_give_shared_token_prefixes(tok: Tokenizer, blocks: Bloc
     assert _common(b, other) < salt + 8
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_block_text_is_the_same_in_another_process(
     blocks: BlockText, qwen_tokenizer_dir: Path
 ) -> None:
@@ -262,6 +264,7 @@ def test_the_sample_trace_has_multi_turn_reuse_and_shared_system_prompts(
 # -- trace arrivals against a real simulator -------------------------------------------------
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_trace_arrivals_start_in_schedule_order_and_reuse_the_prefix(
     sim: SimServer, tok: Tokenizer, blocks: BlockText
 ) -> None:

@@ -11,6 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -67,6 +69,7 @@ def _context_files() -> list[Path]:
     return files
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_the_docker_build_context_builds_the_package(tmp_path: Path) -> None:
     context = tmp_path / "context"
     for path in _context_files():

@@ -145,10 +145,12 @@ def test_overlay_renders(overlay: str) -> None:
 
 
 @pytest.mark.parametrize(("overlay", "obj"), list(all_objects()))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_every_object_validates_against_its_schema(overlay: str, obj: dict[str, Any]) -> None:
     validate(obj)
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_the_validator_rejects_what_the_api_server_would() -> None:
     policy = copy.deepcopy(find(render("envoy-gateway"), "EnvoyExtensionPolicy"))
     policy["spec"]["extProc"][0]["processingMode"]["request"]["body"] = "Bufferd"
@@ -207,6 +209,46 @@ def test_server_deployment_is_hardened_and_probed() -> None:
     assert mounted == configmap["metadata"]["name"]
     pdb = find(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels(deployment).items()
+
+
+@pytest.mark.parametrize("overlay", ["envoy-gateway", "inferencepool", "nats"])
+def test_the_admin_token_is_mounted_where_the_config_reads_it(overlay: str) -> None:
+    docs = render(overlay)
+    config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
+    assert config.admin.token is None and config.admin.token_file is not None
+    pod = find(docs, "Deployment", "extproc")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    directory, _, key = config.admin.token_file.rpartition("/")
+    volume = {v["name"]: v for v in pod["volumes"]}[mounts[directory]]["secret"]
+    assert volume["secretName"] == "extproc-admin"  # the name kubectl extproc reads
+    assert volume["items"] == [{"key": "token", "path": key}]
+    secret = find(docs, "Secret", "extproc-admin")  # generated, no hash suffix
+    assert set(secret["data"]) == {"token"}
+
+
+def test_the_network_policy_admits_the_gateway_to_grpc_and_scrapers_to_metrics() -> None:
+    docs = render("envoy-gateway")
+    policy = find(docs, "NetworkPolicy", "extproc")
+    deployment = find(docs, "Deployment", "extproc")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(deployment).items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    declared = {p["name"] for p in container["ports"]}
+    sources = {}
+    for rule in policy["spec"]["ingress"]:
+        (port,) = rule["ports"]
+        assert port["port"] in declared  # by name: a renumbered port stays covered
+        (peer,) = rule["from"]
+        sources[port["port"]] = peer["namespaceSelector"]["matchLabels"]
+    assert sources == {
+        "grpc": {"kubernetes.io/metadata.name": "envoy-gateway-system"},
+        "metrics": {"kubernetes.io/metadata.name": "monitoring"},
+    }
+    # The PodMonitor scrapes the port the policy opens, at the open path.
+    monitor = find(render("observability"), "PodMonitor", "extproc")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint.get("path", "/metrics") == "/metrics"
 
 
 def pod_labels(deployment: Mapping[str, Any]) -> dict[str, str]:

@@ -156,6 +156,7 @@ def test_alerts_cover_what_the_issue_lists(wanted: str) -> None:
     assert any(wanted in metric_names(r["expr"]) for r in alert_rules())
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_the_validator_rejects_a_misspelt_rule() -> None:
     rule = copy.deepcopy(find(render(OVERLAY), "PrometheusRule"))
     rule["spec"]["groups"][0]["rules"][0]["fro"] = "5m"
@@ -215,7 +216,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     opts = stack_options(
         tmp_path_factory.mktemp("observability"), extproc_processes=2, flow_control=True
     )
-    with running_stack(opts) as stack, httpx.Client(timeout=30) as client:
+    with (
+        running_stack(opts) as stack,
+        httpx.Client(timeout=30, headers=stack.options.admin_headers()) as client,
+    ):
         url = f"{stack.base_url}/v1/chat/completions"
         for i in range(12):
             body = {

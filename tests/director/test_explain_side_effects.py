@@ -64,6 +64,7 @@ async def live_picks(tokenizer: Tokenizer, strategy: str, *, explains: int) -> l
 
 
 @pytest.mark.parametrize("strategy", [*NAMES, "least-request:1,random:0.5"])
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_explaining_leaves_every_live_decision_as_it_was(
     tokenizer: Tokenizer, strategy: str
 ) -> None:

@@ -43,6 +43,7 @@ async def turn(k: DirectorKit, i: int, sid: str | None) -> tuple[str, str]:
     return res.destinations[0], res.set_headers["x-session-id"]
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_the_id_is_opaque_and_holds_across_processes(tokenizer: Tokenizer) -> None:
     one, two = kit(tokenizer), kit(tokenizer)  # two processes (or replicas), one secret
     try:

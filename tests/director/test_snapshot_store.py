@@ -131,6 +131,7 @@ def _requests(world: StoreWorld) -> list[RoutingRequest]:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_every_rule_decides_the_same_on_the_store_columns(name: str) -> None:
     world = StoreWorld(90, seed=7)
     caps = REGISTRY.resolve(name).capabilities

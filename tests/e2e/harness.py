@@ -104,5 +104,7 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 
 
 def in_flight(stack: LocalStack) -> int:
     o = stack.options
-    eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
+    eps = httpx.get(
+        f"http://{o.host}:{o.metrics_port}/debug/endpoints", headers=o.admin_headers(), timeout=5
+    ).json()
     return sum(int(e["in_flight"]) for e in eps)

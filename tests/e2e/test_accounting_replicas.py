@@ -159,7 +159,8 @@ def debug_in_flight(stack: LocalStack) -> dict[tuple[int, str], int]:
     o = stack.options
     out = {}
     for i in range(o.extproc_processes):
-        eps = httpx.get(f"http://{o.host}:{o.metrics_port + i}/debug/endpoints", timeout=5).json()
+        url = f"http://{o.host}:{o.metrics_port + i}/debug/endpoints"
+        eps = httpx.get(url, headers=o.admin_headers(), timeout=5).json()
         for e in eps:
             out[(i, e["address"])] = int(e["in_flight"])
     return out

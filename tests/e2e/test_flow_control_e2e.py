@@ -35,7 +35,10 @@ def _sum(stack: LocalStack, name: str, **labels: str) -> float:
 
 def _ready_pods(stack: LocalStack) -> int:
     o = stack.options
-    eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
+    eps = httpx.get(
+        f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5,
+        headers=o.admin_headers(),
+    ).json()  # fmt: skip
     return sum(1 for e in eps if e.get("ready"))
 
 

@@ -123,13 +123,17 @@ def test_streaming_chat_with_official_client_returns_tokens_and_exact_usage(
         "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
     }
     explained = httpx.post(
-        explain_url, json=body, headers={"routing-strategy": "prefix-cache"}
+        explain_url,
+        json=body,
+        headers={"routing-strategy": "prefix-cache", **stack.options.admin_headers()},
     ).json()
     assert explained["prompt_tokens"] == usage.prompt_tokens
     assert explained["tokens_estimated"] is False
     # A rule that reads no tokens skips tokenizing and says the count is an estimate.
     skipped = httpx.post(
-        explain_url, json=body, headers={"routing-strategy": "least-request"}
+        explain_url,
+        json=body,
+        headers={"routing-strategy": "least-request", **stack.options.admin_headers()},
     ).json()
     assert skipped["tokens_estimated"] is True
     assert wait_for(
@@ -372,7 +376,9 @@ def test_killed_engine_is_excluded_and_traffic_keeps_flowing(tmp_path: Path) -> 
         # Excluded within one poll interval (0.5 s): the next scrape is refused.
         def excluded() -> bool:
             eps = httpx.get(
-                f"http://127.0.0.1:{opts.metrics_port}/debug/endpoints", timeout=5
+                f"http://127.0.0.1:{opts.metrics_port}/debug/endpoints",
+                headers=opts.admin_headers(),
+                timeout=5,
             ).json()
             return not next(e for e in eps if e["address"] == dead)["ready"]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc.stack.local import StackOptions
 from tests.e2e.harness import metric_samples, metric_sum, running_stack, stack_options, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -37,9 +38,12 @@ def sim_blocks(address: str) -> set[int]:
     return {b["block_hash"] for b in httpx.get(f"http://{address}/debug/cache", timeout=10).json()}
 
 
-def router_blocks(metrics_port: int, address: str) -> set[int]:
+def router_blocks(opts: StackOptions, address: str) -> set[int]:
     data = httpx.get(
-        f"http://127.0.0.1:{metrics_port}/debug/kv", params={"pod": address}, timeout=10
+        f"http://127.0.0.1:{opts.metrics_port}/debug/kv",
+        params={"pod": address},
+        headers=opts.admin_headers(),
+        timeout=10,
     ).json()
     return set(data["_blocks"]["qwen3"])
 
@@ -61,7 +65,11 @@ def test_router_index_matches_simulator_caches_after_random_multi_turn_workload(
         addrs = [opts.sim_address(i) for i in range(opts.sims)]
         assert wait_for(
             lambda: all(
-                httpx.get(f"http://127.0.0.1:{opts.metrics_port}/debug/kv", timeout=5)
+                httpx.get(
+                    f"http://127.0.0.1:{opts.metrics_port}/debug/kv",
+                    headers=opts.admin_headers(),
+                    timeout=5,
+                )
                 .json()
                 .get(a, {})
                 .get("healthy")
@@ -87,14 +95,18 @@ def test_router_index_matches_simulator_caches_after_random_multi_turn_workload(
             )
         for address in addrs:
             assert wait_for(
-                lambda a=address: router_blocks(opts.metrics_port, a) == sim_blocks(a), timeout=10
+                lambda a=address: router_blocks(opts, a) == sim_blocks(a), timeout=10
             ), (
                 address,
-                len(router_blocks(opts.metrics_port, address)),
+                len(router_blocks(opts, address)),
                 len(sim_blocks(address)),
             )
         # The workload overflowed a 64-block cache: the comparison covered evictions.
-        kv = httpx.get(f"http://127.0.0.1:{opts.metrics_port}/debug/kv", timeout=5).json()
+        kv = httpx.get(
+            f"http://127.0.0.1:{opts.metrics_port}/debug/kv",
+            headers=opts.admin_headers(),
+            timeout=5,
+        ).json()
         assert sum(kv[a]["removed_blocks"] for a in addrs) > 0
         assert all(kv[a]["healthy"] and kv[a]["decode_errors"] == 0 for a in addrs)
         # Later turns of a session see their earlier turns cached, exactly.
@@ -102,7 +114,7 @@ def test_router_index_matches_simulator_caches_after_random_multi_turn_workload(
         explained = httpx.post(
             f"http://127.0.0.1:{opts.metrics_port}/debug/explain",
             json={"model": "qwen3", "messages": msgs},
-            headers={"routing-strategy": "kv-aware"},
+            headers={"routing-strategy": "kv-aware", **opts.admin_headers()},
             timeout=10,
         ).json()
         best = max(explained["candidates"], key=lambda c: c["prefix_match_tokens"])
@@ -123,7 +135,9 @@ def test_short_prompts_keep_an_idle_event_stream_healthy(tmp_path: Path) -> None
         port = opts.metrics_port
 
         def healthy() -> list[bool]:
-            kv = httpx.get(f"http://127.0.0.1:{port}/debug/kv", timeout=5).json()
+            kv = httpx.get(
+                f"http://127.0.0.1:{port}/debug/kv", headers=opts.admin_headers(), timeout=5
+            ).json()
             return [bool(kv.get(a, {}).get("healthy")) for a in addrs]
 
         # Silent engines that have published nothing: one probe of each replay socket.
@@ -137,6 +151,9 @@ def test_short_prompts_keep_an_idle_event_stream_healthy(tmp_path: Path) -> None
         samples = metric_samples(f"http://127.0.0.1:{port}/metrics")
         assert metric_sum(samples, "extproc_kv_events_healthy") == len(addrs)
         explained = httpx.post(
-            f"http://127.0.0.1:{port}/debug/explain", json=short, timeout=10
+            f"http://127.0.0.1:{port}/debug/explain",
+            json=short,
+            headers=opts.admin_headers(),
+            timeout=10,
         ).json()
         assert all(c["prefix_exact"] for c in explained["candidates"])

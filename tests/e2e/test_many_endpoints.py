@@ -75,13 +75,15 @@ def test_server_routes_over_256_endpoints(tmp_path: Path) -> None:
         addresses = {fleet.address(i) for i in range(PODS)}
 
         def endpoints() -> list[dict[str, object]]:
-            rows: list[dict[str, object]] = httpx.get(f"{admin}/debug/endpoints", timeout=10).json()
+            rows: list[dict[str, object]] = httpx.get(
+                f"{admin}/debug/endpoints", headers=o.admin_headers(), timeout=10
+            ).json()
             return rows
 
         # Every endpoint known, scraped and ready, each with a KV-event subscriber.
         assert wait_for(lambda: sum(bool(e["ready"]) for e in endpoints()) == PODS, timeout=60)
         assert {str(e["address"]) for e in endpoints()} == addresses
-        kv = httpx.get(f"{admin}/debug/kv", timeout=10).json()
+        kv = httpx.get(f"{admin}/debug/kv", headers=o.admin_headers(), timeout=10).json()
         assert addresses <= set(kv)
 
         # Load-based routing spreads over the pool (in-flight ties broken at random).
@@ -109,7 +111,9 @@ def test_server_routes_over_256_endpoints(tmp_path: Path) -> None:
             ]
 
             def stored(address: str = holder) -> bool:
-                row = httpx.get(f"{admin}/debug/kv", timeout=10).json()[address]
+                row = httpx.get(f"{admin}/debug/kv", headers=o.admin_headers(), timeout=10).json()[
+                    address
+                ]
                 return int(row["stored_blocks"]) > 0
 
             assert wait_for(stored, timeout=10)

@@ -70,7 +70,10 @@ def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path, proce
     )
     fast, slow = opts.sim_address(0), opts.sim_address(1)
     admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in range(processes)]
-    with running_stack(opts) as stack, httpx.Client(timeout=60) as client:
+    with (
+        running_stack(opts) as stack,
+        httpx.Client(timeout=60, headers=stack.options.admin_headers()) as client,
+    ):
         url = f"{stack.base_url}/v1/chat/completions"
         for i in range(WARMUP):  # cold: the cost rule spreads these over both pods
             post_streamed(client, url, chat(i))
@@ -142,7 +145,10 @@ def test_samples_learnt_while_nats_was_down_reach_the_other_process(tmp_path: Pa
     opts = stack_options(tmp_path, sims=2, strategy="predicted-latency", extproc_processes=2)
     admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in range(2)]
     outage = 12
-    with running_stack(opts) as stack, httpx.Client(timeout=60) as client:
+    with (
+        running_stack(opts) as stack,
+        httpx.Client(timeout=60, headers=stack.options.admin_headers()) as client,
+    ):
         assert stack.nats is not None
 
         def sync_state(i: int) -> dict[str, Any]:

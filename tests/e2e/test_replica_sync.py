@@ -41,7 +41,8 @@ def envoy_healthy_extproc(stack: LocalStack) -> int:
 
 def debug(stack: LocalStack, i: int, what: str) -> object:
     o = stack.options
-    return httpx.get(f"http://{o.host}:{o.metrics_port + i}/debug/{what}", timeout=5).json()
+    url = f"http://{o.host}:{o.metrics_port + i}/debug/{what}"
+    return httpx.get(url, headers=o.admin_headers(), timeout=5).json()
 
 
 def metrics(stack: LocalStack, i: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -181,7 +182,7 @@ def test_a_session_holds_whichever_process_routes_it(stack: LocalStack) -> None:
         reply = httpx.post(
             f"http://{o.host}:{o.metrics_port + i}/debug/explain",
             json=CHAT,
-            headers={**hdr, "x-session-id": sid},
+            headers={**hdr, "x-session-id": sid, **o.admin_headers()},
             timeout=10,
         ).json()
         return str(reply["pick"])

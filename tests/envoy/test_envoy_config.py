@@ -60,6 +60,7 @@ def _validate(path: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_envoy_validates(name: str, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render_yaml(VARIANTS[name]))
@@ -112,6 +113,7 @@ _quiet_data_plane = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @_quiet_data_plane
 @pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_field_names_exist_in_envoy_data_plane(name: str) -> None:
     config = render_bootstrap(VARIANTS[name])
     parsed = _data_plane_bootstrap(config)
@@ -119,6 +121,7 @@ def test_field_names_exist_in_envoy_data_plane(name: str) -> None:
 
 
 @_quiet_data_plane
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_envoy_data_plane_rejects_unknown_fields() -> None:
     config = render_bootstrap(EnvoyOptions())
     broken = copy.deepcopy(config)

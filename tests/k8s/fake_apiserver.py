@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-__all__ = ["CONFIGMAPS", "EVENTS", "PODS", "POOLS", "ROUTES", "FakeApiServer"]
+__all__ = ["CONFIGMAPS", "EVENTS", "PODS", "POOLS", "ROUTES", "SECRETS", "FakeApiServer"]
 
 Resource = tuple[str, str, str]  # (group, version, plural); group "" is the core API
 PODS: Resource = ("", "v1", "pods")
@@ -36,6 +36,7 @@ EVENTS: Resource = ("", "v1", "events")
 REWRITES: Resource = ("llm-d.ai", "v1alpha2", "inferencemodelrewrites")
 OBJECTIVES: Resource = ("llm-d.ai", "v1alpha2", "inferenceobjectives")
 CONFIGMAPS: Resource = ("", "v1", "configmaps")
+SECRETS: Resource = ("", "v1", "secrets")
 _KINDS = {
     PODS: "Pod",
     POOLS: "InferencePool",
@@ -44,6 +45,7 @@ _KINDS = {
     REWRITES: "InferenceModelRewrite",
     OBJECTIVES: "InferenceObjective",
     CONFIGMAPS: "ConfigMap",
+    SECRETS: "Secret",
 }
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
 

@@ -88,6 +88,7 @@ models:
 # default strategy) instead of failing every request on it with 400.
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_an_annotation_naming_an_unknown_strategy_is_reported_and_unset(
     apiserver: FakeApiServer, tmp_path: Path
 ) -> None:

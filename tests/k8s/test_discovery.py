@@ -135,6 +135,7 @@ def test_backoff_grows_with_jitter_up_to_the_cap_and_resets() -> None:
 # -- list + watch through the real client --------------------------------------------------
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_pods_appear_become_ready_terminate_and_go(
     apiserver: FakeApiServer, recorder: Recorder, discovery_factory: Any
 ) -> None:
@@ -202,6 +203,7 @@ def test_expired_resource_version_relists_and_bookmarks_advance_it(
     assert all(q.get("allowWatchBookmarks") == "true" for q in watches)
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_a_watch_that_times_out_resumes_without_relisting(
     apiserver: FakeApiServer, recorder: Recorder, discovery_factory: Any
 ) -> None:

@@ -4,6 +4,7 @@ proxy path and the real admin endpoints; one test runs it through kubectl itself
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import pytest
 from extproc.kubectl import main
 from extproc.stack.local import LocalStack
 from tests.e2e.harness import running_stack, stack_options, wait_for
-from tests.k8s.fake_apiserver import CONFIGMAPS, EVENTS, PODS, ROUTES, FakeApiServer
+from tests.k8s.fake_apiserver import CONFIGMAPS, EVENTS, PODS, ROUTES, SECRETS, FakeApiServer
 from tests.k8s.helpers import write_kubeconfig
 
 pytestmark = pytest.mark.e2e
@@ -68,6 +69,14 @@ def route(name: str, annotations: dict[str, str], uid: str = "") -> dict[str, An
     }
 
 
+def admin_secret(namespace: str, token: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "extproc-admin", "namespace": namespace},
+        "type": "Opaque",
+        "data": {"token": base64.b64encode(token.encode()).decode()},
+    }
+
+
 @dataclass
 class Env:
     stack: LocalStack
@@ -95,6 +104,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     try:
         with running_stack(opts) as stack:
             api.apply(PODS, router_pod("extproc-0", opts.metrics_port))
+            # The admin token, as deploy/base's generated Secret holds it.
+            api.apply(SECRETS, admin_secret(NS, opts.admin_token()))
             api.apply(PODS, router_pod("extproc-1", opts.metrics_port + 1))
             api.apply(PODS, router_pod("extproc-2", opts.metrics_port + 2, ready=False))
             api.apply(
@@ -166,8 +177,33 @@ def test_status_shows_every_ready_replica_through_the_pod_proxy(
         f"/api/v1/namespaces/{NS}/pods/extproc-1:{o.metrics_port + 1}/proxy/debug/endpoints"
         in proxied
     )
-    # The client authenticated with the kubeconfig's token; the proxy did not forward it.
+    # The client authenticated with the kubeconfig's token; the proxy did not forward it. The
+    # admin token came from the Secret, in the header the proxy passes on.
     assert any(h.get("Authorization") == "Bearer secret-token-k1" for h in env.api.headers)
+    token = env.stack.options.admin_token()
+    assert any(h.get("X-Extproc-Admin-Token") == token for h in env.api.headers)
+    assert f"/api/v1/namespaces/{NS}/secrets/extproc-admin" in [p for _, p, _ in env.api.requests]
+
+
+def test_without_the_admin_token_the_router_refuses_the_plugin(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    o = env.stack.options
+    for ns, secret, why in (
+        ("nosecret", None, "no admin token was presented"),
+        ("wrongsecret", "a-wrong-token-0123456789", "a wrong admin token was presented"),
+    ):
+        env.api.apply(PODS, router_pod("r-0", o.metrics_port, namespace=ns))
+        if secret is not None:
+            env.api.apply(SECRETS, admin_secret(ns, secret))
+        code, out, err = env.run("-n", ns, "status", capsys=capsys)
+        assert code == 1 and "r-0" not in out
+        assert "r-0: HTTP 401: /debug/endpoints needs the admin token" in err and why in err, err
+        assert f"Secret {ns}/extproc-admin" in err
+        # Straight to the admin port, without a token: refused too (JSON, OpenAI's shape).
+        direct = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5)
+        assert direct.status_code == 401
+        assert direct.json()["error"]["code"] == "admin_token_required"
 
 
 def test_status_json_of_one_replica(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
@@ -267,6 +303,7 @@ def test_a_replica_that_does_not_answer_is_reported_and_the_others_shown(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     o = env.stack.options
+    env.api.apply(SECRETS, admin_secret("split", o.admin_token()))
     env.api.apply(PODS, router_pod("a-0", o.metrics_port, namespace="split"))
     env.api.apply(PODS, router_pod("a-1", 1, namespace="split"))  # nothing listens on port 1
     env.api.apply(PODS, router_pod("a-2", o.sim_port(0), namespace="split"))  # not a router
@@ -287,7 +324,8 @@ def test_a_stale_pod_shows_as_not_ready(env: Env, capsys: pytest.CaptureFixture[
     try:
 
         def stale() -> bool:
-            eps = httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints", timeout=5).json()
+            url = f"http://{o.host}:{o.metrics_port}/debug/endpoints"
+            eps = httpx.get(url, headers=o.admin_headers(), timeout=5).json()
             return any(e["address"] == o.sim_address(1) and not e["ready"] for e in eps)
 
         assert wait_for(stale, 15)

@@ -233,6 +233,7 @@ _values = st.recursive(
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(_values | st.just("BlockStored") | st.just("BlockRemoved"), max_size=6))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_structured_garbage_only_ever_raises_decode_error(events: list[object]) -> None:
     with contextlib.suppress(DecodeError):
         decode_payload(

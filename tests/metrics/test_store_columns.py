@@ -63,6 +63,7 @@ def _check_columns(ready: ReadyEndpoints) -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_columns_equal_the_metrics_after_random_events(seed: int) -> None:
     rng = random.Random(seed)
     clock = [100.0]

@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -66,6 +67,7 @@ def _schema_dict(cls: type, depth: int = 0) -> st.SearchStrategy[dict[str, Any]]
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=_schema_dict(Config), junk_key=st.booleans())
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_schema_shaped_documents_load_or_raise_config_error(
     doc: dict[str, Any], junk_key: bool
 ) -> None:

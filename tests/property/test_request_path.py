@@ -110,6 +110,7 @@ def cases(draw: st.DrawFn) -> Case:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(case=cases())
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_hostile_requests_never_crash_stick_or_escape_the_pool(
     harness: tuple[RequestPath, asyncio.AbstractEventLoop], case: Case
 ) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import random
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -95,6 +96,7 @@ routing = st.fixed_dictionaries(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(section=routing, model_strategy=st.none() | strategy_names)
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_routing_settings_build_or_name_the_bad_key(
     section: dict[str, Any], model_strategy: str | None
 ) -> None:

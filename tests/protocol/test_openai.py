@@ -325,6 +325,7 @@ messages = st.lists(
     obj=st.dictionaries(fields, json_values | messages, max_size=6),
     model=st.none() | st.text(max_size=5),
 )
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_arbitrary_json_objects_only_gateway_errors(
     path: str, obj: dict[str, object], model: str | None
 ) -> None:

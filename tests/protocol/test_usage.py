@@ -128,6 +128,7 @@ def test_oversized_json_body_stays_unknown() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(chunks=st.lists(st.binary(max_size=200), max_size=8))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_accumulator_never_raises(chunks: list[bytes]) -> None:
     acc = StreamUsageAccumulator()
     for c in chunks:

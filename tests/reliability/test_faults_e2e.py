@@ -103,7 +103,9 @@ def test_hanging_and_garbage_metrics_do_not_delay_decisions(stack: LocalStack) -
         assert wait_for(flagged, timeout=10)
         eps = {
             e["address"]: e
-            for e in httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints").json()
+            for e in httpx.get(
+                f"http://{o.host}:{o.metrics_port}/debug/endpoints", headers=o.admin_headers()
+            ).json()
         }
         assert eps[sims[0]]["last_error"] and eps[sims[1]]["last_error"]
         for _ in range(20):
@@ -125,7 +127,9 @@ def test_hanging_and_garbage_metrics_do_not_delay_decisions(stack: LocalStack) -
     assert wait_for(
         lambda: all(
             e["ready"]
-            for e in httpx.get(f"http://{o.host}:{o.metrics_port}/debug/endpoints").json()
+            for e in httpx.get(
+                f"http://{o.host}:{o.metrics_port}/debug/endpoints", headers=o.admin_headers()
+            ).json()
         ),
         timeout=10,
     )
@@ -235,7 +239,7 @@ def test_missing_tokenizer_starts_with_a_labelled_estimate(tmp_path: Path) -> No
         explained = httpx.post(
             f"http://{o.host}:{o.metrics_port}/debug/explain",
             content=json.dumps(CHAT),
-            headers=hdr,
+            headers={**hdr, **o.admin_headers()},
             timeout=10,
         ).json()
         assert explained["tokens_estimated"] is True

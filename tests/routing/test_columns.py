@@ -94,6 +94,7 @@ def _outcome(name: str, r: RoutingRequest, s: Snapshot, seed: int) -> tuple[obje
 @pytest.mark.parametrize(
     ("n", "roles", "sparse"), [(40, False, False), (40, True, True), (70, False, True)]
 )
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_columns_decide_as_the_per_pod_path(
     monkeypatch: pytest.MonkeyPatch, name: str, n: int, roles: bool, sparse: bool
 ) -> None:

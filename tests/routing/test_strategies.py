@@ -292,6 +292,7 @@ def test_every_strategy_ranks_all_candidates_once(
 
 
 @pytest.mark.parametrize("name", ALL_STRATEGIES)
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_seeded_rng_is_deterministic(name: str) -> None:
     pods = [pod(a, in_flight=1, kv=0.5, waiting=1, running=1) for a in (A, B, C, D)]
     r = req(prompt_tokens=64, user="u")

@@ -74,6 +74,7 @@ async def test_chat_stream_chunks_match_vllm(
     assert usage_chunk["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_first_token_is_streamed_when_its_step_ends(
     make_sim: MakeSim, http: aiohttp.ClientSession
 ) -> None:

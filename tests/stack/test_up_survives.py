@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc.admin.guard import ADMIN_TOKEN_HEADER
+from extproc.stack.local import ADMIN_TOKEN_FILE
 from tests.e2e.harness import metric_samples, metric_sum, port_block, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -63,7 +65,12 @@ class Up:
         seen: set[bool | None] = set()
         for p in range(2):
             try:
-                eps = httpx.get(f"{self.admin(p)}/debug/endpoints", timeout=2).json()
+                token = (self.workdir / ADMIN_TOKEN_FILE).read_text().strip()
+                eps = httpx.get(
+                    f"{self.admin(p)}/debug/endpoints",
+                    headers={ADMIN_TOKEN_HEADER: token},
+                    timeout=2,
+                ).json()
             except httpx.HTTPError:
                 seen.add(None)
                 continue

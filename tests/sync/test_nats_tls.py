@@ -126,6 +126,7 @@ async def test_buses_verify_the_server_with_the_ca_and_exchange_over_tls(
     await exchange(inboxes, "tls")
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_a_server_the_bus_cannot_verify_is_refused(
     tls_server: TlsNats, buses: Callable[..., NatsBus], tmp_path: Path
 ) -> None:

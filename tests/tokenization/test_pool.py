@@ -21,6 +21,7 @@ def qwen():  # type: ignore[no-untyped-def]
     return load_tokenizer(d, name="qwen3")
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 async def test_small_inline_large_offloaded(qwen) -> None:  # type: ignore[no-untyped-def]
     pool = TokenizerPool(qwen, inline_threshold_chars=100)
     try:

@@ -62,6 +62,7 @@ def chat(turns: int) -> list[Msg]:
     return msgs
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_next_turn_reuses_the_previous_rendering(qwen: HFTokenizer, rust: RustTokenizer) -> None:
     tok = fresh(qwen, rust)
     history = chat(3)
@@ -133,6 +134,7 @@ def with_extra_token(extra: str) -> HFTokenizer:
     return tok
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_prefix_never_ends_where_an_added_token_may_continue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -203,6 +205,7 @@ step = st.one_of(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(start=st.lists(turn, min_size=1, max_size=4), steps=st.lists(step, max_size=8))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_any_sequence_of_requests_gives_full_encode_ids(
     qwen: HFTokenizer,
     rust: RustTokenizer,
@@ -249,6 +252,7 @@ def test_pool_gives_arrays_equal_to_a_full_encode(qwen: HFTokenizer) -> None:
     assert ids[1][: len(ids[0]) - 3] == ids[0][:-3]  # each turn extends the one before
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_prefix_cache_respects_its_byte_budget() -> None:
     assert QWEN_DIR is not None
     cache = ChatPrefixCache(max_bytes=200_000)

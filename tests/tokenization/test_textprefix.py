@@ -91,6 +91,7 @@ def reused(variant: str, cached: str, text: str, cut: int, tokens: int) -> list[
     return encode(variant, cached)[:tokens] + encode(variant, text[cut:])
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_qwen_loads_with_the_text_prefix_path() -> None:
     tok = qwen()
     assert tok.text_prefix_disabled_reason is None
@@ -160,6 +161,7 @@ def test_every_allowed_cut_gives_the_full_encode(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared=head, ends=st.lists(fragment, min_size=2, max_size=4))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_tokenizer_path_equals_full_encode(shared: str, ends: list[str]) -> None:
     """Requests through HFTokenizer (plan, encode the tail, assemble, cache) are exact."""
     tok, _ = tokenizer()
@@ -184,6 +186,7 @@ TRAPS = [
 
 
 @pytest.mark.parametrize(("cached", "text", "bad_cut", "rule"), TRAPS)
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_refused_cuts_would_be_wrong(cached: str, text: str, bad_cut: int, rule: str) -> None:
     cached, text = cached + " and a tail", text + " and a tail"  # long enough to be cached
     common = common_prefix_len(cached, text)
@@ -204,6 +207,7 @@ def test_refused_cuts_would_be_wrong(cached: str, text: str, bad_cut: int, rule:
     assert texts.stats().hits == 1  # an earlier cut was reused
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_cut_inside_a_word_would_be_wrong() -> None:
     """Why cuts need different word ids: BPE tokens inside one pre-token do not split."""
     cached, text = "the tokenization tale", "the tokenize tale"  # " token" + "ization"
@@ -219,6 +223,7 @@ def test_cut_inside_a_word_would_be_wrong() -> None:
     assert not {s for s, _ in inside} & {c for c, _ in all_cuts("qwen3", cached)}
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_unsafe_margin_fails_the_self_check_and_disables_the_path() -> None:
     tok, _ = tokenizer(margin=0)
     assert tok.text_prefix_disabled_reason is not None
@@ -231,6 +236,7 @@ def test_unsafe_margin_fails_the_self_check_and_disables_the_path() -> None:
     ("variant", "needle"),
     [("unaudited-regex", "regex not audited"), ("nfkc", "normalizer")],
 )
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_unaudited_tokenizers_encode_fully(variant: str, needle: str) -> None:
     tok, _ = tokenizer(variant)
     assert tok.text_prefix_disabled_reason is not None
@@ -245,6 +251,7 @@ def _class(ch: str) -> tuple[bool, bool, bool, bool]:
     return cat[0] == "L", cat[0] == "N", ch.isspace(), ch in "\r\n"
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_cut_characters_are_inert_under_nfc() -> None:
     """Over the Unicode tables: a cut character is never composed onto the character before
     it, and whatever it composes with after it keeps its class (letter, digit, space)."""

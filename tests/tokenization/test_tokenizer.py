@@ -101,6 +101,7 @@ def test_template_tools_and_tool_call_arguments(qwen: HFTokenizer) -> None:
     assert not text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_template_errors_become_bad_request(qwen: HFTokenizer, tmp_path: Path) -> None:
     with pytest.raises(BadRequest) as err:
         qwen.encode_chat([])  # Qwen3's template reads messages[0]
@@ -146,6 +147,7 @@ def test_incremental_text_equals_full_encode(qwen: HFTokenizer, text: str) -> No
     assert qwen.encode_text(text) == qwen.encode_full(text, add_special_tokens=True)
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_cache_hits_on_next_turn() -> None:
     assert QWEN_DIR is not None
     # No room for chat prefixes: this test is about the segment cache alone.
@@ -196,6 +198,7 @@ def _copy_qwen(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_unsafe_added_token_flags_fall_back_to_full_encode(tmp_path: Path) -> None:
     d = _copy_qwen(tmp_path)
     data = json.loads((d / "tokenizer.json").read_text())
@@ -227,6 +230,7 @@ def test_unsafe_added_token_flags_fall_back_to_full_encode(tmp_path: Path) -> No
         ),
     ],
 )
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_load_errors_name_the_file(tmp_path: Path, mutate: object, needle: str) -> None:
     d = _copy_qwen(tmp_path)
     mutate(d)  # type: ignore[operator]
@@ -240,6 +244,7 @@ def test_missing_directory(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "nope")
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_chat_template_file_and_named_templates(tmp_path: Path) -> None:
     d = _copy_qwen(tmp_path)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
@@ -258,6 +263,7 @@ def test_chat_template_file_and_named_templates(tmp_path: Path) -> None:
     assert load_tokenizer(d).render_chat([{"role": "user", "content": "q"}]) == "1"
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_openai_content_format_for_list_iterating_template(tmp_path: Path) -> None:
     d = _copy_qwen(tmp_path)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
@@ -272,6 +278,7 @@ def test_openai_content_format_for_list_iterating_template(tmp_path: Path) -> No
     assert tok.render_chat(msgs) == "<a><b>"
 
 
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
 def test_no_chat_template_is_bad_request(tmp_path: Path) -> None:
     d = _copy_qwen(tmp_path)
     (d / "tokenizer_config.json").unlink()
