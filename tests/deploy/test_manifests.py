@@ -211,7 +211,7 @@ def test_server_deployment_is_hardened_and_probed() -> None:
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels(deployment).items()
 
 
-@pytest.mark.parametrize("overlay", ["envoy-gateway", "inferencepool", "nats"])
+@pytest.mark.parametrize("overlay", ["envoy-gateway", "inferencepool", "keda", "nats"])
 def test_the_admin_token_is_mounted_where_the_config_reads_it(overlay: str) -> None:
     docs = render(overlay)
     config = load_config_text(server_config_map(docs)["data"]["config.yaml"])
