@@ -104,7 +104,8 @@ def test_the_gateway_tokenizes_a_response_as_the_engine_does(stack: LocalStack) 
         {"role": "user", "content": [{"type": "input_text", "text": "What is a gateway?"}]}]}  # fmt: skip
     explained = httpx.post(
         f"http://127.0.0.1:{stack.options.metrics_port}/debug/explain?path=/v1/responses",
-        json=body, headers={"routing-strategy": "prefix-cache"}, timeout=10,
+        json=body, headers={"routing-strategy": "prefix-cache", **stack.options.admin_headers()},
+        timeout=10,
     ).json()  # fmt: skip
     before = _counters(stack)
     got = _openai(stack).responses.create(**body, max_output_tokens=2)
