@@ -95,6 +95,9 @@ class Conversation:
     system: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
     at_s: float | None = None  # start time since the run began (trace arrivals only)
+    # What the requests of this conversation share a cache with (a tenant, a document, a
+    # customer; default: the conversation itself): the reuse ceiling's placement unit.
+    group: str | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +116,9 @@ class RequestRecord:
     pod: str | None = None
     response_id: str | None = None  # the response's `id`, which the simulators record too
     session_id: str | None = None  # the `x-session-id` the response carried, if any
+    # What was sent and answered (not in to_json): the reuse ceiling tokenizes them.
+    messages: tuple[dict[str, str], ...] = ()
+    reply: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -273,10 +279,12 @@ class LoadGenerator:
                 return
             messages.append({"role": "user", "content": turn.user})
             rec = RequestRecord(conv.conversation_id, i, time.perf_counter() - self._t0)
+            rec.messages = tuple(messages)
             records.append(rec)
             reply = await self._request(session, messages, turn.max_tokens, headers, rec)
             if reply is None:
                 return  # a failed turn ends the conversation, as a real client would
+            rec.reply = reply
             messages.append({"role": "assistant", "content": reply})
             headers = _keep_session(headers, rec.session_id)
 
