@@ -46,6 +46,8 @@ POD_HEADERS = ("x-inference-pod", "x-gateway-destination-endpoint")
 # clients to (its session-affinity rule encodes the serving pod in it). A gateway that does
 # not rewrite it echoes what was sent (or nothing), and the conversation's header stays.
 SESSION_HEADER = "x-session-id"
+# Our gateway's explained decision, echoed on the response when the request asked for it.
+EXPLAIN_HEADER = "x-routing-explain"
 
 
 def _keep_session(
@@ -119,6 +121,7 @@ class RequestRecord:
     # What was sent and answered (not in to_json): the reuse ceiling tokenizes them.
     messages: tuple[dict[str, str], ...] = ()
     reply: str | None = None
+    explain: str | None = None  # the `x-routing-explain` the response carried, if any
 
     @property
     def ok(self) -> bool:
@@ -141,6 +144,8 @@ class RequestRecord:
             "itl_mean_s": sum(self.itl_s) / len(self.itl_s) if self.itl_s else None,
             "itl_max_s": max(self.itl_s) if self.itl_s else None,
         }
+        if self.explain is not None:
+            out["explain"] = self.explain
         if with_itl:
             out["itl_s"] = self.itl_s
         return out
@@ -312,6 +317,7 @@ class LoadGenerator:
             async with session.post(self._url, data=orjson.dumps(body), headers=hdrs) as resp:
                 rec.status = resp.status
                 rec.session_id = resp.headers.get(SESSION_HEADER)
+                rec.explain = resp.headers.get(EXPLAIN_HEADER)
                 for h in POD_HEADERS:
                     if h in resp.headers:
                         rec.pod = resp.headers[h].split(",")[0]

@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.ceiling import ChatEncoder, requests_from_records, reuse_ceiling
-from bench.loadgen import Arrival, ArrivalKind, LoadGenerator, RequestRecord
+from bench.loadgen import EXPLAIN_HEADER, Arrival, ArrivalKind, LoadGenerator, RequestRecord
 from bench.stats import imbalance, median_of, percentile, summarize_records
 from bench.targets import Cluster, FrontDoor, cpu_seconds
 from bench.workloads import TextFactory, build_workload
@@ -107,6 +107,9 @@ class Scenario:
     scaled_down: str = ""
     seed: int = 0
     raw: Mapping[str, Any] = field(default_factory=dict)
+    # Ask our gateway to explain each decision (`x-routing-explain`) and write every run's
+    # request records (with the explanations) to requests/ beside result.json.
+    explain: bool = False
 
 
 def _arrival(raw: Mapping[str, Any]) -> Arrival:
@@ -368,6 +371,7 @@ def _one_run(
     text: TextFactory,
     idle_util: Mapping[str, float],
     ceilings: Ceilings | None = None,
+    records_dir: Path | None = None,
 ) -> dict[str, Any]:
     door = _door(cluster, v)
     salt = f"{sc.name}.{rep}.{load.name}.{v.name}"
@@ -381,10 +385,13 @@ def _one_run(
     before_sims = cluster.sim_stats()
     server0 = _server_sums(door.metrics_urls)
     cpu0, proxy0, steal0 = _cpu(door.cpu_pids), _cpu(door.proxy_pids), _steal()
+    headers = door.headers
+    if sc.explain and v.kind == "extproc":
+        headers = (*headers, (EXPLAIN_HEADER, "true"))
     gen = LoadGenerator(
         door.base_url,
         model=str(sc.cluster.get("model", "qwen3")),
-        extra_headers=door.headers,
+        extra_headers=headers,
         max_duration_s=sc.max_duration_s,
         seed=sc.seed + rep,
     )
@@ -437,6 +444,10 @@ def _one_run(
     )
     if ceilings is not None:
         summary.update(ceilings.of(rep, load.name, result.records, convs))
+    if sc.explain and records_dir is not None:
+        records_dir.mkdir(parents=True, exist_ok=True)
+        path = records_dir / f"{load.name}-{v.name}-rep{rep}.jsonl"
+        path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in result.records))
     log.info(
         "%s rep%d %-10s %-28s ok=%d/%d %.0f req/s ttft p50 %s ms e2e p50 %s ms hit %s imb %s cpu %s ms/req",
         sc.name, rep, load.name, v.name, summary["ok"], summary["requests"], summary["req_per_s"] or 0,
@@ -551,7 +562,19 @@ def run_scenario(
                 k = rep % len(order)
                 order = order[k:] + order[:k]  # rotate: no variant always runs first or last
                 for v in order:
-                    runs.append(_one_run(cluster, sc, v, load, rep, text, idle_util, ceilings))
+                    runs.append(
+                        _one_run(
+                            cluster,
+                            sc,
+                            v,
+                            load,
+                            rep,
+                            text,
+                            idle_util,
+                            ceilings,
+                            out_dir / "requests",
+                        )
+                    )
     steal1 = _steal()
     rows = aggregate(sc, runs)
     result = {
