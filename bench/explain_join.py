@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -67,7 +68,8 @@ def parse_explain(text: str) -> Explained:
             detail, inflight, prefix = value.split("|")
             scores = {}
             if detail != "-":
-                for item in detail.split("+"):
+                # "+" joins the items, and a number in %.3g may hold one ("1.02e+03")
+                for item in re.split(r"\+(?=[A-Za-z_])", detail):
                     name, _, num = item.partition(":")
                     scores[name] = float(num)
             pods[key] = Candidate(

@@ -40,8 +40,13 @@ def test_parse_reads_the_directors_header() -> None:
     assert e.pods["127.0.0.1:8000"].prefix == 1504
     assert e.pods["127.0.0.1:8001"].scores["overlap_blocks"] == 0
     assert set(e.pods["127.0.0.1:8000"].scores) == {
-        "overlap_blocks", "prefill_blocks", "decode_blocks", "cost",
+        "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "load_share",
     }  # fmt: skip
+
+
+def test_parse_reads_exponents_in_scores() -> None:
+    e = parse_explain(decide([(0, 20_000, 0), (0, 0, 0)]))  # 1,250 in-flight blocks: "1.36e+03"
+    assert e.pods["127.0.0.1:8000"].scores["decode_blocks"] == pytest.approx(1363, rel=0.01)
 
 
 def test_join_puts_lost_tokens_where_they_were_lost() -> None:
