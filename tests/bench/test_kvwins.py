@@ -77,3 +77,14 @@ def test_kvwins_shares_each_customers_prompt_and_its_ceiling_is_the_shared_share
     # 1200: the ceiling at capacity is a little lower.
     assert roomy.seen - 0.06 < real.capacity < roomy.seen
     assert real.partitioned <= real.capacity and real.pooled <= real.capacity
+
+
+def test_the_mooncake_scenario_parses_and_names_a_missing_trace(tmp_path: Path) -> None:
+    sc = load_scenario(SCENARIOS / "mooncake.yaml", quick=True)
+    assert sc.workload_params["skip_requests"] == 3000
+    assert "kv-aware-dynamo" in [
+        v.name for v in load_scenario(SCENARIOS / "mooncake.yaml").variants
+    ]
+    params = dict(sc.workload_params) | {"path": str(tmp_path / "absent.jsonl")}
+    with pytest.raises(FileNotFoundError, match=r"absent\.jsonl"):
+        build_workload("trace", params, text=TextFactory.qwen(0), seed=0, salt="x")
