@@ -50,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--variants", default=None, help="comma-separated variant names to run (default: all)"
     )
     r.add_argument("--repetitions", type=int, default=None, help="override the scenario's")
+    r.add_argument(
+        "--explain",
+        action="store_true",
+        help="ask our gateway to explain every decision; write each run's request records "
+        "(pod, cached tokens, explanation) to RESULTS/SCENARIO/requests/",
+    )
     for sp in sub.choices.values():
         sp.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
         sp.add_argument("--no-docs", action="store_true", help="do not write docs/img plots")
@@ -78,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if getattr(args, "repetitions", None):
             sc = dataclasses.replace(sc, repetitions=args.repetitions)
+        if getattr(args, "explain", False):
+            sc = dataclasses.replace(sc, explain=True)
         try:
             result = run_scenario(sc, results_dir=args.results, img_dir=img, repo_root=ROOT)
         except Exception:

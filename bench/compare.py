@@ -147,20 +147,82 @@ def markdown(found: Sequence[Verdict], *, against: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_table(
+    results: Sequence[Mapping[str, Any]], *, default: str, against: str, tolerance: float = 0.05
+) -> str:
+    """Per scenario and load: the default rule's TTFT p50 / p90 (medians of the repetitions)
+    as a ratio of our best rule's and of `against`'s, its hit rate beside the reuse ceilings,
+    and whether it is within `tolerance` of our best at both percentiles."""
+    lines = [
+        f"| scenario | `{default}` p50 / p90 ms | best of ours p50 / p90 | ratio to best | "
+        f"`{against}` p50 / p90 | ratio to it | hit rate (`{default}`, `{against}`) | "
+        "ceiling seen / capacity | within 5 % of best, ahead of the peer |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        rows: list[Mapping[str, Any]] = result["summary"]
+        for load in dict.fromkeys(r["load"] for r in rows):
+            mine = {r["variant"]: r for r in rows if r["load"] == load}
+            d, peer = mine.get(default), mine.get(against)
+            ours = {
+                n: r
+                for n, r in mine.items()
+                if n not in NOISE_VARIANTS and not n.startswith(PEER_PREFIX) and n != "random"
+            }
+            if d is None or not ours:
+                continue
+            cells, ok = [], True
+            best: list[str] = []
+            ratios: list[str] = []
+            for k in DEFAULT_METRICS:
+                b = min(ours, key=lambda n: ours[n].get(k) or float("inf"))
+                best.append(f"{ours[b][k]:.0f} (`{b}`)")
+                ratio = d[k] / ours[b][k]
+                ratios.append(f"{ratio:.2f}")
+                ok = ok and ratio <= 1 + tolerance
+            cells.append(" / ".join(f"{d[k]:.0f}" for k in DEFAULT_METRICS))
+            cells.append(" / ".join(best))
+            cells.append(" / ".join(ratios))
+            if peer is not None:
+                cells.append(" / ".join(f"{peer[k]:.0f}" for k in DEFAULT_METRICS))
+                cells.append(" / ".join(f"{d[k] / peer[k]:.2f}" for k in DEFAULT_METRICS))
+                ok = ok and all(d[k] <= peer[k] for k in DEFAULT_METRICS)
+            else:
+                cells += ["-", "-"]
+
+            def num(r: Mapping[str, Any] | None, k: str) -> str:
+                return f"{r[k]:.2f}" if r is not None and r.get(k) is not None else "-"
+
+            cells.append(f"{num(d, 'cache_hit_rate')}, {num(peer, 'cache_hit_rate')}")
+            cells.append(f"{num(d, 'ceiling_seen')} / {num(d, 'ceiling_capacity')}")
+            cells.append("yes" if ok else "no")
+            lines.append(f"| {result['scenario']}/{load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="result.json files of `bench run`")
     p.add_argument("--against", default="vllm-router-cache_aware")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS))
+    p.add_argument(
+        "--default",
+        default=None,
+        help="also print this rule against our best rule and the peer, with the ceilings",
+    )
     args = p.parse_args(argv)
     found: list[Verdict] = []
+    results = []
     for path in args.results:
         try:
             result = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             print(f"{path}: {err}", file=sys.stderr)
             return 2
+        results.append(result)
         found.extend(verdicts(result, against=args.against, metrics=args.metrics.split(",")))
+    if args.default:
+        print(default_table(results, default=args.default, against=args.against))
     if not found:
         print(f"no run of {args.against} to compare against", file=sys.stderr)
         return 2

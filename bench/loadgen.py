@@ -46,6 +46,8 @@ POD_HEADERS = ("x-inference-pod", "x-gateway-destination-endpoint")
 # clients to (its session-affinity rule encodes the serving pod in it). A gateway that does
 # not rewrite it echoes what was sent (or nothing), and the conversation's header stays.
 SESSION_HEADER = "x-session-id"
+# Our gateway's explained decision, echoed on the response when the request asked for it.
+EXPLAIN_HEADER = "x-routing-explain"
 
 
 def _keep_session(
@@ -95,6 +97,9 @@ class Conversation:
     system: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
     at_s: float | None = None  # start time since the run began (trace arrivals only)
+    # What the requests of this conversation share a cache with (a tenant, a document, a
+    # customer; default: the conversation itself): the reuse ceiling's placement unit.
+    group: str | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +118,10 @@ class RequestRecord:
     pod: str | None = None
     response_id: str | None = None  # the response's `id`, which the simulators record too
     session_id: str | None = None  # the `x-session-id` the response carried, if any
+    # What was sent and answered (not in to_json): the reuse ceiling tokenizes them.
+    messages: tuple[dict[str, str], ...] = ()
+    reply: str | None = None
+    explain: str | None = None  # the `x-routing-explain` the response carried, if any
 
     @property
     def ok(self) -> bool:
@@ -135,6 +144,8 @@ class RequestRecord:
             "itl_mean_s": sum(self.itl_s) / len(self.itl_s) if self.itl_s else None,
             "itl_max_s": max(self.itl_s) if self.itl_s else None,
         }
+        if self.explain is not None:
+            out["explain"] = self.explain
         if with_itl:
             out["itl_s"] = self.itl_s
         return out
@@ -273,10 +284,12 @@ class LoadGenerator:
                 return
             messages.append({"role": "user", "content": turn.user})
             rec = RequestRecord(conv.conversation_id, i, time.perf_counter() - self._t0)
+            rec.messages = tuple(messages)
             records.append(rec)
             reply = await self._request(session, messages, turn.max_tokens, headers, rec)
             if reply is None:
                 return  # a failed turn ends the conversation, as a real client would
+            rec.reply = reply
             messages.append({"role": "assistant", "content": reply})
             headers = _keep_session(headers, rec.session_id)
 
@@ -304,6 +317,7 @@ class LoadGenerator:
             async with session.post(self._url, data=orjson.dumps(body), headers=hdrs) as resp:
                 rec.status = resp.status
                 rec.session_id = resp.headers.get(SESSION_HEADER)
+                rec.explain = resp.headers.get(EXPLAIN_HEADER)
                 for h in POD_HEADERS:
                     if h in resp.headers:
                         rec.pod = resp.headers[h].split(",")[0]

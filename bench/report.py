@@ -17,7 +17,9 @@ __all__ = ["markdown_table", "plot_scenario"]
 _ROUTING_COLS = (
     ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p90_ms", "TTFT p90 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
     ("ttft_p50_ratio", "TTFT p50 / base"), ("output_tok_per_s", "out tok/s"),
-    ("cache_hit_rate", "hit rate"), ("imbalance", "imbalance max/mean"), ("errors", "errors"),
+    ("cache_hit_rate", "hit rate"), ("ceiling_seen", "ceiling (seen)"),
+    ("ceiling_capacity", "ceiling (capacity)"), ("imbalance", "imbalance max/mean"),
+    ("errors", "errors"),
 )  # fmt: skip
 _OVERHEAD_COLS = (
     ("req_per_s", "req/s"), ("rps_ratio", "req/s / base"), ("e2e_p50_ms", "e2e p50 ms"),
@@ -69,6 +71,20 @@ def _bars(
         ax.legend(fontsize=7)
 
 
+def _ceiling_lines(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The reuse ceilings (bench/ceiling.py) as horizontal lines over the hit-rate bars: every
+    variant of a load has the same workload, so one line each (the median over variants)."""
+    for key, label, style in (
+        ("ceiling_seen", "ceiling: prefix seen before", ":"),
+        ("ceiling_capacity", "ceiling: at the pool's cache capacity", "--"),
+    ):
+        vals = sorted(float(r[key]) for r in rows if r.get(key) is not None)
+        if vals:
+            ax.axhline(vals[len(vals) // 2], color="black", linestyle=style, label=label)
+    if any(r.get("ceiling_seen") is not None for r in rows):
+        ax.legend(fontsize=6, loc="lower right")
+
+
 def plot_scenario(result: Mapping[str, Any], path: Path) -> None:
     rows = result["summary"]
     loads = list(dict.fromkeys(r["load"] for r in rows))
@@ -103,6 +119,7 @@ def plot_scenario(result: Mapping[str, Any], path: Path) -> None:
                 [("cache_hit_rate", "hit rate")],
                 f"{load}: prefix-cache hit rate",
             )
+            _ceiling_lines(axes[li][1], mine)
             _bars(axes[li][2], mine, [("imbalance", "max/mean")], f"{load}: load imbalance")
     fig.suptitle(
         f"{result['scenario']} ({result['machine']['nproc']} vCPU, steal {result['steal_pct_overall']}%)",

@@ -24,7 +24,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.loadgen import Arrival, ArrivalKind, LoadGenerator, RequestRecord
+from bench.ceiling import ChatEncoder, requests_from_records, reuse_ceiling
+from bench.loadgen import EXPLAIN_HEADER, Arrival, ArrivalKind, LoadGenerator, RequestRecord
 from bench.stats import imbalance, median_of, percentile, summarize_records
 from bench.targets import Cluster, FrontDoor, cpu_seconds
 from bench.workloads import TextFactory, build_workload
@@ -106,6 +107,9 @@ class Scenario:
     scaled_down: str = ""
     seed: int = 0
     raw: Mapping[str, Any] = field(default_factory=dict)
+    # Ask our gateway to explain each decision (`x-routing-explain`) and write every run's
+    # request records (with the explanations) to requests/ beside result.json.
+    explain: bool = False
 
 
 def _arrival(raw: Mapping[str, Any]) -> Arrival:
@@ -299,6 +303,65 @@ def _steal() -> tuple[float, float]:
     return float(vals[7]) if len(vals) > 7 else 0.0, float(sum(vals[:8]))
 
 
+def _sim_flag(args: Sequence[str], flag: str, default: int) -> int:
+    """The last value given for `flag` in simulator arguments (as the CLI reads them)."""
+    value = default
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = int(args[i + 1])
+        elif a.startswith(flag + "="):
+            value = int(a.split("=", 1)[1])
+    return value
+
+
+def pool_caches(cluster: Mapping[str, Any]) -> tuple[list[int], int]:
+    """Per-pod cache sizes in blocks and the block size, from a scenario's `cluster:`."""
+    from extproc.sim.config import SimConfig
+
+    d = SimConfig(tokenizer_dir=Path("."))
+    common = [str(a) for a in cluster.get("sim_args", ())]
+    each = [[str(a) for a in e] for e in cluster.get("sim_args_each", ())]
+    sims = int(cluster.get("sims", 4))
+    args = [common + (each[i] if i < len(each) else []) for i in range(sims)]
+    sizes = {_sim_flag(a, "--block-size", d.block_size) for a in args}
+    if len(sizes) != 1:
+        raise ValueError("the reuse ceiling needs one block size across the pool")
+    return [_sim_flag(a, "--cache-blocks", d.num_gpu_blocks) for a in args], sizes.pop()
+
+
+class Ceilings:
+    """The reuse ceiling (bench/ceiling.py) of each (repetition, load), computed once from the
+    first variant's requests of it: every variant of a repetition sends the same workload (only
+    the salt differs)."""
+
+    def __init__(self, cluster: Mapping[str, Any]) -> None:
+        from extproc.tokenization import bundled_qwen_dir, load_tokenizer
+
+        self._caches, self._block = pool_caches(cluster)
+        qwen = bundled_qwen_dir()
+        if qwen is None:
+            raise RuntimeError("the bundled Qwen3 tokenizer is not installed")
+        self._encoder = ChatEncoder(load_tokenizer(qwen))
+        self._done: dict[tuple[int, str], dict[str, float | int]] = {}
+
+    def of(
+        self, rep: int, load: str, records: Sequence[RequestRecord], convs: Sequence[Any]
+    ) -> dict[str, float | int]:
+        key = (rep, load)
+        if key not in self._done:
+            groups = {c.conversation_id: c.group or c.conversation_id for c in convs}
+            reqs = requests_from_records(
+                records,
+                self._encoder,
+                group_of=lambda cid: groups.get(cid, cid),
+                block_size=self._block,
+            )
+            ceiling = reuse_ceiling(reqs, capacity_blocks=self._caches, block_size=self._block)
+            self._done[key] = ceiling.as_dict()
+            log.info("reuse ceiling rep%d %s: %s", rep, load, self._done[key])
+        return self._done[key]
+
+
 def _one_run(
     cluster: Cluster,
     sc: Scenario,
@@ -307,6 +370,8 @@ def _one_run(
     rep: int,
     text: TextFactory,
     idle_util: Mapping[str, float],
+    ceilings: Ceilings | None = None,
+    records_dir: Path | None = None,
 ) -> dict[str, Any]:
     door = _door(cluster, v)
     salt = f"{sc.name}.{rep}.{load.name}.{v.name}"
@@ -320,10 +385,13 @@ def _one_run(
     before_sims = cluster.sim_stats()
     server0 = _server_sums(door.metrics_urls)
     cpu0, proxy0, steal0 = _cpu(door.cpu_pids), _cpu(door.proxy_pids), _steal()
+    headers = door.headers
+    if sc.explain and v.kind == "extproc":
+        headers = (*headers, (EXPLAIN_HEADER, "true"))
     gen = LoadGenerator(
         door.base_url,
         model=str(sc.cluster.get("model", "qwen3")),
-        extra_headers=door.headers,
+        extra_headers=headers,
         max_duration_s=sc.max_duration_s,
         seed=sc.seed + rep,
     )
@@ -374,6 +442,12 @@ def _one_run(
         if total_jiffies
         else None,
     )
+    if ceilings is not None:
+        summary.update(ceilings.of(rep, load.name, result.records, convs))
+    if sc.explain and records_dir is not None:
+        records_dir.mkdir(parents=True, exist_ok=True)
+        path = records_dir / f"{load.name}-{v.name}-rep{rep}.jsonl"
+        path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in result.records))
     log.info(
         "%s rep%d %-10s %-28s ok=%d/%d %.0f req/s ttft p50 %s ms e2e p50 %s ms hit %s imb %s cpu %s ms/req",
         sc.name, rep, load.name, v.name, summary["ok"], summary["requests"], summary["req_per_s"] or 0,
@@ -386,6 +460,7 @@ def _one_run(
 _AGG_KEYS = (
     "req_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
     "e2e_p99_ms", "itl_p50_ms", "itl_p99_ms", "cache_hit_rate", "engine_hit_rate", "imbalance",
+    "ceiling_seen", "ceiling_capacity", "ceiling_partitioned", "ceiling_pooled",
     "router_cpu_ms_per_req", "router_cpu_util", "proxy_cpu_ms_per_req", "steal_pct",
     "server_decision_ms_mean", "server_tokenize_ms_mean", "gateway_hold_ms_mean",
     "engine_ttft_p50_ms", "engine_ttft_p90_ms",
@@ -476,6 +551,7 @@ def run_scenario(
         repo_root=repo_root,
     )
     text = TextFactory.qwen(sc.seed)
+    ceilings = Ceilings(c) if sc.kind == "routing" else None
     runs: list[dict[str, Any]] = []
     with cluster:
         idle_util = cluster.idle_cpu_util()
@@ -486,7 +562,19 @@ def run_scenario(
                 k = rep % len(order)
                 order = order[k:] + order[:k]  # rotate: no variant always runs first or last
                 for v in order:
-                    runs.append(_one_run(cluster, sc, v, load, rep, text, idle_util))
+                    runs.append(
+                        _one_run(
+                            cluster,
+                            sc,
+                            v,
+                            load,
+                            rep,
+                            text,
+                            idle_util,
+                            ceilings,
+                            out_dir / "requests",
+                        )
+                    )
     steal1 = _steal()
     rows = aggregate(sc, runs)
     result = {

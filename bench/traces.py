@@ -19,7 +19,8 @@ a prefix of the same block in full. Other keys on a row are ignored (some tools 
 
 Scaling: `input_scale` multiplies the tokens of every block (so the sharing structure is
 kept), `output_scale` the answer lengths, `time_scale` the gaps between arrivals (0.5 replays
-twice as fast), and `max_requests` keeps the first N rows.
+twice as fast), `skip_requests` drops the first rows (a window later in a long trace: replay
+then starts at the first kept row) and `max_requests` keeps the next N rows.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class TraceScaling:
     output_scale: float = 1.0
     time_scale: float = 1.0
     max_requests: int | None = None
+    skip_requests: int = 0
 
     def __post_init__(self) -> None:
         for name in ("input_scale", "output_scale", "time_scale"):
@@ -83,6 +85,8 @@ class TraceScaling:
                 raise ValueError(f"trace {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_requests is not None and self.max_requests < 1:
             raise ValueError(f"trace max_requests must be >= 1, got {self.max_requests!r}")
+        if self.skip_requests < 0:
+            raise ValueError(f"trace skip_requests must be >= 0, got {self.skip_requests!r}")
 
     @property
     def block_tokens(self) -> int:
@@ -165,6 +169,7 @@ def load_trace(path: Path) -> list[TraceRow]:
 
 def scale_trace(rows: Sequence[TraceRow], scaling: TraceScaling) -> list[TraceRequest]:
     """The replay schedule: start times, block sizes and lengths after scaling."""
+    rows = rows[scaling.skip_requests :]
     kept = rows[: scaling.max_requests] if scaling.max_requests else rows
     if not kept:
         return []

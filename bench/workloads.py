@@ -135,7 +135,9 @@ def _tenants(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
     for i in range(n):
         t = _zipf_pick(ctx.rng, tenants, alpha)
         convs.append(
-            Conversation(f"t{t}-{i}", (Turn(ctx.text.text(question), out),), system=prompts[t])
+            Conversation(
+                f"t{t}-{i}", (Turn(ctx.text.text(question), out),), system=prompts[t], group=f"t{t}"
+            )
         )
     return convs
 
@@ -154,11 +156,13 @@ def _doc_qa(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
     for i in range(n):
         d = _zipf_pick(ctx.rng, docs, alpha)
         user = f"{texts[d]}\n\nQuestion: {ctx.text.text(question)}"
-        convs.append(Conversation(f"d{d}-{i}", (Turn(user, out),)))
+        convs.append(Conversation(f"d{d}-{i}", (Turn(user, out),), group=f"d{d}"))
     return convs
 
 
-_TRACE_KEYS = {"path", "input_scale", "output_scale", "time_scale", "max_requests", "seed"}
+_TRACE_KEYS = {
+    "path", "input_scale", "output_scale", "time_scale", "max_requests", "skip_requests", "seed",
+}  # fmt: skip
 
 
 def _trace(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
@@ -169,12 +173,17 @@ def _trace(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
     path = Path(str(p["path"]))
     if not path.is_absolute():
         path = _REPO / path
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace workload: no trace at {path} (see bench/data/traces/README.md)"
+        )
     max_requests = p.get("max_requests")
     scaling = TraceScaling(
         input_scale=float(p.get("input_scale", 1.0)),
         output_scale=float(p.get("output_scale", 1.0)),
         time_scale=float(p.get("time_scale", 1.0)),
         max_requests=int(max_requests) if max_requests is not None else None,
+        skip_requests=int(p.get("skip_requests", 0)),
     )
     blocks = BlockText(ctx.text.tokenizer, seed=int(p.get("seed", 0)))
     return [
@@ -182,9 +191,52 @@ def _trace(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
             f"r{req.line}",
             (Turn(ctx.salt + blocks.prompt(req), req.output_tokens),),
             at_s=req.start_s,
+            group=f"h{req.hash_ids[0]}",  # rows that share a first block share a prefix tree
         )
         for req in scale_trace(load_trace(path), scaling)
     ]
+
+
+def _ramp_arrivals(rng: random.Random, start: float, end: float, duration: float) -> list[float]:
+    """Arrival times of a Poisson process whose rate rises linearly from `start` to `end`
+    requests/s over `duration` s (thinning a Poisson process of rate max(start, end))."""
+    peak = max(start, end)
+    out: list[float] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration:
+            return out
+        if rng.random() * peak <= start + (end - start) * t / duration:
+            out.append(t)
+
+
+def _kvwins(ctx: _Ctx, p: Mapping[str, Any]) -> list[Conversation]:
+    """llm-d's "KV-cache wins" benchmark shape: customers with a long shared system prompt,
+    several users each sending unique questions, Poisson arrivals at a rising rate."""
+    customers, users = int(p["customers"]), int(p["users_per_customer"])
+    system, question, out = (
+        int(p["system_tokens"]),
+        int(p["question_tokens"]),
+        int(p["output_tokens"]),
+    )
+    times = _ramp_arrivals(
+        ctx.rng, float(p["rate_start"]), float(p["rate_end"]), float(p["duration_s"])
+    )
+    prompts = [f"{ctx.salt} customer {c}. {ctx.text.text(system)}" for c in range(customers)]
+    convs = []
+    for i, at in enumerate(times):
+        c, u = ctx.rng.randrange(customers), ctx.rng.randrange(users)
+        convs.append(
+            Conversation(
+                f"c{c}-u{u}-{i}",
+                (Turn(f"user {u}: {ctx.text.text(question)}", out),),
+                system=prompts[c],
+                at_s=at,
+                group=f"c{c}",
+            )
+        )
+    return convs
 
 
 WORKLOADS: dict[str, Callable[[_Ctx, Mapping[str, Any]], list[Conversation]]] = {
@@ -193,6 +245,7 @@ WORKLOADS: dict[str, Callable[[_Ctx, Mapping[str, Any]], list[Conversation]]] = 
     "tenants": _tenants,
     "doc_qa": _doc_qa,
     "trace": _trace,
+    "kvwins": _kvwins,
 }
 
 

@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import ClassVar
 
 import numpy as np
@@ -20,6 +21,7 @@ from extproc.routing.base import (
     Capabilities,
     Decision,
     PodState,
+    PodStats,
     ProfileResult,
     RoutingRequest,
     Snapshot,
@@ -40,8 +42,12 @@ from extproc.routing.strategies import StrategyPlugin, least_request_at
 from extproc.types import EndpointRole
 
 __all__ = [
+    "MIN_LOAD_SHARE",
+    "KvAwareDynamoParams",
+    "KvAwareDynamoStrategy",
     "KvAwareParams",
     "KvAwareStrategy",
+    "LoadShare",
     "PdParams",
     "PdStrategy",
     "PrebleParams",
@@ -51,6 +57,7 @@ __all__ = [
     "SessionAffinityStrategy",
     "VtcParams",
     "VtcStrategy",
+    "prefill_share",
 ]
 
 
@@ -360,28 +367,56 @@ class PrebleStrategy(StrategyPlugin):
 # ---------------------------------------------------------------- kv-aware (Dynamo)
 
 
+class LoadShare(StrEnum):
+    """How much of a pod's in-flight work kv-aware counts as its load."""
+
+    # The share of an in-flight request's life it spends before its first token, measured per
+    # pod by the gateway (TTFT EWMA / response-time EWMA); the whole work where not measured.
+    MEASURED = "measured"
+    WHOLE = "whole"  # Dynamo's rule: every in-flight block, for as long as it is in flight
+
+
+# A measured share below this is taken as this: a pod whose answers are long keeps some load.
+MIN_LOAD_SHARE = 0.05
+
+
 @dataclass(frozen=True, slots=True)
 class KvAwareParams:
     overlap_weight: float = 1.0  # DYN_KV_OVERLAP_SCORE_WEIGHT
     temperature: float = 0.0  # DYN_ROUTER_TEMPERATURE; 0 = argmin
+    load_share: str = LoadShare.MEASURED.value  # a LoadShare value: measured | whole
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
+        if self.load_share not in tuple(LoadShare):
+            raise ValueError(f"load_share must be one of {', '.join(LoadShare)}")
+        object.__setattr__(self, "load_share", LoadShare(self.load_share))
+
+
+def prefill_share(stats: PodStats) -> float | None:
+    """The share of an in-flight request's time on this pod spent before its first token:
+    TTFT EWMA / response-time EWMA (Little's law: of the requests in flight on a pod, that
+    share is still waiting for or computing its prefill). None until both are measured."""
+    ttft, latency = stats.ttft_avg_s, stats.latency_avg_s
+    if ttft is None or latency is None or not latency > 0 or not ttft >= 0:
+        return None
+    return min(1.0, max(MIN_LOAD_SHARE, ttft / latency))
 
 
 class KvAwareStrategy(StrategyPlugin):
     """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
 
     prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
-    (in-flight tokens / block_size) + this request's new blocks. With temperature T > 0 the order
+    (in-flight tokens / block_size, times the pod's measured prefill share with
+    `load_share: measured`) + this request's new blocks. With temperature T > 0 the order
     is sampled from softmax(-(cost - min) / ((max - min) * T)); at T = 0 ties go to the pod with
     the smaller cache (cached_blocks), then random.
     """
 
     type_name = "kv-aware"
     Params: ClassVar[type] = KvAwareParams
-    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True, accounting=True)
 
     def __init__(self, name: str = "", params: KvAwareParams | None = None) -> None:
         super().__init__(name, params)
@@ -396,10 +431,15 @@ class KvAwareStrategy(StrategyPlugin):
         total_blocks = math.ceil(req.prompt_tokens / bs)
         costs: dict[int, float] = {}
         scores: dict[str, dict[str, float]] = {}
+        measured = prm.load_share == LoadShare.MEASURED
+        unmeasured = 0
         for p in snap.pods:
             overlap = min(p.prefix_match_tokens, req.prompt_tokens) // bs
             prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-            decode_blocks = math.ceil(p.in_flight_tokens / bs) + (total_blocks - overlap)
+            share = prefill_share(p.stats) if measured else 1.0
+            if share is None:
+                share, unmeasured = 1.0, unmeasured + 1
+            decode_blocks = math.ceil(share * p.in_flight_tokens / bs) + (total_blocks - overlap)
             c = prm.overlap_weight * prefill_blocks + decode_blocks
             costs[id(p)] = c
             scores[p.address] = {
@@ -408,6 +448,8 @@ class KvAwareStrategy(StrategyPlugin):
                 "decode_blocks": float(decode_blocks),
                 "cost": round(c, 3),
             }
+            if measured:
+                scores[p.address]["load_share"] = round(share, 3)
         values = list(costs.values())
         lo, hi = min(values), max(values)
         if prm.temperature > 0 and hi > lo:
@@ -428,6 +470,8 @@ class KvAwareStrategy(StrategyPlugin):
             )
         if not any(p.prefix_match_tokens for p in snap.pods):
             reason += "; no cached prefix on any pod: cost is load only"
+        if unmeasured:
+            reason += _unmeasured_note(unmeasured, len(snap.pods))
         return self.decision(t0, ranked, reason, scores)
 
     def _route_columns(
@@ -439,14 +483,28 @@ class KvAwareStrategy(StrategyPlugin):
         total_blocks = math.ceil(req.prompt_tokens / bs)
         overlap = np.minimum(cols.prefix_match_tokens, float(req.prompt_tokens)) // bs
         prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-        decode_blocks = np.ceil(cols.in_flight_tokens / bs) + (total_blocks - overlap)
+        unmeasured = 0
+        if prm.load_share == LoadShare.MEASURED:
+            ttft, latency = cols.stats_ttft, cols.stats_latency
+            with np.errstate(invalid="ignore", divide="ignore"):
+                known = (latency > 0) & (ttft >= 0)  # NaN compares False: unmeasured
+                share = np.where(
+                    known,
+                    np.clip(np.where(known, ttft, 0.0) / np.where(known, latency, 1.0),
+                            MIN_LOAD_SHARE, 1.0),
+                    1.0,
+                )  # fmt: skip
+            unmeasured = int(cols.n - np.count_nonzero(known))
+            decode_blocks = np.ceil(share * cols.in_flight_tokens / bs) + (total_blocks - overlap)
+        else:
+            decode_blocks = np.ceil(cols.in_flight_tokens / bs) + (total_blocks - overlap)
         costs = prm.overlap_weight * prefill_blocks + decode_blocks
-        scores = ScoreTable(
-            snap.pods,
-            ("overlap_blocks", "prefill_blocks", "decode_blocks", "cost"),
-            (overlap, prefill_blocks, decode_blocks, costs),
-            (None, 3, None, 3),
-        )
+        names: tuple[str, ...] = ("overlap_blocks", "prefill_blocks", "decode_blocks", "cost")
+        values = [overlap, prefill_blocks, decode_blocks, costs]
+        digits: list[int | None] = [None, 3, None, 3]
+        if prm.load_share == LoadShare.MEASURED:
+            names, values, digits = (*names, "load_share"), [*values, share], [*digits, 3]
+        scores = ScoreTable(snap.pods, names, tuple(values), tuple(digits))
         lo, hi = float(costs.min()), float(costs.max())
         if prm.temperature > 0 and hi > lo:
             span = (hi - lo) * prm.temperature
@@ -468,7 +526,30 @@ class KvAwareStrategy(StrategyPlugin):
             )
         if not cols.prefix_match_tokens.any():
             reason += "; no cached prefix on any pod: cost is load only"
+        if unmeasured:
+            reason += _unmeasured_note(unmeasured, cols.n)
         return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
+
+
+@dataclass(frozen=True, slots=True)
+class KvAwareDynamoParams(KvAwareParams):
+    load_share: str = LoadShare.WHOLE.value
+
+
+class KvAwareDynamoStrategy(KvAwareStrategy):
+    """kv-aware with Dynamo's load term as published: every in-flight block counts for as long
+    as its request is in flight (`load_share: whole`); kept to measure the default against."""
+
+    type_name = "kv-aware-dynamo"
+    Params: ClassVar[type] = KvAwareDynamoParams
+    capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
+
+    def __init__(self, name: str = "", params: KvAwareParams | None = None) -> None:
+        super().__init__(name, params or KvAwareDynamoParams())
+
+
+def _unmeasured_note(unmeasured: int, n: int) -> str:
+    return f"; {unmeasured} of {n} pods without measured TTFT and response time: whole load"
 
 
 # ---------------------------------------------------------------- vtc-basic (AIBrix)

@@ -74,6 +74,7 @@ def default_plugins(latency: predicted.LatencyPredictor | None = None) -> Plugin
     reg.register("strategy", affinity.PrefixCacheStrategy)
     reg.register("strategy", affinity.PrebleStrategy)
     reg.register("strategy", affinity.KvAwareStrategy)
+    reg.register("strategy", affinity.KvAwareDynamoStrategy)
     reg.register("strategy", affinity.VtcStrategy)
     reg.register("strategy", affinity.PdStrategy)
     reg.register("strategy", affinity.SessionAffinityStrategy)

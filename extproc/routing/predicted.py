@@ -36,7 +36,7 @@ from typing import ClassVar, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from extproc.routing.affinity import KvAwareParams, KvAwareStrategy
+from extproc.routing.affinity import KvAwareParams, KvAwareStrategy, LoadShare
 from extproc.routing.base import Capabilities, Decision, PodState, RoutingRequest, Snapshot
 from extproc.routing.columns import (
     FloatArray,
@@ -350,7 +350,8 @@ class PredictedLatencyStrategy(StrategyPlugin):
         self.params = params or PredictedLatencyParams()
         self._predictor: LatencyPredictor = predictor or ColdPredictor()
         self._cost = KvAwareStrategy(
-            "kv-aware", KvAwareParams(overlap_weight=self.params.overlap_weight)
+            "kv-aware",
+            KvAwareParams(overlap_weight=self.params.overlap_weight, load_share=LoadShare.WHOLE),
         )
         t = self.params.temperature
         self._rule = f"softmax T={t:g}" if t > 0 else "argmin"

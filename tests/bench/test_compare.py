@@ -111,3 +111,39 @@ def test_a_missing_or_broken_result_is_a_clear_error(tmp_path: Path, capsys: Any
     assert main([str(tmp_path / "absent.json")]) == 2
     assert main([str(bad)]) == 2
     assert "absent.json" in capsys.readouterr().err
+
+
+def _row(variant: str, p50: float, p90: float, hit: float = 0.5) -> dict[str, Any]:
+    return {
+        "load": "ramp", "variant": variant, "ttft_p50_ms": p50, "ttft_p90_ms": p90,
+        "cache_hit_rate": hit, "ceiling_seen": 0.73, "ceiling_capacity": 0.65,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("default", "best", "peer", "verdict"),
+    [
+        ((104, 200), (100, 210), (150, 300), "yes"),  # within 5 % of best p50, ahead of the peer
+        ((106, 200), (100, 210), (150, 300), "no"),  # 6 % behind the best at p50
+        ((100, 200), (100, 210), (150, 199), "no"),  # behind the peer at p90
+    ],
+)
+def test_default_table_reads_the_default_against_best_and_peer(
+    default: tuple[float, float], best: tuple[float, float], peer: tuple[float, float], verdict: str
+) -> None:
+    from bench.compare import default_table
+
+    result = {
+        "scenario": "kvwins",
+        "summary": [
+            _row("kv-aware", *default),
+            _row("prefix-cache", *best),
+            _row("envoy-rr", 1, 1),  # round robin and random do not count as ours
+            _row("random", 1, 1),
+            _row("vllm-router-cache_aware", *peer, hit=0.6),
+        ],
+    }
+    text = default_table([result], default="kv-aware", against="vllm-router-cache_aware")
+    row = text.splitlines()[2]
+    assert row.startswith("| kvwins/ramp |") and row.endswith(f"| {verdict} |")
+    assert "0.73 / 0.65" in row and "0.50, 0.60" in row

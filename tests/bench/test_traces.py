@@ -307,3 +307,15 @@ def test_the_new_scenarios_load_full_and_quick(name: str) -> None:
         "output_spread": 0.25,  # against the lockstep of deterministic simulators (3.6)
     }  # fmt: skip
     assert higress.loads[0].arrival.concurrency == 20
+
+
+def test_skip_requests_replays_a_later_window_from_its_first_row() -> None:
+    rows = parse_trace(
+        json.dumps({"timestamp": t, "input_length": 10, "output_length": 1, "hash_ids": [t]})
+        for t in (0, 100, 250, 400)
+    )
+    out = scale_trace(rows, TraceScaling(skip_requests=1, max_requests=2))
+    assert [r.hash_ids for r in out] == [(100,), (250,)]
+    assert [r.start_s for r in out] == [0.0, 0.15]
+    with pytest.raises(ValueError, match="skip_requests"):
+        TraceScaling(skip_requests=-1)

@@ -411,7 +411,56 @@ def test_kv_aware_records_cost_terms(registry: StrategyRegistry) -> None:
         "prefill_blocks": 4.0,
         "decode_blocks": 6.0,
         "cost": 10.0,
+        "load_share": 1.0,  # no TTFT measured yet: the whole in-flight work counts
     }
+    assert "1 of 1 pods without measured TTFT and response time: whole load" in d.reason
+
+
+# A customer's 1500-token prompt cached on A, which has 6 requests in flight (12k tokens of
+# uncached prompt and output); B is idle. Requests there spend 1/8 of their time before the
+# first token (TTFT 0.2 s of 1.6 s): of A's in-flight work, about 1/8 still delays a prefill.
+MEASURED = PodStats(requests_total=50, ttft_avg_s=0.2, latency_avg_s=1.6)
+
+
+def test_kv_aware_counts_the_measured_prefill_share_of_in_flight_work(
+    registry: StrategyRegistry,
+) -> None:
+    pods = [
+        pod(A, match=1504, in_flight=6, in_flight_tokens=12_000, stats=MEASURED),
+        pod(B, stats=MEASURED),
+    ]
+    r = req(prompt_tokens=1800)
+    d = route(registry, "kv-aware", r, snap(*pods))
+    assert d.endpoint.address == A  # 94 cached blocks outweigh 12,000 / 16 / 8 = 94 in flight
+    assert d.scores[A]["load_share"] == 0.125 and d.scores[A]["decode_blocks"] == 94 + 19
+    assert "whole load" not in d.reason
+    # Dynamo's rule counts A's whole 750 in-flight blocks and leaves the cache.
+    assert route(registry, "kv-aware-dynamo", r, snap(*pods)).endpoint.address == B
+    # Without the measurement kv-aware is Dynamo's rule.
+    bare = [pod(A, match=1504, in_flight=6, in_flight_tokens=12_000), pod(B)]
+    assert route(registry, "kv-aware", r, snap(*bare)).endpoint.address == B
+
+
+@pytest.mark.parametrize(
+    ("ttft", "latency", "share"),
+    [(0.2, 1.6, 0.125), (0.001, 10.0, 0.05), (3.0, 2.0, 1.0), (None, 1.0, None), (0.1, 0.0, None)],
+)
+def test_prefill_share_is_ttft_over_latency_clamped(
+    ttft: float | None, latency: float | None, share: float | None
+) -> None:
+    from extproc.routing.affinity import prefill_share
+
+    assert prefill_share(PodStats(ttft_avg_s=ttft, latency_avg_s=latency)) == share
+
+
+def test_kv_aware_load_share_param_is_checked() -> None:
+    from extproc.routing.framework import PluginConfigError
+
+    whole = default_registry(params={"kv-aware": {"load_share": "whole"}}).resolve("kv-aware")
+    pods = [pod(A, match=1504, in_flight_tokens=12_000, stats=MEASURED), pod(B, stats=MEASURED)]
+    assert whole.route(req(prompt_tokens=1800), snap(*pods), random.Random(0)).endpoint.address == B
+    with pytest.raises(PluginConfigError, match="load_share must be one of measured, whole"):
+        default_registry(params={"kv-aware": {"load_share": "half"}})
 
 
 def test_vtc_maps_heavy_users_to_later_pods(registry: StrategyRegistry) -> None:
