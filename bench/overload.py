@@ -131,6 +131,7 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
     ttft: dict[str, list[float]] = {"hi": [], "lo": []}
     tenant_ttft: dict[str, list[float]] = {t: [] for t in TENANTS}
     served: Counter[str] = Counter()
+    batch: Counter[str] = Counter()  # the batch band's share: fairness is kept inside a band
     prompt = cached = 0
     good = 0
     for r in records:
@@ -142,6 +143,8 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
             tenant_ttft[tenant].append(r.ttft_s)
             if r.start_s + r.ttft_s <= seconds:
                 served[tenant] += r.completion_tokens or 0
+                if band == "lo":
+                    batch[tenant] += r.completion_tokens or 0
             prompt += r.prompt_tokens or 0
             cached += r.cached_tokens or 0
             good += r.ttft_s <= SLO_TTFT_S
@@ -149,8 +152,13 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
             ends[f"answered_{r.status}"] += 1
         else:
             ends["lost"] += 1
-    shares = [served[t] for t in TENANTS]
-    jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if any(shares) else 0.0
+
+    def jain_of(counts: Counter[str]) -> float:
+        shares = [counts[t] for t in TENANTS]
+        return (
+            (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if any(shares) else 0.0
+        )
+
     return {
         "requests": len(records),
         "ends": dict(ends),
@@ -158,7 +166,9 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
         "ttft_p99_s": {b: percentile(v, 99) for b, v in ttft.items()},
         "tenant_ttft_p50_s": {t: percentile(v, 50) for t, v in tenant_ttft.items()},
         "window_tokens": dict(served),
-        "jain": round(jain, 4),
+        "jain": round(jain_of(served), 4),
+        "batch_tokens": dict(batch),
+        "batch_jain": round(jain_of(batch), 4),
         "b_over_c": round(served["B"] / served["C"], 3) if served["C"] else None,
         "goodput_rps": round(good / seconds, 3),
         "prefix_hit": round(cached / prompt, 4) if prompt else None,
@@ -224,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot-only", action="store_true", help="re-plot --out without running")
     args = p.parse_args(argv)
     if args.plot_only:
-        plot(json.loads(Path(args.out).read_text()), Path(args.plot))
+        data = json.loads(Path(args.out).read_text())
+        plot(data, Path(args.plot))
+        print(table(data))
         return 0
     started = time.time()
     data = run(args.load, args.seconds, args.reps, args.processes, args.variants.split(","),
@@ -235,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(data, Path(args.plot))
         print(f"wrote {args.plot}")
+    print(table(data))
     return 0
 
 
@@ -263,6 +276,47 @@ def plot(
     axes[0].legend(loc="upper left", markerscale=3)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
+
+
+def table(data: dict[str, Any]) -> str:
+    """Markdown: per variant the median over repetitions [min-max] of each figure."""
+
+    def med(values: list[float]) -> str:
+        values = sorted(v for v in values if v is not None)
+        if not values:
+            return "-"
+        mid = (
+            values[len(values) // 2]
+            if len(values) % 2
+            else sum(values[len(values) // 2 - 1 : len(values) // 2 + 1]) / 2
+        )
+        if len(values) == 1 or values[0] == values[-1]:
+            return f"{mid:.3g}"
+        return f"{mid:.3g} [{values[0]:.3g}-{values[-1]:.3g}]"
+
+    names: list[str] = []
+    for r in data["runs"]:
+        if r["variant"] not in names:
+            names.append(r["variant"])
+    rows = [
+        "| variant | load | interactive TTFT p50 / p99 s | batch TTFT p50 s | Jain, batch band | Jain, all | B / C | goodput req/s (TTFT <= 2 s) | prefix hit | served / 429 / 503 / lost |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in names:
+        runs = [r for r in data["runs"] if r["variant"] == name]
+        ends = [
+            sum(r["ends"].get(k, 0) for r in runs)
+            for k in ("served", "answered_429", "answered_503", "lost")
+        ]
+        rows.append(
+            f"| {name} | {runs[0]['factor']}x | {med([r['ttft_p50_s']['hi'] for r in runs])} / "
+            f"{med([r['ttft_p99_s']['hi'] for r in runs])} | {med([r['ttft_p50_s']['lo'] for r in runs])} | "
+            f"{med([r.get('batch_jain') for r in runs])} | "
+            f"{med([r['jain'] for r in runs])} | {med([r['b_over_c'] for r in runs])} | "
+            f"{med([r['goodput_rps'] for r in runs])} | {med([r['prefix_hit'] for r in runs])} | "
+            f"{' / '.join(str(e) for e in ends)} |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
