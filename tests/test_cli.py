@@ -160,6 +160,27 @@ def test_up_config_brings_ones_own_profiles_and_keeps_the_stacks_models_and_port
     assert LocalStack(explicit).server_config()["routing"]["default_strategy"] == "random"
 
 
+@pytest.mark.parametrize(
+    ("argv", "file", "enabled", "timeout_s"),
+    [
+        ([], {}, False, 5.0),
+        (["--flow-control", "on"], {}, True, 65.0),
+        ([], {"flow_control": {"enabled": True, "ttl_s": 20}}, True, 25.0),
+        (["--flow-control", "off"], {"flow_control": {"enabled": True, "ttl_s": 20}}, False, 5.0),
+    ],
+)
+def test_up_flow_control_switch_and_envoys_wait(
+    argv: list[str], file: dict[str, Any], enabled: bool, timeout_s: float
+) -> None:
+    """`--flow-control on|off` wins over the --config file's; Envoy waits for a decision
+    longer than the queue's TTL when the queue is on."""
+    opts = options_from_args(_up_parser().parse_args(argv), file)
+    stack = LocalStack(opts)
+    config = load_config_text(__import__("yaml").safe_dump(stack.server_config()))
+    assert config.flow_control.enabled is enabled
+    assert stack.envoy_options().message_timeout_s == timeout_s
+
+
 def test_up_names_a_port_another_program_holds(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
