@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
