@@ -112,18 +112,19 @@ def test_above_capacity_the_high_band_goes_first(stack: LocalStack) -> None:
     t0 = time.monotonic()
 
     def one(band: str, priority: int) -> None:
-        r = _chat(stack, 24, {"x-request-priority": str(priority)})
+        r = _chat(stack, 64, {"x-request-priority": str(priority)})
         with lock:
             statuses.append(r.status_code)
             ended[band].append(time.monotonic() - t0)
 
     with ThreadPoolExecutor(24) as pool:
-        low = [pool.submit(one, "low", 0) for _ in range(12)]
-        time.sleep(0.5)  # the low band queues first
+        low = [pool.submit(one, "low", 0) for _ in range(16)]
+        # The low band queues first: about 8 s of work for the engine's 2 slots.
+        time.sleep(1.0)
         high = [pool.submit(one, "high", 5) for _ in range(6)]
         for f in [*low, *high]:
             f.result()
-    assert statuses == [200] * 18
+    assert statuses == [200] * 22
     # The engine holds 2 running + 1 waiting; everything else waited in the gateway, where
     # the later high band was dispatched before the earlier low band's rest.
     mean = {band: sum(v) / len(v) for band, v in ended.items()}
