@@ -7,13 +7,12 @@ from collections.abc import Mapping
 
 from extproc.director.lifecycle import Parsed
 from extproc.flowcontrol import FlowController, FlowRequest, Grant
-from extproc.types import BadRequest
+from extproc.routing.predicted import LLMD_SLO_TTFT_HEADER, SLO_TTFT_HEADER, slo_ms
 
-__all__ = ["FAIRNESS_HEADERS", "SLO_TTFT_HEADERS", "FlowStep", "fairness_id"]
+__all__ = ["FAIRNESS_HEADERS", "FlowStep", "fairness_id"]
 
 # llm-d's names first, then the inference extension's legacy ones.
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-SLO_TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
 
 
 def fairness_id(headers: Mapping[str, str]) -> str | None:
@@ -24,24 +23,14 @@ def fairness_id(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def _slo_ttft_s(headers: Mapping[str, str]) -> float | None:
-    for name in SLO_TTFT_HEADERS:
-        raw = headers.get(name)
-        if raw is None:
-            continue
-        try:
-            ms = float(raw)
-        except ValueError:
-            raise BadRequest(f"{name} must be a number of milliseconds", param=name) from None
-        if not ms > 0:
-            raise BadRequest(f"{name} must be positive", param=name)
-        return ms / 1000.0
-    return None
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
 
 
 class FlowStep:
     """`admit(parsed)`: returns at once below saturation, else waits for room; raises a
-    `FlowRejected` (429/503 with the reason) when the request is not to be routed."""
+    `FlowRejected` (429/503 with the reason) when the request is not to be routed. The TTFT
+    SLO (its deadline under `edf`) is read as predicted-latency reads it, one 400 for both."""
 
     def __init__(self, controller: FlowController) -> None:
         self.controller = controller
@@ -54,6 +43,6 @@ class FlowStep:
                 priority=parsed.priority,
                 flow=fairness_id(headers) or parsed.user or "",
                 size=parsed.size,
-                slo_ttft_s=_slo_ttft_s(headers),
+                slo_ttft_s=_seconds(slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER)),
             )
         )

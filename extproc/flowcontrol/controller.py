@@ -229,8 +229,6 @@ class FlowController:
                                f"the flow-control queue for priority {priority} is full")  # fmt: skip
         if not self._waiting_at_or_above(model, priority):
             cap = self.capacity(model)
-            if self.metrics is not None:
-                self.metrics.saturation.labels(model).set(cap.saturation)
             if cap.free - self._transit.get(model, 0) > 0:
                 return self._grant(model, 0.0, Outcome.DISPATCHED, priority)
             if priority < 0 and cap.endpoints > 0:
@@ -428,8 +426,6 @@ class FlowController:
             if not any(b.live for b in bands.values()):
                 continue
             cap = self.capacity(model)
-            if self.metrics is not None:
-                self.metrics.saturation.labels(model).set(cap.saturation)
             room = cap.free - self._transit.get(model, 0)
             if room <= 0:
                 continue

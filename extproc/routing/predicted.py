@@ -66,6 +66,7 @@ __all__ = [
     "PredictionColumns",
     "latency_feature_columns",
     "latency_features",
+    "slo_ms",
 ]
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
@@ -263,7 +264,7 @@ class PredictedLatencyParams:
             raise ValueError("temperature, overlap_weight and probe_after_s must be >= 0")
 
 
-def _slo_ms(headers: Mapping[str, str], *names: str) -> float | None:
+def slo_ms(headers: Mapping[str, str], *names: str) -> float | None:
     """The first of `names` the request sends (ours, then llm-d's); 400 naming it if bad."""
     for name in names:
         raw = headers.get(name)
@@ -286,8 +287,8 @@ def _slo_ms(headers: Mapping[str, str], *names: str) -> float | None:
 
 def _slo(headers: Mapping[str, str]) -> _Slo | None:
     """The request's SLO headers; None without any (the common case: nothing built)."""
-    ttft = _slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER)
-    tpot = _slo_ms(headers, SLO_TPOT_HEADER, LLMD_SLO_TPOT_HEADER)
+    ttft = slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER)
+    tpot = slo_ms(headers, SLO_TPOT_HEADER, LLMD_SLO_TPOT_HEADER)
     return None if ttft is None and tpot is None else _Slo(ttft, tpot)
 
 
