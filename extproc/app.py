@@ -56,7 +56,7 @@ from extproc.discovery.kubernetes import (
     PodSource,
     make_api_client,
 )
-from extproc.flowcontrol import FlowController, FlowMetrics, FlowSettings, PoolCapacity
+from extproc.flowcontrol import FlowController, FlowMetrics, PoolCapacity
 from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
@@ -407,13 +407,8 @@ class App:
             kv_threshold=cfg.kv_threshold,
             max_concurrency=cfg.max_concurrency,
         )
-        settings = FlowSettings(
-            fairness=cfg.fairness, ordering=cfg.ordering, ttl_s=cfg.ttl_s,
-            max_requests_per_band=cfg.max_requests_per_band,
-            max_bytes_per_band=cfg.max_bytes_per_band, retry_after_s=cfg.retry_after_s,
-        )  # fmt: skip
         return FlowController(
-            settings=settings, capacity=capacity, tokens=self.fairness.tokens,
+            settings=cfg, capacity=capacity, tokens=self.fairness.tokens,
             metrics=FlowMetrics(self.registry),
         )  # fmt: skip
 

@@ -13,7 +13,6 @@ from extproc.flowcontrol.controller import (
     FlowMetrics,
     FlowRejected,
     FlowRequest,
-    FlowSettings,
     Grant,
     Outcome,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "FlowMetrics",
     "FlowRejected",
     "FlowRequest",
-    "FlowSettings",
     "Grant",
     "Outcome",
     "PoolCapacity",

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from extproc.config import FlowControlConfig
 from extproc.flowcontrol.capacity import Capacity
 from extproc.flowcontrol.policies import (
     FAIRNESS,
@@ -63,7 +64,6 @@ __all__ = [
     "FlowMetrics",
     "FlowRejected",
     "FlowRequest",
-    "FlowSettings",
     "Grant",
     "Outcome",
 ]
@@ -71,6 +71,7 @@ __all__ = [
 log = logging.getLogger("extproc.flowcontrol")
 
 DROPPED_HEADER = "x-llm-d-request-dropped-reason"  # llm-d's name, so its clients understand it
+TICK_S = 0.02  # how often a non-empty queue looks for room, besides wake-ups
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -95,17 +96,6 @@ class FlowRejected(GatewayError):
         else:
             self.status, self.error_type = 429, "rate_limit_error"
         self.headers = {DROPPED_HEADER: str(outcome), "retry-after": str(retry_after_s)}
-
-
-@dataclass(frozen=True, slots=True)
-class FlowSettings:
-    fairness: str = "round-robin"
-    ordering: str = "fcfs"
-    ttl_s: float = 60.0
-    max_requests_per_band: int = 5000
-    max_bytes_per_band: int = 1 << 30
-    retry_after_s: int = 1
-    tick_s: float = 0.02  # how often a non-empty queue looks for room, besides wake-ups
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,17 +180,19 @@ class FlowController:
     def __init__(
         self,
         *,
-        settings: FlowSettings,
+        settings: FlowControlConfig,
         capacity: Callable[[str], Capacity],
         tokens: Callable[[str], float] = lambda _flow: 0.0,
         metrics: FlowMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tick_s: float = TICK_S,
     ) -> None:
         if settings.ordering not in ORDERING:
             raise ValueError(f"unknown ordering {settings.ordering!r}")
         if settings.fairness not in FAIRNESS:
             raise ValueError(f"unknown fairness {settings.fairness!r}")
         self.settings = settings
+        self._tick_s = tick_s
         self.capacity = capacity
         self._ordering: OrderingPolicy = ORDERING[settings.ordering]()
         self._fairness: FairnessPolicy = FAIRNESS[settings.fairness](self._ordering, tokens)
@@ -406,7 +398,7 @@ class FlowController:
         while True:
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+                    await asyncio.wait_for(self._wake.wait(), self._tick_s)
                 self._wake.clear()
                 if self._waiting:
                     self.dispatch()
@@ -414,7 +406,7 @@ class FlowController:
                 raise
             except Exception:  # the loop must never die: log and go on
                 log.exception("flow control dispatch failed")
-                await asyncio.sleep(self.settings.tick_s)
+                await asyncio.sleep(self._tick_s)
 
     def dispatch(self) -> int:
         """Expire what waited too long, then dispatch into the room each pool has. Returns how

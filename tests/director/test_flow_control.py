@@ -11,13 +11,13 @@ from pathlib import Path
 import orjson
 import pytest
 
+from extproc.config import FlowControlConfig
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
 from extproc.director.flow import FlowStep
 from extproc.flowcontrol import (
     DROPPED_HEADER,
     Capacity,
     FlowController,
-    FlowSettings,
     PoolCapacity,
 )
 from extproc.types import EngineMetrics
@@ -36,7 +36,7 @@ routes:
 class Kit:
     def __init__(self, qwen_tokenizer_dir: Path, **settings: object) -> None:
         self._capacity: PoolCapacity | None = None
-        self.flow = FlowController(settings=FlowSettings(**settings), capacity=self.capacity)  # type: ignore[arg-type]
+        self.flow = FlowController(settings=FlowControlConfig(**settings), capacity=self.capacity)  # type: ignore[arg-type]
         text = config_text(strategy="least-request") + FLOW
         self.kit: DirectorKit = build_director(text, qwen_tokenizer_dir, flow=FlowStep(self.flow))
         self.eps = {ep.address: ep for ep in self.kit.store.endpoints("qwen3")}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.config import FlowControlConfig
 from extproc.flowcontrol import (
     DROPPED_HEADER,
     Capacity,
@@ -16,7 +17,6 @@ from extproc.flowcontrol import (
     FlowMetrics,
     FlowRejected,
     FlowRequest,
-    FlowSettings,
     Grant,
     Outcome,
 )
@@ -49,13 +49,14 @@ class Kit:
         return sample(self.registry, name, **labels)
 
 
-def kit(**settings: object) -> Kit:
+def kit(tick_s: float = 0.02, **settings: object) -> Kit:
     pool = Pool()
     clock = ManualClock()
     registry = CollectorRegistry()
     tokens: dict[str, float] = {}
     flow = FlowController(
-        settings=FlowSettings(**settings),  # type: ignore[arg-type]
+        settings=FlowControlConfig(**settings),  # type: ignore[arg-type]
+        tick_s=tick_s,
         capacity=pool,
         tokens=lambda f: tokens.get(f, 0.0),
         metrics=FlowMetrics(registry),

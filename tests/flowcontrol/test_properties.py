@@ -9,12 +9,12 @@ import random
 
 import pytest
 
+from extproc.config import FlowControlConfig
 from extproc.flowcontrol import (
     Capacity,
     FlowController,
     FlowRejected,
     FlowRequest,
-    FlowSettings,
     Grant,
 )
 from tests._clock import ManualClock
@@ -30,7 +30,7 @@ def test_random_runs_keep_the_invariants(seed: int, fairness: str) -> None:
         clock = ManualClock()
         room = {"free": 0, "endpoints": 1}
         flow = FlowController(
-            settings=FlowSettings(
+            settings=FlowControlConfig(
                 fairness=fairness,
                 ttl_s=3.0,
                 max_requests_per_band=CAP_REQUESTS,

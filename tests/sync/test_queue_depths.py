@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from extproc.accounting import FairnessCounters, InflightTracker
-from extproc.flowcontrol import Capacity, FlowController, FlowRequest, FlowSettings
+from extproc.config import FlowControlConfig
+from extproc.flowcontrol import Capacity, FlowController, FlowRequest
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.sync import MemoryNetwork, StateSync
 from tests.sync.test_state import SETTINGS, Clock
@@ -19,7 +20,7 @@ def capacity(model: str) -> Capacity:
 
 
 def make(name: str, net: MemoryNetwork, clock: Clock) -> tuple[StateSync, FlowController]:
-    flow = FlowController(settings=FlowSettings(), capacity=capacity)
+    flow = FlowController(settings=FlowControlConfig(), capacity=capacity)
     approx = ApproximateIndex(ttl_s=600)
     sync = StateSync(
         replica=name, bus=net.bus(), inflight=InflightTracker(clock=clock),
