@@ -470,13 +470,16 @@ class FlowController:
         return False
 
     def _expire(self, now: float) -> None:
+        ready_by_model: dict[str, bool] = {}  # one capacity read per model, not per request
         while self._expiry and self._expiry[0][0] <= now:
             _, _, item = heapq.heappop(self._expiry)
             waiting = self._waiting.get(item)
             if waiting is None or waiting.done:
                 continue
             request = waiting.request
-            ready = self.capacity(request.model).endpoints > 0
+            ready = ready_by_model.get(request.model)
+            if ready is None:
+                ready = ready_by_model[request.model] = self.capacity(request.model).endpoints > 0
             outcome = Outcome.TTL_EXPIRED if ready else Outcome.NO_ENDPOINTS
             waited = now - item.enqueued
             message = (
