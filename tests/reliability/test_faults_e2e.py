@@ -36,7 +36,7 @@ from bench.faults import (
 from extproc.stack.local import LocalStack
 from tests.e2e.harness import metric_samples, metric_sum, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 SECRETS = ("sk-h9-secret-bearer-7f3a", "h9-api-key-91c2", "h9-cookie-55aa")
 
