@@ -11,6 +11,7 @@ the routing process's lease book: extproc/director/leases.py); what the response
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -43,6 +44,10 @@ STALL_LATENCY_MULTIPLE = 3.0
 # the request elsewhere) leaves the candidates for FAILING_COOLDOWN_S; one served pick clears it.
 FAILING_AFTER = 3
 FAILING_COOLDOWN_S = 10.0
+# Arrivals (when tokens were routed to an address) kept for `recent_tokens`: at most this many
+# per address, none older than ARRIVALS_KEPT_S (no pod's first token takes longer).
+ARRIVALS_MAX = 512
+ARRIVALS_KEPT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +162,9 @@ class InflightTracker:
         self._remote: dict[str, dict[str, Load]] = {}
         self._remote_total: dict[str, Load] = {}
         self._loads = _LoadTable()  # `load` of every address with any, as arrays
+        # (time, tokens) routed to each address while it holds load, oldest first: this
+        # replica's leases as they start, peers' as their published tokens grow.
+        self._arrivals: dict[str, deque[tuple[float, int]]] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -182,6 +190,7 @@ class InflightTracker:
         count = self._requests.get(addr, 0) + 1
         self._requests[addr] = count
         self._tokens[addr] = self._tokens.get(addr, 0) + tokens
+        self._arrived(addr, lease.started_at, tokens)
         self._sync(addr)
         if self._stats is not None:
             self._stats.request_started(addr, lease.started_at)
@@ -301,14 +310,52 @@ class InflightTracker:
         over many pods reads these instead of one `Load` per pod."""
         return self._loads.columns(addresses)
 
+    def recent_tokens(self, address: str, within_s: float) -> int:
+        """Of `load(address).tokens`, those routed there in the last `within_s` seconds (by
+        any replica: a peer's as its published count grew). With `within_s` a pod's time to
+        first token, these are the requests still expected to be before their first token:
+        queued or in prefill, where a new request waits behind them. A request that finished
+        early still counts until its window passes; never more than the load."""
+        arrivals = self._arrivals.get(address)
+        if not arrivals or not within_s > 0:
+            return 0
+        cutoff = self._clock() - within_s
+        total = 0
+        for at, tokens in reversed(arrivals):
+            if at <= cutoff:
+                break
+            total += tokens
+        return min(total, self.load(address).tokens)
+
+    def recent_columns(self, addresses: Sequence[str], within_s: Sequence[float]) -> npt.NDArray[np.float64]:
+        """`recent_tokens` of every address with its own window (NaN where the window is
+        NaN: not measured), as one array."""
+        out = np.full(len(addresses), np.nan)
+        arrivals = self._arrivals
+        for i, (address, within) in enumerate(zip(addresses, within_s, strict=True)):
+            if within == within:  # not NaN
+                out[i] = self.recent_tokens(address, within) if address in arrivals else 0.0
+        return out
+
+    def _arrived(self, address: str, at: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        arrivals = self._arrivals.get(address)
+        if arrivals is None:
+            arrivals = self._arrivals[address] = deque(maxlen=ARRIVALS_MAX)
+        arrivals.append((at, tokens))
+        while arrivals[0][0] < at - ARRIVALS_KEPT_S:
+            arrivals.popleft()
+
     def _sync(self, address: str) -> None:
-        """Set `address`'s row of the load table to its `load` now."""
+        """Set `address`'s row of the load table to its `load` now (and forget its arrivals
+        once it holds none: nothing routed there is still waiting)."""
         remote = self._remote_total.get(address, _NO_LOAD)
-        self._loads.set(
-            address,
-            self._requests.get(address, 0) + remote.requests,
-            self._tokens.get(address, 0) + remote.tokens,
-        )
+        requests = self._requests.get(address, 0) + remote.requests
+        tokens = self._tokens.get(address, 0) + remote.tokens
+        self._loads.set(address, requests, tokens)
+        if requests <= 0 and tokens <= 0:
+            self._arrivals.pop(address, None)
 
     def snapshot(self) -> Mapping[str, Load]:
         """This replica's own requests in flight, by address (a copy)."""
@@ -316,13 +363,26 @@ class InflightTracker:
 
     def set_remote(self, replica: str, loads: Mapping[str, Load]) -> None:
         """Replace peer `replica`'s share with its latest absolute counts (a lost update is
-        corrected by the next; an empty mapping clears it)."""
-        old = self._remote.pop(replica, None)
-        if old is not None:
-            self._add_remote(old, -1)
+        corrected by the next; an empty mapping clears it). Tokens a count grew by are
+        arrivals now (`recent_tokens`)."""
+        old = self._remote.pop(replica, None) or {}
         if loads:
             self._remote[replica] = dict(loads)
-            self._add_remote(loads, 1)
+        now = self._clock()
+        for address in old.keys() | loads.keys():
+            was, new = old.get(address, _NO_LOAD), loads.get(address, _NO_LOAD)
+            if was == new:
+                continue
+            cur = self._remote_total.get(address, _NO_LOAD)
+            total = Load(
+                cur.requests - was.requests + new.requests, cur.tokens - was.tokens + new.tokens
+            )
+            if total.requests <= 0 and total.tokens <= 0:
+                self._remote_total.pop(address, None)
+            else:
+                self._remote_total[address] = total
+            self._arrived(address, now, new.tokens - was.tokens)
+            self._sync(address)
 
     def drop_remote(self, replica: str) -> None:
         """A peer left or went silent: its share no longer counts."""
@@ -334,16 +394,6 @@ class InflightTracker:
     def remote_snapshot(self) -> Mapping[str, Load]:
         """Peers' requests in flight, summed, by address (a copy)."""
         return dict(self._remote_total)
-
-    def _add_remote(self, loads: Mapping[str, Load], sign: int) -> None:
-        for address, load in loads.items():
-            cur = self._remote_total.get(address, Load())
-            new = Load(cur.requests + sign * load.requests, cur.tokens + sign * load.tokens)
-            if new.requests <= 0 and new.tokens <= 0:
-                self._remote_total.pop(address, None)
-            else:
-                self._remote_total[address] = new
-            self._sync(address)
 
     def total(self) -> int:
         return sum(self._requests.values())

@@ -90,10 +90,13 @@ def _pod_rows(
     load = inflight.load
     blocks = prefix.cached_blocks if capabilities.prefix_matches else None
     stats = podstats.stats if capabilities.accounting else None
+    recent = inflight.recent_tokens
     out = []
     for (ep, metrics), address in zip(candidates, addresses, strict=True):
         held = load(address)
         match = matches[address]
+        measured = _NO_STATS if stats is None else stats(address, now)
+        ttft = measured.ttft_avg_s
         out.append(
             PodState(
                 ep,
@@ -103,7 +106,8 @@ def _pod_rows(
                 match.tokens,
                 match.exact,
                 0 if blocks is None else blocks(address),
-                _NO_STATS if stats is None else stats(address, now),
+                measured,
+                None if ttft is None else recent(address, ttft),
             )
         )
     return PodRows(out)
@@ -131,11 +135,13 @@ class _TableColumns(PodColumns):
         prefix: Callable[[], PrefixArrays],
         blocks: bool,
         in_flight: tuple[FloatArray, FloatArray],
+        recent: Callable[[Sequence[str], Sequence[float]], FloatArray],
         stats: StatsColumns | None,
         engine: EngineColumns | None,
     ) -> None:
         super().__init__(table)
         self._candidates = candidates
+        self._recent = recent
         self._engine = engine  # the store's columns of `candidates`, if it answered them
         self._lookup = prefix
         self._blocks = blocks  # whether rows carry cache sizes (else 0, as `_pod_rows` does)
@@ -226,6 +232,16 @@ class _TableColumns(PodColumns):
     def stats_of(self, i: int) -> PodStats:
         return _NO_STATS if self.stats is None else self.stats.row(i)
 
+    @cached_property
+    def prefill_tokens(self) -> FloatArray:
+        if self.stats is None:  # rows hold None: not read
+            return np.full(self.n, np.nan)
+        return self._recent(self.addresses, self.stats.ttft_avg_s.tolist())
+
+    @cached_property
+    def _prefill_list(self) -> list[int | None]:
+        return [None if x != x else int(x) for x in self.prefill_tokens.tolist()]
+
     def all_rows(self) -> list[PodState]:
         """Every `PodState`, in one pass over plain lists (a rule that reads every row)."""
         tokens, exact, blocks = self._prefix_lists
@@ -244,6 +260,7 @@ class _TableColumns(PodColumns):
                 exact,
                 blocks,
                 stats,
+                self._prefill_list,
             )
         )
 
@@ -266,6 +283,7 @@ class _TableColumns(PodColumns):
             exact[i],
             blocks[i],
             self.stats_of(i),
+            self._prefill_list[i],
         )
 
 
@@ -301,6 +319,7 @@ class SnapshotTable(PodTable):
             prefix=lookup,
             blocks=capabilities.prefix_matches,
             in_flight=inflight.columns(addresses),
+            recent=inflight.recent_columns,
             stats=podstats.columns(addresses, now) if capabilities.accounting else None,
             engine=engine,
         )

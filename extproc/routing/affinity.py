@@ -42,7 +42,7 @@ from extproc.routing.strategies import StrategyPlugin, least_request_at
 from extproc.types import EndpointRole
 
 __all__ = [
-    "MIN_LOAD_SHARE",
+    "DECODING_WEIGHT",
     "KvAwareDynamoParams",
     "KvAwareDynamoStrategy",
     "KvAwareParams",
@@ -57,7 +57,7 @@ __all__ = [
     "SessionAffinityStrategy",
     "VtcParams",
     "VtcStrategy",
-    "prefill_share",
+    "load_tokens",
 ]
 
 
@@ -370,14 +370,17 @@ class PrebleStrategy(StrategyPlugin):
 class LoadShare(StrEnum):
     """How much of a pod's in-flight work kv-aware counts as its load."""
 
-    # The share of an in-flight request's life it spends before its first token, measured per
-    # pod by the gateway (TTFT EWMA / response-time EWMA); the whole work where not measured.
+    # What is still before its first token counts whole: the requests routed there within
+    # the pod's measured TTFT (`PodState.prefill_tokens`); the rest, decoding, weighs
+    # DECODING_WEIGHT. The whole work where TTFT is not measured.
     MEASURED = "measured"
     WHOLE = "whole"  # Dynamo's rule: every in-flight block, for as long as it is in flight
 
 
-# A measured share below this is taken as this: a pod whose answers are long keeps some load.
-MIN_LOAD_SHARE = 0.05
+# What a request past its expected first token weighs, per token, in kv-aware's load: its
+# blocks stay resident and it takes a slot in every batch step, but a new prefill does not
+# wait behind it.
+DECODING_WEIGHT = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,22 +397,21 @@ class KvAwareParams:
         object.__setattr__(self, "load_share", LoadShare(self.load_share))
 
 
-def prefill_share(stats: PodStats) -> float | None:
-    """The share of an in-flight request's time on this pod spent before its first token:
-    TTFT EWMA / response-time EWMA (Little's law: of the requests in flight on a pod, that
-    share is still waiting for or computing its prefill). None until both are measured."""
-    ttft, latency = stats.ttft_avg_s, stats.latency_avg_s
-    if ttft is None or latency is None or not latency > 0 or not ttft >= 0:
-        return None
-    return min(1.0, max(MIN_LOAD_SHARE, ttft / latency))
+def load_tokens(in_flight_tokens: float, prefill_tokens: float | None) -> float:
+    """kv-aware's measured load of a pod: its in-flight tokens still before their first
+    token, whole, plus DECODING_WEIGHT of the rest (all of it where not measured)."""
+    if prefill_tokens is None:
+        return in_flight_tokens
+    return prefill_tokens + DECODING_WEIGHT * max(0.0, in_flight_tokens - prefill_tokens)
 
 
 class KvAwareStrategy(StrategyPlugin):
     """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
 
     prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
-    (in-flight tokens / block_size, times the pod's measured prefill share with
-    `load_share: measured`) + this request's new blocks. With temperature T > 0 the order
+    (in-flight tokens / block_size; with `load_share: measured` those still before their first
+    token whole and the decoding rest at DECODING_WEIGHT, see `load_tokens`) + this request's
+    new blocks. With temperature T > 0 the order
     is sampled from softmax(-(cost - min) / ((max - min) * T)); at T = 0 ties go to the pod with
     the smaller cache (cached_blocks), then random.
     """
@@ -436,10 +438,10 @@ class KvAwareStrategy(StrategyPlugin):
         for p in snap.pods:
             overlap = min(p.prefix_match_tokens, req.prompt_tokens) // bs
             prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-            share = prefill_share(p.stats) if measured else 1.0
-            if share is None:
-                share, unmeasured = 1.0, unmeasured + 1
-            decode_blocks = math.ceil(share * p.in_flight_tokens / bs) + (total_blocks - overlap)
+            young = p.prefill_tokens if measured else None
+            unmeasured += measured and young is None
+            load = load_tokens(p.in_flight_tokens, young)
+            decode_blocks = math.ceil(load / bs) + (total_blocks - overlap)
             c = prm.overlap_weight * prefill_blocks + decode_blocks
             costs[id(p)] = c
             scores[p.address] = {
@@ -449,7 +451,7 @@ class KvAwareStrategy(StrategyPlugin):
                 "cost": round(c, 3),
             }
             if measured:
-                scores[p.address]["load_share"] = round(share, 3)
+                scores[p.address]["prefill_tokens"] = -1.0 if young is None else float(young)
         values = list(costs.values())
         lo, hi = min(values), max(values)
         if prm.temperature > 0 and hi > lo:
@@ -484,26 +486,24 @@ class KvAwareStrategy(StrategyPlugin):
         overlap = np.minimum(cols.prefix_match_tokens, float(req.prompt_tokens)) // bs
         prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
         unmeasured = 0
+        tokens = cols.in_flight_tokens
         if prm.load_share == LoadShare.MEASURED:
-            ttft, latency = cols.stats_ttft, cols.stats_latency
-            with np.errstate(invalid="ignore", divide="ignore"):
-                known = (latency > 0) & (ttft >= 0)  # NaN compares False: unmeasured
-                share = np.where(
-                    known,
-                    np.clip(np.where(known, ttft, 0.0) / np.where(known, latency, 1.0),
-                            MIN_LOAD_SHARE, 1.0),
-                    1.0,
-                )  # fmt: skip
+            young = cols.prefill_tokens
+            known = young == young  # NaN: not measured, the whole load
             unmeasured = int(cols.n - np.count_nonzero(known))
-            decode_blocks = np.ceil(share * cols.in_flight_tokens / bs) + (total_blocks - overlap)
+            young = np.where(known, young, -1.0)  # what explain shows for "not measured"
+            load = np.where(
+                known, young + DECODING_WEIGHT * np.maximum(tokens - young, 0.0), tokens
+            )
         else:
-            decode_blocks = np.ceil(cols.in_flight_tokens / bs) + (total_blocks - overlap)
+            load = tokens
+        decode_blocks = np.ceil(load / bs) + (total_blocks - overlap)
         costs = prm.overlap_weight * prefill_blocks + decode_blocks
         names: tuple[str, ...] = ("overlap_blocks", "prefill_blocks", "decode_blocks", "cost")
         values = [overlap, prefill_blocks, decode_blocks, costs]
         digits: list[int | None] = [None, 3, None, 3]
         if prm.load_share == LoadShare.MEASURED:
-            names, values, digits = (*names, "load_share"), [*values, share], [*digits, 3]
+            names, values, digits = (*names, "prefill_tokens"), [*values, young], [*digits, None]
         scores = ScoreTable(snap.pods, names, tuple(values), tuple(digits))
         lo, hi = float(costs.min()), float(costs.max())
         if prm.temperature > 0 and hi > lo:
@@ -549,7 +549,7 @@ class KvAwareDynamoStrategy(KvAwareStrategy):
 
 
 def _unmeasured_note(unmeasured: int, n: int) -> str:
-    return f"; {unmeasured} of {n} pods without measured TTFT and response time: whole load"
+    return f"; {unmeasured} of {n} pods without a measured TTFT: whole load"
 
 
 # ---------------------------------------------------------------- vtc-basic (AIBrix)

@@ -121,6 +121,9 @@ class PodState:
     prefix_exact: bool = False  # True when prefix_match_tokens comes from KV events
     cached_blocks: int = 0  # size of this pod's known cache (blocks), 0 if unknown
     stats: PodStats = field(default_factory=PodStats)
+    # Of in_flight_tokens, those routed within the pod's TTFT EWMA (stats.ttft_avg_s): still
+    # expected to be queued or in prefill. None where TTFT is not measured (or not read).
+    prefill_tokens: int | None = None
 
     @property
     def address(self) -> str:

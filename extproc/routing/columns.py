@@ -136,6 +136,10 @@ class PodColumns:
         return _numbers(self.pods, "in_flight_tokens")
 
     @cached_property
+    def prefill_tokens(self) -> FloatArray:
+        return _optional(self.pods, "prefill_tokens")  # NaN where not measured
+
+    @cached_property
     def prefix_match_tokens(self) -> FloatArray:
         return _numbers(self.pods, "prefix_match_tokens")
 

@@ -6,6 +6,8 @@ import asyncio
 import math
 import random
 
+from typing import Any
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -263,3 +265,79 @@ def test_a_pod_whose_answers_take_long_needs_as_many_times_longer_to_look_stalle
     for lease in held:
         lease.finish()
     assert not t.stalled(C.address, 10.0)
+
+
+def test_recent_tokens_are_what_was_routed_within_the_window() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    old = t.start(A, 1000)
+    clock.now += 1.0
+    t.start(A, 300)
+    clock.now += 0.2
+    young = t.start(A, 200)
+    assert t.recent_tokens(A.address, 0.1) == 200
+    assert t.recent_tokens(A.address, 0.5) == 500
+    assert t.recent_tokens(A.address, 5.0) == 1500
+    assert t.recent_tokens(A.address, 0.0) == 0 and t.recent_tokens(B.address, 5.0) == 0
+    young.finish()  # an early finish still counts for its window, never above the load
+    assert t.recent_tokens(A.address, 5.0) == 1300 and t.recent_tokens(A.address, 0.5) == 500
+    old.finish()
+    assert t.recent_tokens(A.address, 0.5) == 300  # capped: only 300 tokens are in flight
+
+
+def test_an_address_that_holds_nothing_forgets_its_arrivals() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    t.start(A, 400).finish()
+    lease = t.start(A, 100)
+    assert t.recent_tokens(A.address, 1.0) == 100
+    lease.finish()
+    assert A.address not in t._arrivals  # nothing in flight: nothing waits there
+    clock.now += 120
+    t.start(A, 50)
+    clock.now += 0.1
+    assert len(t._arrivals[A.address]) == 1 and t.recent_tokens(A.address, 1.0) == 50
+
+
+def test_a_peers_growing_count_is_an_arrival_when_it_is_heard() -> None:
+    clock = FakeClock()
+    t = InflightTracker(clock=clock)
+    t.set_remote("r2", {A.address: Load(2, 800)})
+    clock.now += 1.0
+    t.set_remote("r2", {A.address: Load(2, 800)})  # a heartbeat: nothing new arrived
+    t.set_remote("r2", {A.address: Load(3, 1100)})
+    assert t.recent_tokens(A.address, 0.5) == 300
+    assert t.recent_tokens(A.address, 5.0) == 1100
+    clock.now += 1.0
+    t.set_remote("r2", {A.address: Load(1, 200)})  # finishes are not arrivals
+    assert t.recent_tokens(A.address, 0.5) == 0 and t.recent_tokens(A.address, 5.0) == 200
+    t.drop_remote("r2")
+    assert t.recent_tokens(A.address, 5.0) == 0 and A.address not in t._arrivals
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_recent_tokens_do_not_depend_on_which_replica_routed(seed: int) -> None:
+    """Two replicas share their counts (as state sync does, here at once): the tokens routed
+    within a window read the same on both, whichever of them routed each request."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    one, two = InflightTracker(clock=clock), InflightTracker(clock=clock)
+    pods = [A, B, C]
+    leases: list[Any] = []
+    for _ in range(300):
+        roll = rng.random()
+        if roll < 0.45:
+            leases.append(rng.choice([one, two]).start(rng.choice(pods), rng.randint(1, 500)))
+        elif roll < 0.7 and leases:
+            leases.pop(rng.randrange(len(leases))).finish()
+        else:
+            clock.now += rng.uniform(0, 0.3)
+        one.set_remote("two", two.snapshot())
+        two.set_remote("one", one.snapshot())
+        for p in pods:
+            for within in (0.1, 0.5, 2.0):
+                assert one.recent_tokens(p.address, within) == two.recent_tokens(
+                    p.address, within
+                ), (p.address, within)
+    cols = one.recent_columns([A.address, "10.9.9.9:1", B.address], [0.5, 0.5, math.nan])
+    assert cols[0] == one.recent_tokens(A.address, 0.5) and cols[1] == 0 and math.isnan(cols[2])

@@ -52,8 +52,10 @@ class World:
         self.inflight = InflightTracker(clock=lambda: self.now, stats=self.podstats)
         self.leases = []
         for i, ep in enumerate(self.endpoints):
-            for _ in range(rng.randint(0, 3)):
+            for _ in range(rng.randint(0, 3)):  # some routed within the pod's TTFT, some not
+                self.now = 100.0 - rng.random() / 2
                 self.leases.append(self.inflight.start(ep, rng.randint(10, 900)))
+            self.now = 100.0
             if i % 3:  # a third of the pods were never measured: `PodStats()`
                 self.podstats.observe_response(
                     ep.address, now=90.0 + i % 5, latency_s=rng.random(), ttft_s=rng.random() / 4,
@@ -107,8 +109,8 @@ def _same_pod(a: PodState, b: PodState) -> None:
     assert (a.endpoint, a.metrics, a.in_flight, a.in_flight_tokens) == (
         b.endpoint, b.metrics, b.in_flight, b.in_flight_tokens,
     )  # fmt: skip
-    assert (a.prefix_match_tokens, a.prefix_exact, a.cached_blocks) == (
-        b.prefix_match_tokens, b.prefix_exact, b.cached_blocks,
+    assert (a.prefix_match_tokens, a.prefix_exact, a.cached_blocks, a.prefill_tokens) == (
+        b.prefix_match_tokens, b.prefix_exact, b.cached_blocks, b.prefill_tokens,
     )  # fmt: skip
     sa, sb = a.stats, b.stats
     assert sa.requests_total == sb.requests_total
@@ -134,6 +136,14 @@ def test_table_rows_equal_one_pass_rows(caps: Capabilities) -> None:
     assert len(table) == len(rows) == 130
     assert any(p.prefix_match_tokens for p in rows) or not caps.prefix_matches
     assert any(p.stats.requests_total for p in rows) or not caps.accounting
+    prefill = [p.prefill_tokens for p in rows]
+    if caps.accounting:  # measured pods: some of their load routed within TTFT, some not
+        assert None in prefill and any(prefill) and any(
+            p.prefill_tokens is not None and 0 < p.prefill_tokens < p.in_flight_tokens
+            for p in rows
+        )
+    else:
+        assert set(prefill) == {None}
     for i in (0, 7, 129, -1, -130):  # single reads, before the whole table is built
         _same_pod(table[i], rows[i])
     first = table[0]
@@ -153,7 +163,7 @@ def test_table_columns_equal_row_columns(caps: Capabilities) -> None:
     for name in (
         "in_flight", "in_flight_tokens", "prefix_match_tokens", "cached_blocks", "waiting",
         "kv_usage", "has_metrics", "requests_total", "throughput", "busy_time", "stats_ttft",
-        "stats_tpot", "stats_latency",
+        "stats_tpot", "stats_latency", "prefill_tokens",
     ):  # fmt: skip
         np.testing.assert_allclose(
             getattr(cols, name), getattr(rows, name), rtol=1e-12, err_msg=name

@@ -27,6 +27,7 @@ def pod(
     itl: float | None = None,
     stats: PodStats | None = None,
     cached_blocks: int = 0,
+    prefill_tokens: int | None = None,
     no_metrics: bool = False,
     model: str = "m",
 ) -> PodState:
@@ -51,6 +52,7 @@ def pod(
         prefix_match_tokens=match,
         cached_blocks=cached_blocks,
         stats=stats or PodStats(),
+        prefill_tokens=prefill_tokens,
     )
 
 

@@ -411,53 +411,76 @@ def test_kv_aware_records_cost_terms(registry: StrategyRegistry) -> None:
         "prefill_blocks": 4.0,
         "decode_blocks": 6.0,
         "cost": 10.0,
-        "load_share": 1.0,  # no TTFT measured yet: the whole in-flight work counts
+        "prefill_tokens": -1.0,  # no TTFT measured yet: the whole in-flight work counts
     }
-    assert "1 of 1 pods without measured TTFT and response time: whole load" in d.reason
+    assert "1 of 1 pods without a measured TTFT: whole load" in d.reason
 
 
 # A customer's 1500-token prompt cached on A, which has 6 requests in flight (12k tokens of
-# uncached prompt and output); B is idle. Requests there spend 1/8 of their time before the
-# first token (TTFT 0.2 s of 1.6 s): of A's in-flight work, about 1/8 still delays a prefill.
+# uncached prompt and output); B is idle. TTFT is measured on both.
 MEASURED = PodStats(requests_total=50, ttft_avg_s=0.2, latency_avg_s=1.6)
 
 
-def test_kv_aware_counts_the_measured_prefill_share_of_in_flight_work(
-    registry: StrategyRegistry,
+@pytest.mark.parametrize(
+    ("prefill", "pick", "decode_blocks"),
+    [
+        # All six are decoding (routed longer ago than A's TTFT): 12,000 * 0.05 = 600 tokens,
+        # 38 blocks, and the 94 cached blocks keep the request on A.
+        (0, A, 38 + 19),
+        # Two were routed within A's TTFT (4,000 tokens still before their first token): a new
+        # prefill waits behind them; 4,000 + 0.05 * 8,000 = 4,400 tokens, 275 blocks.
+        (4_000, B, 275 + 19),
+        # All six just arrived (a burst onto the cached pod): the whole load.
+        (12_000, B, 750 + 19),
+    ],
+)
+def test_kv_aware_counts_what_is_still_before_its_first_token_whole(
+    registry: StrategyRegistry, prefill: int, pick: str, decode_blocks: int
 ) -> None:
     pods = [
-        pod(A, match=1504, in_flight=6, in_flight_tokens=12_000, stats=MEASURED),
-        pod(B, stats=MEASURED),
-    ]
+        pod(A, match=1504, in_flight=6, in_flight_tokens=12_000, stats=MEASURED,
+            prefill_tokens=prefill),
+        pod(B, stats=MEASURED, prefill_tokens=0),
+    ]  # fmt: skip
     r = req(prompt_tokens=1800)
     d = route(registry, "kv-aware", r, snap(*pods))
-    assert d.endpoint.address == A  # 94 cached blocks outweigh 12,000 / 16 / 8 = 94 in flight
-    assert d.scores[A]["load_share"] == 0.125 and d.scores[A]["decode_blocks"] == 94 + 19
+    assert d.endpoint.address == pick
+    assert d.scores[A]["decode_blocks"] == decode_blocks
+    assert d.scores[A]["prefill_tokens"] == prefill
     assert "whole load" not in d.reason
-    # Dynamo's rule counts A's whole 750 in-flight blocks and leaves the cache.
+    # Dynamo's rule counts A's whole 750 in-flight blocks whatever their age, and leaves.
     assert route(registry, "kv-aware-dynamo", r, snap(*pods)).endpoint.address == B
-    # Without the measurement kv-aware is Dynamo's rule.
+
+
+def test_kv_aware_without_a_measured_ttft_is_dynamos_rule(registry: StrategyRegistry) -> None:
     bare = [pod(A, match=1504, in_flight=6, in_flight_tokens=12_000), pod(B)]
-    assert route(registry, "kv-aware", r, snap(*bare)).endpoint.address == B
+    d = route(registry, "kv-aware", req(prompt_tokens=1800), snap(*bare))
+    assert d.endpoint.address == B and d.scores[A]["decode_blocks"] == 750 + 19
 
 
 @pytest.mark.parametrize(
-    ("ttft", "latency", "share"),
-    [(0.2, 1.6, 0.125), (0.001, 10.0, 0.05), (3.0, 2.0, 1.0), (None, 1.0, None), (0.1, 0.0, None)],
-)
-def test_prefill_share_is_ttft_over_latency_clamped(
-    ttft: float | None, latency: float | None, share: float | None
+    ("in_flight", "prefill", "load"),
+    [(12_000, 0, 600.0), (12_000, 4_000, 4_400.0), (12_000, 12_000, 12_000.0),
+     (12_000, None, 12_000.0), (100, 500, 500.0)],
+)  # fmt: skip
+def test_load_tokens_weighs_decoding_work_at_the_decoding_weight(
+    in_flight: int, prefill: int | None, load: float
 ) -> None:
-    from extproc.routing.affinity import prefill_share
+    from extproc.routing.affinity import load_tokens
 
-    assert prefill_share(PodStats(ttft_avg_s=ttft, latency_avg_s=latency)) == share
+    assert load_tokens(in_flight, prefill) == pytest.approx(load)
 
 
 def test_kv_aware_load_share_param_is_checked() -> None:
     from extproc.routing.framework import PluginConfigError
 
     whole = default_registry(params={"kv-aware": {"load_share": "whole"}}).resolve("kv-aware")
-    pods = [pod(A, match=1504, in_flight_tokens=12_000, stats=MEASURED), pod(B, stats=MEASURED)]
+    pods = [
+        pod(A, match=1504, in_flight_tokens=12_000, stats=MEASURED, prefill_tokens=0),
+        pod(B, stats=MEASURED, prefill_tokens=0),
+    ]
+    assert route(default_registry(), "kv-aware", req(prompt_tokens=1800), snap(*pods)) \
+        .endpoint.address == A  # fmt: skip
     assert whole.route(req(prompt_tokens=1800), snap(*pods), random.Random(0)).endpoint.address == B
     with pytest.raises(PluginConfigError, match="load_share must be one of measured, whole"):
         default_registry(params={"kv-aware": {"load_share": "half"}})
