@@ -327,7 +327,9 @@ class InflightTracker:
             total += tokens
         return min(total, self.load(address).tokens)
 
-    def recent_columns(self, addresses: Sequence[str], within_s: Sequence[float]) -> npt.NDArray[np.float64]:
+    def recent_columns(
+        self, addresses: Sequence[str], within_s: Sequence[float]
+    ) -> npt.NDArray[np.float64]:
         """`recent_tokens` of every address with its own window (NaN where the window is
         NaN: not measured), as one array."""
         out = np.full(len(addresses), np.nan)

@@ -21,7 +21,6 @@ from extproc.routing.base import (
     Capabilities,
     Decision,
     PodState,
-    PodStats,
     ProfileResult,
     RoutingRequest,
     Snapshot,

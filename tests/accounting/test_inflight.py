@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-
 from typing import Any
 
 import pytest

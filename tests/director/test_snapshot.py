@@ -138,9 +138,13 @@ def test_table_rows_equal_one_pass_rows(caps: Capabilities) -> None:
     assert any(p.stats.requests_total for p in rows) or not caps.accounting
     prefill = [p.prefill_tokens for p in rows]
     if caps.accounting:  # measured pods: some of their load routed within TTFT, some not
-        assert None in prefill and any(prefill) and any(
-            p.prefill_tokens is not None and 0 < p.prefill_tokens < p.in_flight_tokens
-            for p in rows
+        assert (
+            None in prefill
+            and any(prefill)
+            and any(
+                p.prefill_tokens is not None and 0 < p.prefill_tokens < p.in_flight_tokens
+                for p in rows
+            )
         )
     else:
         assert set(prefill) == {None}
