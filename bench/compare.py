@@ -155,7 +155,7 @@ def default_table(
     and whether it is within `tolerance` of our best at both percentiles and ahead of
     `against`: "yes"; where not, "within noise" when every shortfall is inside that metric's
     noise floor (`noise_floor` over the result's repetitions, falling back to the spreads of the
-    default, the best and the peer), else "no"."""
+    default, the best and the peer) and the repetitions overlap, else "no"."""
     lines = [
         f"| scenario | `{default}` p50 / p90 ms | best of ours p50 / p90 | ratio to best | "
         f"`{against}` p50 / p90 | ratio to it | hit rate (`{default}`, `{against}`) | "
@@ -190,6 +190,13 @@ def default_table(
                 if peer is not None:
                     short[k] = max(short[k], d[k] - peer[k])
                 floors[k] = noise_floor(runs, load, k, fallback=(default, b, against))
+                # Noise needs the repetitions to overlap: the default's best one at most the
+                # other's worst; behind in every repetition is a loss, whatever the spread.
+                mine_k = _values(runs, load, default, k)
+                for other in (b, against):
+                    theirs_k = _values(runs, load, other, k)
+                    if mine_k and theirs_k and min(mine_k) > max(theirs_k):
+                        floors[k] = 0.0
             cells.append(" / ".join(f"{d[k]:.0f}" for k in DEFAULT_METRICS))
             cells.append(" / ".join(best))
             cells.append(" / ".join(ratios))
