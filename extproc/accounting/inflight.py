@@ -165,6 +165,7 @@ class InflightTracker:
         # (time, tokens) routed to each address while it holds load, oldest first: this
         # replica's leases as they start, peers' as their published tokens grow.
         self._arrivals: dict[str, deque[tuple[float, int]]] = {}
+        self._index: tuple[list[str], dict[str, int]] | None = None  # recent_columns' last
 
     def now(self) -> float:
         return self._clock()
@@ -331,12 +332,20 @@ class InflightTracker:
         self, addresses: Sequence[str], within_s: Sequence[float]
     ) -> npt.NDArray[np.float64]:
         """`recent_tokens` of every address with its own window (NaN where the window is
-        NaN: not measured), as one array."""
-        out = np.full(len(addresses), np.nan)
-        arrivals = self._arrivals
-        for i, (address, within) in enumerate(zip(addresses, within_s, strict=True)):
-            if within == within:  # not NaN
-                out[i] = self.recent_tokens(address, within) if address in arrivals else 0.0
+        NaN: not measured), as one array. One pass over the addresses holding arrivals (those
+        with load), not over the pool."""
+        within = np.asarray(within_s, dtype=np.float64)
+        out = np.where(within == within, 0.0, np.nan)  # NaN != NaN: not measured
+        if not self._arrivals:
+            return out
+        last = self._index
+        if last is None or last[0] != addresses:
+            last = self._index = (list(addresses), {a: i for i, a in enumerate(addresses)})
+        index = last[1]
+        for address in self._arrivals:
+            i = index.get(address)
+            if i is not None and out[i] == 0.0:
+                out[i] = self.recent_tokens(address, float(within[i]))
         return out
 
     def _arrived(self, address: str, at: float, tokens: int) -> None:
