@@ -11,7 +11,7 @@ the routing process's lease book: extproc/director/leases.py); what the response
 from __future__ import annotations
 
 import time
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -100,6 +100,45 @@ class _LoadTable:
         return self._rows[0, at], self._rows[1, at]
 
 
+class _Arrivals:
+    """When tokens were routed to one address, oldest first, with running sums: the tokens
+    routed since any time are one bisect and one subtraction, however many arrived."""
+
+    __slots__ = ("_base", "_head", "_sums", "_times")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._sums: list[int] = []  # tokens up to and including each entry (since _base)
+        self._base = 0  # the running sum before _times[0]
+        self._head = 0  # entries before it are forgotten
+
+    def __len__(self) -> int:
+        return len(self._times) - self._head
+
+    def add(self, at: float, tokens: int) -> None:
+        times = self._times
+        if times and at < times[-1]:
+            at = times[-1]  # an adopted lease that started earlier: kept in order
+        times.append(at)
+        self._sums.append((self._sums[-1] if self._sums else self._base) + tokens)
+        head = self._head
+        while times[head] < at - ARRIVALS_KEPT_S or len(times) - head > ARRIVALS_MAX:
+            head += 1
+        if head > 64 and head * 2 > len(times):
+            self._base = self._sums[head - 1]
+            del times[:head], self._sums[:head]
+            head = 0
+        self._head = head
+
+    def since(self, cutoff: float) -> int:
+        """Tokens that arrived after `cutoff`."""
+        times, sums = self._times, self._sums
+        j = bisect_right(times, cutoff, self._head)
+        if j >= len(times):
+            return 0
+        return sums[-1] - (sums[j - 1] if j > 0 else self._base)
+
+
 class Lease:
     """One routed request's claim on an endpoint. Obtain from `InflightTracker.start`."""
 
@@ -164,7 +203,7 @@ class InflightTracker:
         self._loads = _LoadTable()  # `load` of every address with any, as arrays
         # (time, tokens) routed to each address while it holds load, oldest first: this
         # replica's leases as they start, peers' as their published tokens grow.
-        self._arrivals: dict[str, deque[tuple[float, int]]] = {}
+        self._arrivals: dict[str, _Arrivals] = {}
         self._index: tuple[list[str], dict[str, int]] | None = None  # recent_columns' last
 
     def now(self) -> float:
@@ -320,43 +359,40 @@ class InflightTracker:
         arrivals = self._arrivals.get(address)
         if not arrivals or not within_s > 0:
             return 0
-        cutoff = self._clock() - within_s
-        total = 0
-        for at, tokens in reversed(arrivals):
-            if at <= cutoff:
-                break
-            total += tokens
-        return min(total, self.load(address).tokens)
+        return min(arrivals.since(self._clock() - within_s), self.load(address).tokens)
 
     def recent_columns(
         self, addresses: Sequence[str], within_s: Sequence[float]
     ) -> npt.NDArray[np.float64]:
         """`recent_tokens` of every address with its own window (NaN where the window is
         NaN: not measured), as one array. One pass over the addresses holding arrivals (those
-        with load), not over the pool."""
+        with load), in plain floats; the cap at the load is one array minimum."""
         within = np.asarray(within_s, dtype=np.float64)
-        out = np.where(within == within, 0.0, np.nan)  # NaN != NaN: not measured
+        measured = within == within  # NaN != NaN: not measured
         if not self._arrivals:
-            return out
+            return np.where(measured, 0.0, np.nan)
         last = self._index
         if last is None or last[0] != addresses:
             last = self._index = (list(addresses), {a: i for i, a in enumerate(addresses)})
         index = last[1]
-        for address in self._arrivals:
+        windows = within.tolist()
+        recent = [0.0] * len(windows)
+        now = self._clock()
+        for address, arrivals in self._arrivals.items():
             i = index.get(address)
-            if i is not None and out[i] == 0.0:
-                out[i] = self.recent_tokens(address, float(within[i]))
-        return out
+            if i is None or not windows[i] > 0:  # not a candidate, not measured, or no window
+                continue
+            recent[i] = arrivals.since(now - windows[i])
+        out = np.minimum(np.array(recent), self._loads.columns(addresses)[1])
+        return np.where(measured, out, np.nan)
 
     def _arrived(self, address: str, at: float, tokens: int) -> None:
         if tokens <= 0:
             return
         arrivals = self._arrivals.get(address)
         if arrivals is None:
-            arrivals = self._arrivals[address] = deque(maxlen=ARRIVALS_MAX)
-        arrivals.append((at, tokens))
-        while arrivals[0][0] < at - ARRIVALS_KEPT_S:
-            arrivals.popleft()
+            arrivals = self._arrivals[address] = _Arrivals()
+        arrivals.add(at, tokens)
 
     def _sync(self, address: str) -> None:
         """Set `address`'s row of the load table to its `load` now (and forget its arrivals

@@ -340,3 +340,22 @@ def test_recent_tokens_do_not_depend_on_which_replica_routed(seed: int) -> None:
                 ), (p.address, within)
     cols = one.recent_columns([A.address, "10.9.9.9:1", B.address], [0.5, 0.5, math.nan])
     assert cols[0] == one.recent_tokens(A.address, 0.5) and cols[1] == 0 and math.isnan(cols[2])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_arrivals_since_equals_a_plain_sum_through_forgetting_and_compaction(seed: int) -> None:
+    from extproc.accounting.inflight import ARRIVALS_KEPT_S, ARRIVALS_MAX, _Arrivals
+
+    rng = random.Random(seed)
+    arrivals, kept = _Arrivals(), []
+    now = 0.0
+    for _ in range(3000):
+        now += rng.choice([0.0, 0.01, 0.5, 3.0])
+        tokens = rng.randint(1, 900)
+        arrivals.add(now, tokens)
+        kept.append((now, tokens))
+        kept = [(t, n) for t, n in kept if t >= now - ARRIVALS_KEPT_S][-ARRIVALS_MAX:]
+        assert len(arrivals) == len(kept)
+        for within in (0.0, 0.2, 5.0, 100.0):
+            want = sum(n for t, n in kept if t > now - within)
+            assert arrivals.since(now - within) == want
