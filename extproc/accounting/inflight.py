@@ -362,12 +362,12 @@ class InflightTracker:
         return min(arrivals.since(self._clock() - within_s), self.load(address).tokens)
 
     def recent_columns(
-        self, addresses: Sequence[str], within_s: Sequence[float]
+        self, addresses: Sequence[str], within_s: Sequence[float] | npt.NDArray[np.float64]
     ) -> npt.NDArray[np.float64]:
         """`recent_tokens` of every address with its own window (NaN where the window is
         NaN: not measured), as one array. One pass over the addresses holding arrivals (those
         with load), in plain floats; the cap at the load is one array minimum."""
-        within = np.asarray(within_s, dtype=np.float64)
+        within = np.asarray(within_s, dtype=np.float64)  # no copy for an array
         measured = within == within  # NaN != NaN: not measured
         if not self._arrivals:
             return np.where(measured, 0.0, np.nan)

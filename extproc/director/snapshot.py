@@ -135,7 +135,7 @@ class _TableColumns(PodColumns):
         prefix: Callable[[], PrefixArrays],
         blocks: bool,
         in_flight: tuple[FloatArray, FloatArray],
-        recent: Callable[[Sequence[str], Sequence[float]], FloatArray],
+        recent: Callable[[Sequence[str], FloatArray], FloatArray],
         stats: StatsColumns | None,
         engine: EngineColumns | None,
     ) -> None:
@@ -236,7 +236,7 @@ class _TableColumns(PodColumns):
     def prefill_tokens(self) -> FloatArray:
         if self.stats is None:  # rows hold None: not read
             return np.full(self.n, np.nan)
-        return self._recent(self.addresses, self.stats.ttft_avg_s.tolist())
+        return self._recent(self.addresses, self.stats.ttft_avg_s)
 
     @cached_property
     def _prefill_list(self) -> list[int | None]:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -401,7 +401,12 @@ def load_tokens(in_flight_tokens: float, prefill_tokens: float | None) -> float:
     token, whole, plus DECODING_WEIGHT of the rest (all of it where not measured)."""
     if prefill_tokens is None:
         return in_flight_tokens
-    return prefill_tokens + DECODING_WEIGHT * max(0.0, in_flight_tokens - prefill_tokens)
+    return float(_weighted_load(in_flight_tokens, prefill_tokens))
+
+
+def _weighted_load(in_flight_tokens: Any, prefill_tokens: Any) -> Any:
+    """`load_tokens`'s formula, for floats or numpy arrays alike."""
+    return prefill_tokens + DECODING_WEIGHT * np.maximum(in_flight_tokens - prefill_tokens, 0.0)
 
 
 class KvAwareStrategy(StrategyPlugin):
@@ -491,9 +496,7 @@ class KvAwareStrategy(StrategyPlugin):
             known = young == young  # NaN: not measured, the whole load
             unmeasured = int(cols.n - np.count_nonzero(known))
             young = np.where(known, young, -1.0)  # what explain shows for "not measured"
-            load = np.where(
-                known, young + DECODING_WEIGHT * np.maximum(tokens - young, 0.0), tokens
-            )
+            load = np.where(known, _weighted_load(tokens, young), tokens)
         else:
             load = tokens
         decode_blocks = np.ceil(load / bs) + (total_blocks - overlap)
