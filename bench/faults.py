@@ -901,6 +901,13 @@ def nats_kill(
         marks["end"] = _decision_buckets(stack)
         report = load.stop()
     stopped_at = time.monotonic()
+    # Every request has ended (the load waits for its answers): every lease must end too,
+    # those whose records reached another process while the bus was away included.
+    leases_ended_s = _wait(
+        lambda: all(_in_flight_own(stack, i) == 0 and _in_flight(stack, i) == 0 for i in range(n)),
+        10.0,
+        0.05,
+    )
     sync_after = _sync_counters(stack)
     phases = {
         "before": (started_at, killed_at, "start", "kill"),
@@ -931,6 +938,10 @@ def nats_kill(
         "nats_listening_after_restart_s": round(listening_at - restarted_at, 3),
         # From the restart until every process hears all its peers again.
         "recovered_after_restart_s": recovered_s,
+        # From the end of the load until no process holds or counts a lease (None: some were
+        # left, counted as in flight on every replica until their expiry).
+        "leases_ended_after_load_s": leases_ended_s,
+        "leases_left": {f"extproc-{i}": _in_flight_own(stack, i) for i in range(n)},
         "sync": {k: sync_after.get(k, 0.0) - sync_before.get(k, 0.0) for k in sync_after},
     }
 
@@ -976,7 +987,12 @@ def sync_process_kill(stack: LocalStack, *, held: int = 6, warmup_s: float = 1.0
     try:
         seen = _wait(lambda: all(_in_flight(stack, i) == held for i in range(n)), 20.0, 0.05)
         if seen is None:
-            raise RuntimeError(f"not every process sees {held} in flight")
+            views = [_in_flight(stack, i) for i in range(n)]
+            owns = [own(i) for i in range(n)]
+            raise RuntimeError(
+                f"not every process sees {held} in flight: views {views}, own {owns}, "
+                f"outcomes {outcomes}"
+            )
         time.sleep(warmup_s)
         shares = [own(i) for i in range(n)]
         victim = max(range(n), key=lambda i: shares[i] or 0.0)

@@ -77,22 +77,31 @@ class MemoryNetwork:
 
 
 class MemoryBus:
-    """Implements `Bus` inside one event loop (tests and single-process simulations)."""
+    """Implements `Bus` inside one event loop (tests and single-process simulations).
+
+    `down` is this bus's own link broken (a NATS client reconnecting): it publishes nothing
+    and hears nothing, while the others go on; what is published meanwhile is not replayed
+    to it, as core NATS delivers only to the subscriptions that exist at publish time."""
 
     def __init__(self, network: MemoryNetwork) -> None:
         self._network = network
         self._handler: Handler | None = None
+        self.down = False
 
     @property
     def connected(self) -> bool:
-        return not self._network.down and self._handler is not None
+        return not self._network.down and not self.down and self._handler is not None
 
     async def start(self, on_message: Handler) -> None:
-        self._handler = on_message
-        self._network._handlers.append(on_message)
+        def deliver(data: bytes) -> None:
+            if not self.down:
+                on_message(data)
+
+        self._handler = deliver
+        self._network._handlers.append(deliver)
 
     async def publish(self, data: bytes) -> bool:
-        if self._handler is None:
+        if self._handler is None or self.down:
             return False
         return self._network._send(data)
 

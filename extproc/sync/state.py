@@ -20,7 +20,13 @@ decision path, and publishes one combined message per tick (~10 ms):
   publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
 - lease releases: a request's access-log record reached this replica but its lease is held by
   another (the record names it); the holder ends it when it hears. Kept until a publish
-  succeeds, like fairness charges (a lost one is caught by the lease's expiry);
+  succeeds, like fairness charges, and sent again (releases are idempotent) whenever they may
+  not have reached the holder: when this replica's link comes back (what its client had not
+  written when the connection broke is dropped) and when the holder says hello or joins
+  again (its link was down, and core NATS delivers only to the subscriptions of the moment).
+  A replica says hello in its first message and in its first after every reconnect. The
+  releases of the last `RELEASE_REPLAY_S` are kept for this; one lost otherwise is caught by
+  the lease's expiry;
 - flow control's waiting requests per (model, band), as absolute values like in-flight (sent
   while any wait, and once more when the queue empties), so every replica dispatches the
   highest band first and splits free slots in proportion to the depths;
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -106,6 +113,8 @@ MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are r
 MAX_PENDING_SAMPLES = 10_000  # latency samples kept for the peers; the oldest go first
 MAX_SAMPLES_PER_MESSAGE = 1_000  # ~80 kB: a replay after an outage stays far below max_payload
 MAX_PENDING_RELEASES = 100_000  # lease releases kept while the bus is down (then they expire)
+MAX_RELEASES_PER_MESSAGE = 2_000  # ~50 kB: no backlog makes a message the bus cannot carry
+RELEASE_REPLAY_S = 900.0  # releases sent are kept this long to send again (the longest lease)
 SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
 DEFAULT_SETTINGS = SyncConfig()
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -194,7 +203,11 @@ class StateSync:
         self._charges: dict[str, float] = {}
         self._scrapes: dict[tuple[str, str], list[Any]] = {}
         self._samples: deque[list[Any]] = deque()  # latency samples not yet sent
-        self._releases: list[list[Any]] = []  # [replica, lease number] not yet sent
+        # Lease releases, (replica, lease number): not yet sent (in order, each once), and
+        # sent (when first sent, oldest first), to send again when they may have been lost.
+        self._releases: dict[tuple[str, int], None] = {}
+        self._sent_releases: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._hello_due = True  # the first message, and the first after each reconnect
         self._members: list[str] = [replica]
         self._last_inflight: dict[str, Load] | None = None
         self._last_sent = float("-inf")
@@ -233,7 +246,7 @@ class StateSync:
     def note_release(self, replica: str, seq: int) -> None:
         """The record of lease `seq` held by `replica` reached this one: tell the holder."""
         if len(self._releases) < MAX_PENDING_RELEASES:
-            self._releases.append([replica, seq])
+            self._releases[(replica, seq)] = None
 
     async def handoff(self, rows: Sequence[list[Any]]) -> int:
         """Shutting down: send this replica's open leases (`[replica, seq, ...]` rows) to live
@@ -312,8 +325,10 @@ class StateSync:
             message = self._next_message(inflight)
             if queues:  # absolute, like in-flight: a message without it says "none waits"
                 message["q"] = {m: {p: list(v) for p, v in b.items()} for m, b in queues.items()}
-            if self._seq == 1:
-                message["h"] = True  # hello: peers answer with a snapshot of their index
+            if self._hello_due:
+                # hello: peers answer with a snapshot of their index and the releases of
+                # leases held here that they may have sent while this link was down.
+                message["h"] = True
             if self._snapshot_due:
                 self._snapshot_due = False
                 self._add_snapshot()
@@ -321,10 +336,9 @@ class StateSync:
                 message["b"] = self._blocks
             if self._charges:
                 message["f"] = list(self._charges.items())
-            releases = self._releases
+            releases = list(itertools.islice(self._releases, MAX_RELEASES_PER_MESSAGE))
             if releases:
-                message["x"] = releases
-                self._releases = []
+                message["x"] = [list(key) for key in releases]
             if self._scrapes:
                 message["m"] = list(self._scrapes.values())
             batch: list[list[Any]] = []
@@ -334,14 +348,15 @@ class StateSync:
                 message["l"] = batch
             ok = await self._bus.publish(msgpack.packb(message))
             if ok:
+                self._hello_due = False
+                self._keep_sent(releases, now)
                 self._last_inflight = inflight
                 self._last_queues = queues
                 self._last_sent = now
                 self._charges = {}
                 self._count("messages", "sent")
             else:
-                self._count("dropped", "bus_down")
-                self._releases[:0] = releases[: MAX_PENDING_RELEASES - len(self._releases)]
+                self._count("dropped", "bus_down")  # the releases stay for the next one
                 self._samples.extendleft(reversed(batch))  # kept for the next publish
                 while len(self._samples) > MAX_PENDING_SAMPLES:
                     self._samples.popleft()
@@ -362,12 +377,34 @@ class StateSync:
                 if blocks:
                     self._blocks.append((model, pod, blocks))
 
+    def _keep_sent(self, releases: list[tuple[str, int]], now: float) -> None:
+        sent = self._sent_releases
+        for key in releases:
+            del self._releases[key]
+            sent.setdefault(key, now)  # a release sent again keeps its first time
+        horizon = now - RELEASE_REPLAY_S
+        while sent and (next(iter(sent.values())) < horizon or len(sent) > MAX_PENDING_RELEASES):
+            sent.popitem(last=False)
+
+    def _replay_releases(self, holder: str | None) -> None:
+        """Send again the releases sent to `holder` (None: to every holder), which may not
+        have reached it. Idempotent at the holder: a lease ends once."""
+        for key in self._sent_releases:
+            if len(self._releases) >= MAX_PENDING_RELEASES:
+                break
+            if holder is None or key[0] == holder:
+                self._releases[key] = None
+
     def _note_connection(self) -> None:
         connected = self._bus.connected
         if connected != self._was_connected:
             if self._was_connected is not None:
                 if connected:
                     log.info("state sync: bus connected again; sharing resumes")
+                    # What this link's client held unsent when it broke was dropped; and
+                    # peers sent this replica's releases while it could not hear them.
+                    self._replay_releases(None)
+                    self._hello_due = True
                 else:
                     log.warning("state sync: bus lost; routing goes on with local state")
             self._was_connected = connected
@@ -413,10 +450,12 @@ class StateSync:
     def _apply(self, replica: str, seq: int, message: dict[str, Any]) -> None:
         now = self._clock()
         peer = self._peers.get(replica)
+        joined = peer is None
         if peer is None:
             peer = self._peers[replica] = _Peer(last_seen=now, last_seq=0, seen=OrderedDict())
             self._members = sorted([self.replica, *self._peers])
             log.info("state sync: peer %s joined", replica)
+            self._replay_releases(replica)  # back after an outage: it heard none of them
         if seq in peer.seen:
             self._count("dropped", "duplicate")
             return
@@ -427,6 +466,8 @@ class StateSync:
         self._count("messages", "received")
         if message.get("h") is True:
             self._snapshot_due = True
+            if not joined:
+                self._replay_releases(replica)  # its link came back within expire_s
         sent_at = message.get("t")
         if isinstance(sent_at, int | float) and self._metrics is not None:
             self._metrics.lag.observe(max(0.0, self._wall() - sent_at))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import msgpack
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -15,7 +16,7 @@ from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.config import SyncConfig
 from extproc.director.api import LeaseKey
 from extproc.director.leases import LeaseBook
-from extproc.sync import MemoryNetwork, StateSync
+from extproc.sync import MemoryBus, MemoryNetwork, StateSync, state
 from extproc.types import Endpoint
 from tests._clock import ManualClock as Clock
 from tests.director._prepared import sample
@@ -44,6 +45,7 @@ class Process:
             clock=self.clock.now,
         )  # fmt: skip
         self.sync: StateSync | None = None
+        self.link = MemoryBus(MemoryNetwork())  # its bus, once joined to one (bus_pair)
 
     def route(self, endpoint: Endpoint = POD, user: str = "ann") -> LeaseKey:
         self.fairness.request_started(user)
@@ -116,8 +118,9 @@ async def tick(procs: list[Process], clock: Clock, rounds: int = 3) -> None:
 async def bus_pair(clock: Clock, net: MemoryNetwork) -> list[Process]:
     procs = [Process(f"p{i}:1", clock) for i in range(2)]
     for p in procs:
+        p.link = net.bus()
         sync = StateSync(
-            replica=p.name, bus=net.bus(), inflight=p.inflight, fairness=p.fairness,
+            replica=p.name, bus=p.link, inflight=p.inflight, fairness=p.fairness,
             approx=lambda _model: None, on_release=p.book.release, on_adopt=p.book.adopt,
             settings=SETTINGS, clock=clock.now,
         )  # fmt: skip
@@ -166,6 +169,86 @@ async def test_releases_wait_in_the_outbox_while_the_bus_is_down() -> None:
     net.down = False
     await tick([a, b], clock)
     assert a.held() == 0 and a.ends("peer") == 1
+
+
+async def test_a_release_sent_while_the_holder_was_away_reaches_it_when_it_is_back() -> None:
+    # A NATS restart: the holder's link is down (it hears nothing) while the record's process
+    # is connected and publishes the release. Core NATS delivers a message only to the
+    # subscriptions that exist when it is published, so the holder never gets it; it must get
+    # it once its link is back, not only at the lease's expiry (minutes later, with every
+    # replica counting the request as in flight meanwhile).
+    clock = Clock()
+    net = MemoryNetwork()
+    a, b = await bus_pair(clock, net)
+    assert a.sync is not None and b.sync is not None
+    key = a.route()
+    a.link.down = True
+    clock.advance(1.0)  # longer than expire_s: each stops counting the other
+    await tick([a, b], clock)
+    assert a.sync.peers() == {} == b.sync.peers()
+    b.book.settle(key)  # Envoy sent the record to b, whose link is up: it goes out, unheard
+    await tick([a, b], clock)
+    assert a.held() == 1
+    a.link.down = False  # a reconnects
+    await tick([a, b], clock)
+    assert a.held() == 0 and a.ends("peer") == 1
+
+
+async def test_a_release_lost_with_the_senders_connection_is_sent_again_after_it() -> None:
+    # What nats-py had accepted but not yet written when the sender's connection broke is
+    # dropped with it (`NatsBus` drops unsent messages rather than deliver them stale).
+    clock = Clock()
+    net = MemoryNetwork()
+    a, b = await bus_pair(clock, net)
+    assert b.sync is not None
+    key = a.route()
+    net.loss = 1.0
+    b.book.settle(key)
+    await tick([a, b], clock, rounds=1)  # accepted by b's client, never delivered
+    net.loss = 0.0
+    b.link.down = True  # ... because b's connection broke
+    await tick([a, b], clock)
+    assert a.held() == 1
+    b.link.down = False
+    await tick([a, b], clock)
+    assert a.held() == 0 and a.ends("peer") == 1
+
+
+async def test_links_that_come_back_again_and_again_send_each_release_in_bounded_messages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A backlog of releases from a long outage, and a link that flaps afterwards: every
+    # release reaches the holder, no message carries more than the cap (a message bigger than
+    # the client's buffer could never be sent, and the replica would go mute), and sending
+    # again after each reconnect never grows what waits.
+    monkeypatch.setattr(state, "MAX_RELEASES_PER_MESSAGE", 50)
+    clock = Clock()
+    net = MemoryNetwork()
+    a, b = await bus_pair(clock, net)
+    assert b.sync is not None
+    keys = [a.route(user=f"u{i % 7}") for i in range(400)]
+    sizes: list[int] = []
+    a_receive = net._handlers[0]
+
+    def count(data: bytes) -> None:
+        sizes.append(len(msgpack.unpackb(data).get("x", ())))
+        a_receive(data)
+
+    net._handlers[0] = count
+    b.link.down = True
+    for key in keys:
+        b.book.settle(key)  # the records reach b while its link is down
+    await tick([a, b], clock)
+    for _ in range(5):  # the link flaps: each return sends the releases again
+        b.link.down = False
+        await tick([a, b], clock, rounds=2)
+        b.link.down = True
+        await tick([a, b], clock, rounds=1)
+        assert len(b.sync._releases) <= 400
+    b.link.down = False
+    await tick([a, b], clock, rounds=12)
+    assert a.held() == 0 and a.ends("peer") == 400
+    assert max(sizes) == 50 and not b.sync._releases
 
 
 async def test_open_leases_move_to_a_peer_at_shutdown_and_end_there_by_record() -> None:
