@@ -39,13 +39,21 @@ local RESPONSES_CONTENT = {
   '"type":"response%.function_call_arguments%.delta"',
 }
 local USAGE = '"usage"%s*:%s*{'
+-- 2^53: past it a double is no exact count (the server's access-log reader has the same bound).
+local MAX_COUNT = 9007199254740992
 
+-- The count after `"key":` in obj, or nil when there is none: a string, a negative, fractional
+-- or exponent number, or one past MAX_COUNT is not a count (never 2 for 2.5, never inf).
 local function number_after(obj, key)
-  local v = string.match(obj, '"' .. key .. '"%s*:%s*(%d+)')
+  local v = string.match(obj, '"' .. key .. '"%s*:%s*(%d+)%s*[,}]')
   if v == nil then
     return nil
   end
-  return tonumber(v)
+  local n = tonumber(v)
+  if n > MAX_COUNT then
+    return nil
+  end
+  return n
 end
 
 -- Every complete `"usage": {...}` object in s, in order, and where an incomplete one after
