@@ -15,8 +15,9 @@ source/extensions/filters/{http,common}/lua), no more:
   buffer's `length()`, and `getBytes(index, length)`, which raises unless
   `index, length >= 0` and `index + length <= length()`.
 - `handle:streamInfo():dynamicMetadata():set(namespace, key, value)`: merges `key` into the
-  namespace's Struct; a number becomes a double (protobuf `number_value`), a string, boolean,
-  nil or table as Envoy maps them; any other type raises.
+  namespace's Struct; a number becomes a double (protobuf `number_value`), nil a null value
+  (None here; the key stays), a string, boolean or table as Envoy maps them; any other type
+  raises.
 - `handle:timestamp()`: milliseconds since the epoch (here a fixed value the caller passes).
 - Envoy's rule that headers, stream info and body chunks "do not survive any yields"
   (`StreamHandleWrapper::onMarkDead`): using one after the script resumed raises, as Envoy
@@ -84,10 +85,14 @@ local function buffer(bytes)
   return b
 end
 
+local NULL = {} -- a key set to nil: Envoy stores a null_value, it does not remove the key
+
 local function metadata_value(value)
   local kind = type(value)
-  if kind == "number" or kind == "string" or kind == "boolean" or kind == "nil"
-      or kind == "table" then
+  if kind == "nil" then
+    return NULL
+  end
+  if kind == "number" or kind == "string" or kind == "boolean" or kind == "table" then
     return value
   end
   error("unexpected type '" .. kind .. "' in dynamicMetadata", 3)
@@ -95,7 +100,7 @@ end
 
 -- Runs envoy_on_response over one response: `headers` a list of {name, value}, `chunks` a
 -- list of strings. Returns the metadata ({namespace = {key = value}}) and the script's error.
-return function(envoy_on_response, headers, chunks, now_ms)
+return function(envoy_on_response, headers, chunks, now_ms, ended)
   local metadata = {}
   local live = {} -- objects that die at the next yield
   local function track(obj)
@@ -124,7 +129,7 @@ return function(envoy_on_response, headers, chunks, now_ms)
     end
     return info
   end
-  local end_stream = #chunks == 0 -- a response without a body ends with its headers
+  local end_stream = ended and #chunks == 0 -- a response without a body ends with its headers
   function handle:bodyChunks()
     return function()
       if end_stream then
@@ -147,11 +152,18 @@ return function(envoy_on_response, headers, chunks, now_ms)
     if not ok or coroutine.status(co) == "dead" then
       break
     end
-    ok, err = coroutine.resume(co, chunks[i], i == #chunks)
+    ok, err = coroutine.resume(co, chunks[i], ended and i == #chunks)
   end
-  if ok and coroutine.status(co) ~= "dead" then
+  if ended and ok and coroutine.status(co) ~= "dead" then
     err = "the script did not finish at the end of the body"
     ok = false
+  end
+  for _, fields in pairs(metadata) do
+    for key, value in pairs(fields) do
+      if value == NULL then
+        fields[key] = "<null>"
+      end
+    end
   end
   return metadata, (not ok) and tostring(err) or nil
 end
@@ -168,6 +180,8 @@ class LuaRun:
 
 
 def _python(value: Any) -> object:
+    if value == b"<null>":
+        return None
     if isinstance(value, bytes):
         return value.decode()
     if isinstance(value, bool):
@@ -197,10 +211,17 @@ class UsageLua:
         chunks: Iterable[bytes],
         headers: Sequence[tuple[str, str]] = (("content-type", "text/event-stream"),),
         now_ms: int = 1_700_000_000_000,
+        *,
+        ended: bool = True,
     ) -> LuaRun:
+        """One response through the script. `ended=False`: the stream is cut after the last
+        chunk (a reset: Envoy abandons the coroutine mid-loop, so only what the script set
+        before then stays)."""
         table = self._lua.table_from
         header_list = table([table([k.encode(), v.encode()]) for k, v in headers])
-        metadata, error = self._run(self._on_response, header_list, table(list(chunks)), now_ms)
+        metadata, error = self._run(
+            self._on_response, header_list, table(list(chunks)), now_ms, ended
+        )
         out = {
             ns.decode(): {k.decode(): _python(v) for k, v in fields.items()}
             for ns, fields in metadata.items()

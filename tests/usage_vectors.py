@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.sim.agents import (
@@ -43,6 +44,9 @@ class UsageVector:
     content_type: str = SSE
     content_encoding: str | None = None
     events: int | None = None  # extproc.usage.events; None: not written (not a stream)
+    # io.envoy.ai_gateway (Envoy Gateway's rate limits), when not simply the exact `usage`
+    # (None: a key set to null).
+    tokens: Mapping[str, float | None] | None = None
 
     @property
     def headers(self) -> tuple[tuple[str, str], ...]:
@@ -122,11 +126,13 @@ def _responses_body(prompt: int, completion: int, cached: int) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _anthropic_stream(prompt: int, pieces: list[str], cached: int) -> bytes:
+def _anthropic_stream(
+    prompt: int, pieces: list[str], cached: int, *, complete: bool = True
+) -> bytes:
     ev = AnthropicEvents(mid="msg_1", model="qwen3")
     out = b"".join(ev.start(anthropic_usage(prompt, 0, cached)))
     out += b"".join(ev.delta(p) for p in pieces)
-    return out + b"".join(ev.finish("stop", len(pieces)))
+    return out + (b"".join(ev.finish("stop", len(pieces))) if complete else b"")
 
 
 def _anthropic_body(usage: dict[str, object]) -> bytes:
@@ -249,6 +255,20 @@ VECTORS: tuple[UsageVector, ...] = (
         _anthropic_stream(40, ["a", "b", "c"], 16),
         TokenUsage(40, 3, 16),
         events=3,
+    ),
+    # message_start's usage is an opening count (output 0): content after it withdraws the
+    # output count, so a stream cut before message_delta is counted, not accounted 0 tokens.
+    UsageVector(
+        "anthropic-stream-cut-before-message-delta",
+        _anthropic_stream(40, ["a", "b", "c"], 16, complete=False),
+        TokenUsage(completion_tokens=3, counted=True),
+        events=3,
+        tokens={
+            "llm_input_token": 40.0,
+            "llm_cached_input_token": 16.0,
+            "llm_output_token": None,
+            "llm_total_token": None,
+        },
     ),
     UsageVector(
         "anthropic-json",

@@ -43,6 +43,7 @@ THROUGH_ENVOY = (
     "responses-stream",
     "responses-json",
     "anthropic-stream",
+    "anthropic-stream-cut-before-message-delta",
     "anthropic-json",
     "sse-malformed-events-then-usage",
     "sse-error-frame",
