@@ -1,6 +1,6 @@
 """`/v1/responses` and `/v1/messages`: parsed into chat messages as vLLM converts them, their
-errors (JSON path in `param`, Anthropic's shape on /v1/messages) and their usage, in every
-shape and split at every byte."""
+errors (JSON path in `param`, Anthropic's shape on /v1/messages). Their usage is read by
+Envoy's Lua filter: tests/stack/test_usage_lua.py."""
 
 from __future__ import annotations
 
@@ -8,19 +8,9 @@ import json
 
 import orjson
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from extproc.protocol import StreamUsageAccumulator, error_json, parse_request, usage_from_json
-from extproc.sim.agents import (
-    AnthropicEvents,
-    ResponseEvents,
-    anthropic_body,
-    anthropic_usage,
-    response_body,
-    responses_usage,
-)
-from extproc.types import BadRequest, GatewayError, NotFound, RequestKind, TokenUsage
+from extproc.protocol import error_json, parse_request
+from extproc.types import BadRequest, GatewayError, NotFound, RequestKind
 
 RESP = "/v1/responses"
 MSGS = "/v1/messages"
@@ -155,85 +145,3 @@ def test_errors_on_messages_are_anthropic_shaped() -> None:
     # Every other path keeps OpenAI's shape.
     assert orjson.loads(error_json(NotFound("x"), path=RESP))["error"]["type"] == "not_found_error"
     assert "type" not in orjson.loads(error_json(NotFound("x"), path=RESP))
-
-
-def _responses_stream(prompt: int, pieces: list[str], cached: int) -> bytes:
-    ev = ResponseEvents({}, rid="resp_1", item_id="msg_1", model="m", created=1)
-    out = b"".join(ev.start()) + b"".join(ev.delta(p) for p in pieces)
-    return out + b"".join(ev.finish("stop", responses_usage(prompt, len(pieces), cached)))
-
-
-def _anthropic_stream(prompt: int, pieces: list[str], cached: int) -> bytes:
-    ev = AnthropicEvents(mid="msg_1", model="m")
-    out = b"".join(ev.start(anthropic_usage(prompt, 0, cached)))
-    out += b"".join(ev.delta(p) for p in pieces)
-    return out + b"".join(ev.finish("stop", len(pieces)))
-
-
-@pytest.mark.parametrize("build", [_responses_stream, _anthropic_stream])
-def test_stream_usage_split_everywhere(build) -> None:  # type: ignore[no-untyped-def]
-    body = build(40, ["a", "b", "c"], 16)
-    for i in range(0, len(body) + 1, 5):
-        acc = StreamUsageAccumulator()
-        acc.feed(body[:i])
-        acc.feed(body[i:])
-        assert acc.finish() == TokenUsage(40, 3, 16)
-        # Done events repeat the text; only deltas are content.
-        assert acc.content_chunks == 3
-
-
-def test_message_delta_with_input_counts_replaces_them() -> None:
-    acc = StreamUsageAccumulator()
-    acc.feed(
-        b'data: {"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}\n\n'
-    )
-    acc.feed(b'data: {"type":"message_delta","usage":{"input_tokens":5,"output_tokens":9}}\n\n')
-    assert acc.finish() == TokenUsage(5, 9, None)
-
-
-def test_json_bodies_of_both_apis() -> None:
-    resp = response_body({}, rid="r", item_id="i", model="m", created=1, text="t", reason="stop",
-                         usage=responses_usage(30, 4, 16))  # fmt: skip
-    assert usage_from_json(orjson.dumps(resp)) == TokenUsage(30, 4, 16)
-    msg = anthropic_body(
-        mid="m", model="m", text="t", reason="stop", usage=anthropic_usage(30, 4, 16)
-    )
-    assert usage_from_json(orjson.dumps(msg)) == TokenUsage(30, 4, 16)
-    # Cache writes are prompt tokens too.
-    written = b'{"usage":{"input_tokens":2,"cache_creation_input_tokens":8,"output_tokens":1}}'
-    assert usage_from_json(written) == TokenUsage(10, 1, None)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.recursive(
-        st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-        lambda kids: (
-            st.lists(kids, max_size=3)
-            | st.dictionaries(
-                st.sampled_from(
-                    [
-                        "usage",
-                        "response",
-                        "message",
-                        "input_tokens",
-                        "output_tokens",
-                        "cache_read_input_tokens",
-                        "input_tokens_details",
-                        "cached_tokens",
-                        "type",
-                        "delta",
-                    ]
-                ),
-                kids,
-                max_size=4,
-            )
-        ),
-        max_leaves=12,
-    )
-)
-def test_usage_never_raises_on_any_shape(obj: object) -> None:
-    usage_from_json(json.dumps(obj).encode())
-    acc = StreamUsageAccumulator()
-    acc.feed(b"data: " + json.dumps(obj).encode() + b"\n\n")
-    acc.finish()

@@ -18,13 +18,19 @@
 -- Anthropic Messages (`input_tokens` without cache reads or writes, `output_tokens`,
 -- `cache_read_input_tokens`, `cache_creation_input_tokens`; `message_start` has the input
 -- count, `message_delta` the final output count, maybe alone). All become prompt / completion
--- / cached tokens here, so the access log reads one shape.
+-- / cached tokens here, so the access log reads one shape. A usage followed by content in the
+-- stream was an opening count (message_start's output 0): its completion count is set to null
+-- until the final usage comes, so a stream cut before then is counted from its events.
 --
 -- A `usage` object is searched in the bytes, never decoded as a whole: model text
 -- inside a JSON string has its quotes escaped (\"usage\"), so it cannot forge one.
 -- Cost is per chunk, not per stream: each chunk is scanned once, with the last TAIL bytes of
 -- the one before (a marker split across two chunks is still found). Only when a usage object
 -- starts but does not end in a chunk are its bytes kept until it does (at most PENDING_MAX).
+--
+-- Tested where it runs: under LuaJIT 2.1, Envoy's runtime, against one table of bodies split at
+-- every byte (tests/stack/test_usage_lua.py, tests/usage_vectors.py), and through real Envoy
+-- (tests/e2e/test_usage_accounting.py). A bad usage must never raise: the stream goes on.
 
 local TAIL = 64 -- longer than any marker below, so one split across two chunks is found
 local PENDING_MAX = 65536
@@ -39,17 +45,25 @@ local RESPONSES_CONTENT = {
   '"type":"response%.function_call_arguments%.delta"',
 }
 local USAGE = '"usage"%s*:%s*{'
+-- 2^53: past it a double is no exact count (the server's access-log reader has the same bound).
+local MAX_COUNT = 9007199254740992
 
+-- The count after `"key":` in obj, or nil when there is none: a string, a negative, fractional
+-- or exponent number, or one past MAX_COUNT is not a count (never 2 for 2.5, never inf).
 local function number_after(obj, key)
-  local v = string.match(obj, '"' .. key .. '"%s*:%s*(%d+)')
+  local v = string.match(obj, '"' .. key .. '"%s*:%s*(%d+)%s*[,}]')
   if v == nil then
     return nil
   end
-  return tonumber(v)
+  local n = tonumber(v)
+  if n > MAX_COUNT then
+    return nil
+  end
+  return n
 end
 
--- Every complete `"usage": {...}` object in s, in order, and where an incomplete one after
--- them starts (nil when none is incomplete).
+-- Every complete `"usage": {...}` object in s, in order, with where each ends, and where an
+-- incomplete one after them starts (nil when none is incomplete).
 local function scan_usage(s)
   local complete = {}
   local open_at = nil
@@ -61,7 +75,7 @@ local function scan_usage(s)
     end
     local obj = string.match(s, "^%b{}", e)
     if obj ~= nil then
-      complete[#complete + 1] = obj
+      complete[#complete + 1] = { obj = obj, last = e + #obj - 1 }
       open_at = nil
     else
       open_at = b
@@ -131,11 +145,14 @@ function envoy_on_response(handle)
   local published = 0
   local first = false
   local state = { prompt = nil }
+  local shown = false -- a usage's completion count is in the metadata
   local content = CONTENT
   for chunk in handle:bodyChunks() do
     local bytes = chunk:getBytes(0, chunk:length())
     local s = tail .. bytes
     local skip = #tail -- matches ending inside the tail were counted with the last chunk
+    local last_content = 0 -- where the last content match in s ends
+    local new_content = false
     if sse then
       if content == CONTENT and string.find(s, '"type":"response.', 1, true) ~= nil then
         content = RESPONSES_CONTENT -- its done events repeat the text: count deltas only
@@ -149,6 +166,10 @@ function envoy_on_response(handle)
           end
           if e > skip then
             events = events + 1
+            new_content = true
+          end
+          if e > last_content then
+            last_content = e
           end
           init = e + 1
         end
@@ -172,14 +193,32 @@ function envoy_on_response(handle)
       end
     end
     pending = nil
+    local usage_end = nil -- where (in s) the last usage published from this chunk ends
     if region ~= nil then
       local objs, open_at = scan_usage(region)
-      for _, obj in ipairs(objs) do
-        publish_usage(meta(), obj, state)
+      for _, found in ipairs(objs) do
+        if publish_usage(meta(), found.obj, state) then
+          shown = true
+          usage_end = found.last + #s - #region -- region is a suffix of s, or ends as s does
+        end
       end
       if open_at ~= nil and #region - open_at < PENDING_MAX then
         pending = string.sub(region, open_at)
       end
+    end
+    -- Content after the last usage: that usage was an opening count (Anthropic's
+    -- message_start), not the final one. Withdraw its completion count at once, so a stream
+    -- cut before the final usage is counted from its events, never accounted 0 output tokens.
+    local after = new_content -- no usage from this chunk: new content follows the last one
+    if usage_end ~= nil then
+      after = last_content > usage_end
+    end
+    if shown and after then
+      shown = false
+      local m = meta()
+      m:set("extproc.usage", "completion_tokens", nil)
+      m:set("io.envoy.ai_gateway", "llm_output_token", nil)
+      m:set("io.envoy.ai_gateway", "llm_total_token", nil)
     end
     if #s > TAIL then
       tail = string.sub(s, -TAIL)
