@@ -151,10 +151,13 @@ def _idle(pids: Sequence[int], seconds: float = 2.0) -> float:
     return (sum(cpu_seconds(p) for p in pids) - before) / seconds
 
 
-def _reference_server(cluster: Cluster, kind: str, accounting: ResponseAccounting) -> FrontDoor:
+def _reference_server(
+    cluster: Cluster, kind: str, accounting: ResponseAccounting, *, one_message: bool = False
+) -> FrontDoor:
     grpc_port, ready_port, listen, admin = cluster.ports(4)
+    name = f"{kind}-1msg" if one_message else kind
     pid = cluster.spawn(
-        f"hop-{kind}",
+        f"hop-{name}",
         [
             sys.executable, "-m", "bench.hop_servers", kind, "--grpc-port", str(grpc_port),
             "--ready-port", str(ready_port), "--destinations", ",".join(cluster.sim_addresses),
@@ -165,15 +168,18 @@ def _reference_server(cluster: Cluster, kind: str, accounting: ResponseAccountin
     )  # fmt: skip
     time.sleep(1.0)  # Envoy's health check must see it ready before traffic
     return cluster.envoy_for(
-        kind, [grpc_port], listen=listen, admin=admin, server_pids=(pid,),
-        body_mode=RequestBodyMode.BUFFERED, accounting=accounting,
+        name, [grpc_port], listen=listen, admin=admin, server_pids=(pid,),
+        body_mode=RequestBodyMode.BUFFERED, accounting=accounting, one_message=one_message,
     )  # fmt: skip
 
 
-def _app_server(cluster: Cluster, name: str, *, poll: bool, kv_events: bool) -> FrontDoor:
+def _app_server(
+    cluster: Cluster, name: str, *, poll: bool, kv_events: bool, tree: Path | None = None
+) -> FrontDoor:
     """One more server process as shipped, from the stack's config, with engine metrics
     polling and/or KV events left out (an endpoint without a metrics URL is always fresh;
-    one without a KV-event socket is never indexed): the budget's items by difference."""
+    one without a KV-event socket is never indexed): the budget's items by difference. With
+    `tree`, the server of another checkout (`--old-tree`: the former default beside the new)."""
     grpc_port, metrics_port, listen, admin = cluster.ports(4)
     cfg = cluster.stack.server_config()
     cfg.pop("sync", None)
@@ -191,6 +197,8 @@ def _app_server(cluster: Cluster, name: str, *, poll: bool, kv_events: bool) -> 
         f"extproc-{name}",
         [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
         ready_url=f"http://{HOST}:{metrics_port}/readyz",
+        env=None if tree is None else {"PYTHONPATH": str(tree)},
+        cwd=tree,
     )
     time.sleep(1.0)  # Envoy's health check must see it ready before traffic
     return cluster.envoy_for(
@@ -208,6 +216,10 @@ VARIANTS: dict[str, Builder] = {
     "app-bare": lambda c: _app_server(c, "app-bare", poll=False, kv_events=False),
     "app-kv": lambda c: _app_server(c, "app-kv", poll=False, kv_events=True),
     "default": lambda c: c.envoy("default"),
+    "floor-1msg": lambda c: _reference_server(
+        c, "floor", ResponseAccounting.ACCESS_LOG, one_message=True
+    ),
+    "default-1msg": lambda c: c.envoy("default-1msg", one_message=True),
     "vllm-router-rr": lambda c: c.peer("vllm-router-rr", "round_robin"),
 }
 BASELINE, PEER = "envoy-rr", "vllm-router-rr"
@@ -530,6 +542,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", type=float, default=0.0, help="py-spy --native, seconds")
     p.add_argument("--kv", action="store_true", help="kv-aware on 8k-token multi-turn prompts")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument(
+        "--old-tree",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. `git archive` of a former commit): adds `old-default`, "
+        "its server as shipped, beside the new",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -538,6 +557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = 0.4 if args.quick else 1.0
     loads = (Load("1-connection", 1, int(300 * scale)), Load("saturation", 32, int(800 * scale)))
     names = args.variants.split(",")
+    if args.old_tree is not None:
+        tree = args.old_tree.resolve()
+        VARIANTS["old-default"] = lambda c: _app_server(
+            c, "old-default", poll=True, kv_events=True, tree=tree
+        )
+        if "old-default" not in names:
+            names.insert(names.index("default") if "default" in names else 0, "old-default")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
@@ -571,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if doors[name].door.cpu_pids:
                         row = _run(cluster, name, doors[name], load, -1, text, during=counter)
                         extras.setdefault("counts", []).append(row)
-        for name in ("app-bare", "default") if args.profile else ():
+        for name in ("edge", "app-bare", "default") if args.profile else ():
             if name in doors:
                 prof = _profile(cluster, doors[name], text, args.profile, out_dir / name)
                 extras.setdefault("profile", {})[name] = prof
