@@ -26,6 +26,7 @@ well-formed answers (and nothing at all in observability mode), so it can never 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -63,15 +64,13 @@ MAX_STREAMED_CHUNK = 62_000  # the EPP reference implementation's re-chunk size
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def _header_value(h: base_pb2.HeaderValue) -> str:
-    return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-
-
 def _headers_dict(headers: base_pb2.HeaderMap) -> dict[str, str]:
+    # Once per request over a dozen headers: each field read of a upb message makes an object.
     out: dict[str, str] = {}
     for h in headers.headers:
         key = h.key.lower()
-        value = _header_value(h)
+        raw = h.raw_value
+        value = raw.decode("utf-8", "replace") if raw else h.value
         # Repeated headers are joined the way HTTP folds them.
         out[key] = f"{out[key]},{value}" if key in out else value
     return out
@@ -176,13 +175,16 @@ def _decision_metadata(resp: ep.ProcessingResponse, result: RouteResult, value: 
     fields = resp.dynamic_metadata.fields
     fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
     ticket = result.ticket
-    if ticket is not None and not result.hold:
+    lease = ticket is not None and not result.hold
+    if not lease and result.routed is None:
+        return
+    ns = fields[REQUEST_NAMESPACE].struct_value.fields
+    if lease:
         # The lease's key, for the access-log record that ends it (whatever process gets it).
-        ns = fields[REQUEST_NAMESPACE].struct_value.fields
+        assert ticket is not None
         ns[LEASE_KEY].number_value = ticket.key.seq
         ns[REPLICA_KEY].string_value = ticket.key.replica
     if result.routed is not None:
-        ns = fields[REQUEST_NAMESPACE].struct_value.fields
         for key, v in result.routed.metadata().items():
             if isinstance(v, bool):
                 ns[key].bool_value = v
@@ -223,12 +225,17 @@ class StreamModes:
             # Envoy older than protocol_config: BUFFERED is the only safe assumption for routing.
             return cls(observability=msg.observability_mode)
         pc = msg.protocol_config
-        return cls(
-            request_body=BodyMode(pc.request_body_mode),
-            response_body=BodyMode(pc.response_body_mode),
-            no_wait=pc.send_body_without_waiting_for_header_response,
-            observability=msg.observability_mode,
+        return _modes(
+            pc.request_body_mode,
+            pc.response_body_mode,
+            pc.send_body_without_waiting_for_header_response,
+            msg.observability_mode,
         )
+
+
+@functools.lru_cache(maxsize=64)  # a handful of combinations, one per filter config
+def _modes(request: int, response: int, no_wait: bool, observability: bool) -> StreamModes:
+    return StreamModes(BodyMode(request), BodyMode(response), no_wait, observability)
 
 
 class StreamProcessor:
