@@ -530,6 +530,89 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+# The budget: each item is the difference of two variants' medians (same run, same loads).
+BUDGET_ITEMS = (
+    ("bare grpc.aio floor, same messages", None, "floor"),
+    ("protocol edge (processor, service, access-log records)", "floor", "edge"),
+    ("director (decision, accounting, leases, metrics)", "edge", "app-bare"),
+    ("KV-event indexing", "app-bare", "app-kv"),
+    ("engine metrics polling", "app-kv", "default"),
+)
+
+
+def budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per load: the budget's items (ms per request), the default's total, the peer's, and
+    the one-message and former-default totals beside them."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for load in sorted({r["load"] for r in rows}):
+        cpu = {r["variant"]: r["cpu_ms_per_req"] for r in rows if r["load"] == load}
+        items: list[dict[str, Any]] = []
+        for label, lower, upper in BUDGET_ITEMS:
+            if cpu.get(upper) is None or (lower is not None and cpu.get(lower) is None):
+                continue
+            value = cpu[upper] - (cpu[lower] if lower is not None else 0.0)
+            items.append({"item": label, "ms": round(value, 3)})
+        for label, name in (
+            ("total: default", "default"),
+            ("total: default, one message each way", "default-1msg"),
+            ("total: former default (before this work)", "old-default"),
+            ("floor, one message each way", "floor-1msg"),
+            ("vllm-router round_robin", PEER),
+        ):
+            if cpu.get(name) is not None:
+                items.append({"item": label, "ms": round(cpu[name], 3)})
+        out[load] = items
+    return out
+
+
+def plot_budget(result: Mapping[str, Any], path: Path) -> None:
+    """Stacked bars of the default's budget per load, the peer and the other totals beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["summary"]
+    loads = sorted({r["load"] for r in rows})
+    if not loads:
+        return
+    fig, axes = plt.subplots(1, len(loads), figsize=(6.5 * len(loads), 4.2), squeeze=False)
+    colors = ("#9e9e9e", "#64b5f6", "#1976d2", "#ffb74d", "#e57373")
+    for ax, load in zip(axes[0], loads, strict=True):
+        cpu = {r["variant"]: r["cpu_ms_per_req"] for r in rows if r["load"] == load}
+        labels: list[str] = []
+        x = 0
+        if all(cpu.get(v) is not None for _, _, v in BUDGET_ITEMS):
+            bottom = 0.0
+            for (label, lower, upper), color in zip(BUDGET_ITEMS, colors, strict=True):
+                h = cpu[upper] - (cpu[lower] if lower else 0.0)
+                ax.bar(x, h, bottom=bottom, color=color, label=label)
+                bottom += h
+            labels.append("default")
+            x += 1
+        for name in ("default-1msg", "old-default", "floor-1msg", PEER):
+            if cpu.get(name) is not None:
+                ax.bar(x, cpu[name], color="#4caf50" if name == PEER else "#bdbdbd")
+                labels.append(name)
+                x += 1
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+        ax.set_ylabel("server CPU ms per request")
+        ax.set_title(f"hop budget, {load} (median of repetitions)")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def budget_markdown(result: Mapping[str, Any]) -> str:
+    parts = []
+    for load, items in budget(result["summary"]).items():
+        parts.append(f"**{load}**\n\n| item | ms per request |\n|---|---|")
+        parts += [f"| {i['item']} | {i['ms']} |" for i in items]
+        parts.append("")
+    return "\n".join(parts)
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -541,6 +624,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--counts", action="store_true", help="one more pass under perf stat")
     p.add_argument("--profile", type=float, default=0.0, help="py-spy --native, seconds")
     p.add_argument("--kv", action="store_true", help="kv-aware on 8k-token multi-turn prompts")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="no run: re-render the tables and the plot from this result.json",
+    )
+    p.add_argument("--plot", type=Path, default=None, help="also write the budget plot here")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     p.add_argument(
         "--old-tree",
@@ -552,6 +642,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.report is not None:
+        done = json.loads(args.report.read_text())
+        print(markdown(done["summary"]))
+        print(budget_markdown(done))
+        if "kv_summary" in done:
+            print(markdown(done["kv_summary"]))
+        if args.plot is not None:
+            plot_budget(done, args.plot)
+        return 0
     out_dir = args.results / ("hop-quick" if args.quick else "hop")
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = 0.4 if args.quick else 1.0
@@ -628,8 +727,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "kv" in extras:
         result["kv_summary"] = aggregate(extras["kv"])
     (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
-    (out_dir / "table.md").write_text(markdown(rows))
+    result["budget"] = budget(rows)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (out_dir / "table.md").write_text(markdown(rows) + "\n" + budget_markdown(result))
+    plot_budget(result, out_dir / "hop-budget.png")
+    if args.plot is not None:
+        plot_budget(result, args.plot)
     print(markdown(rows))
+    print(budget_markdown(result))
     return 0
 
 
