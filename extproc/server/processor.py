@@ -406,6 +406,7 @@ class StreamProcessor:
             common.status = ep.CommonResponse.CONTINUE_AND_REPLACE
         if self._one_message:
             # Envoy dropped content-length when it skipped the headers (chunked upstream).
+            common.SetInParent()  # an answer with nothing but metadata is still a body answer
             carried = resp.dynamic_metadata.fields[HEADERS_NAMESPACE].struct_value.fields
             for k, v in headers.items():
                 carried[k].string_value = v
