@@ -474,7 +474,7 @@ def _median(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return round(statistics.median(vals), 4) if vals else None
 
 
-def aggregate(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def aggregate(runs: Sequence[Mapping[str, Any]], peer: str = PEER) -> list[dict[str, Any]]:
     """Medians over repetitions per (load, variant); ratios and added latency per repetition
     first (against the peer's CPU and Envoy alone's latency in the same repetition)."""
     out = []
@@ -489,15 +489,17 @@ def aggregate(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         row["cpu_ms_per_req_all"] = [r.get("cpu_ms_per_req") for r in mine]
         ratios, added = [], []
         for r in mine:
-            peer = next((p for p in runs if p["load"] == load and p["rep"] == r["rep"]
-                         and p["variant"] == PEER), None)  # fmt: skip
+            other = next((p for p in runs if p["load"] == load and p["rep"] == r["rep"]
+                          and p["variant"] == peer), None)  # fmt: skip
             base = next((p for p in runs if p["load"] == load and p["rep"] == r["rep"]
                          and p["variant"] == BASELINE), None)  # fmt: skip
-            if peer and peer.get("cpu_ms_per_req") and r.get("cpu_ms_per_req") is not None:
-                ratios.append(r["cpu_ms_per_req"] / peer["cpu_ms_per_req"])
+            if other and other.get("cpu_ms_per_req") and r.get("cpu_ms_per_req") is not None:
+                ratios.append(r["cpu_ms_per_req"] / other["cpu_ms_per_req"])
             if base and base.get("e2e_p50_ms") is not None and r.get("e2e_p50_ms") is not None:
                 added.append(r["e2e_p50_ms"] - base["e2e_p50_ms"])
         row["cpu_vs_peer"] = round(statistics.median(ratios), 3) if ratios else None
+        cpu = row["cpu_ms_per_req"]
+        row["req_per_s_per_core"] = round(1000 / cpu, 1) if cpu else None
         row["added_p50_ms"] = round(statistics.median(added), 3) if added else None
         groups: dict[str, list[float]] = defaultdict(list)
         for r in mine:
@@ -725,7 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **extras,
     }
     if "kv" in extras:
-        result["kv_summary"] = aggregate(extras["kv"])
+        result["kv_summary"] = aggregate(extras["kv"], peer=f"{PEER}:rr")
     (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     result["budget"] = budget(rows)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
