@@ -542,12 +542,21 @@ BUDGET_ITEMS = (
 )
 
 
+def _served_cpu(rows: Sequence[Mapping[str, Any]], load: str) -> dict[str, float | None]:
+    """CPU per request of the variants that served requests (a failed one has no budget)."""
+    return {
+        r["variant"]: r["cpu_ms_per_req"]
+        for r in rows
+        if r["load"] == load and r.get("req_per_s", 1) != 0
+    }
+
+
 def budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Per load: the budget's items (ms per request), the default's total, the peer's, and
     the one-message and former-default totals beside them."""
     out: dict[str, list[dict[str, Any]]] = {}
     for load in sorted({r["load"] for r in rows}):
-        cpu = {r["variant"]: r["cpu_ms_per_req"] for r in rows if r["load"] == load}
+        cpu = _served_cpu(rows, load)
         items: list[dict[str, Any]] = []
         for label, lower, upper in BUDGET_ITEMS:
             if cpu.get(upper) is None or (lower is not None and cpu.get(lower) is None):
@@ -581,7 +590,7 @@ def plot_budget(result: Mapping[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(loads), figsize=(6.5 * len(loads), 4.2), squeeze=False)
     colors = ("#9e9e9e", "#64b5f6", "#1976d2", "#ffb74d", "#e57373")
     for ax, load in zip(axes[0], loads, strict=True):
-        cpu = {r["variant"]: r["cpu_ms_per_req"] for r in rows if r["load"] == load}
+        cpu = _served_cpu(rows, load)
         labels: list[str] = []
         x = 0
         if all(cpu.get(v) is not None for _, _, v in BUDGET_ITEMS):
