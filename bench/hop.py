@@ -558,7 +558,10 @@ def budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]
     for load in sorted({r["load"] for r in rows}):
         cpu = _served_cpu(rows, load)
         items: list[dict[str, Any]] = []
-        for label, lower, upper in BUDGET_ITEMS:
+        ladder = list(BUDGET_ITEMS)
+        if cpu.get("app-kv") is None:  # not run: KV indexing and polling as one item
+            ladder[3:] = [("KV-event indexing + engine metrics polling", "app-bare", "default")]
+        for label, lower, upper in ladder:
             if cpu.get(upper) is None or (lower is not None and cpu.get(lower) is None):
                 continue
             value = cpu[upper] - (cpu[lower] if lower is not None else 0.0)

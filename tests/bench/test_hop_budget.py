@@ -28,6 +28,13 @@ def test_budget_items_are_differences_of_the_ladder() -> None:
     assert "total: former default (before this work)" not in items  # not measured: not shown
 
 
+def test_without_the_kv_rung_kv_and_polling_are_one_item() -> None:
+    rows = _rows("saturation", floor=0.5, edge=0.7, app_bare=1.2, default=1.9)
+    items = {i["item"]: i["ms"] for i in budget(rows)["saturation"]}
+    assert items["KV-event indexing + engine metrics polling"] == 0.7
+    assert "KV-event indexing" not in items
+
+
 def test_a_missing_rung_leaves_its_item_out() -> None:
     items = {
         i["item"] for i in budget(_rows("1-connection", floor=0.9, default=3.0))["1-connection"]
