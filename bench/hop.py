@@ -580,39 +580,36 @@ def budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]
 
 
 def plot_budget(result: Mapping[str, Any], path: Path) -> None:
-    """Stacked bars of the default's budget per load, the peer and the other totals beside."""
+    """Per load: the default's items stacked, and the other totals (one message each way, the
+    former default, the floor with one message, the peer) as bars beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["summary"]
-    loads = sorted({r["load"] for r in rows})
-    if not loads:
+    by_load = budget(result["summary"])
+    if not by_load:
         return
-    fig, axes = plt.subplots(1, len(loads), figsize=(6.5 * len(loads), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(by_load), figsize=(6.5 * len(by_load), 4.4), squeeze=False)
     colors = ("#9e9e9e", "#64b5f6", "#1976d2", "#ffb74d", "#e57373")
-    for ax, load in zip(axes[0], loads, strict=True):
-        cpu = _served_cpu(rows, load)
+    for ax, (load, items) in zip(axes[0], by_load.items(), strict=True):
+        ladder = [i for i in items if not i["item"].startswith(("total", "floor,", "vllm"))]
+        others = [i for i in items if i not in ladder and i["item"] != "total: default"]
         labels: list[str] = []
-        x = 0
-        if all(cpu.get(v) is not None for _, _, v in BUDGET_ITEMS):
+        if ladder:
             bottom = 0.0
-            for (label, lower, upper), color in zip(BUDGET_ITEMS, colors, strict=True):
-                h = cpu[upper] - (cpu[lower] if lower else 0.0)
-                ax.bar(x, h, bottom=bottom, color=color, label=label)
-                bottom += h
+            for item, color in zip(ladder, colors, strict=False):
+                ax.bar(0, item["ms"], bottom=bottom, color=color, label=item["item"])
+                bottom += item["ms"]
             labels.append("default")
-            x += 1
-        for name in ("default-1msg", "old-default", "floor-1msg", PEER):
-            if cpu.get(name) is not None:
-                ax.bar(x, cpu[name], color="#4caf50" if name == PEER else "#bdbdbd")
-                labels.append(name)
-                x += 1
-        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+        for item in others:
+            peer = item["item"].startswith("vllm")
+            ax.bar(len(labels), item["ms"], color="#4caf50" if peer else "#bdbdbd")
+            labels.append(item["item"].removeprefix("total: "))
+        ax.set_xticks(range(len(labels)), labels, rotation=18, ha="right", fontsize=7)
         ax.set_ylabel("server CPU ms per request")
         ax.set_title(f"hop budget, {load} (median of repetitions)")
-    axes[0][0].legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=6.5, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
