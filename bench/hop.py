@@ -609,7 +609,8 @@ def plot_budget(result: Mapping[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(labels)), labels, rotation=18, ha="right", fontsize=7)
         ax.set_ylabel("server CPU ms per request")
         ax.set_title(f"hop budget, {load} (median of repetitions)")
-        ax.legend(fontsize=6.5, loc="upper right")
+        if ladder:
+            ax.legend(fontsize=6.5, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
