@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -663,6 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot is not None:
             plot_budget(done, args.plot)
         return 0
+    if args.counts and shutil.which("perf") is None:
+        p.error("--counts needs `perf` (linux-tools; run as root or with perf_event_paranoid <= 1)")
     out_dir = args.results / ("hop-quick" if args.quick else "hop")
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = 0.4 if args.quick else 1.0
