@@ -268,8 +268,10 @@ class Cluster:
         accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
         processes: int = 1,
         strategy: str | None = None,
+        one_message: bool = False,
     ) -> FrontDoor:
-        """An Envoy on its own port; `baseline` is Envoy alone, round robin, no ext_proc."""
+        """An Envoy on its own port; `baseline` is Envoy alone, round robin, no ext_proc;
+        `one_message`: request headers skipped, one ext_proc message each way."""
         key = f"{name}|{strategy}"
         if key in self._doors:
             return self._doors[key]
@@ -283,6 +285,8 @@ class Cluster:
             extproc=tuple(HostPort(HOST, o.grpc_port + i) for i in range(processes)),
             endpoints=tuple(HostPort.parse(a) for a in self.sim_addresses),
             request_body_mode=body_mode,
+            one_message=one_message,
+            routing_headers=self.stack.routing_headers(),
             response_accounting=accounting,
             baseline=baseline,
         )
@@ -322,6 +326,7 @@ class Cluster:
         strategy: str | None = None,
         body_mode: RequestBodyMode = RequestBodyMode.BUFFERED,
         accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
+        one_message: bool = False,
     ) -> FrontDoor:
         """An Envoy on `listen`/`admin` in front of server processes the caller started
         (`grpc_ports`), e.g. with `spawn`; stopped with `stop_door`, so the same ports can
@@ -332,6 +337,8 @@ class Cluster:
             extproc=tuple(HostPort(HOST, p) for p in grpc_ports),
             endpoints=tuple(HostPort.parse(a) for a in self.sim_addresses),
             request_body_mode=body_mode,
+            one_message=one_message,
+            routing_headers=self.stack.routing_headers(),
             response_accounting=accounting,
         )
         cfg = self.workdir / f"envoy-{name}.yaml"

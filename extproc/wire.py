@@ -10,6 +10,8 @@ __all__ = [
     "ACCESS_LOG_NAME",
     "ATTRIBUTE_NAMESPACE",
     "DESTINATION_HEADER",
+    "HEADERS_NAMESPACE",
+    "HEADER_ATTRIBUTE",
     "LB_NAMESPACE",
     "LEASE_KEY",
     "REPLICA_KEY",
@@ -28,6 +30,13 @@ SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 # Where Envoy puts the request attributes it sends to an ext_proc server.
 ATTRIBUTE_NAMESPACE = "envoy.filters.http.ext_proc"
+# One-message routing (request headers skipped): Envoy sends the headers the server reads as
+# request attributes on the body message, each under this CEL expression as its key ...
+HEADER_ATTRIBUTE = "request.headers['{}']"
+# ... and the headers the routing answer sets travel back in this metadata namespace, which a
+# Lua filter after the routing filter copies onto the request (Envoy drops a body answer's
+# header mutations when it never held the headers).
+HEADERS_NAMESPACE = "extproc.headers"
 # What the routing decision knew, written by the routing filter (director.api.RoutedRequest).
 REQUEST_NAMESPACE = "extproc.request"
 # In it, the request's lease: the replica that holds it (host:pid) and its number there; the

@@ -171,8 +171,10 @@ class GatewayMetrics:
         )  # fmt: skip
 
     def child(self, metric: Any, *labels: str) -> Any:
-        """`metric.labels(*labels)`, cached: the per-response path calls it several times per
-        record, and prometheus_client's `labels()` costs ~10 µs (validation, locking)."""
+        """`metric.labels(*labels)`, cached: prometheus_client's `labels()` costs ~10 µs
+        (validation, locking) and every per-request and per-scrape update goes through here.
+        The cache holds only label values the module's bounds allow (see above); a removed
+        endpoint's children go with `forget_endpoint`."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:
@@ -202,10 +204,10 @@ class GatewayMetrics:
             self.child(self.plugin_seconds, ref.kind, ref.type_name).observe(ns / 1e9)
 
     def observe_tokenization(self, kind: str, seconds: float) -> None:
-        self.tokenization_seconds.labels(kind).observe(seconds)
+        self.child(self.tokenization_seconds, kind).observe(seconds)
 
     def observe_estimate(self, model: str) -> None:
-        self.tokenizer_estimates.labels(model).inc()
+        self.child(self.tokenizer_estimates, model).inc()
 
     def observe_hold(self, model: str, seconds: float) -> None:
         self.child(self.request_hold_seconds, model).observe(seconds)
@@ -214,25 +216,25 @@ class GatewayMetrics:
         self.child(self.upstream_ttft_seconds, model).observe(seconds)
 
     def observe_prefix_match(self, model: str, tokens: int, *, exact: bool) -> None:
-        self.prefix_match_tokens.labels(model, "true" if exact else "false").observe(tokens)
+        self.child(self.prefix_match_tokens, model, "true" if exact else "false").observe(tokens)
 
     def observe_shed(self, model: str, reason: ShedReason) -> None:
-        self.shed.labels(model, reason).inc()
+        self.child(self.shed, model, reason).inc()
 
     def observe_rewrite(self, rewrite: str, target: str) -> None:
         self.child(self.model_rewrites, rewrite, target).inc()
 
     def observe_pd_fallback(self, model: str) -> None:
-        self.pd_fallbacks.labels(model).inc()
+        self.child(self.pd_fallbacks, model).inc()
 
     def set_in_flight(self, endpoint: str, count: int) -> None:
-        self.in_flight.labels(endpoint).set(count)
+        self.child(self.in_flight, endpoint).set(count)
 
     def set_stalled(self, endpoint: str, stalled: bool) -> None:
-        self.endpoint_stalled.labels(endpoint).set(1 if stalled else 0)
+        self.child(self.endpoint_stalled, endpoint).set(1 if stalled else 0)
 
     def set_ready(self, model: str, endpoint: str, ready: bool) -> None:
-        self.endpoint_ready.labels(model, endpoint).set(1 if ready else 0)
+        self.child(self.endpoint_ready, model, endpoint).set(1 if ready else 0)
 
     def refresh_ready(self, store: EndpointStore, now: float) -> None:
         """Set the ready gauge of every endpoint in `store` (call after each poll)."""
@@ -243,7 +245,7 @@ class GatewayMetrics:
 
     def scrape_result(self, endpoint: Endpoint, result: str) -> None:
         """`extproc.metrics.ScrapeObserver`: one scrape's outcome."""
-        self.scrapes.labels(endpoint.address, result).inc()
+        self.child(self.scrapes, endpoint.address, result).inc()
 
     def forget_endpoint(self, model: str, endpoint: str) -> None:
         """Drop an endpoint's series after discovery removed it (bounded cardinality)."""

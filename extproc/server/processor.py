@@ -10,7 +10,15 @@ the server (so a restart of this process cuts no response it routed). What the d
 claimed (the request's ticket) lives on in the lease book until the request's access-log
 record ends it (extproc/director/leases.py); the lease's key rides in the decision's metadata.
 The response is not seen here: usage is read inside Envoy and arrives in that record
-(server/accesslog.py). Where no access log is configured (`hold`), the stream stays open for
+(server/accesslog.py).
+
+Two request shapes. Two messages each way: request headers (answered CONTINUE), then the
+buffered body (answered with the destination as a header mutation and metadata). One message
+each way, when Envoy skips request headers: the body message carries what the server reads
+from them as request attributes (`request.path`, `request.headers['x-session-id']`, ...), and
+the answer carries the headers to set in dynamic metadata (`extproc.wire.HEADERS_NAMESPACE`),
+since Envoy drops a body answer's header mutations when it never held the headers; a Lua
+filter after this one copies them onto the request (extproc/stack/envoy_config.py). Where no access log is configured (`hold`), the stream stays open for
 the whole request and its end closes the ticket. A filter misconfigured to send response messages still gets
 well-formed answers (and nothing at all in observability mode), so it can never hang traffic.
 """
@@ -18,9 +26,11 @@ well-formed answers (and nothing at all in observability mode), so it can never 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from extproc._pb.envoy.config.core.v3 import base_pb2
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -35,6 +45,8 @@ from extproc.director.api import (
 from extproc.wire import (
     ATTRIBUTE_NAMESPACE,
     DESTINATION_HEADER,
+    HEADER_ATTRIBUTE,
+    HEADERS_NAMESPACE,
     LB_NAMESPACE,
     LEASE_KEY,
     REPLICA_KEY,
@@ -52,18 +64,27 @@ MAX_STREAMED_CHUNK = 62_000  # the EPP reference implementation's re-chunk size
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def _header_value(h: base_pb2.HeaderValue) -> str:
-    return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-
-
 def _headers_dict(headers: base_pb2.HeaderMap) -> dict[str, str]:
+    # Once per request over a dozen headers: each field read of a upb message makes an object.
     out: dict[str, str] = {}
     for h in headers.headers:
         key = h.key.lower()
-        value = _header_value(h)
+        raw = h.raw_value
+        value = raw.decode("utf-8", "replace") if raw else h.value
         # Repeated headers are joined the way HTTP folds them.
         out[key] = f"{out[key]},{value}" if key in out else value
     return out
+
+
+_HEADER_PREFIX, _HEADER_SUFFIX = HEADER_ATTRIBUTE.split("{}")
+
+
+def _set_headers(mutation: ep.HeaderMutation, headers: Mapping[str, str]) -> None:
+    for k, v in headers.items():
+        option = mutation.set_headers.add()
+        option.header.key = k
+        option.header.raw_value = v.encode()
+        option.append_action = _OVERWRITE
 
 
 def _mutation(set_headers: Mapping[str, str], remove: Iterable[str] = ()) -> ep.HeaderMutation:
@@ -93,13 +114,48 @@ def _attribute(msg: ep.ProcessingRequest, name: str) -> str | None:
     attrs = msg.attributes.get(ATTRIBUTE_NAMESPACE)
     if attrs is None or name not in attrs.fields:
         return None
-    value = attrs.fields[name]
+    return _attribute_text(attrs.fields[name])
+
+
+def _attribute_text(value: Any) -> str | None:
     kind = value.WhichOneof("kind")
     if kind == "string_value":
         return value.string_value or None
     if kind == "number_value":
         return str(int(value.number_value))
     return None
+
+
+def _attributes_head(msg: ep.ProcessingRequest) -> RequestHead:
+    """The request as a one-message stream tells it: the body message's request attributes
+    (`request.id`, `request.method`, `request.path`, one `request.headers['name']` per header
+    the server reads; Envoy leaves out headers the request lacks)."""
+    headers: dict[str, str] = {}
+    named: dict[str, str] = {}
+    attrs = msg.attributes.get(ATTRIBUTE_NAMESPACE)
+    if attrs is not None:
+        for key, value in attrs.fields.items():
+            text = _attribute_text(value)
+            if text is None:
+                continue
+            if key.startswith(_HEADER_PREFIX) and key.endswith(_HEADER_SUFFIX):
+                headers[key[len(_HEADER_PREFIX) : -len(_HEADER_SUFFIX)].lower()] = text
+            else:
+                named[key] = text
+    request_id = named.get("request.id") or headers.get("x-request-id", "")
+    method, path = named.get("request.method", ""), named.get("request.path", "")
+    headers.update({":method": method, ":path": path})
+    if request_id:
+        headers["x-request-id"] = request_id
+    return RequestHead(
+        request_id=request_id,
+        method=method,
+        path=path,
+        headers=headers,
+        route_name=named.get("xds.route_name"),
+        subset=_subset_hint(msg),
+        has_body=True,
+    )
 
 
 def _subset_hint(msg: ep.ProcessingRequest) -> tuple[str, ...] | None:
@@ -119,13 +175,16 @@ def _decision_metadata(resp: ep.ProcessingResponse, result: RouteResult, value: 
     fields = resp.dynamic_metadata.fields
     fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
     ticket = result.ticket
-    if ticket is not None and not result.hold:
+    lease = ticket is not None and not result.hold
+    if not lease and result.routed is None:
+        return
+    ns = fields[REQUEST_NAMESPACE].struct_value.fields
+    if lease:
         # The lease's key, for the access-log record that ends it (whatever process gets it).
-        ns = fields[REQUEST_NAMESPACE].struct_value.fields
+        assert ticket is not None
         ns[LEASE_KEY].number_value = ticket.key.seq
         ns[REPLICA_KEY].string_value = ticket.key.replica
     if result.routed is not None:
-        ns = fields[REQUEST_NAMESPACE].struct_value.fields
         for key, v in result.routed.metadata().items():
             if isinstance(v, bool):
                 ns[key].bool_value = v
@@ -166,12 +225,17 @@ class StreamModes:
             # Envoy older than protocol_config: BUFFERED is the only safe assumption for routing.
             return cls(observability=msg.observability_mode)
         pc = msg.protocol_config
-        return cls(
-            request_body=BodyMode(pc.request_body_mode),
-            response_body=BodyMode(pc.response_body_mode),
-            no_wait=pc.send_body_without_waiting_for_header_response,
-            observability=msg.observability_mode,
+        return _modes(
+            pc.request_body_mode,
+            pc.response_body_mode,
+            pc.send_body_without_waiting_for_header_response,
+            msg.observability_mode,
         )
+
+
+@functools.lru_cache(maxsize=64)  # a handful of combinations, one per filter config
+def _modes(request: int, response: int, no_wait: bool, observability: bool) -> StreamModes:
+    return StreamModes(BodyMode(request), BodyMode(response), no_wait, observability)
 
 
 class StreamProcessor:
@@ -186,6 +250,7 @@ class StreamProcessor:
         self._body_chunks = 0
         self._ticket: RequestTicket | None = None
         self._hold = False
+        self._one_message = False  # request headers skipped: the body message is the request
 
     @property
     def done(self) -> bool:
@@ -206,6 +271,8 @@ class StreamProcessor:
         if kind == "request_headers":
             return await self._on_request_headers(msg)
         if kind == "request_body":
+            if self.phase is Phase.HEADERS:
+                return await self._on_first_body(msg)
             return await self._on_request_body(msg.request_body)
         if kind == "request_trailers":
             return await self._on_request_trailers()
@@ -266,6 +333,24 @@ class StreamProcessor:
             return []  # hold the headers answer until the body is complete (pipelined)
         return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
 
+    async def _on_first_body(self, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """A stream that starts with the body: Envoy skips request headers (one message each
+        way). Only a buffered body can still route: in the other modes Envoy passed the
+        headers on, and the upstream was chosen, before the body came."""
+        self._one_message = True
+        self._head = _attributes_head(msg)
+        if self.modes.request_body != BodyMode.BUFFERED:
+            return self._reject(
+                self._handler.reject(
+                    self._head,
+                    500,
+                    "ext_proc is misconfigured: with request headers skipped, only a BUFFERED "
+                    "request body can be routed",
+                )
+            )
+        self.phase = Phase.BODY
+        return await self._on_request_body(msg.request_body)
+
     async def _on_request_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if self.phase is not Phase.BODY:
             return []
@@ -310,17 +395,26 @@ class StreamProcessor:
                 for _ in range(self._body_chunks)
             )
             return out
-        # BUFFERED: header mutations are honoured in the body answer.
+        # BUFFERED: header mutations are honoured in the body answer (when Envoy held the
+        # headers; one message each way, they travel as metadata for the Lua filter instead).
         resp = ep.ProcessingResponse()
         common = resp.request_body.response
         headers = dict(result.set_headers)
-        headers[DESTINATION_HEADER] = ",".join(result.destinations)
+        destination = headers[DESTINATION_HEADER] = ",".join(result.destinations)
         if result.body is not None:
-            headers["content-length"] = str(len(result.body))
             common.body_mutation.body = result.body
             common.status = ep.CommonResponse.CONTINUE_AND_REPLACE
-        common.header_mutation.CopyFrom(_mutation(headers))
-        _decision_metadata(resp, result, headers[DESTINATION_HEADER])
+        if self._one_message:
+            # Envoy dropped content-length when it skipped the headers (chunked upstream).
+            common.SetInParent()  # an answer with nothing but metadata is still a body answer
+            carried = resp.dynamic_metadata.fields[HEADERS_NAMESPACE].struct_value.fields
+            for k, v in headers.items():
+                carried[k].string_value = v
+        else:
+            if result.body is not None:
+                headers["content-length"] = str(len(result.body))
+            _set_headers(common.header_mutation, headers)
+        _decision_metadata(resp, result, destination)
         return [resp]
 
     def _accept(self, result: RouteResult) -> None:
@@ -333,7 +427,7 @@ class StreamProcessor:
         common = resp.request_headers.response
         headers = dict(result.set_headers)
         headers[DESTINATION_HEADER] = ",".join(result.destinations)
-        common.header_mutation.CopyFrom(_mutation(headers))
+        _set_headers(common.header_mutation, headers)
         common.clear_route_cache = True
         _decision_metadata(resp, result, headers[DESTINATION_HEADER])
         return resp

@@ -47,20 +47,13 @@ class ServerOptions:
 
 
 class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(
-        self,
-        handler: RequestHandler,
-        streams: set[asyncio.Task[Any]],
-        ends: Counter[str],
-    ) -> None:
+    def __init__(self, handler: RequestHandler, ends: Counter[str]) -> None:
         self._handler = handler
-        self._streams = streams
         self._ends = ends
+        self.open = 0  # streams in progress (a count: nothing per stream is kept)
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
-        task = asyncio.current_task()
-        if task is not None:
-            self._streams.add(task)
+        self.open += 1
         proc = StreamProcessor(self._handler)
         end = "error"
         try:
@@ -92,8 +85,7 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
         finally:
             self._ends[end] += 1
             proc.close()
-            if task is not None:
-                self._streams.discard(task)
+            self.open -= 1
 
 
 class ExtProcServer:
@@ -106,8 +98,8 @@ class ExtProcServer:
         self._handler = handler
         self._options = options
         self._timers = timers or LoopTimers()
-        self._streams: set[asyncio.Task[Any]] = set()
         self.stream_ends: Counter[str] = Counter()  # how streams ended: done|eof|cancelled|error
+        self._processor = _ExternalProcessor(handler, self.stream_ends)
         self._health = health.aio.HealthServicer()
         # Envoy's access log for accounting records, on the same port: whichever process
         # Envoy's access-log stream reaches can account any request.
@@ -125,7 +117,7 @@ class ExtProcServer:
 
     @property
     def active_streams(self) -> int:
-        return len(self._streams)
+        return self._processor.open
 
     def _bind(self) -> grpc.aio.Server:
         options = self._options
@@ -139,10 +131,7 @@ class ExtProcServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ],
         )
-        ep_grpc.add_ExternalProcessorServicer_to_server(
-            _ExternalProcessor(self._handler, self._streams, self.stream_ends),
-            server,
-        )
+        ep_grpc.add_ExternalProcessorServicer_to_server(self._processor, server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{options.host}:{options.port}"
@@ -201,7 +190,7 @@ class ExtProcServer:
         await self.set_ready(False)
         if on_draining is not None:
             on_draining()
-        log.info("draining %d ext_proc streams (grace %.1fs)", len(self._streams), grace)
+        log.info("draining %d ext_proc streams (grace %.1fs)", self.active_streams, grace)
         if announce_s > 0:
             await self._timers.sleep(announce_s)
         self.access_log.close_streams()

@@ -78,6 +78,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         help="how Envoy sends request bodies to ext_proc",
     )
     p.add_argument(
+        "--one-message",
+        action="store_true",
+        help="one ext_proc message each way: request headers skipped, the headers the server "
+        "reads sent as request attributes on the BUFFERED body (envoy/README.md)",
+    )
+    p.add_argument(
         "--accounting",
         choices=[m.value for m in ResponseAccounting],
         default=d.response_accounting.value,
@@ -182,6 +188,7 @@ def user_config(path: str | None) -> tuple[dict[str, Any], list[str]]:
 # What the Envoy Gateway shape takes from the overlay instead of from these options.
 _OVERLAY_OWNS = {
     "body_mode": "--body-mode (the EnvoyExtensionPolicy's processingMode)",
+    "one_message": "--one-message (the envoy-gateway-one-message overlay's EnvoyPatchPolicy)",
     "accounting": "--accounting (the EnvoyProxy's access log)",
     "fail_open": "--fail-open (the EnvoyExtensionPolicy's failOpen)",
     "route_timeout": "--route-timeout (the HTTPRoute's timeouts.request)",
@@ -232,6 +239,7 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
         tokenizer_dir=args.tokenizer,
         strategy=strategy,
         body_mode=RequestBodyMode(args.body_mode),
+        one_message=args.one_message,
         response_accounting=ResponseAccounting(args.accounting),
         fail_open=args.fail_open,
         kv_events=not args.no_kv_events,

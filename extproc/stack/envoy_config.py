@@ -2,7 +2,9 @@
 
 One function builds every variant we ship (see envoy/README.md for each knob):
 
-- the routing ext_proc filter (request headers + body, BUFFERED or FULL_DUPLEX_STREAMED),
+- the routing ext_proc filter (request headers + body, BUFFERED or FULL_DUPLEX_STREAMED; or,
+  `one_message`, the body alone with the headers the server reads as request attributes,
+  one message each way, and a Lua gate after it that copies the answer's headers on),
 - response accounting inside Envoy: a Lua filter (usage.lua) reads `usage` from the body as
   it streams, and the gRPC access log sends one record per request, with the routing
   decision's metadata, to the ext_proc servers (or no accounting at all),
@@ -29,6 +31,8 @@ import yaml
 from extproc.wire import (
     ACCESS_LOG_NAME,
     DESTINATION_HEADER,
+    HEADER_ATTRIBUTE,
+    HEADERS_NAMESPACE,
     LB_NAMESPACE,
     REQUEST_NAMESPACE,
     SUBSET_HINT_NAMESPACE,
@@ -39,6 +43,8 @@ from extproc.wire import (
 __all__ = [
     "EXAMPLES",
     "EXTPROC_MESSAGE_TIMEOUT_S",
+    "ONE_MESSAGE_GATE_LUA",
+    "ROUTING_HEADERS",
     "USAGE_LUA",
     "EnvoyOptions",
     "HostPort",
@@ -61,6 +67,40 @@ MODELS_CLUSTER = "models"
 EXTPROC_CLUSTER = "extproc"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 USAGE_FILTER = "envoy.filters.http.lua"
+GATE_FILTER = "extproc.one_message_gate"
+
+# The request headers the server reads, under their default names (the routing section's
+# strategy/priority/session/user headers, InferenceObjective and fairness ids, the explain
+# header, AIBrix's session key, the SLO headers). With `one_message` Envoy sends each one the
+# request has as a request attribute; a renamed header (routing.session_header ...) must be
+# listed in `EnvoyOptions.routing_headers` instead. Credentials are never sent.
+ROUTING_HEADERS = (
+    "routing-strategy", "x-request-priority", "x-session-id", "x-user-id",
+    "x-llm-d-inference-objective", "x-gateway-inference-objective",
+    "x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
+    "x-routing-explain", "x-aibrix-session-key",
+    "x-slo-ttft-ms", "x-slo-tpot-ms", "x-llm-d-slo-ttft-ms", "x-llm-d-slo-tpot-ms",
+)  # fmt: skip
+# What the body message carries besides the headers (the server reads them as :path etc.).
+REQUEST_ATTRIBUTES = ("request.id", "request.method", "request.path")
+
+# One message each way: Envoy, skipping the request headers, passes them on before the body
+# (an upstream would be chosen before the routing answer); this filter holds the request until
+# its whole body has passed the routing filter, then sets the headers the answer carried.
+ONE_MESSAGE_GATE_LUA = f"""\
+-- Hold the request until the routing filter answered its body, then copy the headers the
+-- answer carried ({HEADERS_NAMESPACE} metadata) onto it. A request without a body passes.
+function envoy_on_request(request_handle)
+  request_handle:body()
+  local carried = request_handle:streamInfo():dynamicMetadata():get("{HEADERS_NAMESPACE}")
+  if carried ~= nil then
+    local headers = request_handle:headers()
+    for name, value in pairs(carried) do
+      headers:replace(name, value)
+    end
+  end
+end
+"""
 
 # The routing filter's per-message deadline (`message_timeout`) in the local shape: how long
 # Envoy waits for the server's answer to one message before failing the request (fail-closed:
@@ -125,6 +165,12 @@ class EnvoyOptions:
     # Model-server endpoints (the simulators locally).
     endpoints: tuple[HostPort, ...] = _ports("127.0.0.1", 8001, 8002, 8003, 8004)
     request_body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
+    # One message each way: request headers skipped, what the server reads from them sent as
+    # request attributes on the (BUFFERED) body message, the answer's headers copied on by a
+    # Lua gate. A request without a body reaches no ext_proc server (override_host falls back
+    # to round robin: e.g. GET /v1/models is answered by a pod, not by the gateway).
+    one_message: bool = False
+    routing_headers: tuple[str, ...] = ROUTING_HEADERS
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     # Fail-open: if the ext_proc server is down or slow, requests still flow (override_host
     # then falls back to round robin). Off by default: routing errors should be visible.
@@ -176,6 +222,9 @@ class EnvoyOptions:
             raise ValueError("num_retries must be >= 0")
         if self.route_timeout_s < 0 or self.stream_idle_timeout_s < 0:
             raise ValueError("timeouts must be >= 0 (0: no limit)")
+        if self.one_message and self.request_body_mode is not RequestBodyMode.BUFFERED:
+            # Skipped headers go upstream before a streamed body is seen: nothing could route.
+            raise ValueError("one_message needs request_body_mode BUFFERED")
 
 
 def _duration(seconds: float) -> str:
@@ -297,9 +346,19 @@ def _models_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     return cluster
 
 
+def routing_attributes(opts: EnvoyOptions) -> list[str]:
+    """The routing filter's request attributes: the configured ones, and in the one-message
+    shape the request's id, method, path and each header the server reads."""
+    attributes = list(opts.request_attributes)
+    if opts.one_message:
+        attributes += [a for a in REQUEST_ATTRIBUTES if a not in attributes]
+        attributes += [HEADER_ATTRIBUTE.format(h.lower()) for h in opts.routing_headers]
+    return attributes
+
+
 def _routing_filter(opts: EnvoyOptions) -> dict[str, Any]:
     mode: dict[str, Any] = {
-        "request_header_mode": "SEND",
+        "request_header_mode": "SKIP" if opts.one_message else "SEND",
         "request_body_mode": opts.request_body_mode.value,
         "request_trailer_mode": (
             "SEND" if opts.request_body_mode is RequestBodyMode.FULL_DUPLEX_STREAMED else "SKIP"
@@ -314,13 +373,26 @@ def _routing_filter(opts: EnvoyOptions) -> dict[str, Any]:
         failure_mode_allow=opts.failure_mode_allow,
         message_timeout=_duration(opts.message_timeout_s),
         processing_mode=mode,
-        request_attributes=list(opts.request_attributes),
+        request_attributes=routing_attributes(opts),
         metadata_options={
             "forwarding_namespaces": {"untyped": list(opts.forwarding_namespaces)},
-            "receiving_namespaces": {"untyped": list(opts.receiving_namespaces)},
+            "receiving_namespaces": {
+                "untyped": list(opts.receiving_namespaces)
+                + ([HEADERS_NAMESPACE] if opts.one_message else [])
+            },
         },
     )
     return {"name": ROUTING_FILTER, "typed_config": config}
+
+
+def _gate_filter() -> dict[str, Any]:
+    return {
+        "name": GATE_FILTER,
+        "typed_config": _typed(
+            "envoy.extensions.filters.http.lua.v3.Lua",
+            default_source_code={"inline_string": ONE_MESSAGE_GATE_LUA},
+        ),
+    }
 
 
 def _usage_filter() -> dict[str, Any]:
@@ -371,6 +443,8 @@ def _http_filters(opts: EnvoyOptions) -> list[dict[str, Any]]:
     filters = [_strip_destination_filter()]
     if opts.extproc:
         filters.append(_routing_filter(opts))
+        if opts.one_message:
+            filters.append(_gate_filter())
         if opts.response_accounting is ResponseAccounting.ACCESS_LOG:
             filters.append(_usage_filter())
     filters.append(router)
@@ -546,6 +620,7 @@ def render_yaml(opts: EnvoyOptions, header: str = "") -> str:
 EXAMPLES: Mapping[str, EnvoyOptions] = {
     "local.yaml": EnvoyOptions(),
     "local-duplex.yaml": EnvoyOptions(request_body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED),
+    "local-one-message.yaml": EnvoyOptions(one_message=True),
     "local-no-accounting.yaml": EnvoyOptions(response_accounting=ResponseAccounting.NONE),
     "local-baseline.yaml": EnvoyOptions(baseline=True),
 }

@@ -985,6 +985,7 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
     listener = _listener(
         listener_name, overlay, gw_name, filters, (hcm_logs, listener_logs), opts, parts
     )
+    _patch_listener(overlay, gw_name, listener, listener_name)
     admin = {"socket_address": {"address": opts.admin.host, "port_value": opts.admin.port}}
     return EnvoyGatewayTranslation(
         bootstrap={
@@ -998,6 +999,89 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
         access_log_names=tuple(log_names),
         rate_limited=parts.rate_limited,
     )
+
+
+# EnvoyPatchPolicy (JSONPatch): what our overlays use, `add`/`replace`/`remove` on the
+# Gateway's listener, at a JSON pointer or at the nodes a JSONPath of this one form selects.
+_LISTENER_TYPE = _T + "envoy.config.listener.v3.Listener"
+_BY_NAME = re.compile(r"^\$\.\.(\w+)\[\?\(@\.name\s*==\s*'([^']+)'\)\]$")
+
+
+def _pointers(node: Any, key: str, name: str, at: str = "") -> list[str]:
+    """JSON pointers of every `key` array element whose `name` is `name` (`$..key[?(...)]`)."""
+    out: list[str] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            here = f"{at}/{k}"
+            if k == key and isinstance(v, list):
+                out += [
+                    f"{here}/{i}"
+                    for i, e in enumerate(v)
+                    if isinstance(e, dict) and e.get("name") == name
+                ]
+            out += _pointers(v, key, name, here)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _pointers(v, key, name, f"{at}/{i}")
+    return out
+
+
+def _json_patch(doc: Any, op: str, pointer: str, value: Any, where: str) -> None:
+    *parents, last = pointer.split("/")[1:]
+    node = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node.get(part)
+        if node is None:
+            raise OverlayError(f"{where}: {pointer} does not exist")
+    if isinstance(node, list):
+        index = len(node) if last == "-" else int(last)
+        if op == "add":
+            node.insert(index, value)
+        elif op == "replace":
+            node[index] = value
+        else:
+            del node[index]
+    elif isinstance(node, dict):
+        if op == "replace" and last not in node:
+            raise OverlayError(f"{where}: {pointer} does not exist (replace)")
+        if op == "remove":
+            node.pop(last)
+        else:
+            node[last] = value
+    else:
+        raise OverlayError(f"{where}: {pointer} is inside a value")
+
+
+def _patch_listener(overlay: Overlay, gateway: str, listener: dict[str, Any], name: str) -> None:
+    """Envoy Gateway's EnvoyPatchPolicies on the Gateway, applied to its listener (in the
+    order of the policies' priority, then of their patches)."""
+    policies = [
+        p
+        for p in overlay.all("EnvoyPatchPolicy")
+        if (p["spec"].get("targetRef") or {}).get("name") == gateway
+    ]
+    for policy in sorted(policies, key=lambda p: p["spec"].get("priority", 0)):
+        where = f"EnvoyPatchPolicy {policy['metadata']['name']}"
+        spec = _only(policy["spec"], {"targetRef", "type", "jsonPatches", "priority"}, where)
+        if spec["type"] != "JSONPatch":
+            raise OverlayError(f"{where}.type: only JSONPatch is rendered by the shape")
+        for i, patch in enumerate(spec["jsonPatches"]):
+            w = f"{where}.jsonPatches[{i}]"
+            if patch["type"] != _LISTENER_TYPE or patch["name"] != name:
+                raise OverlayError(f"{w}: only the Gateway's listener {name} is patched here")
+            op = _only(patch["operation"], {"op", "path", "jsonPath", "value"}, f"{w}.operation")
+            if op["op"] not in ("add", "replace", "remove"):
+                raise OverlayError(f"{w}.operation.op: {op['op']} is not rendered by the shape")
+            pointers = [""]
+            if "jsonPath" in op:
+                m = _BY_NAME.match(op["jsonPath"])
+                if m is None:
+                    raise OverlayError(f"{w}.operation.jsonPath: only $..key[?(@.name=='x')]")
+                pointers = _pointers(listener, m.group(1), m.group(2))
+                if not pointers:  # as Envoy Gateway: a JSONPath that finds nothing is an error
+                    raise OverlayError(f"{w}.operation.jsonPath matches nothing")
+            for pointer in pointers:
+                _json_patch(listener, op["op"], pointer + op.get("path", ""), op.get("value"), w)
 
 
 def render_yaml(translation: EnvoyGatewayTranslation, overlay: Path) -> str:

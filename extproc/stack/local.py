@@ -28,6 +28,7 @@ import yaml
 from extproc.admin.guard import ADMIN_TOKEN_HEADER
 from extproc.stack.envoy_config import (
     EXTPROC_MESSAGE_TIMEOUT_S,
+    ROUTING_HEADERS,
     EnvoyOptions,
     HostPort,
     RequestBodyMode,
@@ -88,6 +89,7 @@ class StackOptions:
     tokenizer_dir: str | None = None  # None: the bundled Qwen3 tokenizer
     strategy: str = "kv-aware"  # the product default (extproc/config.py)
     body_mode: RequestBodyMode = RequestBodyMode.BUFFERED
+    one_message: bool = False  # request headers skipped: one ext_proc message each way
     response_accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG
     fail_open: bool = False
     # Whose Envoy configuration to run: the local bootstrap, or Envoy Gateway's translation of
@@ -239,6 +241,21 @@ class LocalStack:
             cfg["routes"] = dict(translation.server_routes)
         return _merge(cfg, o.server_config)
 
+    def routing_headers(self) -> tuple[str, ...]:
+        """The headers the server reads (one-message shape), with the config's own names for
+        the routing section's four."""
+        routing = self.options.server_config.get("routing") or {}  # the config's own names
+        renamed = {
+            default: routing.get(key, default)
+            for key, default in (
+                ("strategy_header", "routing-strategy"),
+                ("priority_header", "x-request-priority"),
+                ("session_header", "x-session-id"),
+                ("user_header", "x-user-id"),
+            )
+        }
+        return tuple(dict.fromkeys(renamed.get(h, h) for h in ROUTING_HEADERS))
+
     def envoy_options(self) -> EnvoyOptions:
         o = self.options
         return EnvoyOptions(
@@ -247,6 +264,8 @@ class LocalStack:
             extproc=tuple(HostPort(o.host, o.grpc_port + i) for i in range(o.extproc_processes)),
             endpoints=tuple(HostPort(o.host, o.sim_port(i)) for i in range(o.sims)),
             request_body_mode=o.body_mode,
+            one_message=o.one_message,
+            routing_headers=self.routing_headers(),
             response_accounting=o.response_accounting,
             failure_mode_allow=o.fail_open,
             access_log_flush_interval_s=o.access_log_flush_s,

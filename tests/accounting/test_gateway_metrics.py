@@ -117,6 +117,33 @@ def test_forget_endpoint_drops_its_series(registry: CollectorRegistry, gm: Gatew
     assert EP not in gm.render().decode()
 
 
+def test_cached_children_follow_a_forgotten_endpoint(
+    registry: CollectorRegistry, gm: GatewayMetrics
+) -> None:
+    """Every per-request and per-scrape update goes through cached label children: after
+    forget_endpoint the next update must create a live series again, not write to a child
+    the registry no longer holds."""
+    ep = Endpoint(EP, "m")
+    gm.set_in_flight(EP, 3)
+    gm.set_ready("m", EP, True)
+    gm.set_stalled(EP, True)
+    gm.scrape_result(ep, "ok")
+    gm.observe_tokenization("skipped", 0.0)
+    gm.observe_shed("m", "overloaded")
+    gm.forget_endpoint("m", EP)
+    gm.set_in_flight(EP, 1)
+    gm.set_ready("m", EP, False)
+    gm.scrape_result(ep, "ok")
+    assert value(registry, "extproc_in_flight_requests", endpoint=EP) == 1
+    assert value(registry, "extproc_endpoint_ready", model="m", endpoint=EP) == 0
+    assert value(registry, "extproc_metrics_scrapes_total", endpoint=EP, result="ok") == 1
+    assert value(registry, "extproc_endpoint_stalled", endpoint=EP) is None
+    gm.observe_tokenization("skipped", 0.0)
+    gm.observe_shed("m", "overloaded")
+    assert value(registry, "extproc_tokenization_seconds_count", kind="skipped") == 2
+    assert value(registry, "extproc_shed_requests_total", model="m", reason="overloaded") == 2
+
+
 def test_render_is_valid_exposition(gm: GatewayMetrics) -> None:
     gm.observe_request("m", 200, "random")
     families = {f.name for f in text_string_to_metric_families(gm.render().decode())}

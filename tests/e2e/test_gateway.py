@@ -1,6 +1,7 @@
 """End to end through real Envoy, the real ext_proc server and real simulated engines.
 
-Every case runs on each gateway shape: the local bootstrap (with both request body modes) and
+Every case runs on each gateway shape: the local bootstrap (with both request body modes, and
+with request headers skipped: one ext_proc message each way) and
 the bootstrap Envoy Gateway renders from deploy/overlays/envoy-gateway (extproc/stack/
 envoy_gateway.py: its filter order and names, route names, defaults and the manifests' values).
 """
@@ -46,24 +47,37 @@ MAX_BODY = 2 * 1024 * 1024  # the server's limit here: a 1 MiB prompt passes
 # Room in the simulators for a 1 MiB prompt (about 131k Qwen3 tokens).
 LONG_CONTEXT_SIM = ("--max-model-len", "262144", "--cache-blocks", "20000")
 
+ONE_MESSAGE_OVERLAY = DEFAULT_OVERLAY.parent / "envoy-gateway-one-message"
+LOCAL, EG, BUFFERED = GatewayShape.LOCAL, GatewayShape.ENVOY_GATEWAY, RequestBodyMode.BUFFERED
 SHAPES = [
-    pytest.param((GatewayShape.LOCAL, RequestBodyMode.BUFFERED), id="local-buffered"),
-    pytest.param((GatewayShape.LOCAL, RequestBodyMode.FULL_DUPLEX_STREAMED), id="local-duplex"),
+    pytest.param((LOCAL, BUFFERED, False, DEFAULT_OVERLAY), id="local-buffered"),
+    pytest.param(
+        (LOCAL, RequestBodyMode.FULL_DUPLEX_STREAMED, False, DEFAULT_OVERLAY), id="local-duplex"
+    ),
+    pytest.param((LOCAL, BUFFERED, True, DEFAULT_OVERLAY), id="local-one-message"),
     # The body mode is the EnvoyExtensionPolicy's (Buffered).
-    pytest.param((GatewayShape.ENVOY_GATEWAY, RequestBodyMode.BUFFERED), id="envoy-gateway"),
+    pytest.param((EG, BUFFERED, False, DEFAULT_OVERLAY), id="envoy-gateway"),
+    # The same with the EnvoyPatchPolicy that skips request headers.
+    pytest.param((EG, BUFFERED, False, ONE_MESSAGE_OVERLAY), id="envoy-gateway-one-message"),
 ]
+
+
+def is_one_message(stack: LocalStack) -> bool:
+    return stack.options.one_message or stack.options.gateway_overlay == ONE_MESSAGE_OVERLAY
 
 
 @pytest.fixture(scope="module", params=SHAPES)
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalStack]:
-    shape, body_mode = request.param
+    shape, body_mode, one_message, overlay = request.param
     routes = {} if shape is GatewayShape.ENVOY_GATEWAY else {ROUTE_NAME: ROUTE_SETTINGS}
     opts = stack_options(
         tmp_path_factory.mktemp("stack"),
         gateway_shape=shape,
         body_mode=body_mode,
+        one_message=one_message,
+        gateway_overlay=overlay,
         server_config={"server": {"max_body_bytes": MAX_BODY}, "routes": routes},
         sim_args=(*FAST_SIM, *LONG_CONTEXT_SIM),
         extra_models=(
@@ -220,7 +234,11 @@ def test_non_streaming_chat_usage_matches_gateway_accounting(stack: LocalStack) 
 def test_models_and_health_work_without_a_body(stack: LocalStack) -> None:
     models = httpx.get(f"{stack.base_url}/v1/models", timeout=10)
     assert models.status_code == 200
-    assert {m["id"] for m in models.json()["data"]} == {"qwen3", "ghost"}
+    if is_one_message(stack):
+        # No body, no ext_proc message: a pod answers with its own model (envoy/README.md).
+        assert {m["id"] for m in models.json()["data"]} == {"qwen3"}
+    else:
+        assert {m["id"] for m in models.json()["data"]} == {"qwen3", "ghost"}
     health = httpx.get(f"{stack.base_url}/health", timeout=10)
     if stack.options.gateway_shape is GatewayShape.ENVOY_GATEWAY:
         # The HTTPRoute matches /v1 only: Envoy itself answers anything else (no route).

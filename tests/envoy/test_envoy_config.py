@@ -15,6 +15,8 @@ import yaml
 
 from extproc.stack.envoy_config import (
     EXAMPLES,
+    ONE_MESSAGE_GATE_LUA,
+    ROUTING_HEADERS,
     USAGE_LUA,
     EnvoyOptions,
     HostPort,
@@ -39,6 +41,7 @@ VARIANTS: dict[str, EnvoyOptions] = {
     "no-accounting+fail-open+log": EnvoyOptions(
         response_accounting=ResponseAccounting.NONE, failure_mode_allow=True, access_log=True
     ),
+    "one-message+access-log": EnvoyOptions(one_message=True, access_log=True),
     "three-extproc-processes": EnvoyOptions(
         extproc=tuple(HostPort("127.0.0.1", p) for p in (9002, 9012, 9022)),
     ),
@@ -196,6 +199,51 @@ def test_routing_filter_modes(
         "extproc.request",
     ]
     assert routing["request_attributes"] == ["xds.route_name"]
+
+
+def test_one_message_skips_request_headers_and_gates_the_request_on_its_body() -> None:
+    filters = _filters(render_bootstrap(EnvoyOptions(one_message=True)))
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "extproc.one_message_gate",
+        "envoy.filters.http.lua",
+        "envoy.filters.http.router",
+    ]
+    routing = filters[1]["typed_config"]
+    mode = routing["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "BUFFERED")
+    attributes = routing["request_attributes"]
+    assert attributes[:4] == ["xds.route_name", "request.id", "request.method", "request.path"]
+    assert attributes[4:] == [f"request.headers['{h}']" for h in ROUTING_HEADERS]
+    assert "extproc.headers" in routing["metadata_options"]["receiving_namespaces"]["untyped"]
+    gate = filters[2]["typed_config"]["default_source_code"]["inline_string"]
+    assert gate == ONE_MESSAGE_GATE_LUA
+    assert "request_handle:body()" in gate and "extproc.headers" in gate
+
+
+def test_one_message_needs_a_buffered_body() -> None:
+    with pytest.raises(ValueError, match="BUFFERED"):
+        EnvoyOptions(one_message=True, request_body_mode=RequestBodyMode.FULL_DUPLEX_STREAMED)
+
+
+def test_every_header_the_server_reads_is_carried_in_the_one_message_shape() -> None:
+    """The default names the director and the rules read, against the carried list."""
+    from extproc.config import RoutingConfig
+    from extproc.director.director import OBJECTIVE_HEADERS
+    from extproc.director.flow import FAIRNESS_HEADERS
+    from extproc.director.steps import EXPLAIN_HEADER
+    from extproc.routing import predicted
+    from extproc.routing.affinity import SESSION_KEY_HEADER
+
+    r = RoutingConfig()
+    read = {
+        r.strategy_header, r.priority_header, r.session_header, r.user_header,
+        *OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, EXPLAIN_HEADER, SESSION_KEY_HEADER,
+        predicted.SLO_TTFT_HEADER, predicted.SLO_TPOT_HEADER,
+        predicted.LLMD_SLO_TTFT_HEADER, predicted.LLMD_SLO_TPOT_HEADER,
+    }  # fmt: skip
+    assert read == set(ROUTING_HEADERS)
 
 
 def _access_logs(config: dict[str, Any]) -> list[dict[str, Any]]:
