@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,15 +65,6 @@ class Deciding:
 
     def __init__(self) -> None:
         self.count = 0
-
-    @contextmanager
-    def aside(self) -> Iterator[None]:
-        """Not counted inside the block (the request's admission)."""
-        self.count -= 1
-        try:
-            yield
-        finally:
-            self.count += 1
 
 
 class Director:
@@ -189,18 +179,20 @@ class Director:
         time). Waiting for admission is not deciding: the queue has caps of its own."""
         grants: list[Grant] = []
         waited = 0.0
+        self._deciding.count -= 1
         try:
-            with self._deciding.aside():
-                for step in self.steps.admit:
-                    before = time.perf_counter()
-                    grant = await step.admit(req)
-                    grants.append(grant)
-                    if grant.waited_s > 0:
-                        waited += time.perf_counter() - before
+            for step in self.steps.admit:
+                before = time.perf_counter()
+                grant = await step.admit(req)
+                grants.append(grant)
+                if grant.waited_s > 0:
+                    waited += time.perf_counter() - before
         except BaseException:
             for grant in grants:
                 grant.release()
             raise
+        finally:
+            self._deciding.count += 1
         return grants, waited
 
     async def _routed(self, req: Request, started: float) -> RouteResult:
