@@ -9,6 +9,7 @@ with every step `App` runs (leases, P/D prefill, rewrites, objectives, latency m
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -20,14 +21,15 @@ from prometheus_client import CollectorRegistry
 from extproc.app import Core, Runtime, build_runtime
 from extproc.config import Config, load_config_text
 from extproc.director.director import Director
-from extproc.director.lifecycle import PreRequestStep
+from extproc.director.lifecycle import Outgoing, Placement, PreRequestStep, Request
 from extproc.flowcontrol import FlowController
 from extproc.metrics.store import EndpointStore
+from extproc.routing.base import Decision
 from extproc.tokenization.base import Tokenizer
 from tests._metrics import sample
 from tests._tokenizers import fresh_tokenizer
 
-__all__ = ["OTHER_POOL", "POOL", "DirectorKit", "build_director", "config_text"]
+__all__ = ["OTHER_POOL", "POOL", "Blocks", "DirectorKit", "build_director", "config_text"]
 
 POOL = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 OTHER_POOL = ("10.1.0.1:8000",)
@@ -129,3 +131,17 @@ def build_director(
     )
     core.install(runtime)
     return DirectorKit(core, runtime)
+
+
+class Blocks:
+    """A pre-request step that waits (as a P/D prefill call does) until released."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def pre_request(
+        self, req: Request, place: Placement, decision: Decision, out: Outgoing
+    ) -> None:
+        self.entered.set()
+        await self.release.wait()

@@ -10,7 +10,7 @@ import orjson
 from extproc.director.api import RequestHead, RouteResult
 from extproc.director.lifecycle import Outgoing, Placement, Request
 from extproc.routing.base import Decision
-from tests._director import build_director, config_text
+from tests._director import Blocks, build_director, config_text
 
 BODY = orjson.dumps(
     {
@@ -40,20 +40,6 @@ class Seen:
     ) -> None:
         self.outs.append(Outgoing(**{k: getattr(out, k) for k in out.__slots__}))
         self.cached_then.append(req.runtime.prefix.cached_blocks(decision.endpoint.address))
-
-
-class Blocks:
-    """A pre-request step that waits (as a P/D prefill call does) until released."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def pre_request(
-        self, req: Request, place: Placement, decision: Decision, out: Outgoing
-    ) -> None:
-        self.entered.set()
-        await self.release.wait()
 
 
 async def test_extra_steps_run_after_the_built_in_ones_and_before_the_claim(

@@ -12,11 +12,9 @@ import orjson
 import pytest
 
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
-from extproc.director.lifecycle import Outgoing, Placement, Request
-from extproc.routing.base import Decision
 from extproc.tokenization import load_tokenizer
 from extproc.tokenization.base import Tokenizer
-from tests._director import POOL, DirectorKit, build_director, config_text
+from tests._director import POOL, Blocks, DirectorKit, build_director, config_text
 from tests.director._records import record_for
 
 CHAT = orjson.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi there"}]})
@@ -137,20 +135,6 @@ async def test_decisions_go_on_from_the_same_turn_and_random_state(tokenizer: To
     finally:
         reloaded.close()
         steady.close()
-
-
-class Blocks:
-    """A pre-request step that waits until released (as a P/D prefill call does)."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def pre_request(
-        self, req: Request, place: Placement, decision: Decision, out: Outgoing
-    ) -> None:
-        self.entered.set()
-        await self.release.wait()
 
 
 async def test_requests_in_flight_keep_their_lease_and_their_place_in_the_deciding_count(
