@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -42,11 +42,29 @@ from extproc.config import (
     parse_route_annotations,
 )
 from extproc.director.api import AccessRecord, RequestHead
-from extproc.director.director import Director, ModelRuntime
-from extproc.director.flow import FlowStep
-from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
+from extproc.director.attributes import AttributeReader
+from extproc.director.bodyless import Bodyless
+from extproc.director.director import Deciding, Director, Limits
+from extproc.director.flow import FlowControl
+from extproc.director.latency import LatencyShare, LearnLatency, MarkRouted, TagLatency
 from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
+from extproc.director.lifecycle import ModelRuntime, RoutingState, Steps
+from extproc.director.placement import Candidates, PlaceCandidates
 from extproc.director.prefill import PrefillClient
+from extproc.director.prepare import Models, ParseRequest, ResolveModel, Tokenize
+from extproc.director.response import ChargeUser, CountResponse, PodSamples
+from extproc.director.responses import StampResponseId
+from extproc.director.steps import (
+    ClaimEndpoint,
+    DecideStrategy,
+    ExplainHeader,
+    RecordPick,
+    RemotePrefill,
+    RewriteBody,
+    SessionAffinity,
+    ShedSheddable,
+    TagForAccounting,
+)
 from extproc.discovery.kubernetes import (
     HTTPRouteWatcher,
     InferenceObjective,
@@ -70,6 +88,7 @@ from extproc.metrics.transport import PerHostTransport
 from extproc.routing.builtin import default_plugins
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.rewrites import ModelRewrites
+from extproc.routing.session import SessionTokens
 from extproc.routing.settings import build_strategies, route_annotations
 from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.sync import StateSync, SyncMetrics
@@ -83,7 +102,16 @@ from extproc.tokenization import (
 from extproc.tokenization.base import Tokenizer
 from extproc.types import Endpoint, EndpointRole, EngineMetrics, GatewayError
 
-__all__ = ["App", "build_endpoints", "load_model_tokenizer"]
+__all__ = [
+    "App",
+    "Core",
+    "Runtime",
+    "build_director",
+    "build_endpoints",
+    "build_runtime",
+    "build_steps",
+    "load_model_tokenizer",
+]
 
 log = logging.getLogger("extproc.app")
 
@@ -151,9 +179,9 @@ def build_endpoints(model: ModelConfig) -> tuple[Endpoint, ...]:
 
 
 @dataclass
-class _Runtime:
+class Runtime:
     """Everything built from one config. A reload builds a new one beside the live one and
-    swaps it in with one assignment (`_install`): nothing live changes before the new
+    swaps it in with one assignment (`App._install`): nothing live changes before the new
     runtime is complete, so a rejected reload leaves no trace."""
 
     config: Config
@@ -163,6 +191,349 @@ class _Runtime:
     approx: dict[str, ApproximateIndex]
     static: dict[str, tuple[Endpoint, ...]]  # endpoints from the config file, per model
     strategies: StrategyRegistry
+    models: Models  # what the director routes to, by every name a request may use
+    # The session key: kept by a reload that configures no other secret, so every session id
+    # and stored-response id a client holds still names its pod.
+    sessions: SessionTokens
+
+
+class Core:
+    """What a process builds once and every config's director shares. A config reload builds
+    a new `Runtime` on it and replaces none of it: the metric families, the endpoint store and
+    the gateway's trackers, the lease book, the latency models, the routing state (random
+    source, routing memory), the deciding count, flow control and the decision log; and the
+    live inputs the steps read per request (the route table, the model rewrites, the watched
+    InferenceObjectives). `App` runs one; tests build theirs the same way (tests/_director.py).
+
+    The hooks into the app's other parts (KV events, replica sync, the P/D prefill client)
+    are set by `App`; without them a director routes alone (no events, no peers, no remote
+    prefill)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        replica: str,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config  # the config in force (`install` replaces it)
+        self.replica = replica  # host:pid: who routed a request, in its access-log record
+        self.registry = registry
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.metrics = GatewayMetrics(registry)
+        self.store = EndpointStore(stale_after=config.metrics.stale_after_s, clock=clock)
+        self.podstats = PodStatsTracker()
+        self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics, clock=clock)
+        self.fairness = FairnessCounters()
+        # Routed requests' leases, until their access-log records end them (any process's).
+        acct = config.accounting
+        self.leases = LeaseBook(
+            replica=replica, inflight=self.inflight, fairness=self.fairness, metrics=self.metrics,
+            bound=self._lease_bound, min_s=acct.lease_min_s, records=acct.access_log, clock=clock,
+        )  # fmt: skip
+        # predicted-latency's per-pod models: learned from the records this process accounts.
+        self.latency = LatencyModels(clock=clock)
+        self.latency_metrics = LatencyMetrics(registry)
+        self.state = RoutingState(random.Random(config.routing.seed))
+        self.deciding = Deciding()
+        # The status page: this process's last decisions.
+        self.decisions = DecisionLog(wall_clock=wall_clock)
+        self.flow = self._build_flow(config)
+        if self.flow is not None:
+            self.leases.on_end = self.flow.wake  # a lease's room may let a waiting request go
+        # Live inputs: config-file routes + HTTPRoute annotations; the config's model rewrites
+        # + discovered InferenceModelRewrites (one object, rebuilt whole on either change);
+        # watched InferenceObjectives' priorities; discovered endpoints.
+        self.routes = RouteTable()
+        self.found_rewrites: list[ModelRewriteConfig] = []
+        self.rewrites = ModelRewrites()
+        self.objectives: dict[str, int] = {}
+        self.discovered: dict[str, tuple[Endpoint, ...]] = {}
+        self.static: dict[str, tuple[Endpoint, ...]] = {}
+        # Hooks into the app's other parts.
+        self.kv_healthy: Callable[[str], bool] = lambda _address: False
+        self.on_routed: Callable[[str], None] | None = None  # the KV-event manager's
+        self.share_blocks: Callable[[str, str, Sequence[int]], None] | None = None
+        self.share_latency: LatencyShare | None = None
+        self.prefill: PrefillClient | None = None
+
+    def _build_flow(self, config: Config) -> FlowController | None:
+        """The queue for demand above the pool, when `flow_control.enabled` (settings apply at
+        start-up only: waiting requests live in it)."""
+        cfg = config.flow_control
+        if not cfg.enabled:
+            return None
+        capacity = PoolCapacity(
+            ready=lambda model: self.store.ready(model),
+            in_flight=lambda address: self.inflight.load(address).requests,
+            queue_threshold=cfg.queue_threshold,
+            kv_threshold=cfg.kv_threshold,
+            max_concurrency=cfg.max_concurrency,
+        )
+        return FlowController(
+            settings=cfg, capacity=capacity, tokens=self.fairness.tokens,
+            metrics=FlowMetrics(self.registry),
+        )  # fmt: skip
+
+    def _lease_bound(self, address: str) -> float:
+        """How long a request on `address` may take before its lease is presumed lost: 3x
+        the longest response seen there (else in the pool), within the configured bounds."""
+        acct = self.config.accounting
+        longest = self.podstats.longest_of(address)
+        if longest is None:
+            return acct.lease_max_s
+        return min(acct.lease_max_s, max(acct.lease_min_s, LEASE_LATENCY_MULTIPLE * longest))
+
+    def objective_priority(self, name: str) -> int | None:
+        """An InferenceObjective's priority: the config's, else the watched resource's."""
+        found = self.config.flow_control.objectives.get(name)
+        if found is not None:
+            return found
+        return self.objectives.get(name)
+
+    def install(self, rt: Runtime) -> None:
+        """`rt`'s config in force: its routes, rewrites and static endpoints beside the
+        discovered ones."""
+        self.config = rt.config
+        self.routes = self.routes.with_local(rt.config.routes)
+        self.static = rt.static
+        self.set_rewrites(self.found_rewrites)
+        self.publish_endpoints()
+
+    def set_rewrites(self, found: list[ModelRewriteConfig]) -> None:
+        """The rewrites in force: the config's, then discovered ones for our pools."""
+        self.found_rewrites = found
+        cfg = self.config
+        pools = [m.kubernetes.inference_pool for m in cfg.models if m.kubernetes is not None]
+        self.rewrites = ModelRewrites(
+            [*cfg.model_rewrites, *found], pools=[p for p in pools if p is not None]
+        )
+
+    def publish_endpoints(self) -> None:
+        by_model = dict(self.static)
+        for model, eps in self.discovered.items():
+            by_model[model] = (*by_model.get(model, ()), *eps)
+        self.store.set_endpoints(by_model)
+
+    def share_blocks_of(self, model: str) -> Callable[[str, Sequence[int]], None]:
+        def share(pod: str, hashes: Sequence[int]) -> None:
+            if self.share_blocks is not None:
+                self.share_blocks(model, pod, hashes)
+
+        return share
+
+    def shared_latency(
+        self, model: str, pod: str, tag: str, ttft_s: float | None, tpot_s: float | None
+    ) -> None:
+        if self.share_latency is not None:
+            self.share_latency(model, pod, tag, ttft_s, tpot_s)
+
+
+TokenizerFor = Callable[[ModelConfig], Tokenizer]
+
+
+def build_runtime(
+    config: Config,
+    core: Core,
+    previous: Runtime | None = None,
+    created: list[TokenizerPool] | None = None,
+    *,
+    tokenizer_for: TokenizerFor | None = None,
+) -> Runtime:
+    """A complete runtime for `config` on `core`, reusing what is compatible from `previous`
+    (warm tokenizers and indexes, the session key) and changing nothing live. Raises on a
+    bad config. New tokenizer pools are appended to `created` (closed by the caller when the
+    config is rejected). `tokenizer_for` loads a model's tokenizer (tests hand theirs)."""
+    load = tokenizer_for or (lambda m: load_model_tokenizer(m, config.server.tokenizer_root))
+    created = created if created is not None else []
+    # Every routing setting checked (key path in errors).
+    strategies = build_strategies(config, default_plugins(latency=core.latency))
+    runtimes: dict[str, ModelRuntime] = {}
+    tokenizers: dict[str, TokenizerPool] = {}
+    exact_map: dict[str, ExactIndex] = {}
+    approx_map: dict[str, ApproximateIndex] = {}
+    for model in config.models:
+        pool = previous.tokenizers.get(_tok_key(model)) if previous else None
+        if pool is None:
+            pool = TokenizerPool(
+                load(model),
+                max_workers=config.server.tokenizer_threads,
+                inline_threshold_chars=config.server.tokenize_inline_bytes,
+            )
+            created.append(pool)
+        tokenizers[_tok_key(model)] = pool
+        exact = previous.exact.get(model.name) if previous else None
+        if exact is None or exact.block_size != model.block_size:
+            # Another block size hashes other blocks: a new index, fed by new subscribers.
+            exact = ExactIndex(
+                block_size=model.block_size, max_blocks=config.kv_events.exact_capacity_blocks
+            )
+        exact_map[model.name] = exact
+        approx = previous.approx.get(model.name) if previous else None
+        if approx is None:
+            approx = ApproximateIndex(
+                ttl_s=config.kv_events.approx_ttl_s,
+                max_blocks=config.kv_events.approx_capacity_blocks,
+            )
+        approx_map[model.name] = approx
+        runtimes[model.name] = _model_runtime(config, core, model, pool, exact, approx)
+    static = {m.name: build_endpoints(m) for m in config.models if m.endpoints}
+    sessions = _session_tokens(config, previous)
+    models = Models(runtimes)
+    director = build_director(config, core, models, strategies, sessions)
+    return Runtime(
+        config, director, tokenizers, exact_map, approx_map, static, strategies, models, sessions
+    )
+
+
+def _model_runtime(
+    config: Config,
+    core: Core,
+    model: ModelConfig,
+    pool: TokenizerPool,
+    exact: ExactIndex,
+    approx: ApproximateIndex,
+) -> ModelRuntime:
+    return ModelRuntime(
+        name=model.name,
+        tokenizer=pool,
+        prefix=PrefixIndex(
+            mode=IndexMode(model.kv_events_mode or config.kv_events.mode),
+            block_size=model.block_size,
+            exact=exact,
+            approximate=approx,
+            events_healthy=lambda address: core.kv_healthy(address),
+            on_record=core.share_blocks_of(model.name),
+            pending_s=config.kv_events.pending_s,
+        ),
+        block_size=model.block_size,
+        default_strategy=model.strategy,
+        lora_adapters=frozenset(model.lora_adapters),
+        aliases=tuple(model.aliases),
+    )
+
+
+def _session_tokens(config: Config, previous: Runtime | None) -> SessionTokens:
+    """The previous runtime's session key unless this config sets another secret: a reload
+    without `routing.session_secret` keeps every session and stored-response id valid."""
+    secret = config.routing.session_secret
+    if previous is not None and secret in (None, previous.config.routing.session_secret):
+        return previous.sessions
+    return SessionTokens.from_secret(secret)
+
+
+def build_director(
+    config: Config,
+    core: Core,
+    models: Models,
+    strategies: StrategyRegistry,
+    sessions: SessionTokens,
+) -> Director:
+    """The director for `config`: its steps, and the core's state it shares with the next."""
+    cfg = config.routing
+    return Director(
+        build_steps(config, core, models, strategies, sessions),
+        bodyless=Bodyless(
+            models=models, store=core.store, inflight=core.inflight, sessions=sessions,
+            state=core.state, max_fallbacks=cfg.max_fallbacks,
+        ),
+        leases=core.leases,
+        state=core.state,
+        deciding=core.deciding,
+        metrics=core.metrics,
+        limits=Limits(
+            max_body_bytes=config.server.max_body_bytes,
+            max_pending=config.server.max_pending_requests,
+            max_fallbacks=cfg.max_fallbacks,
+        ),
+    )  # fmt: skip
+
+
+def build_steps(
+    config: Config,
+    core: Core,
+    models: Models,
+    strategies: StrategyRegistry,
+    sessions: SessionTokens,
+) -> Steps:
+    """Every step of the request lifecycle, in the order the director runs them (kinds:
+    `extproc.director.lifecycle`). The one place they are listed."""
+    cfg, metrics, clock = config.routing, core.metrics, core.clock
+    candidates = Candidates(
+        store=core.store, inflight=core.inflight, stall_after_s=cfg.stall_after_s
+    )
+    return Steps(
+        prepare=(
+            ParseRequest(
+                max_body_bytes=config.server.max_body_bytes,
+                routes=lambda name: core.routes.lookup(name),
+                attributes=AttributeReader(cfg, core.objective_priority),
+            ),
+            ResolveModel(
+                models=models,
+                strategies=strategies,
+                rewrites=lambda: core.rewrites,
+                sessions=sessions,
+                metrics=metrics,
+                strategy_header=cfg.strategy_header,
+                default_strategy=cfg.default_strategy,
+            ),
+            Tokenize(metrics=metrics),
+        ),
+        # With flow control, the queue decides what waits and what is shed (sheddable
+        # requests first); without it, sheddable requests are shed when every pod is saturated.
+        admit=(
+            (FlowControl(core.flow),)
+            if core.flow is not None
+            else (
+                ShedSheddable(
+                    candidates=candidates,
+                    metrics=metrics,
+                    queue_threshold=cfg.queue_threshold,
+                    kv_threshold=cfg.kv_threshold,
+                ),
+            )
+        ),
+        place=PlaceCandidates(
+            candidates=candidates,
+            store=core.store,
+            inflight=core.inflight,
+            podstats=core.podstats,
+            sessions=sessions,
+            clock=clock,
+        ),
+        decide=DecideStrategy(fairness=core.fairness, metrics=metrics, clock=clock),
+        pre_request=(
+            RecordPick(metrics=metrics, clock=clock, on_routed=core.on_routed),
+            RewriteBody(inject_include_usage=config.accounting.inject_include_usage),
+            RemotePrefill(client=core.prefill, metrics=metrics),
+            SessionAffinity(header=cfg.session_header, tokens=sessions),
+            StampResponseId(tokens=sessions, session_header=cfg.session_header),
+            ExplainHeader(allowed=config.server.allow_explain),
+            TagForAccounting(replica=core.replica),
+            MarkRouted(models=core.latency),
+            TagLatency(models=core.latency),
+            *((core.decisions,) if config.server.status_page else ()),
+        ),
+        claim=ClaimEndpoint(leases=core.leases),
+        complete=(
+            CountResponse(metrics),
+            ChargeUser(core.fairness),
+            PodSamples(
+                metrics=metrics,
+                podstats=core.podstats,
+                inflight=core.inflight,
+                clock=clock,
+                wall_clock=core.wall_clock,
+            ),
+            LearnLatency(
+                models=core.latency, metrics=core.latency_metrics, share=core.shared_latency
+            ),
+        ),
+    )
 
 
 class App:
@@ -171,15 +542,26 @@ class App:
     def __init__(self, config: Config, *, config_path: Path | None = None) -> None:
         self._config_path = config_path
         self._config_mtime = _mtime(config_path)
-        # Who routed a request, in its access-log record (any process may account it).
-        self.replica = f"{socket.gethostname()}:{os.getpid()}"
-        # The status page: this process's last decisions, and how the config got in force.
-        self.decisions = DecisionLog()
+        self.registry = CollectorRegistry()
+        # What outlives config reloads (the runtime built from each config runs on it).
+        self.core = core = Core(
+            config, replica=f"{socket.gethostname()}:{os.getpid()}", registry=self.registry
+        )
+        self.replica = core.replica
+        self.metrics = core.metrics
+        self.store = core.store
+        self.podstats = core.podstats
+        self.inflight = core.inflight
+        self.fairness = core.fairness
+        self.leases = core.leases
+        self.latency = core.latency  # kept across reloads (the strategies are rebuilt)
+        self.latency_metrics = core.latency_metrics
+        self.decisions = core.decisions
+        self.flow = core.flow
+        # How the config got in force (the status page).
         self.reload_status = ReloadStatus(
             path=str(config_path) if config_path else None, loaded_at=time.time()
         )
-        self.registry = CollectorRegistry()
-        self.metrics = GatewayMetrics(self.registry)
         self.state_gauge = Gauge(
             "server_state", "Per-request state and task counts (flat under steady load)", ["kind"],
             namespace="extproc", registry=self.registry,
@@ -188,43 +570,17 @@ class App:
             "config_reloads", "Config file reloads by result", ["result"],
             namespace="extproc", registry=self.registry,
         )  # fmt: skip
-        self.store = EndpointStore(stale_after=config.metrics.stale_after_s)
-        self.podstats = PodStatsTracker()
-        self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
-        self.fairness = FairnessCounters()
-        # Routed requests' leases, until their access-log records end them (any process's).
-        acct = config.accounting
-        self.leases = LeaseBook(
-            replica=self.replica,
-            inflight=self.inflight,
-            fairness=self.fairness,
-            metrics=self.metrics,
-            bound=self._lease_bound,
-            min_s=acct.lease_min_s,
-            records=acct.access_log,
-        )
-        # predicted-latency's per-pod models: learned from the records this process accounts,
-        # kept across reloads (the strategy instances are rebuilt, the models are not).
-        self.latency = LatencyModels()
-        self.latency_metrics = LatencyMetrics(self.registry)
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
         # Scrapes get one small pool per pod: httpcore's single pool walks every connection
         # per request, which at hundreds of pods cost more CPU than the scrapes themselves.
         self._scrape_http = httpx.AsyncClient(transport=PerHostTransport())
-        self._routes = RouteTable()  # config-file routes + HTTPRoute annotations
-        self._kv_healthy: Callable[[str], bool] = lambda _address: False
-        self._discovered: dict[str, tuple[Endpoint, ...]] = {}
+        core.prefill = PrefillClient(self._http)
+        core.on_routed = self._note_traffic
         self._discoveries: list[PodDiscovery] = []
         self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
-        # Model rewrites: the config file's plus discovered InferenceModelRewrites (one object,
-        # rebuilt whole on either change and read by the director per request).
-        self._found_rewrites: list[ModelRewriteConfig] = []
-        self._rewrites = ModelRewrites()
         self._rewrite_watcher: ModelRewriteWatcher | None = None
         self._objective_watcher: InferenceObjectiveWatcher | None = None
         self._api_client: Any = None
-        self._objectives: dict[str, int] = {}  # InferenceObjective name -> priority (watched)
-        self.flow = self._build_flow(config)
         self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
@@ -290,134 +646,28 @@ class App:
 
     # -- building ------------------------------------------------------------------------------
 
-    def _build(self, config: Config, previous: _Runtime | None = None) -> _Runtime:
-        """A complete runtime for `config`, reusing what is compatible from `previous` (warm
-        tokenizers and indexes) and changing nothing live. Raises on a bad config."""
+    def _build(self, config: Config, previous: Runtime | None = None) -> Runtime:
+        """A complete runtime for `config` (`build_runtime`); changes nothing live."""
         created: list[TokenizerPool] = []
         try:
-            return self._build_runtime(config, previous, created)
+            return build_runtime(config, self.core, previous, created)
         except BaseException:
             for pool in created:  # new pools of a rejected config: nothing else holds them
                 pool.close()
             raise
 
-    def _build_runtime(
-        self, config: Config, previous: _Runtime | None, created: list[TokenizerPool]
-    ) -> _Runtime:
-        # Every routing setting checked (key path in errors).
-        registry = build_strategies(config, default_plugins(latency=self.latency))
-        runtimes: dict[str, ModelRuntime] = {}
-        tokenizers: dict[str, TokenizerPool] = {}
-        exact_map: dict[str, ExactIndex] = {}
-        approx_map: dict[str, ApproximateIndex] = {}
-        for model in config.models:
-            pool = previous.tokenizers.get(_tok_key(model)) if previous else None
-            if pool is None:
-                pool = TokenizerPool(
-                    load_model_tokenizer(model, config.server.tokenizer_root),
-                    max_workers=config.server.tokenizer_threads,
-                    inline_threshold_chars=config.server.tokenize_inline_bytes,
-                )
-                created.append(pool)
-            tokenizers[_tok_key(model)] = pool
-            mode = IndexMode(model.kv_events_mode or config.kv_events.mode)
-            exact = previous.exact.get(model.name) if previous else None
-            if exact is None or exact.block_size != model.block_size:
-                # Another block size hashes other blocks: a new index, fed by new subscribers.
-                exact = ExactIndex(
-                    block_size=model.block_size, max_blocks=config.kv_events.exact_capacity_blocks
-                )
-            exact_map[model.name] = exact
-            approx = previous.approx.get(model.name) if previous else None
-            if approx is None:
-                approx = ApproximateIndex(
-                    ttl_s=config.kv_events.approx_ttl_s,
-                    max_blocks=config.kv_events.approx_capacity_blocks,
-                )
-            approx_map[model.name] = approx
-            runtimes[model.name] = ModelRuntime(
-                name=model.name,
-                tokenizer=pool,
-                prefix=PrefixIndex(
-                    mode=mode,
-                    block_size=model.block_size,
-                    exact=exact,
-                    approximate=approx,
-                    events_healthy=lambda address: self._kv_healthy(address),
-                    on_record=functools.partial(self._shared_blocks, model.name),
-                    pending_s=config.kv_events.pending_s,
-                ),
-                block_size=model.block_size,
-                default_strategy=model.strategy,
-                lora_adapters=frozenset(model.lora_adapters),
-                aliases=tuple(model.aliases),
-            )
-        static = {m.name: build_endpoints(m) for m in config.models if m.endpoints}
-        director = Director(
-            config=config,
-            models=runtimes,
-            store=self.store,
-            registry=registry,
-            inflight=self.inflight,
-            podstats=self.podstats,
-            fairness=self.fairness,
-            metrics=self.metrics,
-            route_settings=self.route_settings_for,
-            model_rewrites=lambda: self._rewrites,
-            prefill=PrefillClient(self._http),
-            on_routed=lambda address: self.kv.note_traffic(address),
-            replica=self.replica,
-            leases=self.leases,
-            flow=FlowStep(self.flow) if self.flow is not None else None,
-            objectives=self._objective_priority,
-            pre_request_steps=(
-                MarkRouted(models=self.latency),
-                TagLatency(models=self.latency),
-                *((self.decisions,) if config.server.status_page else ()),
-            ),
-            response_complete_steps=(
-                LearnLatency(
-                    models=self.latency, metrics=self.latency_metrics, share=self._shared_latency
-                ),
-            ),
-        )
-        return _Runtime(config, director, tokenizers, exact_map, approx_map, static, registry)
-
-    def _install(self, rt: _Runtime) -> None:
+    def _install(self, rt: Runtime) -> None:
         """Make `rt` the live runtime (start-up and reload). KV-event subscribers follow
         with `kv.set_indexes` (async). Tokenizer pools the new runtime dropped stay open:
         requests the old director is still tokenizing use them."""
         self._rt = rt
-        self._routes = self._routes.with_local(rt.config.routes)
-        self._set_rewrites(self._found_rewrites)
-        self._publish_endpoints()
+        self.core.install(rt)
+
+    @property
+    def _rewrites(self) -> ModelRewrites:
+        return self.core.rewrites
 
     # -- flow control ---------------------------------------------------------------------------
-
-    def _build_flow(self, config: Config) -> FlowController | None:
-        """The queue for demand above the pool, when `flow_control.enabled` (settings apply at
-        start-up only: waiting requests live in it)."""
-        cfg = config.flow_control
-        if not cfg.enabled:
-            return None
-        capacity = PoolCapacity(
-            ready=lambda model: self.store.ready(model),
-            in_flight=lambda address: self.inflight.load(address).requests,
-            queue_threshold=cfg.queue_threshold,
-            kv_threshold=cfg.kv_threshold,
-            max_concurrency=cfg.max_concurrency,
-        )
-        return FlowController(
-            settings=cfg, capacity=capacity, tokens=self.fairness.tokens,
-            metrics=FlowMetrics(self.registry),
-        )  # fmt: skip
-
-    def _objective_priority(self, name: str) -> int | None:
-        """An InferenceObjective's priority: the config's, else the watched resource's."""
-        found = self.config.flow_control.objectives.get(name)
-        if found is not None:
-            return found
-        return self._objectives.get(name)
 
     def _flow_gauges(self) -> None:
         flow = self.flow
@@ -474,34 +724,17 @@ class App:
         )
         self.fairness.on_charge = sync.note_charge
         self.leases.forward = lambda key: sync.note_release(key.replica, key.seq)
+        self.core.share_blocks = sync.note_blocks
+        self.core.share_latency = sync.note_latency
         self.poller.should_scrape = self._should_scrape
         self.poller.on_scraped = lambda ep, metrics: sync.note_metrics(
             ep.model, ep.address, metrics
         )
         return sync
 
-    def _lease_bound(self, address: str) -> float:
-        """How long a request on `address` may take before its lease is presumed lost: 3x
-        the longest response seen there (else in the pool), within the configured bounds."""
-        acct = self.config.accounting
-        longest = self.podstats.longest_of(address)
-        if longest is None:
-            return acct.lease_max_s
-        return min(acct.lease_max_s, max(acct.lease_min_s, LEASE_LATENCY_MULTIPLE * longest))
-
     def _adopt(self, rows: list[Any]) -> None:
         n = self.leases.adopt(rows)
         log.info("adopted %d open leases from a replica that shut down", n)
-
-    def _shared_blocks(self, model: str, pod: str, hashes: Sequence[int]) -> None:
-        if self.sync is not None:
-            self.sync.note_blocks(model, pod, hashes)
-
-    def _shared_latency(
-        self, model: str, pod: str, tag: str, ttft_s: float | None, tpot_s: float | None
-    ) -> None:
-        if self.sync is not None:
-            self.sync.note_latency(model, pod, tag, ttft_s, tpot_s)
 
     def _should_scrape(self, url: str, endpoints: Sequence[Endpoint]) -> bool:
         """The pod's owner scrapes it; anyone whose copy is older than 2 polls does too."""
@@ -525,46 +758,34 @@ class App:
         if state is None or state.metrics is None or state.metrics.updated_at < metrics.updated_at:
             self.store.record_success(ep, metrics)
 
+    def _note_traffic(self, address: str) -> None:
+        self.kv.note_traffic(address)
+
     def _kv_manager(self, config: Config) -> KVEventManager:
         manager = KVEventManager(
             indexes=self._rt.exact,
             settings=SubscriberSettings.from_config(config.kv_events),
             metrics=self._kv_metrics,  # registered once; a manager rebuilt on reload reuses them
         )
-        self._kv_healthy = manager.is_healthy
+        self.core.kv_healthy = manager.is_healthy
         return manager
 
     def route_settings_for(self, route_name: str | None) -> RouteSettings | None:
         """Settings of the route Envoy matched (`RouteTable.lookup` on the live table)."""
-        return self._routes.lookup(route_name)
+        return self.core.routes.lookup(route_name)
 
     def set_route_settings(self, settings: Mapping[str, RouteSettings]) -> None:
         """Replace per-route settings (from the HTTPRoute watcher), keeping config-file routes."""
-        self._routes = self._routes.with_kubernetes(settings)
-
-    def _publish_endpoints(self) -> None:
-        by_model = dict(self._rt.static)
-        for model, eps in self._discovered.items():
-            by_model[model] = (*by_model.get(model, ()), *eps)
-        self.store.set_endpoints(by_model)
+        self.core.routes = self.core.routes.with_kubernetes(settings)
 
     def _on_discovered(self, model: str, endpoints: tuple[Endpoint, ...]) -> None:
         """Kubernetes changed a model's endpoint set: metrics polling and KV events follow."""
-        self._discovered[model] = endpoints
-        self._publish_endpoints()
+        self.core.discovered[model] = endpoints
+        self.core.publish_endpoints()
         log.info("model %s: %d endpoints discovered", model, len(endpoints))
         task = asyncio.get_running_loop().create_task(self.kv.set_endpoints(self.store.endpoints()))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
-
-    def _set_rewrites(self, found: list[ModelRewriteConfig]) -> None:
-        """The rewrites in force: the config's, then discovered ones for our pools."""
-        self._found_rewrites = found
-        cfg = self._rt.config
-        pools = [m.kubernetes.inference_pool for m in cfg.models if m.kubernetes is not None]
-        self._rewrites = ModelRewrites(
-            [*cfg.model_rewrites, *found], pools=[p for p in pools if p is not None]
-        )
 
     def _on_routes(self, routes: Mapping[tuple[str, str], RouteSettings]) -> None:
         self.set_route_settings(
@@ -602,7 +823,7 @@ class App:
         if cfg.kubernetes.watch_model_rewrites:
             self._rewrite_watcher = ModelRewriteWatcher(
                 self._api_client,
-                self._set_rewrites,
+                self.core.set_rewrites,
                 namespaces=cfg.kubernetes.namespaces,
                 loop=loop,
             )
@@ -620,7 +841,7 @@ class App:
         by_name: dict[str, int] = {}
         for objective in objectives:
             by_name.setdefault(objective.name, objective.priority)
-        self._objectives = by_name
+        self.core.objectives = by_name
         log.info("%d InferenceObjectives in force", len(by_name))
 
     async def _stop_kubernetes(self) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from extproc.accounting.inflight import InflightTracker
 from extproc.admin.series import PodSeries
 from extproc.director.explain import explain_json
-from extproc.director.lifecycle import Outgoing, PreparedRequest
+from extproc.director.lifecycle import Outgoing, Placement, Request
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.metrics.store import EndpointState, EndpointStore
@@ -79,21 +79,23 @@ class DecisionLog:
         self.size = size
         self.total = 0  # decisions recorded since start (the ring keeps the last `size`)
 
-    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
-        self.record(req, decision)
+    async def pre_request(
+        self, req: Request, place: Placement, decision: Decision, out: Outgoing
+    ) -> None:
+        self.record(req, place, decision)
 
-    def record(self, req: PreparedRequest, decision: Decision) -> None:
+    def record(self, req: Request, place: Placement, decision: Decision) -> None:
         self._ring.append(
             DecisionRecord(
                 at=self._wall_clock(),
                 request_id=req.head.request_id,
                 route=req.head.route_name or "",
                 model=req.runtime.name,
-                prompt_tokens=req.routing.prompt_tokens,
-                estimated=req.estimated,
-                tokenize_s=req.tokenize_s,
+                prompt_tokens=req.prompt.tokens,
+                estimated=req.prompt.estimated,
+                tokenize_s=req.prompt.tokenize_s,
                 decision=decision,
-                pods=req.pods,
+                pods=place.pods,
             )
         )
         self.total += 1

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from extproc.accounting.latency_model import DecisionTag, LatencyMetrics, LatencyModels
 from extproc.director.api import AccessRecord, Outcome
-from extproc.director.lifecycle import Completed, Outgoing, PreparedRequest
+from extproc.director.lifecycle import Completed, Outgoing, Placement, Request
 from extproc.routing.base import Decision
 from extproc.routing.predicted import latency_features
 
@@ -39,7 +39,9 @@ class MarkRouted:
     def __init__(self, *, models: LatencyModels) -> None:
         self._models = models
 
-    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+    async def pre_request(
+        self, req: Request, place: Placement, decision: Decision, out: Outgoing
+    ) -> None:
         self._models.routed(req.runtime.name, decision.endpoint.address)
 
 
@@ -49,14 +51,16 @@ class TagLatency:
     def __init__(self, *, models: LatencyModels) -> None:
         self._models = models
 
-    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
-        if out.routed is None or req.estimated or not req.req.stream:
+    async def pre_request(
+        self, req: Request, place: Placement, decision: Decision, out: Outgoing
+    ) -> None:
+        if out.routed is None or req.prompt.estimated or not req.parsed.stream:
             return
         address = decision.endpoint.address
-        pod = req.pod(address)
+        pod = place.pod(address)
         if pod is None:
             return
-        features = latency_features(req.routing, pod)
+        features = latency_features(place.routing, pod)
         pred = self._models.predict(req.runtime.name, address, features)
         tag = DecisionTag(features)
         if pred is not None:

@@ -88,6 +88,8 @@ class Ticket:
         m = self._book.metrics
         m.child(m.lease_ends, how).inc()
         m.child(m.routed_requests, self._model).inc()
+        if self._book.on_end is not None:
+            self._book.on_end()
 
     def handoff_row(self, now: float) -> HandoffRow:
         ep = self._lease.endpoint
@@ -122,6 +124,8 @@ class LeaseBook:
         self._min_s = min_s  # no bound is shorter: younger tickets are never looked at
         self.records = records  # access-log records end tickets (else held streams do)
         self.forward = forward  # tells the peers of a record for a lease held elsewhere
+        # Told whenever a ticket ends (flow control: its room may let a waiting request go).
+        self.on_end: Callable[[], None] | None = None
         self._clock = clock
         self._seq = 0
         self._open: dict[LeaseKey, Ticket] = {}  # in issue order: oldest first

@@ -35,42 +35,13 @@ CLIENT_CLOSED_STATUS = 499  # the client went away before the response ended (ng
 
 
 class RecordAccounting:
-    """Accounts access-log records: runs the response-complete steps on each routed request's
-    record. `account` never raises for any record."""
+    """Accounts access-log records: runs the response-complete steps (the composition root
+    lists them: `CountResponse`, `ChargeUser`, `PodSamples`, then the latency models') on each
+    routed request's record. `account` never raises for any record."""
 
     def __init__(self, steps: Sequence[ResponseCompleteStep], *, metrics: GatewayMetrics) -> None:
         self._steps = tuple(steps)
         self._metrics = metrics
-
-    @classmethod
-    def default(
-        cls,
-        *,
-        metrics: GatewayMetrics,
-        fairness: FairnessCounters,
-        podstats: PodStatsTracker,
-        inflight: InflightTracker,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
-        extra: Sequence[ResponseCompleteStep] = (),
-    ) -> RecordAccounting:
-        """The built-in consumers, in order: request and token counts, the user's charge,
-        per-pod samples; then `extra` (the composition root's, e.g. the latency models)."""
-        return cls(
-            (
-                CountResponse(metrics),
-                ChargeUser(fairness),
-                PodSamples(
-                    metrics=metrics,
-                    podstats=podstats,
-                    inflight=inflight,
-                    clock=clock,
-                    wall_clock=wall_clock,
-                ),
-                *extra,
-            ),
-            metrics=metrics,
-        )
 
     def account(self, record: AccessRecord) -> None:
         routed = record.routed

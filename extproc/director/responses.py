@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from itertools import compress
 from typing import Any
 
-from extproc.director.lifecycle import Outgoing, PreparedRequest
+from extproc.director.lifecycle import Outgoing, Placement, Request
 from extproc.metrics.store import ReadyEndpoints
 from extproc.routing.base import Decision
 from extproc.routing.session import SessionTokens
@@ -41,9 +41,11 @@ class StampResponseId:
         self._tokens = tokens
         self._session_header = session_header
 
-    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+    async def pre_request(
+        self, req: Request, place: Placement, decision: Decision, out: Outgoing
+    ) -> None:
         tag = self._tokens.target_tag(req.rewrite.target) if req.rewrite is not None else None
-        if req.req.kind is RequestKind.RESPONSES:
+        if req.parsed.kind is RequestKind.RESPONSES:
             out.request_id = self._tokens.response_id(decision.endpoint.address, tag)
         sid = out.set_headers.get(self._session_header)
         if tag is not None and sid is not None:

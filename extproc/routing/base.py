@@ -157,6 +157,9 @@ class RoutingRequest:
     session_id: str | None = None
     lora: str | None = None  # adapter name when `model` names a LoRA adapter
     priority: int = 0  # < 0 marks the request sheddable
+    # Its latency targets in ms (read once with its other attributes, from its SLO headers).
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     headers: Mapping[str, str] = field(default_factory=lambda: EMPTY_LABELS)
 
 

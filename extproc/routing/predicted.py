@@ -285,10 +285,10 @@ def slo_ms(headers: Mapping[str, str], *names: str) -> float | None:
     return value
 
 
-def _slo(headers: Mapping[str, str]) -> _Slo | None:
-    """The request's SLO headers; None without any (the common case: nothing built)."""
-    ttft = slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER)
-    tpot = slo_ms(headers, SLO_TPOT_HEADER, LLMD_SLO_TPOT_HEADER)
+def _slo(req: RoutingRequest) -> _Slo | None:
+    """The request's SLOs (the director read them from its headers with `slo_ms`); None
+    without any (the common case: nothing built)."""
+    ttft, tpot = req.slo_ttft_ms, req.slo_tpot_ms
     return None if ttft is None and tpot is None else _Slo(ttft, tpot)
 
 
@@ -359,7 +359,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        slo = _slo(req.headers)
+        slo = _slo(req)
         if vectorised(snap.pods, PREDICTED_RULE):
             return self._route_columns(t0, req, snap, rng, slo)
         pods = snap.pods

@@ -17,7 +17,7 @@ from extproc.accounting.latency_model import (
 )
 from extproc.routing.predicted import FEATURE_NAMES, LatencyFeatures
 from tests._clock import ManualClock
-from tests.reliability._director import sample
+from tests._metrics import sample
 
 MODEL = "qwen3"
 

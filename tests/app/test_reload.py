@@ -132,7 +132,7 @@ async def test_a_new_block_size_moves_the_kv_subscribers_to_the_new_index(tmp_pa
         assert new_index is not old_index and new_index.block_size == 32
         sub = app.kv.subscriber("127.0.0.1:9")
         assert sub is not None and sub.index is new_index  # events feed what decisions read
-        assert app.director._models["m"].prefix._exact is new_index
+        assert app._rt.models.runtimes["m"].prefix._exact is new_index
     finally:
         await app.stop()
 

@@ -209,13 +209,13 @@ async def test_the_decision_ring_keeps_the_newest_and_counts_all() -> None:
     with model_runtime() as runtime:
         pods = (pod("10.0.0.1:8000"), pod("10.0.0.2:8000"))
         for i in range(5):
-            req = prepared(runtime, pods=pods)
+            req, place = prepared(runtime, pods=pods)
             req = replace(req, head=replace(req.head, request_id=f"r{i}"))
             pick = pods[i % 2]
             decision = Decision(
                 ranked=(pick.endpoint,), strategy="s", scores={pick.address: {"x": i / 10}}
             )
-            await log.pre_request(req, decision, Outgoing())
+            await log.pre_request(req, place, decision, Outgoing())
     assert log.total == 5
     assert [r.request_id for r in log.newest_first()] == ["r4", "r3", "r2"]
     scores = log.recent_scores()

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.test_manifests import find, render
-from tests.deploy.test_observability import OVERLAY, dashboard_exprs
+from tests.deploy._dashboard import OVERLAY, dashboard_exprs
+from tests.deploy._manifests import find, render
 
 PROMTOOL = shutil.which("promtool", path=str(Path(sys.executable).parent)) or shutil.which(
     "promtool"

@@ -9,7 +9,6 @@ generated from the dashboard JSON; the PodMonitor finds the router's pods and po
 from __future__ import annotations
 
 import copy
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -19,34 +18,13 @@ import httpx
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 
+from tests.deploy._dashboard import DASHBOARD, OVERLAY, dashboard, dashboard_exprs, panels
+from tests.deploy._manifests import REPO, find, pod_labels, render, validate
 from tests.deploy.promql import metric_names, series_names
-from tests.deploy.test_manifests import DEPLOY, REPO, find, pod_labels, render, validate
 from tests.e2e.harness import running_stack, stack_options, wait_for
 
-OVERLAY = "observability"
-DASHBOARD = DEPLOY / "overlays" / OVERLAY / "grafana" / "extproc-dashboard.json"
 OPERATIONS = REPO / "docs" / "operations.md"
 RUNBOOK_BASE = "https://github.com/extproc-lb/extproc/blob/main/docs/operations.md#"
-
-
-def dashboard() -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(DASHBOARD.read_text())
-    return out
-
-
-def panels() -> list[dict[str, Any]]:
-    return [p for p in dashboard()["panels"] if p["type"] != "row"]
-
-
-def dashboard_exprs() -> list[tuple[str, str]]:
-    """(where, expr) for every panel target and every query variable's inner expression."""
-    out = [(f"panel {p['title']!r}", t["expr"]) for p in panels() for t in p["targets"]]
-    for var in dashboard()["templating"]["list"]:
-        if var["type"] == "query":
-            m = re.fullmatch(r"label_values\((.+),\s*\w+\)", var["query"]["query"])
-            assert m is not None, f"variable {var['name']}: only label_values(expr, label)"
-            out.append((f"variable ${var['name']}", m.group(1)))
-    return out
 
 
 def alert_rules() -> list[dict[str, Any]]:

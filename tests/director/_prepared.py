@@ -1,8 +1,10 @@
-"""Test builder: a `PreparedRequest` as `Director.prepare` makes it, without a tokenizer run
-or an endpoint store, so each lifecycle step can be called alone."""
+"""Test builders: a `Request` and its `Placement` as the prepare and place steps make them,
+without a tokenizer run or an endpoint store, so each lifecycle step can be called alone."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,11 +19,14 @@ from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.config import RouteSettings
 from extproc.director.api import RequestHead
+from extproc.director.attributes import RequestAttributes
 from extproc.director.leases import LeaseBook
-from extproc.director.lifecycle import ModelRuntime, PreparedRequest
+from extproc.director.lifecycle import ModelRuntime, Placement, Prompt, Request
+from extproc.director.placement import Candidates, routing_request
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
 from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.metrics.store import EndpointStore
 from extproc.protocol.openai import parse_request
 from extproc.routing.base import (
     DECODE_PROFILE,
@@ -29,12 +34,11 @@ from extproc.routing.base import (
     Decision,
     PodState,
     ProfileResult,
-    RoutingRequest,
 )
 from extproc.routing.builtin import default_registry
 from extproc.tokenization import CharEstimateTokenizer, TokenizerPool
 from extproc.types import Endpoint, EngineMetrics
-from tests.reliability._director import sample
+from tests._metrics import sample
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 CHAT = "/v1/chat/completions"
@@ -50,10 +54,13 @@ class Parts:
     metrics: GatewayMetrics = field(init=False)
     inflight: InflightTracker = field(init=False)
     leases: LeaseBook = field(init=False)
+    store: EndpointStore = field(init=False)  # the model "qwen3" on PODS, never scraped
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(self.registry)
         self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics)
+        self.store = EndpointStore(stale_after=3600.0)
+        self.store.set_endpoints({"qwen3": tuple(Endpoint(address=a, model="qwen3") for a in PODS)})
         self.leases = LeaseBook(
             replica="test:1", inflight=self.inflight, fairness=self.fairness,
             metrics=self.metrics, bound=lambda _address: 900.0, min_s=30.0,
@@ -61,6 +68,17 @@ class Parts:
 
     def sample(self, name: str, **labels: str) -> float:
         return sample(self.registry, name, **labels)
+
+    def scrape(self, pods: tuple[PodState, ...]) -> None:
+        """The store reads each of `pods`' engine signals (metrics stamped now)."""
+        for p in pods:
+            assert p.metrics is not None
+            self.store.record_success(
+                p.endpoint, dataclasses.replace(p.metrics, updated_at=time.monotonic())
+            )
+
+    def candidates(self) -> Candidates:
+        return Candidates(store=self.store, inflight=self.inflight, stall_after_s=0.0)
 
 
 @contextmanager
@@ -104,14 +122,18 @@ def prepared(
     priority: int = 0,
     block_hashes: tuple[int, ...] = (),
     prompt_tokens: int = 10,
+    estimated: bool = False,
     route_name: str | None = None,
-) -> PreparedRequest:
+    dry_run: bool = False,
+) -> tuple[Request, Placement]:
+    """A request and its placement on `pods` (three idle pods by default); `session_id` is
+    the candidate its session resolved to."""
     raw = orjson.dumps(
         body
         if body is not None
         else {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}
     )
-    req = parse_request(path, raw, max_body_bytes=1 << 20)
+    parsed = parse_request(path, raw, max_body_bytes=1 << 20)
     head = RequestHead(
         request_id="r1",
         method="POST",
@@ -119,33 +141,27 @@ def prepared(
         headers=dict(headers or {}),
         route_name=route_name,
     )
-    strategy = default_registry().resolve("round-robin")
-    return PreparedRequest(
+    req = Request(
         head=head,
-        req=req,
-        runtime=runtime,
-        served_model=served_model or req.model,
-        lora=None,
+        request_id="r1",
+        size=len(raw),
+        dry_run=dry_run,
+        parsed=parsed,
         settings=settings or RouteSettings(),
+        attributes=RequestAttributes(priority=priority, user=user),
+        runtime=runtime,
+        served_model=served_model or parsed.model,
+        lora=None,
+        rewrite=None,
         strategy_name="round-robin",
-        strategy=strategy,
-        routing=RoutingRequest(
-            request_id="r1",
-            model=runtime.name,
-            kind=req.kind,
-            prompt_tokens=prompt_tokens,
-            block_hashes=block_hashes,
-            block_size=runtime.block_size,
-            max_tokens=req.max_tokens,
-            user=user,
-            session_id=session_id,
-            priority=priority,
-            headers=head.headers,
-        ),
-        pods=pods if pods is not None else tuple(pod(a) for a in PODS),
-        tokenize_s=0.0,
-        estimated=False,
+        strategy=default_registry().resolve("round-robin"),
+        prompt=Prompt((), block_hashes, prompt_tokens, 0.0, estimated),
     )
+    place = Placement(
+        pods=pods if pods is not None else tuple(pod(a) for a in PODS),
+        routing=routing_request(req, session_id),
+    )
+    return req, place
 
 
 def decision(

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 
 from extproc.director.api import RequestHead, RouteResult
-from tests.reliability._director import build_director, config_text
+from tests._director import build_director, config_text
 
 
 async def test_candidates_carry_their_cache_size(qwen_tokenizer_dir: Path) -> None:
@@ -18,10 +18,10 @@ async def test_candidates_carry_their_cache_size(qwen_tokenizer_dir: Path) -> No
         head = RequestHead(request_id="r1", method="POST", path="/v1/chat/completions", headers={})
         first = await kit.director.route(head, body)
         assert isinstance(first, RouteResult)
-        prep = await kit.director.prepare(head, body)
-        sizes = {p.address: p.cached_blocks for p in prep.pods}
+        req, place = await kit.director.dry_run(head, body)
+        sizes = {p.address: p.cached_blocks for p in place.pods}
         # The pick now holds the prompt's blocks (approximate index: no KV events here).
-        assert sizes[first.destinations[0]] == len(prep.routing.block_hashes) > 0
+        assert sizes[first.destinations[0]] == len(req.prompt.hashes) > 0
         assert sum(sizes.values()) == sizes[first.destinations[0]]
     finally:
         kit.close()

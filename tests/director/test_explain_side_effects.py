@@ -14,7 +14,7 @@ from extproc.routing.builtin import default_registry
 from extproc.tokenization import load_tokenizer
 from extproc.tokenization.base import Tokenizer
 from tests._clock import ManualClock
-from tests.reliability._director import build_director, config_text
+from tests._director import build_director, config_text
 
 NAMES = default_registry().names()
 PROMPTS = [f"question {i}: " + "tell me about caches " * (5 + 7 * (i % 3)) for i in range(8)]

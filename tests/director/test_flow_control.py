@@ -11,17 +11,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from extproc.config import FlowControlConfig
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
-from extproc.director.flow import FlowStep
-from extproc.flowcontrol import (
-    DROPPED_HEADER,
-    Capacity,
-    FlowController,
-    PoolCapacity,
-)
+from extproc.flowcontrol import DROPPED_HEADER, FlowController
 from extproc.types import EngineMetrics
-from tests.reliability._director import POOL, DirectorKit, build_director, config_text
+from tests._director import POOL, DirectorKit, build_director, config_text
 
 FLOW = """
 flow_control:
@@ -34,21 +27,17 @@ routes:
 
 
 class Kit:
-    def __init__(self, qwen_tokenizer_dir: Path, **settings: object) -> None:
-        self._capacity: PoolCapacity | None = None
-        self.flow = FlowController(settings=FlowControlConfig(**settings), capacity=self.capacity)  # type: ignore[arg-type]
-        text = config_text(strategy="least-request") + FLOW
-        self.kit: DirectorKit = build_director(text, qwen_tokenizer_dir, flow=FlowStep(self.flow))
-        self.eps = {ep.address: ep for ep in self.kit.store.endpoints("qwen3")}
+    """The director with flow control on (the queue's settings as YAML keys), its queue never
+    dispatching on its own (not started): a test dispatches it."""
 
-    def capacity(self, model: str) -> Capacity:
-        if self._capacity is None:
-            self._capacity = PoolCapacity(
-                ready=lambda m: self.kit.store.ready(m),
-                in_flight=lambda a: self.kit.inflight.load(a).requests,
-                queue_threshold=5.0, kv_threshold=0.8,
-            )  # fmt: skip
-        return self._capacity(model)
+    def __init__(self, qwen_tokenizer_dir: Path, **settings: object) -> None:
+        keys = "".join(f"\n  {key}: {value}" for key, value in settings.items())
+        text = config_text(strategy="least-request") + FLOW.replace(
+            "enabled: true", "enabled: true" + keys
+        )
+        self.kit: DirectorKit = build_director(text, qwen_tokenizer_dir)
+        self.flow: FlowController = self.kit.flow
+        self.eps = {ep.address: ep for ep in self.kit.store.endpoints("qwen3")}
 
     def scrape(self, address: str, waiting: float) -> None:
         self.kit.store.record_success(
@@ -89,7 +78,7 @@ def test_a_queued_request_is_routed_from_the_state_at_dispatch(kit: Kit) -> None
         # At arrival least-request would pick POOL[0] (nothing in flight anywhere). While the
         # request waits, POOL[0] takes three requests and POOL[1] gains room.
         for _ in range(3):
-            kit.kit.inflight.start(kit.eps[POOL[0]], 10)
+            kit.kit.core.inflight.start(kit.eps[POOL[0]], 10)
         kit.scrape(POOL[1], waiting=0)
         assert kit.flow.dispatch() == 1
         result = await task

@@ -14,33 +14,22 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.accounting.fairness import FairnessCounters
-from extproc.accounting.gateway_metrics import GatewayMetrics
-from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.latency_model import LatencyModels
-from extproc.accounting.podstats import PodStatsTracker
-from extproc.app import build_endpoints
-from extproc.config import load_config_text
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
-from extproc.director.director import Director, ModelRuntime
-from extproc.director.latency import MarkRouted, TagLatency
-from extproc.kvcache.approx import ApproximateIndex
-from extproc.kvcache.exact import ExactIndex
-from extproc.kvcache.prefix import IndexMode, PrefixIndex
+from extproc.director.director import Director
 from extproc.metrics.store import EndpointStore
-from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.predicted import SLO_TTFT_HEADER, LatencyFeatures
-from extproc.routing.registry import StrategyRegistry
-from extproc.tokenization import TokenizerPool
 from extproc.types import EngineMetrics
 from tests._clock import ManualClock
-from tests._tokenizers import fresh_tokenizer
-from tests.reliability._director import sample
+from tests._director import DirectorKit, build_director
+from tests._metrics import sample
 
 FAST, SLOW, OTHER = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 CONFIG = f"""
 server:
   allow_explain: true
+metrics:
+  stale_after_s: 3600
 routing:
   default_strategy: predicted-latency
   seed: 7
@@ -60,16 +49,24 @@ BODY = orjson.dumps(
 
 @dataclass
 class Kit:
-    director: Director
-    models: LatencyModels
-    registry: CollectorRegistry
+    kit: DirectorKit
     clock: ManualClock
-    store: EndpointStore
+
+    @property
+    def director(self) -> Director:
+        return self.kit.director
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.kit.registry
+
+    @property
+    def store(self) -> EndpointStore:
+        return self.kit.store
 
 
-def learned(clock: ManualClock) -> LatencyModels:
+def learn(models: LatencyModels, clock: ManualClock) -> None:
     """SLOW learned last 50 s ago (due a probe); FAST and OTHER learn now, FAST 3x faster."""
-    models = LatencyModels(clock=clock.now)
     rng = random.Random(3)
     for address, speed, after in ((SLOW, 1.0, 0.0), (OTHER, 1.0, 50.0), (FAST, 3.0, 0.0)):
         clock.advance(after)
@@ -77,58 +74,23 @@ def learned(clock: ManualClock) -> LatencyModels:
             f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 10), 0, 0.0, 1.0, 0.2)
             ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
             models.observe("qwen3", address, f, ttft_s=ttft, tpot_s=0.01 / speed)
-    return models
 
 
 @pytest.fixture
 def kits(qwen_tokenizer_dir: Path) -> Iterator[list[Kit]]:
     """Two identical directors (same config, seed, models and clock time)."""
-    pools: list[TokenizerPool] = []
     made = []
     for _ in range(2):
-        config = load_config_text(CONFIG)
         clock = ManualClock()
-        models = learned(clock)
-        registry = CollectorRegistry()
-        metrics = GatewayMetrics(registry)
-        store = EndpointStore(stale_after=3600.0, clock=clock.now)
-        store.set_endpoints({m.name: build_endpoints(m) for m in config.models})
-        for ep in store.endpoints("qwen3"):  # headroom: a sheddable request is not shed as such
-            store.record_success(ep, EngineMetrics(clock.now(), running=1.0, waiting=0.0,
-                                                   kv_cache_usage=0.2))  # fmt: skip
-        pool = TokenizerPool(fresh_tokenizer(qwen_tokenizer_dir), max_workers=1)
-        pools.append(pool)
-        runtime = ModelRuntime(
-            name="qwen3",
-            tokenizer=pool,
-            prefix=PrefixIndex(
-                mode=IndexMode.APPROXIMATE, block_size=16,
-                exact=ExactIndex(block_size=16, max_blocks=1000),
-                approximate=ApproximateIndex(ttl_s=60.0, max_blocks=1000),
-            ),
-        )  # fmt: skip
-        podstats = PodStatsTracker()
-        director = Director(
-            config=config,
-            models={"qwen3": runtime},
-            store=store,
-            registry=StrategyRegistry(
-                default_plugins(latency=models),
-                strategy_params=config.routing.strategy_params,
-                builtin=BUILTIN_PROFILES,
-            ),
-            inflight=InflightTracker(stats=podstats, metrics=metrics, clock=clock.now),
-            podstats=podstats,
-            fairness=FairnessCounters(),
-            metrics=metrics,
-            clock=clock.now,
-            wall_clock=clock.wall,
-            pre_request_steps=(MarkRouted(models=models), TagLatency(models=models)),
-        )
-        made.append(Kit(director, models, registry, clock, store))
+        kit = build_director(CONFIG, qwen_tokenizer_dir, clock=clock.now, wall_clock=clock.wall)
+        learn(kit.core.latency, clock)
+        for ep in kit.store.endpoints("qwen3"):  # headroom: a sheddable request is not shed as such
+            kit.store.record_success(ep, EngineMetrics(clock.now(), running=1.0, waiting=0.0,
+                                                       kv_cache_usage=0.2))  # fmt: skip
+        made.append(Kit(kit, clock))
     yield made
-    for pool in pools:
-        pool.close()
+    for k in made:
+        k.kit.close()
 
 
 def head(i: int, headers: dict[str, str] | None = None) -> RequestHead:

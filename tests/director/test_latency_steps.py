@@ -16,8 +16,8 @@ from extproc.director.lifecycle import Completed, Outgoing
 from extproc.routing.predicted import LatencyFeatures
 from extproc.types import TokenUsage
 from tests._clock import ManualClock
+from tests._metrics import sample
 from tests.director._prepared import PODS, decision, model_runtime, pod, prepared
-from tests.reliability._director import sample
 
 STREAM = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 ROUTED = RoutedRequest(model="qwen3", endpoint=PODS[1], strategy="kv-aware", stream=True)
@@ -46,11 +46,9 @@ async def test_tag_latency(
         warm(models)
     pods = (pod(PODS[0]), pod(PODS[1], waiting=1.0, kv=0.3, prefix=10))
     with model_runtime() as runtime:
-        req = dataclasses.replace(
-            prepared(runtime, body=body, pods=pods, prompt_tokens=50), estimated=estimated
-        )
+        req, place = prepared(runtime, body=body, pods=pods, prompt_tokens=50, estimated=estimated)
         out = Outgoing(routed=ROUTED)
-        await TagLatency(models=models).pre_request(req, decision(PODS[1]), out)
+        await TagLatency(models=models).pre_request(req, place, decision(PODS[1]), out)
     assert out.routed is not None
     assert out.routed.latency == want
     if want:
@@ -61,7 +59,7 @@ async def test_tag_latency_needs_the_accounting_metadata() -> None:
     with model_runtime() as runtime:
         out = Outgoing()  # accounting off on this route: nothing to carry the tag
         await TagLatency(models=LatencyModels()).pre_request(
-            prepared(runtime, body=STREAM), decision(), out
+            *prepared(runtime, body=STREAM), decision(), out
         )
     assert out.routed is None
 
@@ -73,8 +71,8 @@ async def test_mark_routed_notes_the_pick_for_the_probe() -> None:
     clock.advance(5.0)
     with model_runtime() as runtime:
         step = MarkRouted(models=models)
-        await step.pre_request(prepared(runtime, body=STREAM), decision(PODS[1]), Outgoing())
-        await step.pre_request(prepared(runtime, body=STREAM), decision(PODS[0]), Outgoing())
+        await step.pre_request(*prepared(runtime, body=STREAM), decision(PODS[1]), Outgoing())
+        await step.pre_request(*prepared(runtime, body=STREAM), decision(PODS[0]), Outgoing())
     clock.advance(2.0)
     pred = models.predict("qwen3", PODS[1], FEATURES)
     assert pred is not None and (pred.age_s, pred.routed_s) == (7.0, 2.0)

@@ -19,7 +19,7 @@ from extproc.director.leases import LeaseBook
 from extproc.sync import MemoryBus, MemoryNetwork, StateSync, state
 from extproc.types import Endpoint
 from tests._clock import ManualClock as Clock
-from tests.director._prepared import sample
+from tests._metrics import sample
 
 POD = Endpoint("10.0.0.1:8000", "m")
 OTHER = Endpoint("10.0.0.2:8000", "m")

@@ -8,9 +8,9 @@ from pathlib import Path
 import orjson
 
 from extproc.director.api import RequestHead, RouteResult
-from extproc.director.lifecycle import Outgoing, PreparedRequest
+from extproc.director.lifecycle import Outgoing, Placement, Request
 from extproc.routing.base import Decision
-from tests.reliability._director import build_director, config_text
+from tests._director import Blocks, build_director, config_text
 
 BODY = orjson.dumps(
     {
@@ -35,21 +35,11 @@ class Seen:
         self.outs: list[Outgoing] = []
         self.cached_then: list[int] = []
 
-    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
+    async def pre_request(
+        self, req: Request, place: Placement, decision: Decision, out: Outgoing
+    ) -> None:
         self.outs.append(Outgoing(**{k: getattr(out, k) for k in out.__slots__}))
         self.cached_then.append(req.runtime.prefix.cached_blocks(decision.endpoint.address))
-
-
-class Blocks:
-    """A pre-request step that waits (as a P/D prefill call does) until released."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def pre_request(self, req: PreparedRequest, decision: Decision, out: Outgoing) -> None:
-        self.entered.set()
-        await self.release.wait()
 
 
 async def test_extra_steps_run_after_the_built_in_ones_and_before_the_claim(
@@ -60,11 +50,12 @@ async def test_extra_steps_run_after_the_built_in_ones_and_before_the_claim(
 
     class Leases:
         async def pre_request(
-            self, req: PreparedRequest, decision: Decision, out: Outgoing
+            self, req: Request, place: Placement, decision: Decision, out: Outgoing
         ) -> None:
             leases.append(kit.director.lease_count())
 
-    kit = build_director(config_text(), qwen_tokenizer_dir, pre_request_steps=(seen, Leases()))
+    kit = build_director(config_text(), qwen_tokenizer_dir)
+    kit.add_pre_request(seen, Leases())
     try:
         res = await kit.director.route(head(1), BODY)
         assert isinstance(res, RouteResult)
@@ -85,7 +76,8 @@ async def test_a_request_cancelled_in_a_pre_request_step_claims_nothing(
     qwen_tokenizer_dir: Path,
 ) -> None:
     blocks = Blocks()
-    kit = build_director(config_text(), qwen_tokenizer_dir, pre_request_steps=(blocks,))
+    kit = build_director(config_text(), qwen_tokenizer_dir)
+    kit.add_pre_request(blocks)
     try:
         task = asyncio.create_task(kit.director.route(head(1), BODY))
         await asyncio.wait_for(blocks.entered.wait(), 10)
@@ -95,7 +87,7 @@ async def test_a_request_cancelled_in_a_pre_request_step_claims_nothing(
         assert task in done and task.cancelled()
         assert kit.director.lease_count() == 0
         assert kit.director.deciding == 0
-        assert not kit.director._fairness.is_active("u")
+        assert not kit.core.fairness.is_active("u")
         # The next request is routed and claims as usual.
         blocks.release.set()
         res = await kit.director.route(head(2), BODY)

@@ -8,8 +8,8 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from extproc.director.api import RequestHead, RouteResult
+from tests._director import POOL, build_director, config_text
 from tests.director._records import record_for
-from tests.reliability._director import POOL, build_director, config_text
 
 BODY = orjson.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hello " * 40}]})
 

@@ -8,7 +8,7 @@ import orjson
 
 from extproc.director.api import RequestHead, RouteResult
 from extproc.director.steps import EXPLAIN_HEADER
-from tests.reliability._director import POOL, build_director, config_text
+from tests._director import POOL, build_director, config_text
 
 BODY = orjson.dumps(
     {"model": "qwen3", "messages": [{"role": "user", "content": "tell me about caches " * 20}]}

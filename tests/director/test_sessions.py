@@ -12,7 +12,7 @@ from extproc.config import ConfigError, load_config, load_config_text
 from extproc.director.api import RequestHead, RouteResult
 from extproc.tokenization import load_tokenizer
 from extproc.tokenization.base import Tokenizer
-from tests.reliability._director import POOL, DirectorKit, build_director, config_text
+from tests._director import POOL, DirectorKit, build_director, config_text
 
 BODY = orjson.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi there"}]})
 

@@ -14,8 +14,8 @@ import pytest
 
 from extproc.director.api import RequestHead, RouteResult
 from tests._clock import ManualClock
+from tests._director import POOL, DirectorKit, build_director, config_text
 from tests.director._records import record_for
-from tests.reliability._director import POOL, DirectorKit, build_director, config_text
 
 BODY = orjson.dumps(
     {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -81,11 +81,11 @@ async def test_hung_pod_leaves_the_candidates_and_returns_when_it_answers(
     first = await _route_many(kit, clock, 0, 9, answer=others, held=held)
     assert first[hung] == 3
     clock.advance(STALL_S - 0.5)
-    assert not kit.director._inflight.stalled(hung, STALL_S)  # slow is not hung yet
+    assert not kit.core.inflight.stalled(hung, STALL_S)  # slow is not hung yet
     still = await _route_many(kit, clock, 50, 3, answer=others, held=held)
     assert still[hung] == 1
     clock.advance(1.0)
-    assert kit.director._inflight.stalled(hung, STALL_S)
+    assert kit.core.inflight.stalled(hung, STALL_S)
     during = await _route_many(kit, clock, 100, 30, answer=others, held=held)
     assert during[hung] == 0, during  # left out while the others answer
     assert sum(during.values()) == 30  # and nothing was refused
@@ -107,7 +107,7 @@ async def test_when_every_pod_looks_stalled_none_is_singled_out(
     await _route_many(kit, clock, 0, 1, answer=set(POOL), held=held)  # one answer arms it
     await _route_many(kit, clock, 1, 6, answer=set(), held=held)  # then nobody answers
     clock.advance(STALL_S * 2)
-    assert all(kit.director._inflight.stalled(a, STALL_S) for a in POOL)
+    assert all(kit.core.inflight.stalled(a, STALL_S) for a in POOL)
     picks = await _route_many(kit, clock, 100, 12, answer=set(), held=held)
     assert set(picks) == set(POOL)  # everyone is slow alike: keep spreading
 

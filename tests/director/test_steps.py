@@ -25,6 +25,7 @@ from extproc.director.steps import (
     ShedSheddable,
     TagForAccounting,
 )
+from extproc.routing.base import PodState
 from extproc.routing.session import SessionTokens
 from extproc.types import Endpoint, TooManyRequests
 from tests.director._prepared import PODS, Parts, decision, model_runtime, pod, prepared
@@ -58,24 +59,43 @@ ONE_FREE = (pod(PODS[0], waiting=0.0, kv=0.1), *SATURATED[1:])
         pytest.param(-1, True, ONE_FREE, False, id="one-pod-has-headroom"),
     ],
 )
-def test_shed_sheddable(
+@pytest.mark.parametrize("dry_run", [False, True])
+async def test_shed_sheddable(
     runtime: ModelRuntime,
     parts: Parts,
     priority: int,
     shed_route: bool,
-    pods: tuple[Any, ...],
+    pods: tuple[PodState, ...],
     rejected: bool,
+    dry_run: bool,
 ) -> None:
-    step = ShedSheddable(queue_threshold=5, kv_threshold=0.8)
-    req = prepared(
-        runtime, priority=priority, pods=pods, settings=RouteSettings(shed_sheddable=shed_route)
+    parts.scrape(pods)
+    step = ShedSheddable(
+        candidates=parts.candidates(), metrics=parts.metrics, queue_threshold=5, kv_threshold=0.8
     )
+    req, _ = prepared(
+        runtime, priority=priority, settings=RouteSettings(shed_sheddable=shed_route),
+        dry_run=dry_run,
+    )  # fmt: skip
     if rejected:
         with pytest.raises(TooManyRequests):
-            step.admit(req)
+            await step.admit(req)
     else:
-        step.admit(req)
-    assert parts.sample("extproc_shed_requests_total", model="qwen3") == 0  # the director counts
+        assert (await step.admit(req)).waited_s == 0  # it never waits
+    # Counted where it happens, but not in a dry run (an explain).
+    shed = parts.sample("extproc_shed_requests_total", model="qwen3", reason="saturated")
+    assert shed == (1 if rejected and not dry_run else 0)
+
+
+async def test_shed_sheddable_leaves_an_empty_pool_to_the_place_step(
+    runtime: ModelRuntime, parts: Parts
+) -> None:
+    parts.store.set_endpoints({"qwen3": ()})
+    step = ShedSheddable(
+        candidates=parts.candidates(), metrics=parts.metrics, queue_threshold=5, kv_threshold=0.8
+    )
+    req, _ = prepared(runtime, priority=-1)
+    await step.admit(req)  # no 429: the place step answers 503 "no ready endpoint"
 
 
 # -- pre-request ---------------------------------------------------------------------------------
@@ -85,8 +105,8 @@ async def test_record_pick_puts_the_prompt_on_the_pick(runtime: ModelRuntime, pa
     routed: list[str] = []
     step = RecordPick(metrics=parts.metrics, clock=lambda: 100.0, on_routed=routed.append)
     pods = (pod(PODS[0]), pod(PODS[1], prefix=8), pod(PODS[2]))
-    req = prepared(runtime, pods=pods, block_hashes=(11, 12, 13))
-    await step.pre_request(req, decision(PODS[1]), Outgoing())
+    req, place = prepared(runtime, pods=pods, block_hashes=(11, 12, 13))
+    await step.pre_request(req, place, decision(PODS[1]), Outgoing())
     assert [runtime.prefix.cached_blocks(a) for a in PODS] == [0, 3, 0]
     assert routed == [PODS[1]]
     # The pick's match is observed, not another pod's.
@@ -115,8 +135,8 @@ async def test_record_pick_reports_only_traffic_that_should_publish_events(
     routed: list[str] = []
     step = RecordPick(metrics=parts.metrics, clock=lambda: 100.0, on_routed=routed.append)
     cached = pod(PODS[0], prefix=cached_blocks * runtime.block_size)
-    req = prepared(runtime, pods=(cached,), block_hashes=blocks)
-    await step.pre_request(req, decision(PODS[0]), Outgoing())
+    req, place = prepared(runtime, pods=(cached,), block_hashes=blocks)
+    await step.pre_request(req, place, decision(PODS[0]), Outgoing())
     assert routed == ([PODS[0]] if expects_events else [])
 
 
@@ -147,10 +167,10 @@ async def test_rewrite_body(
     changes: dict[str, Any] | None,
 ) -> None:
     body = {"model": "qwen3", "messages": MSGS, **fields}
-    req = prepared(runtime, body=body, settings=settings, served_model=served)
+    req, place = prepared(runtime, body=body, settings=settings, served_model=served)
     out = Outgoing()
-    await RewriteBody(inject_include_usage=inject).pre_request(req, decision(), out)
-    new = out.body(req.req.body)
+    await RewriteBody(inject_include_usage=inject).pre_request(req, place, decision(), out)
+    new = out.body(req.parsed.body)
     if changes is None:
         assert new is None
     else:
@@ -160,10 +180,10 @@ async def test_rewrite_body(
 async def test_an_unparsed_body_is_never_rewritten(runtime: ModelRuntime) -> None:
     # Paths the gateway does not parse keep their body byte for byte, even with a model map.
     body = {"model": "qwen3", "input": "speak", "voice": "x"}
-    req = prepared(runtime, body=body, path="/v1/audio/speech", served_model="qwen3-served")
+    req, place = prepared(runtime, body=body, path="/v1/audio/speech", served_model="qwen3-served")
     out = Outgoing()
-    await RewriteBody(inject_include_usage=True).pre_request(req, decision(), out)
-    assert out.body(req.req.body) is None
+    await RewriteBody(inject_include_usage=True).pre_request(req, place, decision(), out)
+    assert out.body(req.parsed.body) is None
 
 
 def prefill_client(handler: Any) -> PrefillClient:
@@ -183,13 +203,13 @@ async def test_remote_prefill_hands_the_kv_handle_to_the_decode_pod(
         return httpx.Response(200, json={"kv_transfer_params": {"remote_block_ids": [1, 2]}})
 
     step = RemotePrefill(client=prefill_client(answer), metrics=parts.metrics)
-    req = prepared(runtime, body={"model": "qwen3", "messages": MSGS, "stream": True})
+    req, place = prepared(runtime, body={"model": "qwen3", "messages": MSGS, "stream": True})
     out = Outgoing()
-    await step.pre_request(req, decision(strategy="pd", prefill=PREFILL_POD), out)
+    await step.pre_request(req, place, decision(strategy="pd", prefill=PREFILL_POD), out)
     assert out.kv_transfer_params == {"remote_block_ids": [1, 2]}
     assert seen[0]["url"] == f"http://{PREFILL_POD.address}/v1/chat/completions"
     assert seen[0]["max_tokens"] == 1 and seen[0]["stream"] is False
-    new = out.body(req.req.body)
+    new = out.body(req.parsed.body)
     assert new is not None and orjson.loads(new)["kv_transfer_params"] == {
         "remote_block_ids": [1, 2]
     }
@@ -211,7 +231,7 @@ async def test_remote_prefill_falls_back_to_decode_only(
     step = RemotePrefill(client=client, metrics=parts.metrics)
     out = Outgoing()
     dec = decision(strategy="pd", prefill=PREFILL_POD if prefill_pod else None)
-    await step.pre_request(prepared(runtime), dec, out)
+    await step.pre_request(*prepared(runtime), dec, out)
     assert out.kv_transfer_params is None
     assert parts.sample("extproc_pd_fallbacks_total", model="qwen3") == 1
 
@@ -221,7 +241,7 @@ async def test_remote_prefill_does_nothing_for_other_strategies(
 ) -> None:
     out = Outgoing()
     await RemotePrefill(client=None, metrics=parts.metrics).pre_request(
-        prepared(runtime), decision(), out
+        *prepared(runtime), decision(), out
     )
     assert out == Outgoing()
     assert parts.sample("extproc_pd_fallbacks_total", model="qwen3") == 0
@@ -240,9 +260,9 @@ async def test_session_affinity(
 ) -> None:
     out = Outgoing()
     tokens = SessionTokens(b"test secret")
-    req = prepared(runtime, session_id=client_session)
+    req, place = prepared(runtime, session_id=client_session)
     await SessionAffinity(header="x-session-id", tokens=tokens).pre_request(
-        req, decision(PODS[1], session_id=rule_session), out
+        req, place, decision(PODS[1], session_id=rule_session), out
     )
     if want is None:
         assert out.set_headers == {}
@@ -262,7 +282,7 @@ async def test_explain_header(
     headers = {EXPLAIN_HEADER: asked} if asked is not None else {}
     out = Outgoing()
     await ExplainHeader(allowed=allowed).pre_request(
-        prepared(runtime, headers=headers), decision(PODS[2]), out
+        *prepared(runtime, headers=headers), decision(PODS[2]), out
     )
     assert (EXPLAIN_HEADER in out.set_headers) is present
     if present:
@@ -273,8 +293,8 @@ async def test_tag_for_accounting(runtime: ModelRuntime) -> None:
     step = TagForAccounting(replica="host:1")
     out = Outgoing()
     body = {"model": "qwen3", "messages": MSGS, "stream": True}
-    req = prepared(runtime, body=body, user="ann", prompt_tokens=42, route_name="rt")
-    await step.pre_request(req, decision(PODS[1], strategy="least-request"), out)
+    req, place = prepared(runtime, body=body, user="ann", prompt_tokens=42, route_name="rt")
+    await step.pre_request(req, place, decision(PODS[1], strategy="least-request"), out)
     assert out.routed is not None
     assert out.routed.metadata() == {
         "model": "qwen3", "endpoint": PODS[1], "strategy": "least-request", "prompt_tokens": 42,
@@ -282,7 +302,7 @@ async def test_tag_for_accounting(runtime: ModelRuntime) -> None:
     }  # fmt: skip
     off = Outgoing()
     await step.pre_request(
-        prepared(runtime, settings=RouteSettings(accounting=False)), decision(), off
+        *prepared(runtime, settings=RouteSettings(accounting=False)), decision(), off
     )
     assert off.routed is None  # no record will be accounted: nothing to carry
 
@@ -301,7 +321,7 @@ def test_claim_holds_a_lease_and_the_users_count_until_the_ticket_closes(
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     ticket = step.claim(
-        prepared(runtime, body=body, user="ann", prompt_tokens=10), decision(PODS[2])
+        *prepared(runtime, body=body, user="ann", prompt_tokens=10), decision(PODS[2])
     )
     load = parts.inflight.load(PODS[2])
     assert (load.requests, load.tokens) == (1, want_tokens)
@@ -328,7 +348,7 @@ def test_claim_counts_only_the_prompt_tokens_the_pick_does_not_hold(
     step = ClaimEndpoint(leases=parts.leases)
     pods = (pod(PODS[0], prefix=100), pod(PODS[1], prefix=cached))
     body = {"model": "qwen3", "messages": MSGS, "max_tokens": 32}
-    step.claim(prepared(runtime, body=body, pods=pods, prompt_tokens=100), decision(PODS[1]))
+    step.claim(*prepared(runtime, body=body, pods=pods, prompt_tokens=100), decision(PODS[1]))
     assert parts.inflight.load(PODS[1]).tokens == want_tokens
 
 
@@ -341,8 +361,8 @@ def test_the_pick_is_found_once_for_every_pre_request_step(runtime: ModelRuntime
     """Three steps read the picked pod's row (prefix-match metric, lease, latency tag): the
     request finds it once, and finds another address anew."""
     pods = tuple(pod(a, prefix=8 * i) for i, a in enumerate(PODS))
-    req = prepared(runtime, pods=pods)
-    first = req.pod(PODS[1])
-    assert first is pods[1] and req.pod(PODS[1]) is first
-    assert req.pod(PODS[2]) is pods[2]
-    assert req.pod("10.9.9.9:1") is None
+    _req, place = prepared(runtime, pods=pods)
+    first = place.pod(PODS[1])
+    assert first is pods[1] and place.pod(PODS[1]) is first
+    assert place.pod(PODS[2]) is pods[2]
+    assert place.pod("10.9.9.9:1") is None

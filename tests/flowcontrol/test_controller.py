@@ -21,7 +21,7 @@ from extproc.flowcontrol import (
     Outcome,
 )
 from tests._clock import ManualClock
-from tests.reliability._director import sample
+from tests._metrics import sample
 
 
 @dataclass

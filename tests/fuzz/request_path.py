@@ -29,7 +29,7 @@ from extproc.server.processor import StreamProcessor
 from extproc.wire import DESTINATION_HEADER, LB_NAMESPACE
 from extproc.wire import SUBSET_HINT_KEY as SUBSET_KEY
 from extproc.wire import SUBSET_HINT_NAMESPACE as SUBSET_NAMESPACE
-from tests.reliability._director import OTHER_POOL, POOL, DirectorKit, build_director, config_text
+from tests._director import OTHER_POOL, POOL, DirectorKit, build_director, config_text
 
 __all__ = ["ALLOWED_STATUSES", "Case", "RequestPath", "case_from_bytes"]
 

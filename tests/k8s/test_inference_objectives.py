@@ -92,8 +92,8 @@ models:
     app = App(cfg)
     await app.start()
     try:
-        assert await eventually(lambda: app._objective_priority("critical") == 100)
-        assert app._objective_priority("from-config") == 3
+        assert await eventually(lambda: app.core.objective_priority("critical") == 100)
+        assert app.core.objective_priority("from-config") == 3
         # The pool is full: the request waits, in the objective's band.
         (ep,) = app.store.endpoints("qwen3")
         app.store.record_success(

@@ -379,7 +379,7 @@ def _verb_and_resource(method: str, path: str, query: Mapping[str, str]) -> tupl
 def test_the_operator_roles_grant_every_call_the_plugin_made(
     env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.deploy.test_manifests import render
+    from tests.deploy._manifests import render
 
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"model": "qwen3", "messages": []}))

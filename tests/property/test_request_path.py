@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.wire import DESTINATION_HEADER
+from tests._director import OTHER_POOL, POOL
 from tests.fuzz.request_path import HEADER_NAMES, MAX_BODY, MODES, PATHS, Case, RequestPath
-from tests.reliability._director import OTHER_POOL, POOL
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
 from extproc.tokenization.base import Tokenizer
+from tests._director import build_director, config_text
 from tests._tokenizers import fresh_tokenizer
-from tests.reliability._director import build_director, config_text
 
 
 class GatedTokenizer:
@@ -74,10 +74,9 @@ async def test_requests_over_the_pending_limit_are_shed_with_429(
 ) -> None:
     gated = GatedTokenizer(fresh_tokenizer(qwen_tokenizer_dir))
     kit = build_director(
-        config_text(max_pending=limit),
+        config_text(max_pending=limit, extra_server="  tokenize_inline_bytes: 0"),
         qwen_tokenizer_dir,
         tokenizer=gated,
-        inline_threshold_chars=0,
     )
     try:
         waiting = [asyncio.create_task(kit.director.route(_head(i), BODY)) for i in range(limit)]

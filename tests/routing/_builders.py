@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.predicted import (
+    LLMD_SLO_TPOT_HEADER,
+    LLMD_SLO_TTFT_HEADER,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+    slo_ms,
+)
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
 
 UNSET = object()
@@ -79,6 +86,9 @@ def req(
         priority=priority,
         headers=headers or {},
         block_size=block_size,
+        # Its SLO headers, read as the director reads a request's attributes.
+        slo_ttft_ms=slo_ms(headers or {}, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER),
+        slo_tpot_ms=slo_ms(headers or {}, SLO_TPOT_HEADER, LLMD_SLO_TPOT_HEADER),
     )
 
 

@@ -27,7 +27,7 @@ from extproc.stack.envoy_gateway import (
 from extproc.stack.local import LocalStack, StackError, StackOptions
 from extproc.stack.overlay import Overlay, load_overlay
 from extproc.wire import ACCESS_LOG_NAME, DESTINATION_HEADER
-from tests.deploy.test_manifests import CRDS, render
+from tests.deploy._manifests import CRDS, render
 
 OVERLAYS = DEPLOY_DIR / "overlays"
 EG = OVERLAYS / "envoy-gateway"

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import stat
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -23,27 +22,15 @@ from extproc.stack.nats_server import (
     write_password_file,
 )
 from extproc.sync.nats import NatsBus
-
-USER = "extproc"
-SUBJECT = "extproc.sync.test"
-WAIT_S = 5.0  # bound on anything that should happen "soon" (reconnects take ~0.5 s)
-HANG_S = 2.0  # publish must come back well within this, whatever the server does
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-async def wait_until(condition: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
-    try:
-        async with asyncio.timeout(within):
-            while not condition():  # noqa: ASYNC110 - client state, no event to await
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        pytest.fail(f"timed out after {within} s waiting for {what}")
+from tests.sync._nats import (
+    HANG_S,
+    SUBJECT,
+    USER,
+    exchange,
+    free_port,
+    start,
+    wait_until,
+)
 
 
 def stopped(pid: int) -> bool:
@@ -53,21 +40,6 @@ def stopped(pid: int) -> bool:
         with contextlib.suppress(FileNotFoundError):
             states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
     return bool(states) and all(state in ("T", "t") for state in states)
-
-
-class Inbox:
-    """What one bus received."""
-
-    def __init__(self) -> None:
-        self.messages: list[bytes] = []
-
-    def __call__(self, data: bytes) -> None:
-        self.messages.append(data)
-
-    async def wait_for(self, *expected: bytes) -> None:
-        await wait_until(
-            lambda: set(expected) <= set(self.messages), f"{expected!r} in {self.messages!r}"
-        )
 
 
 @pytest.fixture
@@ -99,23 +71,8 @@ async def make_bus(
         await bus.close()
 
 
-async def start(bus: NatsBus) -> Inbox:
-    inbox = Inbox()
-    await asyncio.wait_for(bus.start(inbox), HANG_S)  # never waits for the server
-    return inbox
-
-
 async def start_server(server: NatsServer) -> None:
     await asyncio.to_thread(server.start)
-
-
-async def exchange(buses: dict[NatsBus, Inbox], tag: str) -> None:
-    """Every bus publishes one message; every bus receives all of them, its own included."""
-    sent = [f"{tag}-{i}".encode() for i in range(len(buses))]
-    for bus, data in zip(buses, sent, strict=True):
-        assert await asyncio.wait_for(bus.publish(data), HANG_S)
-    for inbox in buses.values():
-        await inbox.wait_for(*sent)
 
 
 # -- messages flow ---------------------------------------------------------------------------

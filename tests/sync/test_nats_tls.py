@@ -17,7 +17,7 @@ import pytest
 from extproc.stack.nats_server import nats_server_binary, write_password_file
 from extproc.sync.nats import NatsBus
 from tests.reliability._certs import TestCA, write
-from tests.sync.test_nats_bus import HANG_S, SUBJECT, USER, exchange, free_port, start
+from tests.sync._nats import HANG_S, SUBJECT, USER, exchange, free_port, start
 
 ALLOWED = '["extproc.sync.>"]'
 

@@ -10,7 +10,7 @@ from extproc.config import FlowControlConfig
 from extproc.flowcontrol import Capacity, FlowController, FlowRequest
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.sync import MemoryNetwork, StateSync
-from tests.sync.test_state import SETTINGS, Clock
+from tests.sync._bus import SETTINGS, Clock
 
 ROOM = {"free": 0}
 

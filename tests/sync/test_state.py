@@ -19,17 +19,9 @@ from extproc.kvcache.approx import ApproximateIndex
 from extproc.sync import MemoryNetwork, StateSync, SyncMetrics
 from extproc.sync.state import owner
 from extproc.types import Endpoint, EngineMetrics
+from tests.sync._bus import SETTINGS, Clock
 
 PODS = [Endpoint(f"10.0.0.{i}:8000", "m") for i in range(1, 5)]
-SETTINGS = SyncSettings(tick_s=0.005, heartbeat_s=0.02, expire_s=0.2)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

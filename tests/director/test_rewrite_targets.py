@@ -12,7 +12,7 @@ import pytest
 from extproc.director.api import RequestHead, RouteResult
 from extproc.tokenization import load_tokenizer
 from extproc.tokenization.base import Tokenizer
-from tests.reliability._director import DirectorKit, build_director
+from tests._director import DirectorKit, build_director
 
 CONFIG = """
 routing:

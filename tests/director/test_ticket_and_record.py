@@ -11,8 +11,8 @@ import pytest
 
 from extproc.director.api import Outcome, RequestHead, RouteResult
 from extproc.types import TokenUsage
+from tests._director import DirectorKit, build_director, config_text
 from tests.director._records import record_for
-from tests.reliability._director import DirectorKit, build_director, config_text
 
 BODY = orjson.dumps(
     {"model": "qwen3", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
@@ -44,11 +44,11 @@ async def test_the_ticket_releases_the_lease_once(kit: DirectorKit) -> None:
     res = await kit.director.route(head(1, **{"x-user-id": "alice"}), BODY)
     assert isinstance(res, RouteResult) and res.ticket is not None
     assert kit.director.lease_count() == 1
-    assert kit.director._fairness.is_active("alice")
+    assert kit.core.fairness.is_active("alice")
     for _ in range(3):
         res.ticket.close()
     assert kit.director.lease_count() == 0
-    assert not kit.director._fairness.is_active("alice")
+    assert not kit.core.fairness.is_active("alice")
     assert kit.sample("extproc_routed_requests_total", model="qwen3") == 1
 
 
@@ -65,9 +65,9 @@ async def test_the_requests_record_ends_its_lease_once(
     record = record_for(res, outcome=outcome, status=status)
     kit.director.account(record)
     assert record.lease is not None
-    kit.director.leases.settle(record.lease)  # a second notice of its end changes nothing
+    kit.core.leases.settle(record.lease)  # a second notice of its end changes nothing
     assert kit.director.lease_count() == 0
-    assert not kit.director._fairness.is_active("alice")
+    assert not kit.core.fairness.is_active("alice")
     assert kit.sample("extproc_lease_ends_total", how="record") == 1
     assert kit.sample("extproc_routed_requests_total", model="qwen3") == 1
     assert kit.sample("extproc_requests_total", status=counted, strategy="prefix-cache") == 1
@@ -96,8 +96,8 @@ async def test_any_process_accounts_any_record_exactly(kits: list[DirectorKit]) 
     assert other.sample("extproc_requests_total", status="200", strategy="prefix-cache") == 1
     assert router.sample("extproc_requests_total", status="200") == 0  # not on the router
     # The user is charged the engine's correction and the output (1 and 2 per token).
-    assert other.director._fairness.tokens("carol") == pytest.approx(3 + 2 * 40)
-    stats = other.director._podstats.stats(ep, other.director._clock())
+    assert other.core.fairness.tokens("carol") == pytest.approx(3 + 2 * 40)
+    stats = other.core.podstats.stats(ep, other.core.clock())
     assert stats.requests_total == 1
     assert stats.ttft_avg_s == pytest.approx(0.099, abs=1e-6)  # first token 0.1 - sent 0.001
     assert stats.tpot_avg_s == pytest.approx(0.3 / 39)
@@ -123,7 +123,7 @@ async def test_aborted_responses_are_counted_with_what_is_known(
     assert kit.sample("extproc_aborted_responses_total", outcome=aborted) == 1
     assert kit.sample("extproc_completion_tokens_total") == 6  # what streamed before the end
     assert kit.sample("extproc_usage_counted_total") == 1
-    assert kit.director._podstats.stats(res.destinations[0], 0).requests_total == 0
+    assert kit.core.podstats.stats(res.destinations[0], 0).requests_total == 0
 
 
 async def test_a_complete_answer_without_usage_is_unknown_not_zero(

@@ -11,7 +11,7 @@ import pytest
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
 from extproc.tokenization import load_tokenizer
 from extproc.tokenization.base import Tokenizer
-from tests.reliability._director import POOL, DirectorKit, build_director, config_text
+from tests._director import POOL, DirectorKit, build_director, config_text
 
 SECRET = "one secret for the gateway"
 
