@@ -230,8 +230,7 @@ def test_one_message_needs_a_buffered_body() -> None:
 def test_every_header_the_server_reads_is_carried_in_the_one_message_shape() -> None:
     """The default names the director and the rules read, against the carried list."""
     from extproc.config import RoutingConfig
-    from extproc.director.director import OBJECTIVE_HEADERS
-    from extproc.director.flow import FAIRNESS_HEADERS
+    from extproc.director.attributes import FAIRNESS_HEADERS, OBJECTIVE_HEADERS
     from extproc.director.steps import EXPLAIN_HEADER
     from extproc.routing import predicted
     from extproc.routing.affinity import SESSION_KEY_HEADER
