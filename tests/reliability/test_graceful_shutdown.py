@@ -12,8 +12,8 @@ from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.server.service import EXT_PROC_SERVICE, ExtProcServer, ServerOptions
 from extproc.wire import DESTINATION_HEADER
+from tests.server._messages import body_msg, headers_msg
 from tests.server.fake_handler import FakeHandler
-from tests.server.test_processor_grpc import body_msg, headers_msg
 
 
 async def test_sigterm_path_drains_a_live_stream_and_reports_not_serving() -> None:

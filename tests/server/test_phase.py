@@ -7,8 +7,8 @@ import pytest
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.director.api import BodyMode, ImmediateReply
 from extproc.server.processor import Phase, StreamModes, StreamProcessor
+from tests.server._messages import body_msg, headers_msg, response_msgs
 from tests.server.fake_handler import FakeHandler
-from tests.server.test_processor_grpc import body_msg, headers_msg, response_msgs
 
 
 def trailers_msg() -> ep.ProcessingRequest:

@@ -14,37 +14,11 @@ from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.director.api import BodyMode, ImmediateReply
 from extproc.server.service import ExtProcServer, ServerOptions
+from tests.server._messages import body_msg, exchange, headers_msg, response_msgs
 from tests.server.fake_handler import FakeHandler
 
 DEST = "10.0.0.1:8000,10.0.0.2:8000"
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-
-
-def headers_msg(
-    path: str = "/v1/chat/completions",
-    *,
-    eos: bool = False,
-    body_mode: BodyMode = BodyMode.BUFFERED,
-    response_mode: BodyMode = BodyMode.NONE,
-    extra: dict[str, str] | None = None,
-    route_name: str | None = None,
-) -> ep.ProcessingRequest:
-    hdrs = {":method": "POST", ":path": path, "x-request-id": "rid-1", **(extra or {})}
-    msg = ep.ProcessingRequest()
-    msg.request_headers.end_of_stream = eos
-    for k, v in hdrs.items():
-        msg.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    msg.protocol_config.request_body_mode = int(body_mode)  # type: ignore[assignment]
-    msg.protocol_config.response_body_mode = int(response_mode)  # type: ignore[assignment]
-    if route_name:
-        msg.attributes["envoy.filters.http.ext_proc"].fields[
-            "xds.route_name"
-        ].string_value = route_name
-    return msg
-
-
-def body_msg(data: bytes, eos: bool = True) -> ep.ProcessingRequest:
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
 
 
 def expected_mutation(headers: dict[str, str]) -> ep.HeaderMutation:
@@ -85,13 +59,6 @@ async def server_and_handler() -> AsyncIterator[tuple[int, FakeHandler]]:
         yield server.port, handler
     finally:
         await server.stop(0.5)
-
-
-async def exchange(port: int, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = ep_grpc.ExternalProcessorStub(channel)
-        call = stub.Process(iter(messages))
-        return [resp async for resp in call]
 
 
 async def test_buffered_mode_sets_destination_in_body_response(
@@ -178,22 +145,6 @@ async def test_immediate_reply_from_handler(server_and_handler: tuple[int, FakeH
     imm = got[-1].immediate_response
     assert (imm.status.code, imm.body) == (404, b'{"error":{}}')
     assert {h.header.key for h in imm.headers.set_headers} == {"content-type"}
-
-
-def response_msgs(*, observability: bool = False) -> list[ep.ProcessingRequest]:
-    headers = ep.ProcessingRequest(observability_mode=observability)
-    headers.response_headers.headers.headers.add(key=":status", raw_value=b"200")
-    return [
-        headers,
-        ep.ProcessingRequest(
-            observability_mode=observability,
-            response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=False),
-        ),
-        ep.ProcessingRequest(
-            observability_mode=observability,
-            response_body=ep.HttpBody(body=b"", end_of_stream=True),
-        ),
-    ]
 
 
 @pytest.mark.parametrize(

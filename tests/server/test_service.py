@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.server.service import EXT_PROC_SERVICE, ExtProcServer, ServerOptions
 from tests._clock import ManualClock
+from tests.server._messages import body_msg, exchange, headers_msg
 from tests.server.fake_handler import FakeHandler
-from tests.server.test_processor_grpc import body_msg, exchange, headers_msg
 
 
 @pytest.fixture
