@@ -1,0 +1,214 @@
+"""Property: at every pool size, each built-in rule's column path decides as its per-pod path.
+
+Until issue 33 a rule ran per pod below a threshold (24-96 pods) and on numpy columns above
+it, and tests compared the two only above it. This runs both on seeded random snapshots of 1
+to 80 pods (ties, unknown signals, P/D roles, LoRA adapters, users, sessions, measured and
+unmeasured TTFT, empty prompts, sheddable requests), through every registered strategy,
+built-in profile, scorer, filter and picker, and asserts the same ranking, explain scores,
+reason, profiles and session for a seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from extproc.accounting.latency_model import LatencyModels
+from extproc.routing import columns
+from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot, Strategy
+from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
+from extproc.routing.columns import PodRows
+from extproc.routing.framework import build_profile
+from extproc.routing.predicted import (
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+    LatencyFeatures,
+    PredictedLatencyParams,
+    PredictedLatencyStrategy,
+)
+from extproc.routing.registry import StrategyRegistry
+from extproc.types import EndpointRole, TooManyRequests
+from tests._clock import ManualClock
+from tests.routing._builders import FakeFairness, pod, req
+
+PLUGINS = default_plugins()
+STRATEGY_PARAMS = {
+    "kv-aware": [{}, {"temperature": 0.5}, {"load_share": "whole", "overlap_weight": 2.0}],
+    "prefix-cache": [{}, {"match_threshold_percent": 50.0, "imbalance_abs_count": 2}],
+    "prefix-cache-preble": [{}, {"exploit_ratio": 0.1, "rebalance_ratio": 1.0}],
+    "vtc-basic": [{}, {"max_pod_load": 3.0}],
+    "pd": [{}, {"stddev_factor": 0.0}],
+    "higress-gpu": [{}, {"queueing_threshold_lora": 3.0, "queue_threshold_critical": 2.0}],
+}
+PROFILES = {
+    **BUILTIN_PROFILES,
+    "every-scorer": {
+        "scorers": [
+            {"type": t, "weight": 1.0 + i / 4} for i, t in enumerate(PLUGINS.type_names("scorer"))
+        ]
+    },
+    "filtered-softmax": {
+        "filters": [{"type": "low-queue", "params": {"threshold": 4.0}}, {"type": "lora-affinity"}],
+        "scorers": [{"type": "queue"}, {"type": "prefix", "weight": 2.0}],
+        "picker": {"type": "softmax", "params": {"temperature": 0.3}},
+    },
+    "saturation-weighted": {
+        "filters": [{"type": "saturation"}, {"type": "role", "params": {"role": "decode"}}],
+        "scorers": [{"type": "least-request"}, {"type": "kv-cache-utilization"}],
+        "picker": {"type": "weighted-random"},
+    },
+}
+SPECS = ["prefix-cache:3,least-request:1", "queue:2,kv-cache-utilization:2,prefix:3,latency:1"]
+
+
+def _rules() -> list[tuple[str, Strategy]]:
+    out: list[tuple[str, Strategy]] = []
+    for type_name in PLUGINS.type_names("strategy"):
+        for k, params in enumerate(STRATEGY_PARAMS.get(type_name, [{}])):
+            out.append((f"{type_name}#{k}", PLUGINS.create("strategy", type_name, params)))
+    for name, spec in PROFILES.items():
+        out.append((name, build_profile(name, spec, PLUGINS)))
+    registry = StrategyRegistry(PLUGINS)
+    out += [(spec, registry.resolve(spec)) for spec in SPECS]
+    return out
+
+
+RULES = _rules()
+
+
+def _pods(n: int, rng: random.Random) -> list[PodState]:
+    """`n` pods with small integer signals (many ties) and, at random, missing ones."""
+    sparse = rng.random() < 0.5
+    roles = rng.random() < 0.3
+    out = []
+    for i in range(n):
+        missing = sparse and rng.random() < 0.25
+        stats = (
+            PodStats()
+            if sparse and rng.random() < 0.3
+            else PodStats(
+                requests_total=rng.randint(0, 3),
+                throughput_tokens_per_s=float(rng.randint(0, 4) * 100),
+                busy_time_s=float(rng.randint(0, 3)),
+                ttft_avg_s=rng.choice([None, 0.1, 0.2]),
+                tpot_avg_s=rng.choice([None, 0.01, 0.02]),
+                latency_avg_s=rng.choice([None, 1.0, 2.0]),
+            )
+        )
+        in_flight_tokens = rng.randint(0, 5) * 500
+        out.append(
+            pod(
+                f"10.0.{i // 200}.{i % 200 + 1}:8000",
+                running=None if missing else float(rng.randint(0, 5)),
+                waiting=None if missing else float(rng.randint(0, 6)),
+                kv=None if missing else rng.choice([0.1, 0.5, 0.85, 0.9]),
+                in_flight=rng.randint(0, 12),
+                in_flight_tokens=in_flight_tokens,
+                match=rng.choice([0, 0, 16, 64, 256]),
+                role=rng.choice(list(EndpointRole)) if roles else EndpointRole.BOTH,
+                loras=rng.choice([(), ("ad",), ("x", "y")]),
+                waiting_loras=rng.choice([(), (), ("ad",)]),
+                max_lora=rng.choice([None, 2]),
+                ttft=rng.choice([None, 0.3]),
+                itl=rng.choice([None, 0.03]),
+                stats=stats,
+                cached_blocks=rng.randint(0, 3) * 10,
+                prefill_tokens=rng.choice([None, 0, in_flight_tokens // 2, in_flight_tokens]),
+                no_metrics=sparse and rng.random() < 0.1,
+            )
+        )
+    return out
+
+
+def _models(pods: list[PodState], rng: random.Random) -> LatencyModels:
+    """Latency models for `pods`: a few cold, a few without TPOT, learned at different times,
+    some routed to lately (so some pods are due a probe)."""
+    clock = ManualClock()
+    models = LatencyModels(min_samples=4, clock=clock.now)
+    for p in pods:
+        if rng.random() < 0.1:
+            continue  # cold
+        speed = rng.choice([1.0, 1.0, 2.0, 3.0])
+        with_tpot = rng.random() < 0.8
+        for _ in range(rng.randint(4, 9)):
+            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 8), 0, 0.0, 1.0, 0.2)
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
+            tpot = rng.uniform(0.005, 0.02) / speed if with_tpot else None
+            models.observe("m", p.address, f, ttft_s=ttft * rng.uniform(0.8, 1.2), tpot_s=tpot)
+        clock.advance(rng.choice([0.0, 0.0, 3.0, 20.0]))
+        if rng.random() < 0.3:
+            models.routed("m", p.address)
+    clock.advance(5.0)
+    return models
+
+
+def _predicted(pods: list[PodState], rng: random.Random) -> list[tuple[str, Strategy]]:
+    models = _models(pods, rng)
+    return [
+        (
+            f"predicted-latency T={t} probe={probe}",
+            PredictedLatencyStrategy(
+                "predicted-latency",
+                PredictedLatencyParams(temperature=t, probe_after_s=probe),
+                predictor=models,
+            ),
+        )
+        for t, probe in ((1.0, 10.0), (1.0, 0.0), (0.0, 10.0))
+    ]
+
+
+def _request(rng: random.Random, pods: list[PodState]) -> RoutingRequest:
+    headers = {"x-aibrix-session-key": "k"} if rng.random() < 0.3 else {}
+    slo = rng.choice([{}, {}, {SLO_TTFT_HEADER: "60"}, {SLO_TPOT_HEADER: "8"},
+                      {SLO_TTFT_HEADER: "90", SLO_TPOT_HEADER: "15"}, {SLO_TTFT_HEADER: "0.001"}])  # fmt: skip
+    headers.update(slo)
+    return req(
+        prompt_tokens=rng.choice([0, 100, 256, 1000]),
+        max_tokens=rng.choice([None, 64]),
+        user=rng.choice([None, "u1", "u2", "u3"]),
+        lora=rng.choice([None, "ad"]),
+        session_id=rng.choice([None, rng.choice(pods).address, "10.9.9.9:1"]),
+        priority=rng.choice([0, 0, -1]),
+        headers=headers,
+        block_size=rng.choice([16, 32]),
+    )
+
+
+FAIRNESS = FakeFairness({"u1": 40_000.0, "u2": 10.0}, minimum=5_000.0)
+
+
+def _outcome(
+    strategy: Strategy, r: RoutingRequest, pods: list[PodState], seed: int, vector: bool
+) -> tuple[object, ...]:
+    snap = Snapshot(
+        now=1.0,
+        pods=PodRows(pods) if vector else tuple(pods),
+        fairness=FAIRNESS if r.user != "u3" else None,
+    )
+    try:
+        d = strategy.route(r, snap, random.Random(seed))
+    except TooManyRequests as err:
+        return ("429", err.message, err.code)
+    scores = {a: dict(s) for a, s in d.scores.items()}
+    return (d.ranked, scores, d.reason, d.profiles, d.session_id)
+
+
+SIZES = [1, 2, 3, 4, 5, 6, 8, 11, 16, 23, 31, 47, 80]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", SIZES)
+def test_columns_decide_as_rows_at_every_size(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    for case in range(6):
+        rng = random.Random(1000 * n + case)
+        pods = _pods(n, rng)
+        r = _request(rng, pods)
+        for label, strategy in [*RULES, *_predicted(pods, rng)]:
+            seed = rng.randrange(1 << 30)
+            monkeypatch.setattr(columns, "VECTOR_MIN_PODS", math.inf)
+            rows = _outcome(strategy, r, pods, seed, vector=False)
+            monkeypatch.setattr(columns, "VECTOR_MIN_PODS", 0)
+            cols = _outcome(strategy, r, pods, seed, vector=True)
+            assert cols == rows, (label, n, case)
