@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.columns import PodColumns, PodRows, PodTable
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
 
 UNSET = object()
@@ -102,3 +105,32 @@ def snap(*pods: PodState, fairness: FakeFairness | None = None) -> Snapshot:
 
 def addrs(n: int) -> list[str]:
     return [f"10.0.0.{i + 1}:8000" for i in range(n)]
+
+
+class RowTable(PodTable):
+    """A `PodTable` over ready rows that counts the rows read (the director's table builds a
+    `PodState` per row read); its columns come from the rows without reading them here."""
+
+    def __init__(self, pods: list[PodState]) -> None:
+        self._pods = pods
+        self._columns = PodColumns(PodRows(pods))
+        self.read: set[int] = set()
+
+    @property
+    def columns(self) -> PodColumns:
+        return self._columns
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    @overload
+    def __getitem__(self, i: int) -> PodState: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PodState]: ...
+
+    def __getitem__(self, i: int | slice) -> PodState | Sequence[PodState]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self._pods))[i]]
+        self.read.add(i % len(self._pods))
+        return self._pods[i]
