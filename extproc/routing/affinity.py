@@ -32,7 +32,12 @@ from extproc.routing.columns import (
     rank_order,
 )
 from extproc.routing.framework import ScoreTable
-from extproc.routing.strategies import StrategyPlugin, least_request_at
+from extproc.routing.strategies import (
+    StrategyPlugin,
+    all_but,
+    least_request,
+    least_request_at,
+)
 from extproc.types import EndpointRole
 
 __all__ = [
@@ -89,15 +94,12 @@ def _imbalance_guard(cols: PodColumns, abs_count: int) -> tuple[IntArray, list[s
     return np.arange(cols.n), []
 
 
-def _rest(chosen: IntArray, at: IntArray, cols: PodColumns, rng: random.Random) -> IntArray:
-    """The pods at `at` not in `chosen`, least-request first."""
-    free = np.ones(cols.n, dtype=bool)
-    free[chosen] = False
-    return least_request_at(cols, at[free[at]], rng)
-
-
-def _cat(*parts: IntArray) -> IntArray:
-    return np.concatenate(parts).astype(np.intp, copy=False)
+def _outside(cols: PodColumns, cands: IntArray, rng: random.Random) -> list[int]:
+    """The pods not among `cands` (those the imbalance guard left out), least-request first."""
+    if len(cands) == cols.n:
+        return []
+    rest: list[int] = least_request_at(cols, all_but(cols, cands), rng).tolist()
+    return rest
 
 
 class _JoinedScores(Mapping[str, Mapping[str, float]]):
@@ -150,14 +152,15 @@ class PrefixCacheStrategy(StrategyPlugin):
         bound = _mean_plus_std(loads, prm.stddev_factor)
         pct = _match_pct(req, cols)
         scores = ScoreTable(cols.addresses, ("match_pct", "in_flight"), (pct, loads), (2, None))
-        hit = (cols.prefix_match_tokens[cands] > 0) & (pct[cands] > prm.match_threshold_percent)
-        matched = cands[hit]
+        hit = (cols.prefix_match_tokens > 0) & (pct > prm.match_threshold_percent)
+        matched = cands[hit[cands]]
         ordered = matched[rank_order([-pct[matched], loads[matched]], rng)]
         within = ordered[loads[ordered] <= bound]
         if len(within):
-            pick = within[:1]
-            notes.insert(0, f"prefix match {pct[pick[0]]:.0f}% within load bound {bound:.2f}")
-            ranked = _cat(pick, _rest(pick, cands, cols, rng))
+            pick = within[0]
+            notes.insert(0, f"prefix match {pct[pick]:.0f}% within load bound {bound:.2f}")
+            rest = least_request_at(cols, cands[cands != pick], rng)
+            ranked = [int(pick), *rest.tolist()]
         else:
             if req.prompt_tokens <= 0:
                 why = "no prompt tokens"
@@ -166,8 +169,8 @@ class PrefixCacheStrategy(StrategyPlugin):
             else:
                 why = f"every match over load bound {bound:.2f}"
             notes.insert(0, f"{why}: least-request")
-            ranked = least_request_at(cols, cands, rng)
-        ranked = _cat(ranked, _rest(ranked, np.arange(cols.n), cols, rng))
+            ranked = least_request_at(cols, cands, rng).tolist()
+        ranked += _outside(cols, cands, rng)
         return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
@@ -221,16 +224,16 @@ class PrebleStrategy(StrategyPlugin):
                     0,
                     f"rebalance: holder {cols.address(best)} overloaded (in_flight {best_load} vs least {least}); explore by cost",
                 )
-                ranked = explore_order
+                ranked = explore_order.tolist()
             else:
                 notes.insert(0, f"exploit: {longest}/{req.prompt_tokens} tokens cached")
-                ranked = _cat(np.array([best]), explore_order[explore_order != best])
+                ranked = [best, *explore_order[explore_order != best].tolist()]
         else:
             notes.insert(
                 0, f"explore: longest cached {longest}/{req.prompt_tokens} tokens; min cost"
             )
-            ranked = explore_order
-        ranked = _cat(ranked, _rest(ranked, np.arange(cols.n), cols, rng))
+            ranked = explore_order.tolist()
+        ranked += _outside(cols, cands, rng)
         return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
@@ -317,10 +320,10 @@ class KvAwareStrategy(StrategyPlugin):
         values: tuple[FloatArray, ...] = (overlap, prefill_blocks, decode_blocks, costs)
         if prm.load_share == LoadShare.MEASURED:  # explain shows -1 for "not measured"
             names, digits = (*names, "prefill_tokens"), (*digits, None)
-            values = (*values, np.where(young == young, young, -1.0))
+            values = (*values, np.fmax(young, -1.0))  # NaN (not measured): -1
         scores = ScoreTable(cols.addresses, names, values, digits)
-        lo, hi = float(costs.min()), float(costs.max())
-        if prm.temperature > 0 and hi > lo:
+        lo, hi = (float(costs.min()), float(costs.max())) if prm.temperature > 0 else (0.0, 0.0)
+        if hi > lo:  # softmax (T > 0) over costs that differ
             span = (hi - lo) * prm.temperature
             # A Gumbel key, then a tie-break, drawn pod by pod.
             pairs = draws(rng, 2 * cols.n)
@@ -335,10 +338,8 @@ class KvAwareStrategy(StrategyPlugin):
             reason = f"softmax over cost, T={prm.temperature:g}"
         else:
             ranked = rank_order([costs, cols.cached_blocks], rng)
-            reason = "min cost" + (
-                " (all equal: uniform)" if hi == lo and prm.temperature > 0 else ""
-            )
-        if not cols.prefix_match_tokens.any():
+            reason = "min cost" + (" (all equal: uniform)" if prm.temperature > 0 else "")
+        if not np.count_nonzero(cols.prefix_match_tokens):
             reason += "; no cached prefix on any pod: cost is load only"
         if unmeasured:
             reason += f"; {unmeasured} of {cols.n} pods without a measured TTFT: whole load"
@@ -404,7 +405,7 @@ class VtcStrategy(StrategyPlugin):
         cols = columns_of(snap.pods)
         if req.user is None or snap.fairness is None:
             why = "no user on request" if req.user is None else "no fairness counters"
-            order = least_request_at(cols, np.arange(cols.n), rng)
+            order = least_request(cols, rng)
             return self.decision(t0, cols.endpoints_at(order), f"{why}: least-request")
         fair = snap.fairness
         active_min = fair.active_min()
@@ -419,9 +420,9 @@ class VtcStrategy(StrategyPlugin):
         run = np.where(unknown, cols.in_flight[by_address], running)
         util = np.minimum(run / prm.max_pod_load, 1.0)
         fairness = np.abs(np.arange(cols.n) - target)
-        jitter = 0.0 + (0.1 - 0.0) * draws(rng, cols.n)  # rng.uniform(0.0, 0.1), pod by pod
+        jitter = 0.1 * draws(rng, cols.n)  # rng.uniform(0.0, 0.1), pod by pod
         s = prm.fairness_weight * fairness + prm.utilization_weight * util + jitter
-        if unknown.any():
+        if np.count_nonzero(unknown):
             missing = cols.addresses_text(by_address[unknown])
             notes.append(f"running unknown on {missing}: used gateway in-flight")
         scores = ScoreTable(
@@ -470,8 +471,7 @@ class PdStrategy(StrategyPlugin):
         both = (~is_prefill & ~is_decode).nonzero()[0]
         pool = decode if len(decode) else both
         if not len(pool):
-            ranked = least_request_at(cols, np.arange(cols.n), rng)
-            eps = cols.endpoints_at(ranked)
+            eps = cols.endpoints_at(least_request(cols, rng))
             return self.decision(
                 t0,
                 eps,
@@ -506,12 +506,10 @@ class PdStrategy(StrategyPlugin):
             )
         # The fallbacks: the non-prefill pods outside the pool (both pods beside decode ones),
         # then every prefill pod, each least-request first.
-        beside = both if len(decode) else np.empty(0, dtype=np.intp)
-        ranked = _cat(
-            decode_ranked,
-            least_request_at(cols, beside, rng),
-            least_request_at(cols, prefill, rng),
-        )
+        ranked = decode_ranked.tolist()
+        if len(decode):
+            ranked += least_request_at(cols, both, rng).tolist()
+        ranked += least_request_at(cols, prefill, rng).tolist()
         eps = cols.endpoints_at(ranked)
         return self.decision(
             t0,
@@ -541,7 +539,7 @@ class PdStrategy(StrategyPlugin):
         value = (runs / max_run) / (frees / max_free)
         ranked = pool[rank_order([value, loads[pool]], rng)]
         scores = ScoreTable(cols.addresses, ("decode_score",), (value,), (4,), at=pool)
-        missing = cols.addresses_text(pool[unknown]) if unknown.any() else ""
+        missing = cols.addresses_text(pool[unknown]) if np.count_nonzero(unknown) else ""
         return ranked, scores, missing
 
 
@@ -579,10 +577,10 @@ class SessionAffinityStrategy(StrategyPlugin):
             i = max(range(cols.n), key=lambda j: _fnv1a64((key + addresses[j]).encode()))
             reason = "session key: rendezvous hashing"
         else:
-            i = int(least_request_at(cols, np.arange(cols.n), rng)[0])
+            i = int(least_request(cols, rng)[0])
             reason = (
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
-        at = np.array([i])
-        eps = cols.endpoints_at(_cat(at, _rest(at, np.arange(cols.n), cols, rng)))
+        rest = least_request_at(cols, all_but(cols, [i]), rng)
+        eps = cols.endpoints_at([i, *rest.tolist()])
         return self.decision(t0, eps, reason, session_id=addresses[i])

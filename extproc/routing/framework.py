@@ -144,7 +144,7 @@ def clamp01_array(raw: FloatArray) -> FloatArray:
     poison a sum. The ufuncs themselves: `np.clip`'s Python wrapper costs as much as the work."""
     out: FloatArray = np.minimum(np.maximum(raw, 0.0), 1.0)
     finite = np.isfinite(raw)
-    if not finite.all():
+    if np.count_nonzero(finite) < len(raw):
         out[~finite] = 0.0
     return out
 
@@ -390,7 +390,7 @@ class Profile:
             if note:
                 notes.append(note)
             clamped = clamp01_array(np.asarray(scores, dtype=np.float64))
-            totals += weight * clamped
+            totals += clamped if weight == 1.0 else weight * clamped
             columns.append(clamped)
         columns.append(totals)
         return totals, columns

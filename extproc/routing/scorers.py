@@ -52,13 +52,14 @@ def _with_unknown(
 ) -> tuple[FloatArray, str | None]:
     """`normalise` over the pods that have the signal; NEUTRAL where it is unknown (NaN), and
     a note naming those pods."""
-    unknown = np.isnan(values)
-    if not unknown.any():
+    unknown = values != values  # NaN
+    unknown_count = np.count_nonzero(unknown)
+    if not unknown_count:
         return normalise(values), None
     scores = np.full(len(values), NEUTRAL)
-    known = ~unknown
-    if not known.any():
+    if unknown_count == len(values):
         return scores, f"{name}: {what} unknown on every pod (neutral {NEUTRAL}, no effect)"
+    known = ~unknown
     scores[known] = normalise(values[known])
     missing = cols.addresses_text(unknown.nonzero()[0])
     return scores, f"{name}: {what} unknown on {missing} (neutral {NEUTRAL})"

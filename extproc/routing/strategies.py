@@ -49,6 +49,8 @@ __all__ = [
     "RoundRobinStrategy",
     "StrategyPlugin",
     "ThroughputStrategy",
+    "all_but",
+    "least_request",
     "least_request_at",
 ]
 
@@ -91,9 +93,21 @@ class StrategyPlugin:
         )
 
 
+def least_request(cols: PodColumns, rng: random.Random) -> IntArray:
+    """Every pod by fewest in-flight requests, ties at random."""
+    return rank_order([cols.in_flight], rng)
+
+
 def least_request_at(cols: PodColumns, at: IntArray, rng: random.Random) -> IntArray:
     """The pods at `at` (indices into `cols`) by fewest in-flight requests, ties at random."""
     return at[rank_order([cols.in_flight[at]], rng)]
+
+
+def all_but(cols: PodColumns, taken: IntArray | list[int]) -> IntArray:
+    """The indices of every pod but those in `taken`, in pod order."""
+    free = np.ones(cols.n, dtype=np.bool_)
+    free[taken] = False
+    return free.nonzero()[0]
 
 
 class RandomStrategy(StrategyPlugin):
@@ -143,7 +157,7 @@ class PowerOfTwoStrategy(StrategyPlugin):
             f"sampled {cols.address(a)} (in_flight {la[0]:g}) "
             f"vs {cols.address(b)} (in_flight {lb[0]:g})"
         )
-        others = np.delete(np.arange(cols.n), (a, b))
+        others = all_but(cols, [a, b])
         ranked = [first, second, *least_request_at(cols, others, rng).tolist()]
         return self.decision(t0, cols.endpoints_at(ranked), reason)
 
@@ -175,28 +189,32 @@ class LeastSignalStrategy(StrategyPlugin, abc.ABC):
         t0 = time.perf_counter_ns()
         label = self.label
         cols = columns_of(snap.pods)
-        values = self.column(req, cols)
-        unknown_mask = np.isnan(values)
-        known = (~unknown_mask).nonzero()[0]
-        if not len(known):
-            ranked = least_request_at(cols, np.arange(cols.n), rng)
+        values, loads = self.column(req, cols), cols.in_flight
+        unknown_mask = values != values  # NaN
+        unknown_count = np.count_nonzero(unknown_mask)
+        if unknown_count == cols.n:
             reason = f"{label} unknown on every pod; used least-request (gateway in-flight)"
-            return self.decision(t0, cols.endpoints_at(ranked), reason)
-        unknown = unknown_mask.nonzero()[0]
-        vals, loads = values[known], cols.in_flight[known]
-        head = known[rank_order([vals, loads], rng)]
-        tail = least_request_at(cols, unknown, rng)
+            return self.decision(t0, cols.endpoints_at(least_request(cols, rng)), reason)
         reason = f"min {label}"
-        if len(unknown):
+        if unknown_count:
+            known = (~unknown_mask).nonzero()[0]
+            unknown = unknown_mask.nonzero()[0]
+            values, loads = values[known], loads[known]
+            ranked = np.concatenate(
+                (known[rank_order([values, loads], rng)], least_request_at(cols, unknown, rng))
+            )
             reason += f"; {label} unknown on {cols.addresses_text(unknown)} (ranked last)"
+            scores = ScoreTable(cols.addresses, (label, "in_flight"), (values, loads), at=known)
+        else:
+            ranked = rank_order([values, loads], rng)
+            scores = ScoreTable(cols.addresses, (label, "in_flight"), (values, loads))
         if extra := self.no_data(cols):
             reason += f"; {extra}"
-        scores = ScoreTable(cols.addresses, (label, "in_flight"), (vals, loads), at=known)
-        return self.decision(t0, cols.endpoints_at(np.concatenate((head, tail))), reason, scores)
+        return self.decision(t0, cols.endpoints_at(ranked), reason, scores)
 
 
 def _no_accounting(cols: PodColumns) -> str | None:
-    if not cols.requests_total.any():
+    if not np.count_nonzero(cols.requests_total):
         return "no request finished yet on any pod: all equal, tie broken by in-flight"
     return None
 
@@ -312,16 +330,15 @@ class HigressGpuStrategy(StrategyPlugin):
         prm = self.params
         cols = columns_of(snap.pods)
         waiting, kv_usage = cols.waiting, cols.kv_usage
-        known_mask = ~np.isnan(waiting) & ~np.isnan(kv_usage)
-        known = known_mask.nonzero()[0]
-        unknown = (~known_mask).nonzero()[0]
-        if not len(known):
-            ranked = least_request_at(cols, np.arange(cols.n), rng)
+        unknown_mask = (waiting != waiting) | (kv_usage != kv_usage)  # NaN: not exported
+        unknown_count = np.count_nonzero(unknown_mask)
+        if unknown_count == cols.n:
             return self.decision(
                 t0,
-                cols.endpoints_at(ranked),
+                cols.endpoints_at(least_request(cols, rng)),
                 "queue/KV metrics unknown on every pod; used least-request",
             )
+        known = (~unknown_mask).nonzero()[0] if unknown_count else np.arange(cols.n)
         notes = []
         pool = known
         if req.priority < 0:
@@ -344,18 +361,20 @@ class HigressGpuStrategy(StrategyPlugin):
             notes.insert(0, "all queues high: least-queue branch")
         head = chosen.tolist()
         rng.shuffle(head)
-        taken = np.zeros(cols.n, dtype=bool)
-        taken[chosen] = True
-        others = known[~taken[known]]
-        rest = others[rank_order([waiting[others], kv_usage[others]], rng)]
-        tail = least_request_at(cols, unknown, rng)
-        if len(unknown):
+        free = ~unknown_mask
+        free[chosen] = False
+        others = free.nonzero()[0]
+        ranked = [*head, *others[rank_order([waiting[others], kv_usage[others]], rng)].tolist()]
+        if unknown_count:
+            unknown = unknown_mask.nonzero()[0]
+            ranked += least_request_at(cols, unknown, rng).tolist()
             notes.append(f"metrics unknown on {cols.addresses_text(unknown)} (ranked last)")
-        scores = ScoreTable(
-            cols.addresses,
-            ("waiting", "kv_cache_usage"),
-            (waiting[known], kv_usage[known]),
-            at=known,
-        )
-        ranked = np.concatenate((np.array(head, dtype=np.intp), rest, tail))
+            scores = ScoreTable(
+                cols.addresses,
+                ("waiting", "kv_cache_usage"),
+                (waiting[known], kv_usage[known]),
+                at=known,
+            )
+        else:
+            scores = ScoreTable(cols.addresses, ("waiting", "kv_cache_usage"), (waiting, kv_usage))
         return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
