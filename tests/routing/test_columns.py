@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from extproc.routing.base import NO_CAPABILITIES, PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.base import NO_CAPABILITIES, PodState, RoutingRequest, Snapshot
 from extproc.routing.builtin import default_registry
 from extproc.routing.columns import PodColumns, PodRows, columns_of, rank_order
 from extproc.routing.framework import MaxScorePicker, Profile
-from extproc.types import EndpointRole
-from tests.routing._builders import FakeFairness, RowTable, pod, req
+from tests.routing._builders import FakeFairness, RowTable, pod, random_pods, req
 
 REGISTRY = default_registry()
 NAMES = [
@@ -27,46 +26,6 @@ NAMES = [
     "prefix-cache:3,least-request:1",
     "queue:2,kv-cache-utilization:2,prefix:3,latency:1",
 ]
-
-
-def _pods(n: int, rng: random.Random, *, roles: bool, sparse: bool) -> list[PodState]:
-    """`n` pods with small integer signals (many ties) and, when `sparse`, missing ones."""
-    out = []
-    for i in range(n):
-        missing = sparse and rng.random() < 0.25
-        stats = (
-            PodStats()
-            if sparse and rng.random() < 0.3
-            else PodStats(
-                requests_total=rng.randint(0, 3),
-                throughput_tokens_per_s=float(rng.randint(0, 4) * 100),
-                busy_time_s=float(rng.randint(0, 3)),
-                ttft_avg_s=rng.choice([None, 0.1, 0.2]),
-                tpot_avg_s=rng.choice([None, 0.01, 0.02]),
-                latency_avg_s=rng.choice([None, 1.0, 2.0]),
-            )
-        )
-        role = rng.choice(list(EndpointRole)) if roles else EndpointRole.BOTH
-        out.append(
-            pod(
-                f"10.0.{i // 200}.{i % 200 + 1}:8000",
-                running=None if missing else float(rng.randint(0, 5)),
-                waiting=None if missing else float(rng.randint(0, 6)),
-                kv=None if missing else rng.choice([0.1, 0.5, 0.85, 0.9]),
-                in_flight=rng.randint(0, 12),
-                in_flight_tokens=rng.randint(0, 5) * 500,
-                match=rng.choice([0, 0, 16, 64, 256]),
-                role=role,
-                loras=rng.choice([(), ("ad",), ("x", "y")]),
-                max_lora=rng.choice([None, 2]),
-                ttft=rng.choice([None, 0.3]),
-                itl=rng.choice([None, 0.03]),
-                stats=stats,
-                cached_blocks=rng.randint(0, 3) * 10,
-                no_metrics=sparse and rng.random() < 0.1,
-            )
-        )
-    return out
 
 
 FAIRNESS = FakeFairness({"u1": 40_000.0, "u2": 10.0}, minimum=5_000.0)
@@ -101,7 +60,7 @@ def test_unknown_signals_are_nan_and_columns_are_kept_on_rows() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_rank_order_sorts_by_its_keys_and_one_draw_per_pod(seed: int) -> None:
     rng = random.Random(seed)
-    pods = _pods(50, rng, roles=False, sparse=False)
+    pods = random_pods(50, rng, roles=False, sparse=False)
     cols = PodColumns(pods)
     order = rank_order([cols.in_flight, cols.in_flight_tokens], random.Random(seed))
     draw = random.Random(seed)
@@ -121,7 +80,9 @@ _ROWS_READ = {"power-of-two": 2}
 @pytest.mark.parametrize("name", NAMES)
 def test_a_table_decides_as_rows_and_reads_no_row_it_does_not_need(name: str) -> None:
     rng = random.Random(11)
-    pods = _pods(70, rng, roles=False, sparse=False)  # every signal known: no reason names pods
+    pods = random_pods(
+        70, rng, roles=False, sparse=False
+    )  # every signal known: no reason names pods
     for r in _requests():
         for seed in range(2):
             rows = (
@@ -162,7 +123,7 @@ class _Fixed:
 @pytest.mark.parametrize("seed", range(3))
 def test_a_profile_clamps_every_score_into_0_1(seed: int) -> None:
     rng = random.Random(seed)
-    pods = _pods(60, rng, roles=False, sparse=False)
+    pods = random_pods(60, rng, roles=False, sparse=False)
     odd = [math.nan, math.inf, -math.inf, -3.0, 2.0, 1.0, 0.0, -0.0, 0.25]
     values = [rng.choice(odd) for _ in pods]
     prof = Profile(

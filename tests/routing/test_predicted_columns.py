@@ -27,7 +27,7 @@ from extproc.routing.predicted import (
 )
 from extproc.types import TooManyRequests
 from tests._clock import ManualClock
-from tests.routing._builders import pod, req
+from tests.routing._builders import learned_models, pod, req
 
 
 def _pods(n: int, rng: random.Random) -> list[PodState]:
@@ -54,22 +54,14 @@ def _pods(n: int, rng: random.Random) -> list[PodState]:
 def _models(
     pods: list[PodState], clock: ManualClock, *, cold: int, tpot_cold: int
 ) -> LatencyModels:
-    """Every pod warm but the first `cold`; the next `tpot_cold` without a TPOT model. Pods
-    learned at different times (ages 0-60 s), some were routed to lately."""
-    models = LatencyModels(min_samples=4, clock=clock.now)
-    rng = random.Random(len(pods))
-    for k, p in enumerate(pods[cold:]):
-        speed = rng.choice([1.0, 1.0, 2.0, 3.0])
-        for _ in range(rng.randint(4, 9)):
-            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 8), 0, 0.0, 1.0, 0.2)
-            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
-            tpot = None if k < tpot_cold else rng.uniform(0.005, 0.02) / speed
-            models.observe("m", p.address, f, ttft_s=ttft * rng.uniform(0.8, 1.2), tpot_s=tpot)
-        clock.advance(rng.choice([0.0, 0.0, 3.0, 20.0]))
-        if rng.random() < 0.3:
-            models.routed("m", p.address)
-    clock.advance(5.0)
-    return models
+    """Every pod warm but the first `cold`; the next `tpot_cold` without a TPOT model."""
+    return learned_models(
+        pods,
+        random.Random(len(pods)),
+        clock,
+        cold=range(cold),
+        tpot_cold=range(cold, cold + tpot_cold),
+    )
 
 
 REQUESTS: list[RoutingRequest] = [

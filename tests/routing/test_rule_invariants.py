@@ -19,22 +19,21 @@ from collections.abc import Sequence
 import pytest
 
 from extproc.accounting.latency_model import LatencyModels
-from extproc.routing.base import Decision, PodState, PodStats, RoutingRequest, Snapshot, Strategy
+from extproc.routing.base import Decision, PodState, RoutingRequest, Snapshot, Strategy
 from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.columns import PodRows
 from extproc.routing.framework import build_profile
 from extproc.routing.predicted import (
     SLO_TPOT_HEADER,
     SLO_TTFT_HEADER,
-    LatencyFeatures,
     PredictedLatencyParams,
     PredictedLatencyStrategy,
 )
 from extproc.routing.registry import StrategyRegistry
 from extproc.routing.strategies import LeastSignalStrategy
-from extproc.types import EndpointRole, TooManyRequests
+from extproc.types import TooManyRequests
 from tests._clock import ManualClock
-from tests.routing._builders import FakeFairness, RowTable, pod, req
+from tests.routing._builders import FakeFairness, RowTable, learned_models, random_pods, req
 
 PLUGINS = default_plugins()
 STRATEGY_PARAMS = {
@@ -82,69 +81,14 @@ RULES = _rules()
 
 
 def _pods(n: int, rng: random.Random) -> list[PodState]:
-    """`n` pods with small integer signals (many ties) and, at random, missing ones."""
-    sparse = rng.random() < 0.5
-    roles = rng.random() < 0.3
-    out = []
-    for i in range(n):
-        missing = sparse and rng.random() < 0.25
-        stats = (
-            PodStats()
-            if sparse and rng.random() < 0.3
-            else PodStats(
-                requests_total=rng.randint(0, 3),
-                throughput_tokens_per_s=float(rng.randint(0, 4) * 100),
-                busy_time_s=float(rng.randint(0, 3)),
-                ttft_avg_s=rng.choice([None, 0.1, 0.2]),
-                tpot_avg_s=rng.choice([None, 0.01, 0.02]),
-                latency_avg_s=rng.choice([None, 1.0, 2.0]),
-            )
-        )
-        in_flight_tokens = rng.randint(0, 5) * 500
-        out.append(
-            pod(
-                f"10.0.{i // 200}.{i % 200 + 1}:8000",
-                running=None if missing else float(rng.randint(0, 5)),
-                waiting=None if missing else float(rng.randint(0, 6)),
-                kv=None if missing else rng.choice([0.1, 0.5, 0.85, 0.9]),
-                in_flight=rng.randint(0, 12),
-                in_flight_tokens=in_flight_tokens,
-                match=rng.choice([0, 0, 16, 64, 256]),
-                role=rng.choice(list(EndpointRole)) if roles else EndpointRole.BOTH,
-                loras=rng.choice([(), ("ad",), ("x", "y")]),
-                waiting_loras=rng.choice([(), (), ("ad",)]),
-                max_lora=rng.choice([None, 2]),
-                ttft=rng.choice([None, 0.3]),
-                itl=rng.choice([None, 0.03]),
-                stats=stats,
-                cached_blocks=rng.randint(0, 3) * 10,
-                prefill_tokens=rng.choice([None, 0, in_flight_tokens // 2, in_flight_tokens]),
-                no_metrics=sparse and rng.random() < 0.1,
-            )
-        )
-    return out
+    return random_pods(n, rng, roles=rng.random() < 0.3, sparse=rng.random() < 0.5)
 
 
 def _models(pods: list[PodState], rng: random.Random) -> LatencyModels:
-    """Latency models for `pods`: a few cold, a few without TPOT, learned at different times,
-    some routed to lately (so some pods are due a probe)."""
-    clock = ManualClock()
-    models = LatencyModels(min_samples=4, clock=clock.now)
-    for p in pods:
-        if rng.random() < 0.1:
-            continue  # cold
-        speed = rng.choice([1.0, 1.0, 2.0, 3.0])
-        with_tpot = rng.random() < 0.8
-        for _ in range(rng.randint(4, 9)):
-            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 8), 0, 0.0, 1.0, 0.2)
-            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
-            tpot = rng.uniform(0.005, 0.02) / speed if with_tpot else None
-            models.observe("m", p.address, f, ttft_s=ttft * rng.uniform(0.8, 1.2), tpot_s=tpot)
-        clock.advance(rng.choice([0.0, 0.0, 3.0, 20.0]))
-        if rng.random() < 0.3:
-            models.routed("m", p.address)
-    clock.advance(5.0)
-    return models
+    """A tenth of the pods cold, a fifth without a TPOT model."""
+    cold = [i for i in range(len(pods)) if rng.random() < 0.1]
+    tpot_cold = [i for i in range(len(pods)) if rng.random() < 0.2]
+    return learned_models(pods, rng, ManualClock(), cold=cold, tpot_cold=tpot_cold)
 
 
 def _predicted(pods: list[PodState], rng: random.Random) -> list[tuple[str, Strategy]]:
