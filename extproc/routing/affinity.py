@@ -94,12 +94,14 @@ def _imbalance_guard(cols: PodColumns, abs_count: int) -> tuple[IntArray, list[s
     return np.arange(cols.n), []
 
 
-def _outside(cols: PodColumns, cands: IntArray, rng: random.Random) -> list[int]:
-    """The pods not among `cands` (those the imbalance guard left out), least-request first."""
+def _then_outside(
+    ranked: IntArray, cols: PodColumns, cands: IntArray, rng: random.Random
+) -> IntArray:
+    """`ranked`, then the pods not among `cands` (those the imbalance guard left out),
+    least-request first."""
     if len(cands) == cols.n:
-        return []
-    rest: list[int] = least_request_at(cols, all_but(cols, cands), rng).tolist()
-    return rest
+        return ranked
+    return np.concatenate((ranked, least_request_at(cols, all_but(cols, cands), rng)))
 
 
 class _JoinedScores(Mapping[str, Mapping[str, float]]):
@@ -159,8 +161,7 @@ class PrefixCacheStrategy(StrategyPlugin):
         if len(within):
             pick = within[0]
             notes.insert(0, f"prefix match {pct[pick]:.0f}% within load bound {bound:.2f}")
-            rest = least_request_at(cols, cands[cands != pick], rng)
-            ranked = [int(pick), *rest.tolist()]
+            ranked = np.concatenate(((pick,), least_request_at(cols, cands[cands != pick], rng)))
         else:
             if req.prompt_tokens <= 0:
                 why = "no prompt tokens"
@@ -169,8 +170,8 @@ class PrefixCacheStrategy(StrategyPlugin):
             else:
                 why = f"every match over load bound {bound:.2f}"
             notes.insert(0, f"{why}: least-request")
-            ranked = least_request_at(cols, cands, rng).tolist()
-        ranked += _outside(cols, cands, rng)
+            ranked = least_request_at(cols, cands, rng)
+        ranked = _then_outside(ranked, cols, cands, rng)
         return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
@@ -224,16 +225,16 @@ class PrebleStrategy(StrategyPlugin):
                     0,
                     f"rebalance: holder {cols.address(best)} overloaded (in_flight {best_load} vs least {least}); explore by cost",
                 )
-                ranked = explore_order.tolist()
+                ranked = explore_order
             else:
                 notes.insert(0, f"exploit: {longest}/{req.prompt_tokens} tokens cached")
-                ranked = [best, *explore_order[explore_order != best].tolist()]
+                ranked = np.concatenate(((best,), explore_order[explore_order != best]))
         else:
             notes.insert(
                 0, f"explore: longest cached {longest}/{req.prompt_tokens} tokens; min cost"
             )
-            ranked = explore_order.tolist()
-        ranked += _outside(cols, cands, rng)
+            ranked = explore_order
+        ranked = _then_outside(ranked, cols, cands, rng)
         return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
@@ -506,11 +507,11 @@ class PdStrategy(StrategyPlugin):
             )
         # The fallbacks: the non-prefill pods outside the pool (both pods beside decode ones),
         # then every prefill pod, each least-request first.
-        ranked = decode_ranked.tolist()
+        parts = [decode_ranked]
         if len(decode):
-            ranked += least_request_at(cols, both, rng).tolist()
-        ranked += least_request_at(cols, prefill, rng).tolist()
-        eps = cols.endpoints_at(ranked)
+            parts.append(least_request_at(cols, both, rng))
+        parts.append(least_request_at(cols, prefill, rng))
+        eps = cols.endpoints_at(np.concatenate(parts))
         return self.decision(
             t0,
             eps,
@@ -582,5 +583,5 @@ class SessionAffinityStrategy(StrategyPlugin):
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
         rest = least_request_at(cols, all_but(cols, [i]), rng)
-        eps = cols.endpoints_at([i, *rest.tolist()])
+        eps = cols.endpoints_at(np.concatenate(((i,), rest)))
         return self.decision(t0, eps, reason, session_id=addresses[i])

@@ -136,8 +136,9 @@ class RoundRobinStrategy(StrategyPlugin):
         t0 = time.perf_counter_ns()
         cols = columns_of(snap.pods)
         k = snap.memory.turn(self.name) % cols.n
-        order = cols.address_order().tolist()
-        return self.decision(t0, cols.endpoints_at(order[k:] + order[:k]), f"turn {k} of {cols.n}")
+        order = cols.address_order()
+        ranked = np.concatenate((order[k:], order[:k]))
+        return self.decision(t0, cols.endpoints_at(ranked), f"turn {k} of {cols.n}")
 
 
 class PowerOfTwoStrategy(StrategyPlugin):
@@ -158,7 +159,7 @@ class PowerOfTwoStrategy(StrategyPlugin):
             f"vs {cols.address(b)} (in_flight {lb[0]:g})"
         )
         others = all_but(cols, [a, b])
-        ranked = [first, second, *least_request_at(cols, others, rng).tolist()]
+        ranked = np.concatenate(((first, second), least_request_at(cols, others, rng)))
         return self.decision(t0, cols.endpoints_at(ranked), reason)
 
     @staticmethod
@@ -364,10 +365,13 @@ class HigressGpuStrategy(StrategyPlugin):
         free = ~unknown_mask
         free[chosen] = False
         others = free.nonzero()[0]
-        ranked = [*head, *others[rank_order([waiting[others], kv_usage[others]], rng)].tolist()]
+        parts = [
+            np.array(head, dtype=np.intp),
+            others[rank_order([waiting[others], kv_usage[others]], rng)],
+        ]
         if unknown_count:
             unknown = unknown_mask.nonzero()[0]
-            ranked += least_request_at(cols, unknown, rng).tolist()
+            parts.append(least_request_at(cols, unknown, rng))
             notes.append(f"metrics unknown on {cols.addresses_text(unknown)} (ranked last)")
             scores = ScoreTable(
                 cols.addresses,
@@ -377,4 +381,4 @@ class HigressGpuStrategy(StrategyPlugin):
             )
         else:
             scores = ScoreTable(cols.addresses, ("waiting", "kv_cache_usage"), (waiting, kv_usage))
-        return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+        return self.decision(t0, cols.endpoints_at(np.concatenate(parts)), "; ".join(notes), scores)
