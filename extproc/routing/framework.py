@@ -227,7 +227,7 @@ def gumbel_order(logits: FloatArray, rng: random.Random) -> IntArray:
     """Positions sampled from softmax(`logits`) without replacement (Gumbel top-k): one draw
     per position, in order; equal keys to the later position."""
     u = draws(rng, len(logits))
-    if not u.all():
+    if np.count_nonzero(u) < len(u):
         u[u == 0.0] = 1e-300
     return _descending(logits - np.log(-np.log(u)))
 
@@ -322,9 +322,12 @@ class Profile:
         self.capabilities = caps
         # Resolved once: the per-decision loop only calls and times.
         self._filters = [(_ref("filter", f), f) for f in self.filters]
-        self._scorers = [(_ref("scorer", s), w, s) for s, w in self.scorers]
+        # A scorer whose scores are in [0, 1] by construction (`bounded`) is not clamped.
+        self._scorers = [
+            (_ref("scorer", s), w, s, getattr(s, "bounded", False)) for s, w in self.scorers
+        ]
         self._picker_ref = _ref("picker", picker)
-        self._score_names = (*(ref.name for ref, _, _ in self._scorers), "total")
+        self._score_names = (*(ref.name for ref, _, _, _ in self._scorers), "total")
         weights = ",".join(f"{s.name}:{w:g}" for s, w in self.scorers)
         self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
@@ -381,17 +384,23 @@ class Profile:
     ) -> tuple[FloatArray, list[ScoreValues]]:
         """Every scorer, timed: the clamped columns, then the weighted totals (last)."""
         clock = time.perf_counter_ns
-        totals = np.zeros(len(pods))
+        totals: FloatArray | None = None
         columns: list[ScoreValues] = []
-        for ref, weight, scorer in self._scorers:
+        for ref, weight, scorer, bounded in self._scorers:
             t0 = clock()
             scores, note = scorer.score(req, pods)
             timings.append((ref, clock() - t0))
             if note:
                 notes.append(note)
-            clamped = clamp01_array(np.asarray(scores, dtype=np.float64))
-            totals += clamped if weight == 1.0 else weight * clamped
+            clamped = np.asarray(scores, dtype=np.float64)
+            if not bounded:
+                clamped = clamp01_array(clamped)
+            if totals is None:
+                totals = clamped * weight  # a new array: the column stays as explain reads it
+            else:
+                totals += clamped if weight == 1.0 else weight * clamped
             columns.append(clamped)
+        assert totals is not None  # a profile has at least one scorer
         columns.append(totals)
         return totals, columns
 

@@ -360,7 +360,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         x = _feature_columns(req, cols, uncached)
         addresses = cols.addresses
         preds = self._predictor.predict_columns(req.model, addresses, x)
-        if preds is None or not preds.warm.all():
+        if preds is None or np.count_nonzero(preds.warm) < cols.n:
             cold_at = np.arange(cols.n) if preds is None else (~preds.warm).nonzero()[0]
             cold = [addresses[i] for i in cold_at[:5].tolist()]
             return self._cold_start(t0, req, snap, rng, cold, slo, len(cold_at))

@@ -75,11 +75,14 @@ def _kv_free(values: FloatArray) -> FloatArray:
 
 
 class _Base:
-    """Scorers without params; a subclass sets `type_name`, `capabilities` and `score`."""
+    """Scorers without params; a subclass sets `type_name`, `capabilities` and `score`, and
+    `bounded` when its scores are finite and in [0, 1] whatever the inputs (the profile then
+    skips its clamp)."""
 
     type_name: ClassVar[str] = ""
     Params: ClassVar[type] = EmptyParams
     capabilities: ClassVar[Capabilities] = NO_CAPABILITIES  # most read load signals only
+    bounded: ClassVar[bool] = False
 
     def __init__(self, name: str, params: object = None) -> None:
         self.name = name
@@ -99,6 +102,7 @@ class KVCacheUtilizationScorer(_Base):
     """GAIE kv-cache-utilization-scorer: 1 - KV usage."""
 
     type_name = "kv-cache-utilization"
+    bounded = True
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         cols = columns_of(pods)
@@ -109,6 +113,7 @@ class PrefixScorer(_Base):
     """GAIE prefix-cache-scorer: matched / total prompt tokens (exact or approximate index)."""
 
     type_name = "prefix"
+    bounded = True
     capabilities = Capabilities(prompt_tokens=True, prefix_matches=True)
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
@@ -122,6 +127,7 @@ class LeastRequestScorer(_Base):
     """Min-max over the gateway's own in-flight count (always known, unlike engine metrics)."""
 
     type_name = "least-request"
+    bounded = True
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         return minmax_lower_better(columns_of(pods).in_flight), None
@@ -131,6 +137,7 @@ class LoraAffinityScorer(_Base):
     """GAIE lora-affinity-scorer: 1 adapter active, 0.8 free slot, 0.6 adapter waiting, else 0."""
 
     type_name = "lora-affinity"
+    bounded = True
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.lora is None:
@@ -180,6 +187,7 @@ class RandomScorer(_Base):
     """Uniform score per (request, pod), derived from the request id so it needs no shared RNG."""
 
     type_name = "random"
+    bounded = True
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         prefix = f"{req.request_id}|"
@@ -197,6 +205,7 @@ class SessionAffinityScorer(_Base):
     """AIBrix multi-strategy session-affinity: the pod named by the session gets 1, others 0."""
 
     type_name = "session-affinity"
+    bounded = True
 
     def score(self, req: RoutingRequest, pods: Sequence[PodState]) -> ScoreResult:
         if req.session_id is None:
