@@ -317,7 +317,8 @@ class KvAwareStrategy(StrategyPlugin):
             unmeasured = 0
             load = cols.in_flight_tokens
         decode_blocks = np.ceil(load / bs) + (total_blocks - overlap)
-        costs = prm.overlap_weight * prefill_blocks + decode_blocks
+        w = prm.overlap_weight
+        costs = (prefill_blocks if w == 1.0 else w * prefill_blocks) + decode_blocks
         values: tuple[FloatArray, ...] = (overlap, prefill_blocks, decode_blocks, costs)
         if prm.load_share == LoadShare.MEASURED:  # explain shows -1 for "not measured"
             names, digits = (*names, "prefill_tokens"), (*digits, None)

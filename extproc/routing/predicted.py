@@ -152,21 +152,18 @@ def _uncached_column(req: RoutingRequest, cols: PodColumns) -> FloatArray:
 
 
 def _feature_columns(req: RoutingRequest, cols: PodColumns, uncached: FloatArray) -> FloatArray:
-    x = np.empty((len(FEATURE_NAMES), cols.n))  # one row per feature: contiguous writes
+    x = np.array(  # one row per feature (row 0, the intercept, is overwritten)
+        (uncached, uncached, cols.in_flight, cols.waiting, cols.running, cols.kv_usage,
+         cols.in_flight_tokens)
+    )  # fmt: skip
     x[0] = 1.0
-    np.divide(uncached, 1000.0, out=x[1])
-    x[2] = cols.in_flight
-    x[3] = cols.waiting
-    x[4] = cols.running
-    x[5] = cols.kv_usage
-    x[6] = cols.in_flight_tokens
-    # The engine's signals: unknown (NaN), negative or infinite is 0 (`0 <= v < inf` is False
-    # for NaN too); KV usage at most 1. In-flight counts: at least 0.
-    engine = x[3:6]
-    engine[~((engine >= 0.0) & (engine < _INF))] = 0.0
+    x[1] /= 1000.0
+    # The engine's signals: unknown (NaN), negative or infinite is 0, KV usage at most 1; the
+    # in-flight counts (finite) at least 0. `fmax` takes 0 over NaN.
+    rest = x[2:]
+    np.fmax(rest, 0.0, out=rest)
+    rest[rest == _INF] = 0.0
     np.minimum(x[5], 1.0, out=x[5])
-    np.maximum(x[2], 0.0, out=x[2])
-    np.maximum(x[6], 0.0, out=x[6])
     x[6] /= 10000.0
     return x
 
@@ -409,7 +406,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         t = self.params.temperature
         if t <= 0:
             return rank_order([-totals], rng)
-        return gumbel_order(totals / t, rng)
+        return gumbel_order(totals if t == 1.0 else totals / t, rng)
 
     def _min_reason(self, address: str, ttft_s: float, tpot_s: float | None) -> str:
         return (
