@@ -6,8 +6,10 @@ Usage: .venv/bin/python bench/routing_bench.py [--iterations N] [--pods 4,16,64,
 
 Pure CPU (no I/O); numbers are per decision, median and p99 over the iterations. Two parts:
 
-- `route`: the strategy's own `route(req, snap, rng)` on a prepared snapshot (an 8k-token
-  prompt; every pod holds a random prefix of it: 0, 256, 1k, 2k or 4k tokens).
+- `route`: the strategy's own `route(req, snap, rng)` on a prepared snapshot of `PodState`
+  rows (an 8k-token prompt; every pod holds a random prefix of it: 0, 256, 1k, 2k or 4k
+  tokens). Every rule reads numpy columns, so this includes building them from the rows; the
+  director's snapshot hands them over as arrays (`--director`).
 - `snapshot`: what the director does per request before the strategy runs, with the real
   parts: the ready endpoints from the metrics store, the in-flight counts, the gateway's pod
   stats, and the prefix lookup for every pod over the 8k-token prompt's 512 block hashes in

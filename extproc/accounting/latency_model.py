@@ -6,8 +6,8 @@ requests and tokens, the engine's queue, running requests and KV usage), fitted 
 weighted ridge regression. The weighted sums X'WX and X'Wy are kept (d = 7) and the normal
 equations solved by Cholesky after each sample (tens of µs in pure Python, on the accounting
 path); a prediction is one dot product per candidate (a few µs with its features, on the decision
-path; `bench/routing_bench.py` times the strategy). Over many pods the strategy predicts them all
-at once (`predict_columns`): each served model's warm coefficients are also kept as rows of
+path; `bench/routing_bench.py` times the strategy). The strategy predicts every candidate at
+once (`predict_columns`): each served model's warm coefficients are also kept as rows of
 numpy arrays (`CoefficientTable`), written when a pod's model learns, never rebuilt per request.
 
 Why this shape: every pod gets its own coefficients, so a slower pod predicts slower

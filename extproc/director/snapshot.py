@@ -1,4 +1,4 @@
-"""The candidates as one decision sees them: one `PodState` per ready endpoint.
+"""The candidates as one decision sees them: a `SnapshotTable`, one row per ready endpoint.
 
 Built once per request, and only with what the strategy reads (its declared `capabilities`):
 the gateway's pod statistics only for a rule that reads accounting, each pod's cache size only
@@ -6,20 +6,19 @@ for one that reads prefix matches. The contract test (tests/routing/test_contrac
 that a rule decides the same without what it does not declare, so leaving it out changes no
 decision.
 
-Over few pods the result is a `PodRows` built in one pass. From `TABLE_MIN_PODS` on, where
-every built-in rule reads numpy columns, it is a `SnapshotTable`: the in-flight counts, pod
-stats and prefix matches arrive as arrays (each read in C-level passes over the trackers; the
-prefix index answers matches and cache sizes for all pods in one `lookup`), the engine
-signals, endpoints and adapter-set ids are the metrics store's columns when the candidates
-are its `ReadyEndpoints` (built from the metrics objects otherwise: a list the caller
-filtered), and a `PodState` is built only for a row someone reads (the pick, explain, the
-status page). Rows and columns come from the same values, so they agree.
+Every built-in rule reads numpy columns, so the table holds the pods as columns, whatever
+their number: the in-flight counts, pod stats and prefix matches arrive as arrays (each read in
+C-level passes over the trackers; the prefix index answers matches and cache sizes for all pods
+in one `lookup`), the engine signals, endpoints and adapter-set ids are the metrics store's
+columns when the candidates are its `ReadyEndpoints` (built from the metrics objects
+otherwise: a list the caller filtered, or few endpoints), and a `PodState` is built only for a
+row someone reads (the pick, a filter, explain, the status page). Rows and columns come from
+the same values, so they agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import cached_property
 from itertools import repeat
 from operator import is_not
 from typing import TYPE_CHECKING, cast, overload
@@ -28,15 +27,8 @@ import numpy as np
 
 from extproc.metrics.store import EngineColumns, ReadyEndpoints
 from extproc.routing.base import Capabilities, PodState, PodStats
-from extproc.routing.columns import (
-    TABLE_MIN_PODS,
-    FloatArray,
-    IntArray,
-    PodColumns,
-    PodRows,
-    PodTable,
-    lora_set_state,
-)
+from extproc.routing.columns import FloatArray, IntArray, PodColumns, PodTable, column
+from extproc.routing.signals import lora_set_state
 from extproc.types import Endpoint, EngineMetrics
 
 if TYPE_CHECKING:
@@ -44,7 +36,7 @@ if TYPE_CHECKING:
     from extproc.accounting.podstats import PodStatsTracker, StatsColumns
     from extproc.kvcache.prefix import PrefixArrays, PrefixIndex
 
-__all__ = ["TABLE_MIN_PODS", "SnapshotTable", "pod_at", "pod_states"]
+__all__ = ["SnapshotTable", "pod_at", "pod_states"]
 
 _NO_STATS = PodStats()  # frozen: one shared "nothing measured" for rules that never read it
 _NO_METRICS = EngineMetrics(updated_at=0.0)  # every signal unknown (NaN), as in `PodColumns`
@@ -60,10 +52,9 @@ def pod_states(
     inflight: InflightTracker,
     podstats: PodStatsTracker,
     capabilities: Capabilities,
-) -> PodRows | SnapshotTable:
-    """One `PodState` per candidate, in candidate order."""
-    build = SnapshotTable if len(candidates) >= TABLE_MIN_PODS else _pod_rows
-    return build(
+) -> SnapshotTable:
+    """One `PodState` per candidate, in candidate order, held as columns."""
+    return SnapshotTable(
         candidates,
         prefix=prefix,
         block_hashes=block_hashes,
@@ -72,45 +63,6 @@ def pod_states(
         podstats=podstats,
         capabilities=capabilities,
     )
-
-
-def _pod_rows(
-    candidates: Sequence[tuple[Endpoint, EngineMetrics]],
-    *,
-    prefix: PrefixIndex,
-    block_hashes: Sequence[int],
-    now: float,
-    inflight: InflightTracker,
-    podstats: PodStatsTracker,
-    capabilities: Capabilities,
-) -> PodRows:
-    """Every `PodState` now, in one pass (what few pods cost least)."""
-    addresses = [ep.address for ep, _ in candidates]
-    matches = prefix.match(addresses, block_hashes, now)
-    load = inflight.load
-    blocks = prefix.cached_blocks if capabilities.prefix_matches else None
-    stats = podstats.stats if capabilities.accounting else None
-    recent = inflight.recent_tokens
-    out = []
-    for (ep, metrics), address in zip(candidates, addresses, strict=True):
-        held = load(address)
-        match = matches[address]
-        measured = _NO_STATS if stats is None else stats(address, now)
-        ttft = measured.ttft_avg_s
-        out.append(
-            PodState(
-                ep,
-                metrics,
-                held.requests,
-                held.tokens,
-                match.tokens,
-                match.exact,
-                0 if blocks is None else blocks(address),
-                measured,
-                None if ttft is None else recent(address, ttft),
-            )
-        )
-    return PodRows(out)
 
 
 def pod_at(pods: Sequence[PodState], address: str) -> PodState | None:
@@ -144,13 +96,13 @@ class _TableColumns(PodColumns):
         self._recent = recent
         self._engine = engine  # the store's columns of `candidates`, if it answered them
         self._lookup = prefix
-        self._blocks = blocks  # whether rows carry cache sizes (else 0, as `_pod_rows` does)
+        self._blocks = blocks  # whether rows carry cache sizes (else 0)
         self.stats = stats
         self.__dict__["in_flight"], self.__dict__["in_flight_tokens"] = in_flight
 
     # What `PodColumns` reads from rows, read here from the candidates and the trackers.
 
-    @cached_property
+    @column
     def _metrics(self) -> list[EngineMetrics]:
         raw = self.raw_metrics
         if all(raw):  # the store's candidates always carry metrics (truthy): no second pass
@@ -166,7 +118,7 @@ class _TableColumns(PodColumns):
     def address(self, i: int | np.integer) -> str:  # type: ignore[type-arg]
         return self._candidates[int(i)][0].address
 
-    @cached_property
+    @column
     def endpoints(self) -> list[Endpoint]:
         if self._engine is not None:
             return self._engine.endpoints()
@@ -198,31 +150,31 @@ class _TableColumns(PodColumns):
         out: FloatArray = by_set.take(self._engine.lora_ids)
         return out
 
-    @cached_property
+    @column
     def raw_metrics(self) -> list[EngineMetrics | None]:
         return [m for _, m in self._candidates]
 
-    @cached_property
+    @column
     def has_metrics(self) -> np.ndarray:  # type: ignore[type-arg]
         if self._engine is not None or all(self.raw_metrics):
             return np.ones(self.n, np.bool_)
         return np.fromiter(map(is_not, self.raw_metrics, repeat(None)), np.bool_, self.n)
 
-    @cached_property
+    @column
     def prefix(self) -> PrefixArrays:
         return self._lookup()
 
-    @cached_property
+    @column
     def prefix_match_tokens(self) -> FloatArray:
         return self.prefix.tokens.astype(np.float64)
 
-    @cached_property
+    @column
     def cached_blocks(self) -> FloatArray:
         if not self._blocks:
             return np.zeros(self.n)
         return self.prefix.cached_blocks.astype(np.float64)
 
-    @cached_property
+    @column
     def _prefix_lists(self) -> tuple[list[int], list[bool], list[int]]:
         """The prefix arrays as Python ints and bools, what a `PodState` holds."""
         found = self.prefix
@@ -232,13 +184,13 @@ class _TableColumns(PodColumns):
     def stats_of(self, i: int) -> PodStats:
         return _NO_STATS if self.stats is None else self.stats.row(i)
 
-    @cached_property
+    @column
     def prefill_tokens(self) -> FloatArray:
         if self.stats is None:  # rows hold None: not read
             return np.full(self.n, np.nan)
         return self._recent(self.addresses, self.stats.ttft_avg_s)
 
-    @cached_property
+    @column
     def _prefill_list(self) -> list[int | None]:
         return [None if x != x else int(x) for x in self.prefill_tokens.tolist()]
 

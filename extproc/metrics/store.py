@@ -5,9 +5,9 @@ always sees a consistent value without locks; everything runs on one event loop.
 
 Per model the store also keeps the engine signals routing reads as numpy columns, one slot
 per endpoint in the model's endpoint order, written in place when a scrape lands (and
-rebuilt only when the endpoint set changes). Over many endpoints `ready()` answers a
-`ReadyEndpoints` whose `columns` are those arrays (gathered by slot when some endpoint is
-not ready): a decision reads them instead of building them from objects. The arrays a ready
+rebuilt only when the endpoint set changes). `ready()` answers a `ReadyEndpoints` whose
+`columns` are those arrays (gathered by slot when some endpoint is not ready): a decision
+reads them instead of building them from objects. The arrays a ready
 list hands out are made read-only, and the next write copies them first (copy on write), so
 a decision's columns never change under it.
 """
@@ -26,7 +26,6 @@ import numpy.typing as npt
 from extproc.types import Endpoint, EngineMetrics
 
 __all__ = [
-    "COLUMNS_MIN_ENDPOINTS",
     "ENGINE_FIELDS",
     "EndpointState",
     "EndpointStore",
@@ -48,9 +47,6 @@ _FIELD_ROW = {name: row for row, name in enumerate(ENGINE_FIELDS)}
 # A LoRA adapter set as routing reads it: running adapters, waiting adapters, max_lora.
 LoraKey: TypeAlias = tuple[tuple[str, ...], tuple[str, ...], int | None]
 _NO_LORA: LoraKey = ((), (), None)
-# From this many endpoints in a model, `ready()` answers with columns; below it a short
-# Python loop costs less than the numpy calls (and the snapshot builds rows anyway).
-COLUMNS_MIN_ENDPOINTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +205,8 @@ class EngineColumns:
 
 
 class ReadyEndpoints(tuple[ReadyEndpoint, ...]):
-    """`EndpointStore.ready()` over many endpoints: the (endpoint, metrics) pairs, and the
-    same endpoints' engine signals as `columns`."""
+    """`EndpointStore.ready()`: the (endpoint, metrics) pairs, and the same endpoints' engine
+    signals as `columns` (what the director's snapshot reads)."""
 
     columns: EngineColumns
 
@@ -510,26 +506,14 @@ class EndpointStore:
         return self._max_failures is None or state.failures < self._max_failures
 
     def ready(self, model: str, now: float | None = None) -> tuple[ReadyEndpoint, ...]:
-        """Endpoints of `model` fit for routing, with the metrics to route on. From
-        `COLUMNS_MIN_ENDPOINTS` endpoints in the model, a `ReadyEndpoints` (with columns)."""
+        """Endpoints of `model` fit for routing, with the metrics to route on: a
+        `ReadyEndpoints` (with columns), or an empty tuple."""
         if now is None:
             now = self._clock()
         table = self._tables.get(model)
         if table is None:
             return _EMPTY_READY
-        if len(table.pairs) >= COLUMNS_MIN_ENDPOINTS:
-            return table.ready(now, self._stale_after, self._lora_sets)
-        stale = self._stale_after
-        out: list[ReadyEndpoint] = []
-        for entry in table.entries:
-            if entry is None:
-                continue
-            ep, metrics, aged = entry
-            if metrics is None:  # no metrics URL: routable, nothing known
-                out.append((ep, EngineMetrics(updated_at=now)))
-            elif not aged or not now - metrics.updated_at > stale:  # `is_ready`'s age check
-                out.append((ep, metrics))
-        return tuple(out)
+        return table.ready(now, self._stale_after, self._lora_sets)
 
     def any_ready(self, now: float | None = None) -> bool:
         """True when at least one endpoint of any model is ready (readiness probe)."""

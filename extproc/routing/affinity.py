@@ -7,37 +7,37 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from extproc.routing import signals
 from extproc.routing.base import (
     DECODE_PROFILE,
     PREFILL_PROFILE,
     Capabilities,
     Decision,
-    PodState,
     ProfileResult,
     RoutingRequest,
     Snapshot,
 )
 from extproc.routing.columns import (
-    CHEAP_RULE,
-    COSTLY_RULE,
     FloatArray,
     IntArray,
     PodColumns,
     columns_of,
     draws,
     rank_order,
-    vectorised,
 )
 from extproc.routing.framework import ScoreTable
-from extproc.routing.strategies import StrategyPlugin, least_request_at
+from extproc.routing.strategies import (
+    StrategyPlugin,
+    all_but,
+    least_request,
+    least_request_at,
+)
 from extproc.types import EndpointRole
 
 __all__ = [
@@ -60,86 +60,48 @@ __all__ = [
 ]
 
 
-def _least_request(pods: Sequence[PodState], rng: random.Random) -> list[PodState]:
-    return signals.rank_by(pods, lambda p: (float(p.in_flight),), rng)
-
-
-def _imbalance_guard(pods: Sequence[PodState], abs_count: int) -> tuple[list[PodState], str | None]:
-    """AIBrix: if the in-flight spread exceeds `abs_count`, only the least-loaded pods are candidates."""
-    loads = [p.in_flight for p in pods]
-    lo, hi = min(loads), max(loads)
-    if hi - lo > abs_count:
-        return [
-            p for p in pods if p.in_flight == lo
-        ], f"load imbalance (spread {hi - lo} > {abs_count}): least-loaded only"
-    return list(pods), None
-
-
-def _mean_plus_std(values: Sequence[float], k: float) -> float:
-    """mean + k * population stddev (plain floats: the statistics module is ~10x slower)."""
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / n
-    return mean + k * math.sqrt(var)
-
-
-def _match_pct(req: RoutingRequest, p: PodState) -> float:
-    if req.prompt_tokens <= 0:
-        return 0.0
-    return min(100.0, 100.0 * p.prefix_match_tokens / req.prompt_tokens)
-
-
-def _rest(
-    chosen: Sequence[PodState], pods: Sequence[PodState], rng: random.Random
-) -> list[PodState]:
-    taken = {id(p) for p in chosen}
-    return _least_request([p for p in pods if id(p) not in taken], rng)
-
-
-# ---------------------------------------------------------------- the same rules on columns
-
-
 def _seq_sum(values: FloatArray) -> float:
-    """Left-to-right sum, as Python's `sum` adds (numpy's `sum` pairs, so its last bit differs)."""
+    """Left-to-right sum (numpy's `sum` adds in pairs: its last bit may differ)."""
     return float(np.cumsum(values)[-1]) if len(values) else 0.0
 
 
-def _mean_plus_std_array(values: FloatArray, k: float) -> float:
-    """`_mean_plus_std` on an array, with the same float steps."""
+def _mean_plus_std(values: FloatArray, k: float) -> float:
+    """mean + k * population stddev."""
     n = len(values)
     mean = _seq_sum(values) / n
     var = _seq_sum((values - mean) ** 2) / n
     return mean + k * math.sqrt(var)
 
 
-def _match_pct_array(req: RoutingRequest, cols: PodColumns) -> FloatArray:
+def _match_pct(req: RoutingRequest, cols: PodColumns) -> FloatArray:
+    """Each pod's cached share of the prompt, in percent (0 without a prompt)."""
     if req.prompt_tokens <= 0:
         return np.zeros(cols.n)
     out: FloatArray = np.minimum(100.0, 100.0 * cols.prefix_match_tokens / req.prompt_tokens)
     return out
 
 
-def _imbalance_guard_at(cols: PodColumns, abs_count: int) -> tuple[IntArray, list[str]]:
-    """`_imbalance_guard` as indices, with the notes a decision starts from."""
+def _imbalance_guard(cols: PodColumns, abs_count: int) -> tuple[IntArray, list[str]]:
+    """AIBrix: if the in-flight spread exceeds `abs_count`, only the least-loaded pods are
+    candidates. The candidates' indices, and the notes a decision starts from."""
     loads = cols.in_flight
     lo, hi = loads.min(), loads.max()
     if hi - lo > abs_count:
         spread = int(hi - lo)
-        return np.flatnonzero(loads == lo), [
+        return (loads == lo).nonzero()[0], [
             f"load imbalance (spread {spread} > {abs_count}): least-loaded only"
         ]
     return np.arange(cols.n), []
 
 
-def _rest_at(chosen: IntArray, at: IntArray, cols: PodColumns, rng: random.Random) -> IntArray:
-    """`_rest`: the pods at `at` not in `chosen`, least-request first, as indices."""
-    free = np.ones(cols.n, dtype=bool)
-    free[chosen] = False
-    return least_request_at(cols, at[free[at]], rng)
-
-
-def _cat(*parts: IntArray) -> IntArray:
-    return np.concatenate(parts).astype(np.intp, copy=False)
+def _then_outside(
+    ranked: IntArray, cols: PodColumns, cands: IntArray, rng: random.Random
+) -> IntArray:
+    """`ranked`, then the pods not among `cands` (those the imbalance guard left out),
+    least-request first."""
+    if len(cands) == cols.n:
+        return ranked
+    return np.concatenate((ranked, least_request_at(cols, all_but(cols, cands), rng)))
 
 
 class _JoinedScores(Mapping[str, Mapping[str, float]]):
@@ -185,62 +147,21 @@ class PrefixCacheStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods):
-            return self._route_columns(req, snap, rng, t0)
-        prm = self.params
-        pods = snap.pods
-        notes: list[str] = []
-        cands, note = _imbalance_guard(pods, prm.imbalance_abs_count)
-        if note:
-            notes.append(note)
-        loads = [float(p.in_flight) for p in pods]
-        bound = _mean_plus_std(loads, prm.stddev_factor)
-        scores = {
-            p.address: {"match_pct": round(_match_pct(req, p), 2), "in_flight": float(p.in_flight)}
-            for p in pods
-        }
-        matched = [
-            p
-            for p in cands
-            if p.prefix_match_tokens > 0 and _match_pct(req, p) > prm.match_threshold_percent
-        ]
-        ordered = signals.rank_by(matched, lambda p: (-_match_pct(req, p), float(p.in_flight)), rng)
-        pick = next((p for p in ordered if p.in_flight <= bound), None)
-        if pick is not None:
-            notes.insert(
-                0, f"prefix match {_match_pct(req, pick):.0f}% within load bound {bound:.2f}"
-            )
-            ranked = [pick, *_rest([pick], cands, rng)]
-        else:
-            if req.prompt_tokens <= 0:
-                why = "no prompt tokens"
-            elif not matched:
-                why = "no prefix match"
-            else:
-                why = f"every match over load bound {bound:.2f}"
-            notes.insert(0, f"{why}: least-request")
-            ranked = _least_request(cands, rng)
-        ranked += _rest(ranked, pods, rng)
-        return self.decision(t0, ranked, "; ".join(notes), scores)
-
-    def _route_columns(
-        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
-    ) -> Decision:
         prm = self.params
         cols = columns_of(snap.pods)
-        cands, notes = _imbalance_guard_at(cols, prm.imbalance_abs_count)
+        cands, notes = _imbalance_guard(cols, prm.imbalance_abs_count)
         loads = cols.in_flight
-        bound = _mean_plus_std_array(loads, prm.stddev_factor)
-        pct = _match_pct_array(req, cols)
-        scores = ScoreTable(snap.pods, ("match_pct", "in_flight"), (pct, loads), (2, None))
-        hit = (cols.prefix_match_tokens[cands] > 0) & (pct[cands] > prm.match_threshold_percent)
-        matched = cands[hit]
+        bound = _mean_plus_std(loads, prm.stddev_factor)
+        pct = _match_pct(req, cols)
+        scores = ScoreTable(cols.addresses, ("match_pct", "in_flight"), (pct, loads), (2, None))
+        hit = (cols.prefix_match_tokens > 0) & (pct > prm.match_threshold_percent)
+        matched = cands[hit[cands]]
         ordered = matched[rank_order([-pct[matched], loads[matched]], rng)]
         within = ordered[loads[ordered] <= bound]
         if len(within):
-            pick = within[:1]
-            notes.insert(0, f"prefix match {pct[pick[0]]:.0f}% within load bound {bound:.2f}")
-            ranked = _cat(pick, _rest_at(pick, cands, cols, rng))
+            pick = within[0]
+            notes.insert(0, f"prefix match {pct[pick]:.0f}% within load bound {bound:.2f}")
+            ranked = np.concatenate(((pick,), least_request_at(cols, cands[cands != pick], rng)))
         else:
             if req.prompt_tokens <= 0:
                 why = "no prompt tokens"
@@ -250,8 +171,8 @@ class PrefixCacheStrategy(StrategyPlugin):
                 why = f"every match over load bound {bound:.2f}"
             notes.insert(0, f"{why}: least-request")
             ranked = least_request_at(cols, cands, rng)
-        ranked = _cat(ranked, _rest_at(ranked, np.arange(cols.n), cols, rng))
-        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+        ranked = _then_outside(ranked, cols, cands, rng)
+        return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- prefix-cache-preble (Preble E2)
@@ -283,60 +204,14 @@ class PrebleStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods):
-            return self._route_columns(req, snap, rng, t0)
-        prm = self.params
-        pods = snap.pods
-        notes: list[str] = []
-        cands, note = _imbalance_guard(pods, prm.imbalance_abs_count)
-        if note:
-            notes.append(note)
-
-        def cost(p: PodState) -> float:
-            return float(max(req.prompt_tokens - p.prefix_match_tokens, 0) + p.in_flight_tokens)
-
-        scores = {
-            p.address: {
-                "match_tokens": float(p.prefix_match_tokens),
-                "cost": cost(p),
-                "in_flight": float(p.in_flight),
-            }
-            for p in pods
-        }
-        longest = max(p.prefix_match_tokens for p in cands)
-        explore_order = signals.rank_by(cands, lambda p: (cost(p), float(p.in_flight)), rng)
-        if req.prompt_tokens > 0 and longest / req.prompt_tokens > prm.exploit_ratio:
-            holders = [p for p in cands if p.prefix_match_tokens == longest]
-            best = signals.rank_by(
-                holders, lambda p: (float(p.in_flight_tokens), float(p.in_flight)), rng
-            )[0]
-            least = min(p.in_flight for p in pods)
-            if best.in_flight >= prm.rebalance_ratio * max(least, 1):
-                notes.insert(
-                    0,
-                    f"rebalance: holder {best.address} overloaded (in_flight {best.in_flight} vs least {least}); explore by cost",
-                )
-                ranked = explore_order
-            else:
-                notes.insert(0, f"exploit: {longest}/{req.prompt_tokens} tokens cached")
-                ranked = [best, *[p for p in explore_order if p is not best]]
-        else:
-            notes.insert(
-                0, f"explore: longest cached {longest}/{req.prompt_tokens} tokens; min cost"
-            )
-            ranked = explore_order
-        ranked += _rest(ranked, pods, rng)
-        return self.decision(t0, ranked, "; ".join(notes), scores)
-
-    def _route_columns(
-        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
-    ) -> Decision:
         prm = self.params
         cols = columns_of(snap.pods)
-        cands, notes = _imbalance_guard_at(cols, prm.imbalance_abs_count)
+        cands, notes = _imbalance_guard(cols, prm.imbalance_abs_count)
         match, loads = cols.prefix_match_tokens, cols.in_flight
         cost = np.maximum(req.prompt_tokens - match, 0.0) + cols.in_flight_tokens
-        scores = ScoreTable(snap.pods, ("match_tokens", "cost", "in_flight"), (match, cost, loads))
+        scores = ScoreTable(
+            cols.addresses, ("match_tokens", "cost", "in_flight"), (match, cost, loads)
+        )
         longest = int(match[cands].max())
         explore_order = cands[rank_order([cost[cands], loads[cands]], rng)]
         if req.prompt_tokens > 0 and longest / req.prompt_tokens > prm.exploit_ratio:
@@ -353,14 +228,14 @@ class PrebleStrategy(StrategyPlugin):
                 ranked = explore_order
             else:
                 notes.insert(0, f"exploit: {longest}/{req.prompt_tokens} tokens cached")
-                ranked = _cat(np.array([best]), explore_order[explore_order != best])
+                ranked = np.concatenate(((best,), explore_order[explore_order != best]))
         else:
             notes.insert(
                 0, f"explore: longest cached {longest}/{req.prompt_tokens} tokens; min cost"
             )
             ranked = explore_order
-        ranked = _cat(ranked, _rest_at(ranked, np.arange(cols.n), cols, rng))
-        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+        ranked = _then_outside(ranked, cols, cands, rng)
+        return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- kv-aware (Dynamo)
@@ -396,17 +271,13 @@ class KvAwareParams:
         object.__setattr__(self, "load_share", LoadShare(self.load_share))
 
 
-def load_tokens(in_flight_tokens: float, prefill_tokens: float | None) -> float:
-    """kv-aware's measured load of a pod: its in-flight tokens still before their first
-    token, whole, plus DECODING_WEIGHT of the rest (all of it where not measured)."""
-    if prefill_tokens is None:
-        return in_flight_tokens
-    return float(_weighted_load(in_flight_tokens, prefill_tokens))
-
-
-def _weighted_load(in_flight_tokens: Any, prefill_tokens: Any) -> Any:
-    """`load_tokens`'s formula, for floats or numpy arrays alike."""
-    return prefill_tokens + DECODING_WEIGHT * np.maximum(in_flight_tokens - prefill_tokens, 0.0)
+def load_tokens(in_flight_tokens: FloatArray, prefill_tokens: FloatArray) -> FloatArray:
+    """kv-aware's measured load of each pod: its in-flight tokens still before their first
+    token, whole, plus DECODING_WEIGHT of the rest; all of them where not measured (NaN)."""
+    measured = prefill_tokens == prefill_tokens  # NaN: not measured
+    weighted = prefill_tokens + DECODING_WEIGHT * np.maximum(in_flight_tokens - prefill_tokens, 0.0)
+    out: FloatArray = np.where(measured, weighted, in_flight_tokens)
+    return out
 
 
 class KvAwareStrategy(StrategyPlugin):
@@ -430,87 +301,33 @@ class KvAwareStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods, CHEAP_RULE):
-            return self._route_columns(req, snap, rng, t0)
-        prm = self.params
-        bs = max(req.block_size, 1)
-        total_blocks = math.ceil(req.prompt_tokens / bs)
-        costs: dict[int, float] = {}
-        scores: dict[str, dict[str, float]] = {}
-        measured = prm.load_share == LoadShare.MEASURED
-        unmeasured = 0
-        for p in snap.pods:
-            overlap = min(p.prefix_match_tokens, req.prompt_tokens) // bs
-            prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-            young = p.prefill_tokens if measured else None
-            unmeasured += measured and young is None
-            load = load_tokens(p.in_flight_tokens, young)
-            decode_blocks = math.ceil(load / bs) + (total_blocks - overlap)
-            c = prm.overlap_weight * prefill_blocks + decode_blocks
-            costs[id(p)] = c
-            scores[p.address] = {
-                "overlap_blocks": float(overlap),
-                "prefill_blocks": round(prefill_blocks, 3),
-                "decode_blocks": float(decode_blocks),
-                "cost": round(c, 3),
-            }
-            if measured:
-                scores[p.address]["prefill_tokens"] = -1.0 if young is None else float(young)
-        values = list(costs.values())
-        lo, hi = min(values), max(values)
-        if prm.temperature > 0 and hi > lo:
-            span = (hi - lo) * prm.temperature
-
-            def gumbel_key(p: PodState) -> tuple[float, ...]:
-                u = rng.random() or 1e-300
-                return (-(-(costs[id(p)] - lo) / span - math.log(-math.log(u))),)
-
-            ranked = signals.rank_by(snap.pods, gumbel_key, rng)
-            reason = f"softmax over cost, T={prm.temperature:g}"
-        else:
-            ranked = signals.rank_by(
-                snap.pods, lambda p: (costs[id(p)], float(p.cached_blocks)), rng
-            )
-            reason = "min cost" + (
-                " (all equal: uniform)" if hi == lo and prm.temperature > 0 else ""
-            )
-        if not any(p.prefix_match_tokens for p in snap.pods):
-            reason += "; no cached prefix on any pod: cost is load only"
-        if unmeasured:
-            reason += _unmeasured_note(unmeasured, len(snap.pods))
-        return self.decision(t0, ranked, reason, scores)
-
-    def _route_columns(
-        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
-    ) -> Decision:
         prm = self.params
         cols = columns_of(snap.pods)
         bs = max(req.block_size, 1)
         total_blocks = math.ceil(req.prompt_tokens / bs)
         overlap = np.minimum(cols.prefix_match_tokens, float(req.prompt_tokens)) // bs
         prefill_blocks = (req.prompt_tokens - overlap * bs) / bs
-        unmeasured = 0
-        tokens = cols.in_flight_tokens
+        names: tuple[str, ...] = ("overlap_blocks", "prefill_blocks", "decode_blocks", "cost")
+        digits: tuple[int | None, ...] = (None, 3, None, 3)
         if prm.load_share == LoadShare.MEASURED:
             young = cols.prefill_tokens
-            known = young == young  # NaN: not measured, the whole load
-            unmeasured = int(cols.n - np.count_nonzero(known))
-            young = np.where(known, young, -1.0)  # what explain shows for "not measured"
-            load = np.where(known, _weighted_load(tokens, young), tokens)
+            unmeasured = int(np.count_nonzero(young != young))  # NaN: not measured
+            load = load_tokens(cols.in_flight_tokens, young)
         else:
-            load = tokens
+            unmeasured = 0
+            load = cols.in_flight_tokens
         decode_blocks = np.ceil(load / bs) + (total_blocks - overlap)
-        costs = prm.overlap_weight * prefill_blocks + decode_blocks
-        names: tuple[str, ...] = ("overlap_blocks", "prefill_blocks", "decode_blocks", "cost")
-        values = [overlap, prefill_blocks, decode_blocks, costs]
-        digits: list[int | None] = [None, 3, None, 3]
-        if prm.load_share == LoadShare.MEASURED:
-            names, values, digits = (*names, "prefill_tokens"), [*values, young], [*digits, None]
-        scores = ScoreTable(snap.pods, names, tuple(values), tuple(digits))
-        lo, hi = float(costs.min()), float(costs.max())
-        if prm.temperature > 0 and hi > lo:
+        w = prm.overlap_weight
+        costs = (prefill_blocks if w == 1.0 else w * prefill_blocks) + decode_blocks
+        values: tuple[FloatArray, ...] = (overlap, prefill_blocks, decode_blocks, costs)
+        if prm.load_share == LoadShare.MEASURED:  # explain shows -1 for "not measured"
+            names, digits = (*names, "prefill_tokens"), (*digits, None)
+            values = (*values, np.fmax(young, -1.0))  # NaN (not measured): -1
+        scores = ScoreTable(cols.addresses, names, values, digits)
+        lo, hi = (float(costs.min()), float(costs.max())) if prm.temperature > 0 else (0.0, 0.0)
+        if hi > lo:  # softmax (T > 0) over costs that differ
             span = (hi - lo) * prm.temperature
-            # rank_by draws the key's number, then the tie-break, pod by pod: keep that order.
+            # A Gumbel key, then a tie-break, drawn pod by pod.
             pairs = draws(rng, 2 * cols.n)
             u, tie = pairs[0::2].tolist(), pairs[1::2]
             keys = np.array(
@@ -523,14 +340,12 @@ class KvAwareStrategy(StrategyPlugin):
             reason = f"softmax over cost, T={prm.temperature:g}"
         else:
             ranked = rank_order([costs, cols.cached_blocks], rng)
-            reason = "min cost" + (
-                " (all equal: uniform)" if hi == lo and prm.temperature > 0 else ""
-            )
-        if not cols.prefix_match_tokens.any():
+            reason = "min cost" + (" (all equal: uniform)" if prm.temperature > 0 else "")
+        if not np.count_nonzero(cols.prefix_match_tokens):
             reason += "; no cached prefix on any pod: cost is load only"
         if unmeasured:
-            reason += _unmeasured_note(unmeasured, cols.n)
-        return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
+            reason += f"; {unmeasured} of {cols.n} pods without a measured TTFT: whole load"
+        return self.decision(t0, cols.endpoints_at(ranked), reason, scores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -589,55 +404,16 @@ class VtcStrategy(StrategyPlugin):
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
         prm = self.params
+        cols = columns_of(snap.pods)
         if req.user is None or snap.fairness is None:
             why = "no user on request" if req.user is None else "no fairness counters"
-            if vectorised(snap.pods, CHEAP_RULE):
-                cols = columns_of(snap.pods)
-                order = least_request_at(cols, np.arange(cols.n), rng)
-                return self.decision_of(t0, cols.endpoints_at(order), f"{why}: least-request")
-            return self.decision(t0, _least_request(snap.pods, rng), f"{why}: least-request")
+            order = least_request(cols, rng)
+            return self.decision(t0, cols.endpoints_at(order), f"{why}: least-request")
         fair = snap.fairness
         active_min = fair.active_min()
         user_tokens = max(fair.tokens(req.user), active_min)
         min_tokens = max(prm.min_tokens_floor, active_min)
         bucket = max(prm.min_tokens_floor, (min_tokens + prm.max_tokens_floor) / 2)
-        if vectorised(snap.pods, CHEAP_RULE):
-            return self._route_columns(snap, rng, t0, user_tokens, bucket)
-        pods = sorted(snap.pods, key=lambda p: p.address)
-        target = min(user_tokens / bucket, len(pods) - 1)
-        notes = [f"user tokens {user_tokens:.0f} bucket {bucket:.0f} -> target index {target:.2f}"]
-        score: dict[int, float] = {}
-        scores: dict[str, dict[str, float]] = {}
-        missing = []
-        for idx, p in enumerate(pods):
-            run = signals.running(p)
-            if run is None:
-                run = float(p.in_flight)
-                missing.append(p.address)
-            util = min(run / prm.max_pod_load, 1.0)
-            fairness = abs(idx - target)
-            s = (
-                prm.fairness_weight * fairness
-                + prm.utilization_weight * util
-                + rng.uniform(0.0, 0.1)
-            )
-            score[id(p)] = s
-            scores[p.address] = {
-                "fairness": round(fairness, 3),
-                "utilization": round(util, 3),
-                "score": round(s, 3),
-            }
-        if missing:
-            notes.append(f"running unknown on {','.join(missing)}: used gateway in-flight")
-        ranked = sorted(pods, key=lambda p: score[id(p)])
-        return self.decision(t0, ranked, "; ".join(notes), scores)
-
-    def _route_columns(
-        self, snap: Snapshot, rng: random.Random, t0: int, user_tokens: float, bucket: float
-    ) -> Decision:
-        prm = self.params
-        cols = columns_of(snap.pods)
-        addresses = cols.addresses
         by_address = cols.address_order()
         target = min(user_tokens / bucket, cols.n - 1)
         notes = [f"user tokens {user_tokens:.0f} bucket {bucket:.0f} -> target index {target:.2f}"]
@@ -646,19 +422,20 @@ class VtcStrategy(StrategyPlugin):
         run = np.where(unknown, cols.in_flight[by_address], running)
         util = np.minimum(run / prm.max_pod_load, 1.0)
         fairness = np.abs(np.arange(cols.n) - target)
-        jitter = 0.0 + (0.1 - 0.0) * draws(rng, cols.n)  # rng.uniform(0.0, 0.1), pod by pod
+        jitter = 0.1 * draws(rng, cols.n)  # rng.uniform(0.0, 0.1), pod by pod
         s = prm.fairness_weight * fairness + prm.utilization_weight * util + jitter
-        if unknown.any():
-            missing = ",".join([addresses[i] for i in by_address[unknown].tolist()])
+        if np.count_nonzero(unknown):
+            missing = cols.addresses_text(by_address[unknown])
             notes.append(f"running unknown on {missing}: used gateway in-flight")
         scores = ScoreTable(
-            cols.rows(by_address),
+            cols.addresses,
             ("fairness", "utilization", "score"),
             (fairness, util, s),
             (3, 3, 3),
+            at=by_address,
         )
         ranked = by_address[np.argsort(s, kind="stable")]
-        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+        return self.decision(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
 
 
 # ---------------------------------------------------------------- pd (AIBrix)
@@ -686,99 +463,18 @@ class PdStrategy(StrategyPlugin):
         super().__init__(name, params)
         self.params = params or PdParams()
 
-    def _decode_order(
-        self, pool: Sequence[PodState], rng: random.Random, scores: dict[str, dict[str, float]]
-    ) -> tuple[list[PodState], str | None]:
-        runs = []
-        missing = []
-        for p in pool:
-            r = signals.running(p)
-            if r is None:
-                r = float(p.in_flight)
-                missing.append(p.address)
-            runs.append(r)
-        frees = [max(1.0 - (signals.kv_usage(p) or 0.0), 0.01) for p in pool]
-        max_run, max_free = max(max(runs), 1.0), max(frees)
-        val: dict[int, float] = {}
-        for p, r, f in zip(pool, runs, frees, strict=True):
-            val[id(p)] = (r / max_run) / (f / max_free)
-            scores.setdefault(p.address, {})["decode_score"] = round(val[id(p)], 4)
-        note = f"running unknown on {','.join(missing)}: used in-flight" if missing else None
-        return signals.rank_by(pool, lambda p: (val[id(p)], float(p.in_flight)), rng), note
-
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods, COSTLY_RULE):
-            return self._route_columns(req, snap, rng, t0)
-        pods = snap.pods
-        prefill = [p for p in pods if p.endpoint.role is EndpointRole.PREFILL]
-        decode = [p for p in pods if p.endpoint.role is EndpointRole.DECODE]
-        both = [p for p in pods if p.endpoint.role is EndpointRole.BOTH]
-        scores: dict[str, dict[str, float]] = {}
-        notes: list[str] = []
-        pool = decode or both
-        if not pool:
-            ranked = _least_request(pods, rng)
-            return self.decision(
-                t0,
-                ranked,
-                "no decode or both pod: whole request on a prefill pod by least-request",
-                profiles=(
-                    ProfileResult(PREFILL_PROFILE, ()),
-                    ProfileResult(DECODE_PROFILE, tuple([p.endpoint for p in ranked])),
-                ),
-            )
-        decode_ranked, note = self._decode_order(pool, rng, scores)
-        if note:
-            notes.append(note)
-        prefill_ranked: list[PodState] = []
-        if prefill:
-            loads = [float(p.in_flight) for p in prefill]
-            bound = _mean_plus_std(loads, self.params.stddev_factor)
-            max_load = max(max(loads), 1.0)
-            ok = [p for p in prefill if p.in_flight <= bound] or prefill
-            val = {id(p): (100.0 - _match_pct(req, p)) * 0.1 + p.in_flight / max_load for p in ok}
-            for p in ok:
-                scores.setdefault(p.address, {})["prefill_score"] = round(val[id(p)], 4)
-            prefill_ranked = signals.rank_by(ok, lambda p: (val[id(p)],), rng)
-            notes.insert(
-                0, f"prefill on {prefill_ranked[0].address}, decode on {decode_ranked[0].address}"
-            )
-        else:
-            notes.insert(
-                0,
-                f"no prefill pod: whole request on {'decode' if decode else 'both'} pod {decode_ranked[0].address}",
-            )
-        ranked = decode_ranked + _rest(
-            decode_ranked, [p for p in pods if p.endpoint.role is not EndpointRole.PREFILL], rng
-        )
-        ranked += _rest(ranked, pods, rng)
-        return self.decision(
-            t0,
-            ranked,
-            "; ".join(notes),
-            scores,
-            profiles=(
-                ProfileResult(PREFILL_PROFILE, tuple([p.endpoint for p in prefill_ranked])),
-                ProfileResult(DECODE_PROFILE, tuple([p.endpoint for p in decode_ranked])),
-            ),
-        )
-
-    def _route_columns(
-        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
-    ) -> Decision:
         cols = columns_of(snap.pods)
         is_prefill = cols.role_is(EndpointRole.PREFILL)
         is_decode = cols.role_is(EndpointRole.DECODE)
-        prefill = np.flatnonzero(is_prefill)
-        decode = np.flatnonzero(is_decode)
-        both = np.flatnonzero(~is_prefill & ~is_decode)
+        prefill = is_prefill.nonzero()[0]
+        decode = is_decode.nonzero()[0]
+        both = (~is_prefill & ~is_decode).nonzero()[0]
         pool = decode if len(decode) else both
-        everyone = np.arange(cols.n)
         if not len(pool):
-            ranked = least_request_at(cols, everyone, rng)
-            eps = cols.endpoints_at(ranked)
-            return self.decision_of(
+            eps = cols.endpoints_at(least_request(cols, rng))
+            return self.decision(
                 t0,
                 eps,
                 "no decode or both pod: whole request on a prefill pod by least-request",
@@ -786,31 +482,20 @@ class PdStrategy(StrategyPlugin):
             )
         notes: list[str] = []
         loads = cols.in_flight
-        running = cols.running[pool]
-        unknown = np.isnan(running)
-        runs = np.where(unknown, loads[pool], running)
-        kv = cols.kv_usage[pool]
-        kv = np.where(np.isnan(kv), 0.0, kv)  # `kv_usage(p) or 0.0`
-        frees = np.maximum(1.0 - kv, 0.01)
-        max_run, max_free = max(float(runs.max()), 1.0), float(frees.max())
-        decode_val = (runs / max_run) / (frees / max_free)
-        decode_ranked = pool[rank_order([decode_val, loads[pool]], rng)]
-        tables: list[Mapping[str, Mapping[str, float]]] = [
-            ScoreTable(cols.rows(pool), ("decode_score",), (decode_val,), (4,))
-        ]
-        if unknown.any():
-            missing = ",".join([cols.addresses[i] for i in pool[unknown].tolist()])
+        decode_ranked, decode_scores, missing = self._decode_order(cols, pool, rng)
+        tables: list[Mapping[str, Mapping[str, float]]] = [decode_scores]
+        if missing:
             notes.append(f"running unknown on {missing}: used in-flight")
         prefill_ranked = np.empty(0, dtype=np.intp)
         if len(prefill):
             pl = loads[prefill]
-            bound = _mean_plus_std_array(pl, self.params.stddev_factor)
+            bound = _mean_plus_std(pl, self.params.stddev_factor)
             max_load = max(float(pl.max()), 1.0)
             ok = prefill[pl <= bound]
             if not len(ok):
                 ok = prefill
-            val = (100.0 - _match_pct_array(req, cols)[ok]) * 0.1 + loads[ok] / max_load
-            tables.append(ScoreTable(cols.rows(ok), ("prefill_score",), (val,), (4,)))
+            val = (100.0 - _match_pct(req, cols)[ok]) * 0.1 + loads[ok] / max_load
+            tables.append(ScoreTable(cols.addresses, ("prefill_score",), (val,), (4,), at=ok))
             prefill_ranked = ok[rank_order([val], rng)]
             notes.insert(
                 0,
@@ -821,16 +506,14 @@ class PdStrategy(StrategyPlugin):
                 0,
                 f"no prefill pod: whole request on {'decode' if len(decode) else 'both'} pod {cols.address(decode_ranked[0])}",
             )
-        # `_rest` twice: the non-prefill pods outside the pool (both pods beside decode
-        # ones), then every prefill pod, each least-request first.
-        beside = both if len(decode) else np.empty(0, dtype=np.intp)
-        ranked = _cat(
-            decode_ranked,
-            least_request_at(cols, beside, rng),
-            least_request_at(cols, prefill, rng),
-        )
-        eps = cols.endpoints_at(ranked)
-        return self.decision_of(
+        # The fallbacks: the non-prefill pods outside the pool (both pods beside decode ones),
+        # then every prefill pod, each least-request first.
+        parts = [decode_ranked]
+        if len(decode):
+            parts.append(least_request_at(cols, both, rng))
+        parts.append(least_request_at(cols, prefill, rng))
+        eps = cols.endpoints_at(np.concatenate(parts))
+        return self.decision(
             t0,
             eps,
             "; ".join(notes),
@@ -840,6 +523,26 @@ class PdStrategy(StrategyPlugin):
                 ProfileResult(DECODE_PROFILE, eps[: len(decode_ranked)]),
             ),
         )
+
+    @staticmethod
+    def _decode_order(
+        cols: PodColumns, pool: IntArray, rng: random.Random
+    ) -> tuple[IntArray, ScoreTable, str]:
+        """The decode pool by (running / max running) / (free KV / max free KV), then fewer
+        in flight; its scores, and the pods whose running count was unknown (in-flight used)."""
+        loads = cols.in_flight
+        running = cols.running[pool]
+        unknown = np.isnan(running)
+        runs = np.where(unknown, loads[pool], running)
+        kv = cols.kv_usage[pool]
+        kv = np.where(np.isnan(kv), 0.0, kv)  # unknown KV usage: 0
+        frees = np.maximum(1.0 - kv, 0.01)
+        max_run, max_free = max(float(runs.max()), 1.0), float(frees.max())
+        value = (runs / max_run) / (frees / max_free)
+        ranked = pool[rank_order([value, loads[pool]], rng)]
+        scores = ScoreTable(cols.addresses, ("decode_score",), (value,), (4,), at=pool)
+        missing = cols.addresses_text(pool[unknown]) if np.count_nonzero(unknown) else ""
+        return ranked, scores, missing
 
 
 # ---------------------------------------------------------------- session-affinity (AIBrix)
@@ -866,31 +569,7 @@ class SessionAffinityStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        pods = snap.pods
-        if vectorised(pods, COSTLY_RULE):
-            return self._route_columns(req, pods, rng, t0)
-        pick = next(
-            (p for p in pods if req.session_id is not None and p.address == req.session_id), None
-        )
-        key = req.headers.get(SESSION_KEY_HEADER)
-        if pick is not None:
-            reason = "session honoured"
-        elif key and len(key) <= 256:
-            pick = max(pods, key=lambda p: _fnv1a64((key + p.address).encode()))
-            reason = "session key: rendezvous hashing"
-        else:
-            pick = _least_request(pods, rng)[0]
-            reason = (
-                "unknown session: least-request" if req.session_id else "no session: least-request"
-            )
-        ranked = [pick, *_rest([pick], pods, rng)]
-        return self.decision(t0, ranked, reason, session_id=pick.address)
-
-    def _route_columns(
-        self, req: RoutingRequest, pods: Sequence[PodState], rng: random.Random, t0: int
-    ) -> Decision:
-        """`route` on the address and in-flight columns (no row read): the same pick, draws."""
-        cols = columns_of(pods)
+        cols = columns_of(snap.pods)
         addresses = cols.addresses
         key = req.headers.get(SESSION_KEY_HEADER)
         if req.session_id is not None and req.session_id in addresses:
@@ -900,10 +579,10 @@ class SessionAffinityStrategy(StrategyPlugin):
             i = max(range(cols.n), key=lambda j: _fnv1a64((key + addresses[j]).encode()))
             reason = "session key: rendezvous hashing"
         else:
-            i = int(least_request_at(cols, np.arange(cols.n), rng)[0])
+            i = int(least_request(cols, rng)[0])
             reason = (
                 "unknown session: least-request" if req.session_id else "no session: least-request"
             )
-        at = np.array([i])
-        eps = cols.endpoints_at(_cat(at, _rest_at(at, np.arange(cols.n), cols, rng)))
-        return self.decision_of(t0, eps, reason, session_id=addresses[i])
+        rest = least_request_at(cols, all_but(cols, [i]), rng)
+        eps = cols.endpoints_at(np.concatenate(((i,), rest)))
+        return self.decision(t0, eps, reason, session_id=addresses[i])

@@ -243,7 +243,7 @@ class Decision:
 
 
 FilterResult = tuple[Sequence[PodState], str | None]  # kept pods, note (what it could not read)
-# One value per pod: a list, or a float64 array (what the vectorised built-ins answer with).
+# One value per pod: a float64 array (what the built-ins answer with), or a list.
 ScoreValues = Sequence[float] | npt.NDArray[np.float64]
 ScoreResult = tuple[ScoreValues, str | None]  # one score per pod in [0, 1], note
 
@@ -283,11 +283,9 @@ class Picker(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
-    def rank(
-        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> Sequence[PodState]:
-        """Order all pods best first (the tail gives retry fallbacks). Over a `PodTable` a
-        picker may answer with `columns.rows_at` (rows built only where read)."""
+    def rank(self, totals: npt.NDArray[np.float64], rng: random.Random) -> npt.NDArray[np.intp]:
+        """The positions of all pods by their `totals`, best first (the tail gives retry
+        fallbacks)."""
         ...
 
 

@@ -38,15 +38,14 @@ from extproc.routing.base import (
     Snapshot,
 )
 from extproc.routing.columns import (
-    PROFILE_RULE,
     FloatArray,
-    PodRows,
-    PodTable,
-    endpoints_of,
+    IntArray,
+    columns_of,
+    draws,
+    keeping_columns,
     rank_order,
-    rows_at,
-    vectorised,
 )
+from extproc.types import Endpoint
 
 __all__ = [
     "EmptyParams",
@@ -61,9 +60,9 @@ __all__ = [
     "SoftmaxPicker",
     "WeightedRandomPicker",
     "build_profile",
-    "clamp01",
+    "clamp01_array",
     "decode_params",
-    "minmax_higher_better",
+    "gumbel_order",
     "minmax_lower_better",
     "parse_weighted_header",
 ]
@@ -140,39 +139,25 @@ def decode_params(params_type: type[P], raw: Mapping[str, object] | None, where:
         raise PluginConfigError(f"{where}: {exc}") from exc
 
 
-def clamp01(x: float) -> float:
-    if not math.isfinite(x):  # NaN/inf from a bad metric must not poison a sum
-        return 0.0
-    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
-
-
-def _clamp01_array(raw: FloatArray) -> FloatArray:
-    """`clamp01` of every value: the ufuncs themselves (`np.clip`'s Python wrapper costs as
-    much as the work over a few hundred pods)."""
+def clamp01_array(raw: FloatArray) -> FloatArray:
+    """Every value within [0, 1]; NaN and infinities (a bad metric's) are 0, so they cannot
+    poison a sum. The ufuncs themselves: `np.clip`'s Python wrapper costs as much as the work."""
     out: FloatArray = np.minimum(np.maximum(raw, 0.0), 1.0)
     finite = np.isfinite(raw)
-    if not finite.all():
+    if np.count_nonzero(finite) < len(raw):
         out[~finite] = 0.0
     return out
 
 
-def minmax_lower_better(values: Sequence[float]) -> list[float]:
+def minmax_lower_better(values: FloatArray) -> FloatArray:
     """GAIE queue-scorer shape: (max - v) / (max - min); all equal -> 1.0 each."""
-    if not values:
-        return []
-    lo, hi = min(values), max(values)
+    if not len(values):
+        return values
+    lo, hi = values.min(), values.max()
     if hi == lo:
-        return [1.0] * len(values)
-    return [(hi - v) / (hi - lo) for v in values]
-
-
-def minmax_higher_better(values: Sequence[float]) -> list[float]:
-    if not values:
-        return []
-    lo, hi = min(values), max(values)
-    if hi == lo:
-        return [1.0] * len(values)
-    return [(v - lo) / (hi - lo) for v in values]
+        return np.ones(len(values))
+    out: FloatArray = (hi - values) / (hi - lo)
+    return out
 
 
 # ---------------------------------------------------------------- pickers
@@ -197,14 +182,8 @@ class MaxScorePicker:
     def __init__(self, name: str = "max-score", params: EmptyParams | None = None) -> None:
         self.name = name
 
-    def rank(
-        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> Sequence[PodState]:
-        if isinstance(totals, np.ndarray):  # a vectorised profile's totals: same draws, one sort
-            return rows_at(pods, rank_order([-totals], rng))
-        keyed = [(-t, rng.random(), i) for i, t in enumerate(totals)]
-        keyed.sort()
-        return [pods[i] for _, _, i in keyed]
+    def rank(self, totals: FloatArray, rng: random.Random) -> IntArray:
+        return rank_order([-totals], rng)
 
 
 class SoftmaxPicker:
@@ -222,16 +201,8 @@ class SoftmaxPicker:
         self.name = name
         self.temperature = (params or SoftmaxParams()).temperature
 
-    def rank(
-        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> Sequence[PodState]:
-        t = self.temperature
-        keyed = []
-        for i, total in enumerate(totals):
-            u = rng.random() or 1e-300
-            keyed.append((total / t - math.log(-math.log(u)), i))
-        keyed.sort(reverse=True)
-        return rows_at(pods, [i for _, i in keyed])
+    def rank(self, totals: FloatArray, rng: random.Random) -> IntArray:
+        return gumbel_order(totals / self.temperature, rng)
 
 
 class WeightedRandomPicker:
@@ -244,47 +215,65 @@ class WeightedRandomPicker:
     def __init__(self, name: str = "weighted-random", params: EmptyParams | None = None) -> None:
         self.name = name
 
-    def rank(
-        self, pods: Sequence[PodState], totals: ScoreValues, rng: random.Random
-    ) -> Sequence[PodState]:
-        keyed = []
-        for i, total in enumerate(totals):
-            u = rng.random()
-            key = u ** (1.0 / total) if total > 0 else -1.0 + u  # zero scores after all others
-            keyed.append((key, i))
-        keyed.sort(reverse=True)
-        return rows_at(pods, [i for _, i in keyed])
+    def rank(self, totals: FloatArray, rng: random.Random) -> IntArray:
+        u = draws(rng, len(totals))
+        positive = totals > 0
+        # Zero scores after all others: keys below 0, in random order among themselves.
+        keys = np.where(positive, u ** (1.0 / np.where(positive, totals, 1.0)), u - 1.0)
+        return _descending(keys)
+
+
+def gumbel_order(logits: FloatArray, rng: random.Random) -> IntArray:
+    """Positions sampled from softmax(`logits`) without replacement (Gumbel top-k): one draw
+    per position, in order; equal keys to the later position."""
+    u = draws(rng, len(logits))
+    if np.count_nonzero(u) < len(u):
+        u[u == 0.0] = 1e-300
+    return _descending(logits - np.log(-np.log(u)))
+
+
+def _descending(keys: FloatArray) -> IntArray:
+    """Positions by `keys`, highest first, equal keys to the later position."""
+    order: IntArray = np.argsort(keys, kind="stable")[::-1]
+    return order
 
 
 # ---------------------------------------------------------------- profile
 
 
 class ScoreTable(Mapping[str, Mapping[str, float]]):
-    """A profile's scores as `Decision.scores` (address -> {scorer: score, "total": sum}).
+    """Scores as `Decision.scores` (address -> {name: score}), built only when read.
 
-    Stored by column (one clamped list per scorer, then the totals) and turned into a per-pod
-    mapping only when read (explain, the status page): a decision builds no per-pod dicts, and
-    a vectorised profile can hand its arrays over as they are.
+    Stored by column (one array per name, the value of the pod at `addresses[at[k]]` at
+    position k; `at` None: every address in order) and turned into a per-pod mapping only when
+    read (explain, the status page): a decision builds no per-pod dicts.
     """
 
-    __slots__ = ("_columns", "_digits", "_index", "_names", "_pods")
+    __slots__ = ("_addresses", "_at", "_columns", "_digits", "_index", "_names")
 
     def __init__(
         self,
-        pods: Sequence[PodState],
+        addresses: Sequence[str],
         names: Sequence[str],
         columns: Sequence[ScoreValues],
         digits: Sequence[int | None] | None = None,
+        at: IntArray | None = None,
     ) -> None:
-        self._pods = pods
+        self._addresses = addresses
         self._names = names
-        self._columns = columns  # lists or float64 arrays
+        self._columns = columns
         self._digits = digits  # per column: round(value, digits) when read, None = as is
+        self._at = at
         self._index: dict[str, int] | None = None
+
+    def _keys(self) -> Sequence[str]:
+        if self._at is None:
+            return self._addresses
+        return [self._addresses[i] for i in self._at.tolist()]
 
     def __getitem__(self, address: str) -> Mapping[str, float]:
         if self._index is None:
-            self._index = {p.address: i for i, p in enumerate(self._pods)}
+            self._index = {a: k for k, a in enumerate(self._keys())}
         i = self._index[address]
         if self._digits is None:
             return {
@@ -296,10 +285,10 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         }
 
     def __iter__(self) -> Iterator[str]:
-        return (p.address for p in self._pods)
+        return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(self._pods)
+        return len(self._addresses) if self._at is None else len(self._at)
 
 
 def _ref(kind: str, plugin: Filter | Scorer | Picker) -> PluginRef:
@@ -333,22 +322,20 @@ class Profile:
         self.capabilities = caps
         # Resolved once: the per-decision loop only calls and times.
         self._filters = [(_ref("filter", f), f) for f in self.filters]
-        self._scorers = [(_ref("scorer", s), w, s) for s, w in self.scorers]
+        # A scorer whose scores are in [0, 1] by construction (`bounded`) is not clamped.
+        self._scorers = [
+            (_ref("scorer", s), w, s, getattr(s, "bounded", False)) for s, w in self.scorers
+        ]
         self._picker_ref = _ref("picker", picker)
-        self._score_names = (*(ref.name for ref, _, _ in self._scorers), "total")
+        self._score_names = (*(ref.name for ref, _, _, _ in self._scorers), "total")
         weights = ",".join(f"{s.name}:{w:g}" for s, w in self.scorers)
         self._reason = f"profile {self.name} [{weights}] picker {picker.name}"
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        # Over many pods the scorers share the pods' columns (`PodRows`) and may answer with
-        # arrays; the totals are then one array. Same order, same floats either way.
-        vector = vectorised(snap.pods, PROFILE_RULE)
         clock = time.perf_counter_ns
         timings: list[PluginTiming] = []
         notes: list[str] = []
-        pods: Sequence[PodState] = snap.pods
-        if vector and not isinstance(pods, (PodRows, PodTable)):
-            pods = PodRows(pods)
+        pods = keeping_columns(snap.pods)
         for ref, flt in self._filters:
             t0 = clock()
             kept, note = flt.filter(req, pods)
@@ -358,31 +345,35 @@ class Profile:
             if not kept:
                 notes.append(f"filter {ref.name} removed every pod; kept all {len(pods)}")
                 continue
-            if vector and not isinstance(kept, (PodRows, PodTable)):
-                kept = PodRows(kept)
-            pods = kept
-        totals, columns = self._score(req, pods, timings, notes, vector)
-        if vector and not isinstance(self.picker, MaxScorePicker):
-            totals = [float(t) for t in totals]  # other pickers loop in Python: plain floats
+            pods = keeping_columns(kept)  # its columns built once for every scorer
+        cols = columns_of(pods)
+        totals, columns = self._score(req, pods, timings, notes)
         t0 = clock()
-        ranked = self.picker.rank(pods, totals, rng)
+        order = self.picker.rank(totals, rng)
         timings.append((self._picker_ref, clock() - t0))
-        # Filtered-out pods are still valid retry fallbacks: they go after the filtered set.
-        if len(ranked) < len(snap.pods):
-            chosen = {p.address for p in ranked}
-            rest = [p for p in snap.pods if p.address not in chosen]
-            rest.sort(key=lambda p: (p.in_flight, rng.random()))
-            ranked = [*ranked, *rest]
+        ranked = cols.endpoints_at(order)
+        if cols.n < len(snap.pods):
+            ranked += self._fallbacks(snap.pods, cols.addresses, rng)
         reason = self._reason
         if notes:
             reason += "; " + "; ".join(notes)
         return Decision(
-            ranked=endpoints_of(ranked),
+            ranked=ranked,
             strategy=self.name,
-            scores=ScoreTable(pods, self._score_names, columns),
+            scores=ScoreTable(cols.addresses, self._score_names, columns),
             reason=reason,
             timings=tuple(timings),
         )
+
+    @staticmethod
+    def _fallbacks(
+        pods: Sequence[PodState], kept: Sequence[str], rng: random.Random
+    ) -> tuple[Endpoint, ...]:
+        """The pods the filters removed, least in-flight first: still valid retry fallbacks."""
+        cols = columns_of(pods)
+        chosen = set(kept)
+        rest = np.array([i for i, a in enumerate(cols.addresses) if a not in chosen], dtype=np.intp)
+        return cols.endpoints_at(rest[rank_order([cols.in_flight[rest]], rng)])
 
     def _score(
         self,
@@ -390,30 +381,26 @@ class Profile:
         pods: Sequence[PodState],
         timings: list[PluginTiming],
         notes: list[str],
-        vector: bool,
-    ) -> tuple[ScoreValues, list[ScoreValues]]:
+    ) -> tuple[FloatArray, list[ScoreValues]]:
         """Every scorer, timed: the clamped columns, then the weighted totals (last)."""
         clock = time.perf_counter_ns
-        array_totals = np.zeros(len(pods))
-        list_totals = [0.0] * len(pods)
+        totals: FloatArray | None = None
         columns: list[ScoreValues] = []
-        for ref, weight, scorer in self._scorers:
+        for ref, weight, scorer, bounded in self._scorers:
             t0 = clock()
             scores, note = scorer.score(req, pods)
             timings.append((ref, clock() - t0))
             if note:
                 notes.append(note)
-            if vector:
-                raw = np.asarray(scores, dtype=np.float64)
-                array = _clamp01_array(raw)
-                array_totals += weight * array
-                columns.append(array)
+            clamped = np.asarray(scores, dtype=np.float64)
+            if not bounded:
+                clamped = clamp01_array(clamped)
+            if totals is None:
+                totals = clamped * weight  # a new array: the column stays as explain reads it
             else:
-                column = [clamp01(s) for s in scores]
-                for i, c in enumerate(column):
-                    list_totals[i] += weight * c
-                columns.append(column)
-        totals: ScoreValues = array_totals if vector else list_totals
+                totals += clamped if weight == 1.0 else weight * clamped
+            columns.append(clamped)
+        assert totals is not None  # a profile has at least one scorer
         columns.append(totals)
         return totals, columns
 

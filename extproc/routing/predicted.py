@@ -17,9 +17,9 @@ pod anyway.
 
 `route` is pure: it changes no state, so an explain (a dry run) leaves the next decision as it
 was. The probe bookkeeping (when a pod was last sent a request) is written by the director's
-`MarkRouted` step, for real requests only. Over many pods (`vectorised`) the rule reads the
-snapshot as numpy columns and the predictor's coefficient table, with the same float steps and
-random draws as the per-pod path: both give the same decision for a seed
+`MarkRouted` step, for real requests only. The rule reads the snapshot as numpy columns and the
+predictor's coefficient table (`predict_columns`); the features of one pod
+(`latency_features`, what the access-log record carries) are the same values as its column
 (tests/routing/test_predicted_columns.py).
 """
 
@@ -43,10 +43,9 @@ from extproc.routing.columns import (
     IntArray,
     PodColumns,
     columns_of,
-    draws,
     rank_order,
-    vectorised,
 )
+from extproc.routing.framework import gumbel_order
 from extproc.routing.strategies import StrategyPlugin
 from extproc.types import BadRequest, TooManyRequests
 
@@ -77,10 +76,6 @@ LLMD_SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 LLMD_SLO_TPOT_HEADER = "x-llm-d-slo-tpot-ms"
 SLO_UNMET = "slo_unmet"  # the error code of the 429 for a sheddable request no pod can serve
 MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a typo, not a target
-# Where the columns pay (`VECTOR_MIN_PODS * 1.0` = 48 pods): the columns path runs ~60 numpy
-# calls whatever the pool; measured both paths in one process, they cross at 40-48 pods.
-PREDICTED_RULE = 1.0
-
 # The regressors, in `LatencyFeatures.vector()` order (scaled so each is O(1) in practice).
 FEATURE_NAMES = (
     "intercept",
@@ -157,21 +152,18 @@ def _uncached_column(req: RoutingRequest, cols: PodColumns) -> FloatArray:
 
 
 def _feature_columns(req: RoutingRequest, cols: PodColumns, uncached: FloatArray) -> FloatArray:
-    x = np.empty((len(FEATURE_NAMES), cols.n))  # one row per feature: contiguous writes
+    x = np.array(  # one row per feature (row 0, the intercept, is overwritten)
+        (uncached, uncached, cols.in_flight, cols.waiting, cols.running, cols.kv_usage,
+         cols.in_flight_tokens)
+    )  # fmt: skip
     x[0] = 1.0
-    np.divide(uncached, 1000.0, out=x[1])
-    x[2] = cols.in_flight
-    x[3] = cols.waiting
-    x[4] = cols.running
-    x[5] = cols.kv_usage
-    x[6] = cols.in_flight_tokens
-    # The engine's signals: unknown (NaN), negative or infinite is 0 (`0 <= v < inf` is False
-    # for NaN too); KV usage at most 1. In-flight counts: at least 0.
-    engine = x[3:6]
-    engine[~((engine >= 0.0) & (engine < _INF))] = 0.0
+    x[1] /= 1000.0
+    # The engine's signals: unknown (NaN), negative or infinite is 0, KV usage at most 1; the
+    # in-flight counts (finite) at least 0. `fmax` takes 0 over NaN.
+    rest = x[2:]
+    np.fmax(rest, 0.0, out=rest)
+    rest[rest == _INF] = 0.0
     np.minimum(x[5], 1.0, out=x[5])
-    np.maximum(x[2], 0.0, out=x[2])
-    np.maximum(x[6], 0.0, out=x[6])
     x[6] /= 10000.0
     return x
 
@@ -360,93 +352,26 @@ class PredictedLatencyStrategy(StrategyPlugin):
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
         slo = _slo(req)
-        if vectorised(snap.pods, PREDICTED_RULE):
-            return self._route_columns(t0, req, snap, rng, slo)
-        pods = snap.pods
-        predict = self._predictor.predict
-        model = req.model
-        preds: list[LatencyPrediction] = []
-        uncached: list[int] = []
-        cold: list[str] = []
-        for p in pods:
-            f = latency_features(req, p)
-            uncached.append(f[0])
-            pred = predict(model, p.address, f)
-            if pred is None:
-                cold.append(p.address)
-            else:
-                preds.append(pred)
-        if cold:
-            return self._cold_start(t0, req, snap, rng, cold, slo)
-        ttfts = [pr[0] for pr in preds]
-        best = min(ttfts)
-        # How far apart predictions must be to mean something: the models' mean error.
-        spread = max(sum(pr.error_s for pr in preds) / len(preds), 0.05 * best, 1e-3)
-        totals = [(best - t) / spread for t in ttfts]  # <= 0: errors behind the best
-        notes: list[str] = []
-        head_idx: Sequence[int] = range(len(pods))
-        if slo is not None:
-            ok = [i for i, pr in enumerate(preds) if _meets(pr, slo)]
-            if not ok and req.priority < 0:
-                raise slo.refuse()
-            if ok:
-                head_idx = ok
-                notes.append(slo.met_note(len(ok), len(pods)))
-            else:
-                notes.append(slo.unmet_note())
-        if len(head_idx) == len(pods):
-            ranked = [pods[i] for i in self._order_rows(totals, rng)]
-        else:  # the pods predicted to miss the SLO follow as fallbacks, fastest first
-            order = self._order_rows([totals[i] for i in head_idx], rng)
-            ranked = [pods[head_idx[k]] for k in order]
-            taken = set(head_idx)
-            rest = sorted((ttfts[i], rng.random(), i) for i in range(len(pods)) if i not in taken)
-            ranked += [pods[i] for _, _, i in rest]
-        probe = None
-        if self.params.probe_after_s > 0:  # only among the pods predicted to meet an SLO
-            probe = self._probe(preds, head_idx)
-        if probe is not None and ranked[0] is not pods[probe]:
-            pick = pods[probe]
-            ranked = [pick, *(p for p in ranked if p is not pick)]
-            pred = preds[probe]
-            reason = _probe_reason(pick.address, pred.age_s, pred.ttft_s)
-        else:
-            pick = ranked[0]
-            pred = preds[next(i for i, p in enumerate(pods) if p is pick)]
-            reason = self._min_reason(pick.address, pred.ttft_s, pred.tpot_s)
-        if notes:
-            reason += "; " + "; ".join(notes)
-        return Decision(
-            ranked=tuple([p.endpoint for p in ranked]),
-            strategy=self.name,
-            scores=_PredictionScores(pods, preds, uncached, totals),
-            reason=reason,
-            timings=((self.ref, time.perf_counter_ns() - t0),),
-        )
-
-    def _route_columns(
-        self, t0: int, req: RoutingRequest, snap: Snapshot, rng: random.Random, slo: _Slo | None
-    ) -> Decision:
-        """`route` over many pods, on columns: the same decision, scores and reason."""
         cols = columns_of(snap.pods)
         uncached = _uncached_column(req, cols)
         x = _feature_columns(req, cols, uncached)
         addresses = cols.addresses
         preds = self._predictor.predict_columns(req.model, addresses, x)
-        if preds is None or not preds.warm.all():
-            cold_at = np.arange(cols.n) if preds is None else np.flatnonzero(~preds.warm)
+        if preds is None or np.count_nonzero(preds.warm) < cols.n:
+            cold_at = np.arange(cols.n) if preds is None else (~preds.warm).nonzero()[0]
             cold = [addresses[i] for i in cold_at[:5].tolist()]
             return self._cold_start(t0, req, snap, rng, cold, slo, len(cold_at))
         n = cols.n
         ttft = preds.ttft_s
         best = float(ttft.min())
-        error_sum = float(preds.error_s.cumsum()[-1])  # left to right, as `sum` adds
+        error_sum = float(preds.error_s.cumsum()[-1])  # left to right
+        # How far apart predictions must be to mean something: the models' mean error.
         spread = max(error_sum / n, 0.05 * best, 1e-3)
-        totals = (best - ttft) / spread
+        totals = (best - ttft) / spread  # <= 0: errors behind the best
         notes: list[str] = []
         head: IntArray | None = None  # None: every pod
         if slo is not None:
-            ok = np.flatnonzero(_meets_columns(preds, slo))
+            ok = _meets(preds, slo).nonzero()[0]
             if not len(ok) and req.priority < 0:
                 raise slo.refuse()
             if len(ok):
@@ -458,12 +383,12 @@ class PredictedLatencyStrategy(StrategyPlugin):
         if head is None:
             ranked = self._order(totals, rng)
         else:  # the pods predicted to miss the SLO follow as fallbacks, fastest first
-            rest = np.flatnonzero(np.isin(np.arange(n), head, invert=True))
+            rest = np.isin(np.arange(n), head, invert=True).nonzero()[0]
             ranked = head[self._order(totals[head], rng)]
             ranked = np.concatenate((ranked, rest[rank_order([ttft[rest]], rng)]))
         probe = None
-        if self.params.probe_after_s > 0:
-            probe = self._probe_columns(preds, head)
+        if self.params.probe_after_s > 0:  # only among the pods predicted to meet an SLO
+            probe = self._probe(preds, head)
         if probe is not None and ranked[0] != probe:
             ranked = np.concatenate(([probe], ranked[ranked != probe]))
             reason = _probe_reason(addresses[probe], float(preds.age_s[probe]), float(ttft[probe]))
@@ -472,36 +397,16 @@ class PredictedLatencyStrategy(StrategyPlugin):
             reason = self._min_reason(addresses[i], float(ttft[i]), preds.tpot_at(i))
         if notes:
             reason += "; " + "; ".join(notes)
-        scores = _ColumnScores(addresses, preds, uncached, totals)
-        return self.decision_of(t0, cols.endpoints_at(ranked), reason, scores)
+        scores = _PredictionScores(addresses, preds, uncached, totals)
+        return self.decision(t0, cols.endpoints_at(ranked), reason, scores)
 
-    def _order_rows(self, totals: Sequence[float], rng: random.Random) -> list[int]:
+    def _order(self, totals: FloatArray, rng: random.Random) -> IntArray:
         """Positions by `totals`, best first: the `softmax` picker's order (Gumbel top-k, ties
         to the later position), or at temperature 0 the `max-score` picker's (ties at random)."""
         t = self.params.temperature
         if t <= 0:
-            keyed = sorted([(-total, rng.random(), i) for i, total in enumerate(totals)])
-            return [i for _, _, i in keyed]
-        log, draw = math.log, rng.random
-        gumbel = sorted(
-            [(total / t - log(-log(draw() or 1e-300)), i) for i, total in enumerate(totals)],
-            reverse=True,
-        )
-        return [i for _, i in gumbel]
-
-    def _order(self, totals: FloatArray, rng: random.Random) -> IntArray:
-        """`_order_rows` on an array, with the same draws in the same order."""
-        t = self.params.temperature
-        if t <= 0:  # max-score: highest total first, equal totals in random order
             return rank_order([-totals], rng)
-        u = draws(rng, len(totals))
-        if not u.all():
-            u[u == 0.0] = 1e-300
-        # The same Gumbel keys (numpy's log is the C library's, as math's), sorted descending
-        # by (key, position): a stable ascending sort, reversed.
-        keys = totals / t - np.log(-np.log(u))
-        order: IntArray = np.argsort(keys, kind="stable")[::-1]
-        return order
+        return gumbel_order(totals if t == 1.0 else totals / t, rng)
 
     def _min_reason(self, address: str, ttft_s: float, tpot_s: float | None) -> str:
         return (
@@ -509,19 +414,10 @@ class PredictedLatencyStrategy(StrategyPlugin):
             f"ttft {_ms(ttft_s):g} ms, tpot {_ms(tpot_s):g} ms"
         )
 
-    def _probe(self, preds: Sequence[LatencyPrediction], among: Sequence[int]) -> int | None:
-        """The pod whose model is stalest past `probe_after_s` and that this process has not
-        sent a request for as long (the last one among equals). Reads state, writes none."""
-        after = self.params.probe_after_s
-        found, oldest = None, after
-        for i in among:
-            pr = preds[i]
-            if pr.age_s >= oldest and pr.routed_s >= after:
-                found, oldest = i, pr.age_s
-        return found
-
-    def _probe_columns(self, preds: PredictionColumns, among: IntArray | None) -> int | None:
-        """`_probe` on columns (`among` None: every pod)."""
+    def _probe(self, preds: PredictionColumns, among: IntArray | None) -> int | None:
+        """The pod (of `among`; None: every pod) whose model is stalest past `probe_after_s`
+        and that this process has not sent a request for as long (the last one among equals).
+        Reads state, writes none."""
         after = self.params.probe_after_s
         if preds.age_s.max() < after:  # the common case: every model learned lately
             return None
@@ -532,7 +428,7 @@ class PredictedLatencyStrategy(StrategyPlugin):
         if not len(due):
             return None
         ages = preds.age_s[due]
-        return int(due[np.flatnonzero(ages == ages.max())[-1]])
+        return int(due[(ages == ages.max()).nonzero()[0][-1]])
 
     def _cold_start(
         self,
@@ -553,40 +449,11 @@ class PredictedLatencyStrategy(StrategyPlugin):
         )
         if slo is not None:
             reason += "; SLO headers not applied (no prediction yet)"
-        return self.decision_of(t0, fallback.ranked, reason, fallback.scores)
+        return self.decision(t0, fallback.ranked, reason, fallback.scores)
 
 
 class _PredictionScores(Mapping[str, Mapping[str, float]]):
     """`Decision.scores` built only when read (explain, the status page), not per decision."""
-
-    __slots__ = ("_index", "_pods", "_preds", "_totals", "_uncached")
-
-    def __init__(
-        self,
-        pods: Sequence[PodState],
-        preds: Sequence[LatencyPrediction],
-        uncached: Sequence[int],
-        totals: Sequence[float],
-    ) -> None:
-        self._pods, self._preds, self._uncached, self._totals = pods, preds, uncached, totals
-        self._index: dict[str, int] | None = None
-
-    def __getitem__(self, address: str) -> Mapping[str, float]:
-        if self._index is None:
-            self._index = {p.address: i for i, p in enumerate(self._pods)}
-        i = self._index[address]
-        pr = self._preds[i]
-        return _scores(pr.ttft_s, pr.tpot_s, self._uncached[i], pr.samples, self._totals[i])
-
-    def __iter__(self) -> Iterator[str]:
-        return (p.address for p in self._pods)
-
-    def __len__(self) -> int:
-        return len(self._pods)
-
-
-class _ColumnScores(Mapping[str, Mapping[str, float]]):
-    """`_PredictionScores` of the columns path: the same values, read from the arrays."""
 
     __slots__ = ("_addresses", "_index", "_preds", "_totals", "_uncached")
 
@@ -635,16 +502,9 @@ def _scores(
     }
 
 
-def _meets(pred: LatencyPrediction, slo: _Slo) -> bool:
-    ttft_ok = slo.ttft_ms is None or pred.ttft_s * 1000.0 <= slo.ttft_ms
-    tpot_ok = slo.tpot_ms is None or (
-        pred.tpot_s is not None and pred.tpot_s * 1000.0 <= slo.tpot_ms
-    )
-    return ttft_ok and tpot_ok
-
-
-def _meets_columns(preds: PredictionColumns, slo: _Slo) -> npt.NDArray[np.bool_]:
-    """`_meets` for every pod (a NaN TPOT, not learned, meets no TPOT target)."""
+def _meets(preds: PredictionColumns, slo: _Slo) -> npt.NDArray[np.bool_]:
+    """Whether each pod is predicted to meet the SLO (a NaN TPOT, not learned, meets no TPOT
+    target)."""
     ok = np.ones(len(preds.ttft_s), dtype=bool)
     if slo.ttft_ms is not None:
         ok &= preds.ttft_s * 1000.0 <= slo.ttft_ms

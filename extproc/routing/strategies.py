@@ -10,19 +10,17 @@ from __future__ import annotations
 import abc
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from extproc.routing import signals
 from extproc.routing.base import (
     NO_CAPABILITIES,
     Capabilities,
     Decision,
     PluginRef,
-    PodState,
     ProfileResult,
     RoutingRequest,
     Snapshot,
@@ -32,10 +30,8 @@ from extproc.routing.columns import (
     IntArray,
     PodColumns,
     columns_of,
-    is_table,
     predicted_latency_column,
     rank_order,
-    vectorised,
 )
 from extproc.routing.framework import EmptyParams, ScoreTable
 from extproc.types import Endpoint
@@ -53,6 +49,9 @@ __all__ = [
     "RoundRobinStrategy",
     "StrategyPlugin",
     "ThroughputStrategy",
+    "all_but",
+    "least_request",
+    "least_request_at",
 ]
 
 
@@ -75,25 +74,6 @@ class StrategyPlugin:
     def decision(
         self,
         started_ns: int,
-        ranked: Sequence[PodState],
-        reason: str,
-        scores: Mapping[str, Mapping[str, float]] | None = None,
-        *,
-        session_id: str | None = None,
-        profiles: tuple[ProfileResult, ...] = (),
-    ) -> Decision:
-        return self.decision_of(
-            started_ns,
-            tuple([p.endpoint for p in ranked]),
-            reason,
-            scores,
-            session_id=session_id,
-            profiles=profiles,
-        )
-
-    def decision_of(
-        self,
-        started_ns: int,
         ranked: tuple[Endpoint, ...],
         reason: str,
         scores: Mapping[str, Mapping[str, float]] | None = None,
@@ -101,7 +81,7 @@ class StrategyPlugin:
         session_id: str | None = None,
         profiles: tuple[ProfileResult, ...] = (),
     ) -> Decision:
-        """`decision` with the endpoints already ranked (a vectorised rule's `endpoints_at`)."""
+        """The decision ranking `ranked` (`PodColumns.endpoints_at`), timed from `started_ns`."""
         return Decision(
             ranked=ranked,
             strategy=self.name,
@@ -113,13 +93,21 @@ class StrategyPlugin:
         )
 
 
-def _least_request_order(pods: Sequence[PodState], rng: random.Random) -> list[PodState]:
-    return signals.rank_by(pods, lambda p: (float(p.in_flight),), rng)
+def least_request(cols: PodColumns, rng: random.Random) -> IntArray:
+    """Every pod by fewest in-flight requests, ties at random."""
+    return rank_order([cols.in_flight], rng)
 
 
 def least_request_at(cols: PodColumns, at: IntArray, rng: random.Random) -> IntArray:
-    """`_least_request_order` of the pods at `at` (indices into `cols`), as indices."""
+    """The pods at `at` (indices into `cols`) by fewest in-flight requests, ties at random."""
     return at[rank_order([cols.in_flight[at]], rng)]
+
+
+def all_but(cols: PodColumns, taken: IntArray | list[int]) -> IntArray:
+    """The indices of every pod but those in `taken`, in pod order."""
+    free = np.ones(cols.n, dtype=np.bool_)
+    free[taken] = False
+    return free.nonzero()[0]
 
 
 class RandomStrategy(StrategyPlugin):
@@ -129,13 +117,9 @@ class RandomStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if is_table(snap.pods):  # shuffle indices: the same draws, no row built
-            order = list(range(len(snap.pods)))
-            rng.shuffle(order)
-            return self.decision_of(t0, snap.pods.columns.endpoints_at(order), "uniform random")
-        pods = list(snap.pods)
-        rng.shuffle(pods)
-        return self.decision(t0, pods, "uniform random")
+        order = list(range(len(snap.pods)))
+        rng.shuffle(order)
+        return self.decision(t0, columns_of(snap.pods).endpoints_at(order), "uniform random")
 
 
 class RoundRobinStrategy(StrategyPlugin):
@@ -150,17 +134,11 @@ class RoundRobinStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        n = len(snap.pods)
-        k = snap.memory.turn(self.name) % n
-        if is_table(snap.pods):  # sort indices by the address column: no row built
-            cols = snap.pods.columns
-            order = cols.address_order().tolist()
-            return self.decision_of(
-                t0, cols.endpoints_at(order[k:] + order[:k]), f"turn {k} of {n}"
-            )
-        pods = sorted(snap.pods, key=lambda p: p.address)
-        ranked = pods[k:] + pods[:k]
-        return self.decision(t0, ranked, f"turn {k} of {n}")
+        cols = columns_of(snap.pods)
+        k = snap.memory.turn(self.name) % cols.n
+        order = cols.address_order()
+        ranked = np.concatenate((order[k:], order[:k]))
+        return self.decision(t0, cols.endpoints_at(ranked), f"turn {k} of {cols.n}")
 
 
 class PowerOfTwoStrategy(StrategyPlugin):
@@ -170,37 +148,25 @@ class PowerOfTwoStrategy(StrategyPlugin):
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if len(snap.pods) == 1:
-            return self.decision(t0, snap.pods, "single candidate")
-        if vectorised(snap.pods):
-            return self._route_columns(snap.pods, rng, t0)
-        pods = list(snap.pods)
-        a, b = rng.sample(pods, 2)
-        first, second, reason = self._pair(a, b, rng)
-        rest = _least_request_order([p for p in pods if p is not a and p is not b], rng)
-        return self.decision(t0, [first, second, *rest], reason)
-
-    def _route_columns(self, pods: Sequence[PodState], rng: random.Random, t0: int) -> Decision:
-        """`route` reading two rows: sampling indices draws as sampling the pods does."""
-        ia, ib = rng.sample(range(len(pods)), 2)
-        first, second, reason = self._pair(pods[ia], pods[ib], rng)
-        cols = columns_of(pods)
-        others = np.delete(np.arange(cols.n), (ia, ib))
-        tail = cols.endpoints_at(least_request_at(cols, others, rng))
-        return self.decision_of(t0, (first.endpoint, second.endpoint, *tail), reason)
+        cols = columns_of(snap.pods)
+        if cols.n == 1:
+            return self.decision(t0, cols.endpoints_at([0]), "single candidate")
+        a, b = rng.sample(range(cols.n), 2)
+        la, lb = self._load(cols, a), self._load(cols, b)
+        first, second = (a, b) if la < lb or (la == lb and rng.random() < 0.5) else (b, a)
+        reason = (
+            f"sampled {cols.address(a)} (in_flight {la[0]:g}) "
+            f"vs {cols.address(b)} (in_flight {lb[0]:g})"
+        )
+        others = all_but(cols, [a, b])
+        ranked = np.concatenate(((first, second), least_request_at(cols, others, rng)))
+        return self.decision(t0, cols.endpoints_at(ranked), reason)
 
     @staticmethod
-    def _pair(a: PodState, b: PodState, rng: random.Random) -> tuple[PodState, PodState, str]:
-        """The two sampled pods, the less loaded first, and the reason."""
-
-        def load(p: PodState) -> tuple[float, float]:
-            r = signals.running(p)
-            return (float(p.in_flight), r if r is not None else 0.0)
-
-        la, lb = load(a), load(b)
-        first, second = (a, b) if la < lb or (la == lb and rng.random() < 0.5) else (b, a)
-        reason = f"sampled {a.address} (in_flight {la[0]:g}) vs {b.address} (in_flight {lb[0]:g})"
-        return first, second, reason
+    def _load(cols: PodColumns, i: int) -> tuple[float, float]:
+        """(in-flight, running) of the pod at `i`; running 0 where unknown."""
+        running = float(cols.running[i])
+        return float(cols.in_flight[i]), running if running == running else 0.0
 
 
 class LeastSignalStrategy(StrategyPlugin, abc.ABC):
@@ -208,87 +174,50 @@ class LeastSignalStrategy(StrategyPlugin, abc.ABC):
 
     Pods lacking the signal rank after those that have it; if no pod has it, the order is
     least-request on the gateway's in-flight counts, and the reason says so. A subclass sets
-    `label` and `signal` (and `no_data` when an all-zero signal means "nothing measured yet").
+    `label` and `column` (and `no_data` when an all-zero signal means "nothing measured yet").
     """
 
     label: ClassVar[str] = ""
 
     @abc.abstractmethod
-    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        """This pod's value of the signal, None where it is unknown."""
-
-    @abc.abstractmethod
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
-        """`signal` for every pod at once, NaN where it is None."""
+        """The signal of every pod, NaN where it is unknown."""
 
-    def no_data(self, pods: Sequence[PodState]) -> str | None:
+    def no_data(self, cols: PodColumns) -> str | None:
         return None
 
     def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
         t0 = time.perf_counter_ns()
-        if vectorised(snap.pods):
-            return self._route_columns(req, snap, rng, t0)
-        label = self.label
-        values = [(p, self.signal(req, p)) for p in snap.pods]
-        known = [(p, v) for p, v in values if v is not None]
-        unknown = [p for p, v in values if v is None]
-        scores = {p.address: {label: v, "in_flight": float(p.in_flight)} for p, v in known}
-        if not known:
-            ranked = _least_request_order(snap.pods, rng)
-            reason = f"{label} unknown on every pod; used least-request (gateway in-flight)"
-            return self.decision(t0, ranked, reason)
-        vmap = {id(p): v for p, v in known}
-        head = signals.rank_by(
-            [p for p, _ in known], lambda p: (vmap[id(p)], float(p.in_flight)), rng
-        )
-        ranked = head + _least_request_order(unknown, rng)
-        reason = f"min {label}"
-        if unknown:
-            reason += f"; {label} unknown on {signals.addresses(unknown)} (ranked last)"
-        if extra := self.no_data(snap.pods):
-            reason += f"; {extra}"
-        return self.decision(t0, ranked, reason, scores)
-
-    def _route_columns(
-        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
-    ) -> Decision:
         label = self.label
         cols = columns_of(snap.pods)
-        values = self.column(req, cols)
-        unknown_mask = np.isnan(values)
-        known = np.flatnonzero(~unknown_mask)
-        if not len(known):
-            ranked = least_request_at(cols, np.arange(cols.n), rng)
+        values, loads = self.column(req, cols), cols.in_flight
+        unknown_mask = values != values  # NaN
+        unknown_count = np.count_nonzero(unknown_mask)
+        if unknown_count == cols.n:
             reason = f"{label} unknown on every pod; used least-request (gateway in-flight)"
-            return self.decision_of(t0, cols.endpoints_at(ranked), reason)
-        unknown = np.flatnonzero(unknown_mask)
-        vals, loads = values[known], cols.in_flight[known]
-        head = known[rank_order([vals, loads], rng)]
-        tail = least_request_at(cols, unknown, rng)
+            return self.decision(t0, cols.endpoints_at(least_request(cols, rng)), reason)
         reason = f"min {label}"
-        if len(unknown):
-            reason += f"; {label} unknown on {signals.addresses(cols.take(unknown))} (ranked last)"
-        if extra := self.no_data_columns(cols):
+        if unknown_count:
+            known = (~unknown_mask).nonzero()[0]
+            unknown = unknown_mask.nonzero()[0]
+            values, loads = values[known], loads[known]
+            ranked = np.concatenate(
+                (known[rank_order([values, loads], rng)], least_request_at(cols, unknown, rng))
+            )
+            reason += f"; {label} unknown on {cols.addresses_text(unknown)} (ranked last)"
+            scores = ScoreTable(cols.addresses, (label, "in_flight"), (values, loads), at=known)
+        else:
+            ranked = rank_order([values, loads], rng)
+            scores = ScoreTable(cols.addresses, (label, "in_flight"), (values, loads))
+        if extra := self.no_data(cols):
             reason += f"; {extra}"
-        scores = ScoreTable(cols.rows(known), (label, "in_flight"), (vals, loads))
-        return self.decision_of(t0, cols.endpoints_at(np.concatenate((head, tail))), reason, scores)
-
-    def no_data_columns(self, cols: PodColumns) -> str | None:
-        """`no_data` read from the columns."""
-        return None
+        return self.decision(t0, cols.endpoints_at(ranked), reason, scores)
 
 
-_NO_ACCOUNTING = "no request finished yet on any pod: all equal, tie broken by in-flight"
-
-
-def _no_accounting(pods: Sequence[PodState]) -> str | None:
-    if all(p.stats.requests_total == 0 for p in pods):
-        return _NO_ACCOUNTING
+def _no_accounting(cols: PodColumns) -> str | None:
+    if not np.count_nonzero(cols.requests_total):
+        return "no request finished yet on any pod: all equal, tie broken by in-flight"
     return None
-
-
-def _no_accounting_columns(cols: PodColumns) -> str | None:
-    return _NO_ACCOUNTING if not cols.requests_total.any() else None
 
 
 class LeastRequestStrategy(LeastSignalStrategy):
@@ -296,9 +225,6 @@ class LeastRequestStrategy(LeastSignalStrategy):
 
     type_name = "least-request"
     label = "in_flight"
-
-    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        return float(p.in_flight)
 
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
         return cols.in_flight
@@ -309,9 +235,6 @@ class LeastKvCacheStrategy(LeastSignalStrategy):
 
     type_name = "least-kv-cache"
     label = "kv_cache_usage"
-
-    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        return signals.kv_usage(p)
 
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
         return cols.kv_usage
@@ -324,17 +247,11 @@ class LeastBusyTimeStrategy(LeastSignalStrategy):
     label = "busy_time_s"
     capabilities = Capabilities(accounting=True)
 
-    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        return p.stats.busy_time_s
-
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
         return cols.busy_time
 
-    def no_data(self, pods: Sequence[PodState]) -> str | None:
-        return _no_accounting(pods)
-
-    def no_data_columns(self, cols: PodColumns) -> str | None:
-        return _no_accounting_columns(cols)
+    def no_data(self, cols: PodColumns) -> str | None:
+        return _no_accounting(cols)
 
 
 class ThroughputStrategy(LeastSignalStrategy):
@@ -344,17 +261,11 @@ class ThroughputStrategy(LeastSignalStrategy):
     label = "throughput_tokens_per_s"
     capabilities = Capabilities(accounting=True)
 
-    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        return p.stats.throughput_tokens_per_s
-
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
         return cols.throughput
 
-    def no_data(self, pods: Sequence[PodState]) -> str | None:
-        return _no_accounting(pods)
-
-    def no_data_columns(self, cols: PodColumns) -> str | None:
-        return _no_accounting_columns(cols)
+    def no_data(self, cols: PodColumns) -> str | None:
+        return _no_accounting(cols)
 
 
 class LeastLatencyStrategy(LeastSignalStrategy):
@@ -363,9 +274,6 @@ class LeastLatencyStrategy(LeastSignalStrategy):
     type_name = "least-latency"
     label = "predicted_latency_s"
     capabilities = Capabilities(accounting=True)
-
-    def signal(self, req: RoutingRequest, p: PodState) -> float | None:
-        return signals.predicted_latency_s(req, p)[0]
 
     def column(self, req: RoutingRequest, cols: PodColumns) -> FloatArray:
         return predicted_latency_column(req, cols)
@@ -398,83 +306,8 @@ class HigressGpuStrategy(StrategyPlugin):
         self.params = params or HigressGpuParams()
 
     @staticmethod
-    def _least(pods: list[PodState], get: Callable[[PodState], float]) -> list[PodState]:
-        vals = [get(p) for p in pods]
-        lo, hi = min(vals), max(vals)
-        bound = lo + (hi - lo) / len(pods)
-        return [p for p, v in zip(pods, vals, strict=True) if v <= bound]
-
-    @staticmethod
-    def _lora(req: RoutingRequest, pods: list[PodState]) -> list[PodState]:
-        if req.lora is None:
-            return pods
-        states = [(p, signals.lora_state(req, p)) for p in pods]
-        for wanted in (1.0, 0.8):
-            hit = [p for p, s in states if s == wanted]
-            if hit:
-                return hit
-        return pods
-
-    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
-        t0 = time.perf_counter_ns()
-        if vectorised(snap.pods):
-            return self._route_columns(req, snap, rng, t0)
-        prm = self.params
-        known = [
-            p
-            for p in snap.pods
-            if signals.waiting(p) is not None and signals.kv_usage(p) is not None
-        ]
-        known_ids = {id(p) for p in known}
-        unknown = [p for p in snap.pods if id(p) not in known_ids]
-        if not known:
-            ranked = _least_request_order(snap.pods, rng)
-            return self.decision(
-                t0, ranked, "queue/KV metrics unknown on every pod; used least-request"
-            )
-
-        def q(p: PodState) -> float:
-            return signals.waiting(p) or 0.0
-
-        def kv(p: PodState) -> float:
-            return signals.kv_usage(p) or 0.0
-
-        notes = []
-        pool = known
-        if req.priority < 0:
-            ok = [
-                p
-                for p in known
-                if q(p) <= prm.queue_threshold_critical and kv(p) <= prm.kv_cache_threshold
-            ]
-            if ok:
-                pool = ok
-            else:
-                notes.append(
-                    "sheddable request and every pod over thresholds (admission should shed)"
-                )
-        low = [p for p in pool if q(p) < prm.queueing_threshold_lora]
-        if low:
-            chosen = self._least(self._least(self._lora(req, low), q), kv)
-            notes.insert(0, "low-queue branch")
-        else:
-            chosen = self._least(self._lora(req, self._least(pool, q)), kv)
-            notes.insert(0, "all queues high: least-queue branch")
-        head = list(chosen)
-        rng.shuffle(head)
-        chosen_ids = {id(p) for p in chosen}
-        rest = signals.rank_by(
-            [p for p in known if id(p) not in chosen_ids], lambda p: (q(p), kv(p)), rng
-        )
-        rest += _least_request_order(unknown, rng)
-        if unknown:
-            notes.append(f"metrics unknown on {signals.addresses(unknown)} (ranked last)")
-        scores = {p.address: {"waiting": q(p), "kv_cache_usage": kv(p)} for p in known}
-        return self.decision(t0, head + rest, "; ".join(notes), scores)
-
-    @staticmethod
-    def _least_at(at: IntArray, values: FloatArray) -> IntArray:
-        """`_least` on the pods at `at`, as indices."""
+    def _least(at: IntArray, values: FloatArray) -> IntArray:
+        """The pods at `at` whose value is within min + (max - min) / n of the least."""
         vals = values[at]
         lo, hi = vals.min(), vals.max()
         bound = lo + (hi - lo) / len(at)
@@ -482,7 +315,8 @@ class HigressGpuStrategy(StrategyPlugin):
         return kept
 
     @staticmethod
-    def _lora_at(req: RoutingRequest, cols: PodColumns, at: IntArray) -> IntArray:
+    def _lora(req: RoutingRequest, cols: PodColumns, at: IntArray) -> IntArray:
+        """The pods at `at` running the adapter, else those with a free slot, else all."""
         if req.lora is None:
             return at
         states = cols.lora_states(req.lora)[at]
@@ -492,22 +326,20 @@ class HigressGpuStrategy(StrategyPlugin):
                 return hit
         return at
 
-    def _route_columns(
-        self, req: RoutingRequest, snap: Snapshot, rng: random.Random, t0: int
-    ) -> Decision:
+    def route(self, req: RoutingRequest, snap: Snapshot, rng: random.Random) -> Decision:
+        t0 = time.perf_counter_ns()
         prm = self.params
         cols = columns_of(snap.pods)
         waiting, kv_usage = cols.waiting, cols.kv_usage
-        known_mask = ~np.isnan(waiting) & ~np.isnan(kv_usage)
-        known = np.flatnonzero(known_mask)
-        unknown = np.flatnonzero(~known_mask)
-        if not len(known):
-            ranked = least_request_at(cols, np.arange(cols.n), rng)
-            return self.decision_of(
+        unknown_mask = (waiting != waiting) | (kv_usage != kv_usage)  # NaN: not exported
+        unknown_count = np.count_nonzero(unknown_mask)
+        if unknown_count == cols.n:
+            return self.decision(
                 t0,
-                cols.endpoints_at(ranked),
+                cols.endpoints_at(least_request(cols, rng)),
                 "queue/KV metrics unknown on every pod; used least-request",
             )
+        known = (~unknown_mask).nonzero()[0] if unknown_count else np.arange(cols.n)
         notes = []
         pool = known
         if req.priority < 0:
@@ -523,28 +355,30 @@ class HigressGpuStrategy(StrategyPlugin):
                 )
         low = pool[waiting[pool] < prm.queueing_threshold_lora]
         if len(low):
-            chosen = self._least_at(
-                self._least_at(self._lora_at(req, cols, low), waiting), kv_usage
-            )
+            chosen = self._least(self._least(self._lora(req, cols, low), waiting), kv_usage)
             notes.insert(0, "low-queue branch")
         else:
-            chosen = self._least_at(
-                self._lora_at(req, cols, self._least_at(pool, waiting)), kv_usage
-            )
+            chosen = self._least(self._lora(req, cols, self._least(pool, waiting)), kv_usage)
             notes.insert(0, "all queues high: least-queue branch")
         head = chosen.tolist()
         rng.shuffle(head)
-        taken = np.zeros(cols.n, dtype=bool)
-        taken[chosen] = True
-        others = known[~taken[known]]
-        rest = others[rank_order([waiting[others], kv_usage[others]], rng)]
-        tail = least_request_at(cols, unknown, rng)
-        if len(unknown):
-            notes.append(
-                f"metrics unknown on {signals.addresses(cols.take(unknown))} (ranked last)"
+        free = ~unknown_mask
+        free[chosen] = False
+        others = free.nonzero()[0]
+        parts = [
+            np.array(head, dtype=np.intp),
+            others[rank_order([waiting[others], kv_usage[others]], rng)],
+        ]
+        if unknown_count:
+            unknown = unknown_mask.nonzero()[0]
+            parts.append(least_request_at(cols, unknown, rng))
+            notes.append(f"metrics unknown on {cols.addresses_text(unknown)} (ranked last)")
+            scores = ScoreTable(
+                cols.addresses,
+                ("waiting", "kv_cache_usage"),
+                (waiting[known], kv_usage[known]),
+                at=known,
             )
-        scores = ScoreTable(
-            cols.rows(known), ("waiting", "kv_cache_usage"), (waiting[known], kv_usage[known])
-        )
-        ranked = np.concatenate((np.array(head, dtype=np.intp), rest, tail))
-        return self.decision_of(t0, cols.endpoints_at(ranked), "; ".join(notes), scores)
+        else:
+            scores = ScoreTable(cols.addresses, ("waiting", "kv_cache_usage"), (waiting, kv_usage))
+        return self.decision(t0, cols.endpoints_at(np.concatenate(parts)), "; ".join(notes), scores)

@@ -22,7 +22,7 @@ from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.columns import PodRows, columns_of
 from extproc.routing.registry import StrategyRegistry
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
-from tests.director.test_snapshot import _Fairness, build_pods
+from tests.director._snapshot_world import Fairness, build_pods
 
 BS = 4
 ALL = Capabilities(prompt_tokens=True, prefix_matches=True, accounting=True)
@@ -116,7 +116,7 @@ class StoreWorld:
 def _decide(name: str, pods: Sequence[PodState], req: RoutingRequest, seed: int) -> object:
     strategy = StrategyRegistry(default_plugins(), builtin=BUILTIN_PROFILES).resolve(name)
     d = strategy.route(  # a fresh Snapshot, so a fresh routing memory: round-robin at turn 0
-        req, Snapshot(now=100.0, pods=pods, fairness=_Fairness()), random.Random(seed)
+        req, Snapshot(now=100.0, pods=pods, fairness=Fairness()), random.Random(seed)
     )
     return (d.ranked, d.reason, {a: dict(s) for a, s in d.scores.items()}, d.profiles)
 

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
+from extproc.accounting.latency_model import LatencyModels
 from extproc.routing.base import PodState, PodStats, RoutingRequest, Snapshot
+from extproc.routing.columns import PodColumns, PodRows, PodTable
 from extproc.routing.predicted import (
     LLMD_SLO_TPOT_HEADER,
     LLMD_SLO_TTFT_HEADER,
     SLO_TPOT_HEADER,
     SLO_TTFT_HEADER,
+    LatencyFeatures,
     slo_ms,
 )
 from extproc.types import Endpoint, EndpointRole, EngineMetrics
+from tests._clock import ManualClock
 
 UNSET = object()
 
@@ -112,3 +119,104 @@ def snap(*pods: PodState, fairness: FakeFairness | None = None) -> Snapshot:
 
 def addrs(n: int) -> list[str]:
     return [f"10.0.0.{i + 1}:8000" for i in range(n)]
+
+
+class RowTable(PodTable):
+    """A `PodTable` over ready rows that counts the rows read (the director's table builds a
+    `PodState` per row read); its columns come from the rows without reading them here."""
+
+    def __init__(self, pods: list[PodState]) -> None:
+        self._pods = pods
+        self._columns = PodColumns(PodRows(pods))
+        self.read: set[int] = set()
+
+    @property
+    def columns(self) -> PodColumns:
+        return self._columns
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    @overload
+    def __getitem__(self, i: int) -> PodState: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PodState]: ...
+
+    def __getitem__(self, i: int | slice) -> PodState | Sequence[PodState]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self._pods))[i]]
+        self.read.add(i % len(self._pods))
+        return self._pods[i]
+
+
+def random_pods(n: int, rng: random.Random, *, roles: bool, sparse: bool) -> list[PodState]:
+    """`n` pods with small integer signals (many ties): P/D roles when `roles`, some engine
+    signals, metrics and pod stats missing when `sparse`, LoRA adapter sets, measured and
+    unmeasured TTFT."""
+    out = []
+    for i in range(n):
+        missing = sparse and rng.random() < 0.25
+        stats = (
+            PodStats()
+            if sparse and rng.random() < 0.3
+            else PodStats(
+                requests_total=rng.randint(0, 3),
+                throughput_tokens_per_s=float(rng.randint(0, 4) * 100),
+                busy_time_s=float(rng.randint(0, 3)),
+                ttft_avg_s=rng.choice([None, 0.1, 0.2]),
+                tpot_avg_s=rng.choice([None, 0.01, 0.02]),
+                latency_avg_s=rng.choice([None, 1.0, 2.0]),
+            )
+        )
+        in_flight_tokens = rng.randint(0, 5) * 500
+        out.append(
+            pod(
+                f"10.0.{i // 200}.{i % 200 + 1}:8000",
+                running=None if missing else float(rng.randint(0, 5)),
+                waiting=None if missing else float(rng.randint(0, 6)),
+                kv=None if missing else rng.choice([0.1, 0.5, 0.85, 0.9]),
+                in_flight=rng.randint(0, 12),
+                in_flight_tokens=in_flight_tokens,
+                match=rng.choice([0, 0, 16, 64, 256]),
+                role=rng.choice(list(EndpointRole)) if roles else EndpointRole.BOTH,
+                loras=rng.choice([(), ("ad",), ("x", "y")]),
+                waiting_loras=rng.choice([(), (), ("ad",)]),
+                max_lora=rng.choice([None, 2]),
+                ttft=rng.choice([None, 0.3]),
+                itl=rng.choice([None, 0.03]),
+                stats=stats,
+                cached_blocks=rng.randint(0, 3) * 10,
+                prefill_tokens=rng.choice([None, 0, in_flight_tokens // 2, in_flight_tokens]),
+                no_metrics=sparse and rng.random() < 0.1,
+            )
+        )
+    return out
+
+
+def learned_models(
+    pods: Sequence[PodState],
+    rng: random.Random,
+    clock: ManualClock,
+    *,
+    cold: Sequence[int] = (),
+    tpot_cold: Sequence[int] = (),
+) -> LatencyModels:
+    """Latency models of `pods` (min_samples 4), warm but the pods at `cold` and without a
+    TPOT model at `tpot_cold`: pods of different speeds that learned at different times (ages
+    0-60 s), some routed to lately (so some are due a probe)."""
+    models = LatencyModels(min_samples=4, clock=clock.now)
+    for i, p in enumerate(pods):
+        if i in cold:
+            continue
+        speed = rng.choice([1.0, 1.0, 2.0, 3.0])
+        for _ in range(rng.randint(4, 9)):
+            f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 8), 0, 0.0, 1.0, 0.2)
+            ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
+            tpot = None if i in tpot_cold else rng.uniform(0.005, 0.02) / speed
+            models.observe("m", p.address, f, ttft_s=ttft * rng.uniform(0.8, 1.2), tpot_s=tpot)
+        clock.advance(rng.choice([0.0, 0.0, 3.0, 20.0]))
+        if rng.random() < 0.3:
+            models.routed("m", p.address)
+    clock.advance(5.0)
+    return models

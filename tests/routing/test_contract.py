@@ -315,3 +315,37 @@ def test_the_contract_covers_every_named_strategy() -> None:
     covered = {label.partition(":")[2] for label, _ in MAKERS if not label.startswith("scorer:")}
     assert set(default_registry().names()) == covered
     assert {"least-request", "prefix-cache", "kv-aware", "pd", "gaie"} <= covered
+
+
+ODD = [math.nan, math.inf, -math.inf, -1.0, 0.0, 1e308, 3.0]
+
+
+@pytest.mark.parametrize(
+    "type_name",
+    [t for t in SCORER_TYPES if getattr(PLUGINS.create("scorer", t), "bounded", False)],
+)
+def test_a_bounded_scorer_keeps_its_word_on_odd_signals(type_name: str) -> None:
+    """The profile does not clamp a scorer that says `bounded`: its scores are finite and in
+    [0, 1] whatever the signals (non-finite, negative, huge)."""
+    scorer = PLUGINS.create("scorer", type_name)
+    rng = random.Random(type_name)
+    for _ in range(40):
+        pods = [
+            pod(
+                f"10.0.0.{i}:8000",
+                running=rng.choice(ODD),
+                waiting=rng.choice(ODD),
+                kv=rng.choice(ODD),
+                in_flight=rng.choice([0, 3, 10**9]),
+                match=rng.choice([0, 10, 10**9]),
+                loras=rng.choice([(), ("ad",)]),
+                max_lora=rng.choice([None, 1]),
+                no_metrics=rng.random() < 0.2,
+            )
+            for i in range(rng.randint(1, 6))
+        ]
+        r = req(prompt_tokens=rng.choice([0, 1, 100]), lora=rng.choice([None, "ad"]),
+                session_id=rng.choice([None, "10.0.0.1:8000"]))  # fmt: skip
+        scores, _ = scorer.score(r, pods)
+        assert len(scores) == len(pods)
+        assert all(0.0 <= s <= 1.0 for s in scores), (type_name, list(scores))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from extproc.routing.base import PodState, PodStats, ProfileResult, RoutingRequest, Snapshot
@@ -468,7 +470,9 @@ def test_load_tokens_weighs_decoding_work_at_the_decoding_weight(
 ) -> None:
     from extproc.routing.affinity import load_tokens
 
-    assert load_tokens(in_flight, prefill) == pytest.approx(load)
+    young = math.nan if prefill is None else float(prefill)
+    loads = load_tokens(np.array([float(in_flight), 0.0]), np.array([young, math.nan]))
+    assert loads.tolist() == pytest.approx([load, 0.0])
 
 
 def test_kv_aware_load_share_param_is_checked() -> None:
