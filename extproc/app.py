@@ -43,6 +43,7 @@ from extproc.config import (
 )
 from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.director import Director, ModelRuntime
+from extproc.director.engine_priority import EnginePriority, priority_models
 from extproc.director.flow import FlowStep
 from extproc.director.latency import LearnLatency, MarkRouted, TagLatency
 from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
@@ -371,6 +372,7 @@ class App:
             flow=FlowStep(self.flow) if self.flow is not None else None,
             objectives=self._objective_priority,
             pre_request_steps=(
+                EnginePriority(models=priority_models(config)),
                 MarkRouted(models=self.latency),
                 TagLatency(models=self.latency),
                 *((self.decisions,) if config.server.status_page else ()),

@@ -313,6 +313,10 @@ class ModelConfig:
     lora_adapters: list[str] = field(default_factory=list)
     strategy: str | None = None  # default strategy for this model (else routing.default_strategy)
     kv_events_mode: Literal["auto", "exact", "approximate"] | None = None
+    # The engines' vLLM --scheduling-policy: with "priority" each request's band goes into the
+    # body's `priority` (negated: vLLM serves lower first). vLLM refuses a non-zero priority
+    # under "fcfs", and no metric says which policy runs, so it is declared here.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     endpoints: list[EndpointConfig] = field(default_factory=list)
     kubernetes: KubernetesDiscoveryConfig | None = None
 

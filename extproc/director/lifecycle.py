@@ -117,6 +117,7 @@ class Outgoing:
     include_usage: bool = False  # ask a streaming engine for `usage` in its last event
     kv_transfer_params: Mapping[str, Any] | None = None  # P/D: the prefill's KV handle
     request_id: str | None = None  # Responses API: the response id, naming the pick
+    priority: int | None = None  # the engine's `priority` (vLLM: lower first); None: as sent
     # Headers Envoy sets on the request it forwards (it echoes the session and explain ones
     # to the client).
     set_headers: dict[str, str] = field(default_factory=dict)
@@ -130,6 +131,7 @@ class Outgoing:
             model=self.model,
             kv_transfer_params=self.kv_transfer_params,
             request_id=self.request_id,
+            priority=self.priority,
         )
 
 
