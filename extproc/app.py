@@ -405,8 +405,8 @@ class App:
         capacity = PoolCapacity(
             ready=lambda model: self.store.ready(model),
             in_flight=lambda address: self.inflight.load(address).requests,
-            queue_threshold=cfg.queue_threshold,
-            kv_threshold=cfg.kv_threshold,
+            saturation=config.saturation,
+            dispatch=cfg.dispatch,
             max_concurrency=cfg.max_concurrency,
         )
         return FlowController(

@@ -170,11 +170,7 @@ class Director:
         # first); without it, sheddable requests are shed when every pod is saturated.
         self._flow = flow
         self._admit: tuple[AdmitStep, ...] = (
-            ()
-            if flow is not None
-            else (
-                ShedSheddable(queue_threshold=cfg.queue_threshold, kv_threshold=cfg.kv_threshold),
-            )
+            () if flow is not None else (ShedSheddable(saturation=config.saturation),)
         )
         self._pre_request: tuple[PreRequestStep, ...] = (
             RecordPick(metrics=metrics, clock=clock, on_routed=on_routed),
@@ -293,7 +289,7 @@ class Director:
             self._deciding += 1
         started += time.perf_counter() - waiting  # decision time, without the wait
         try:
-            return await self._routed(self.observe(parsed), started)
+            return await self._routed(self.observe(parsed, room=grant.pods), started)
         finally:
             grant.release()
 
@@ -379,12 +375,12 @@ class Director:
             priority=self._priority(head, settings), size=len(body), rewrite=rewrite,
         )  # fmt: skip
 
-    def observe(self, parsed: Parsed) -> PreparedRequest:
+    def observe(self, parsed: Parsed, room: Sequence[str] = ()) -> PreparedRequest:
         """The candidates and their state now (the flow-controlled request's pod is chosen
-        from this, after its wait)."""
+        from this, after its wait, among the pods with `room` when flow control names some)."""
         head, runtime, req = parsed.head, parsed.runtime, parsed.req
         strategy, hashes = parsed.strategy, parsed.hashes
-        candidates = self._candidates(runtime, head)
+        candidates = self._candidates(runtime, head, room)
         if req.previous_response_id is not None:  # only the pod that stored it holds it
             known = [ep.address for ep in self._store.endpoints(runtime.name)]
             candidates = pin_candidates(self._sessions, req.previous_response_id, candidates, known)
@@ -497,9 +493,18 @@ class Director:
         return [], 0.0, bool(pool.tokenizer.estimated)
 
     def _candidates(
-        self, runtime: ModelRuntime, head: RequestHead
+        self, runtime: ModelRuntime, head: RequestHead, room: Sequence[str] = ()
     ) -> tuple[tuple[Endpoint, Any], ...]:
         ready = self._store.ready(runtime.name)
+        if room and len(ready) > 1:  # flow control dispatched it into these pods' room
+            free = set(room)
+            mask = [r[0].address in free for r in ready]
+            if any(mask) and not all(mask):
+                ready = (
+                    ready.keep(mask)
+                    if isinstance(ready, ReadyEndpoints)
+                    else tuple(compress(ready, mask))
+                )
         if head.subset is not None:
             allowed = set(head.subset)
             ready = tuple(r for r in ready if r[0].address in allowed)

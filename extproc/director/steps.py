@@ -19,7 +19,7 @@ from extproc.director.leases import LeaseBook, Ticket
 from extproc.director.lifecycle import Outgoing, PreparedRequest
 from extproc.director.prefill import PrefillClient, PrefillError
 from extproc.routing.base import Decision
-from extproc.routing.saturation import is_saturated
+from extproc.routing.saturation import SaturationConfig, is_saturated
 from extproc.routing.session import SessionTokens
 from extproc.types import RequestKind, TooManyRequests
 
@@ -50,15 +50,14 @@ class ShedSheddable:
 
     The director counts the shed (a real request's, not an explain's)."""
 
-    def __init__(self, *, queue_threshold: float, kv_threshold: float) -> None:
-        self._queue = queue_threshold
-        self._kv = kv_threshold
+    def __init__(self, *, saturation: SaturationConfig) -> None:
+        self._saturation = saturation
 
     def admit(self, req: PreparedRequest) -> None:
         if (
             req.routing.priority < 0
             and req.settings.shed_sheddable
-            and is_saturated(req.pods, self._queue, self._kv)
+            and is_saturated(req.pods, self._saturation)
         ):
             raise TooManyRequests("every endpoint is saturated; sheddable request dropped")
 

@@ -1,33 +1,92 @@
-"""How much more a model's pool can take now: the flow controller's saturation detector.
+"""How much more a model's pool can take now, and where: the flow controller's view of room.
 
-A pod is full when its KV cache is at `kv_threshold`, when its waiting queue is at
-`queue_threshold`, or (if set) when the gateway holds `max_concurrency` requests on it. Its free
-slots are how many more requests fit under the queue threshold. Stale pods are not ready (the
-endpoint store drops them), so they offer nothing: stale metrics count as saturated, as in llm-d.
+Two dispatch rules (`flow_control.dispatch`):
 
-The waiting queue is scraped every poll (0.5 s); between scrapes the requests dispatched since
-are counted onto it: estimated waiting = scraped waiting + (in-flight now - in-flight when that
-scrape was first seen). In-flight is the shared view (this replica's leases and its peers'), so
-every replica estimates the same queue. Pool saturation is llm-d's: the mean over pods of
-max(waiting / queue_threshold, kv / kv_threshold), 1.0 with no pod (what KEDA reads).
+- `slots` (default): a pod takes a request when it has a free running slot, so the engines'
+  waiting queues stay near empty and what waits, waits in the gateway, where priority and
+  fairness apply. A pod's slots are learned from its scrapes: a scrape with requests waiting
+  (and KV below the threshold) shows the engine full at its running count; a scrape with
+  nothing waiting and more running than believed raises it. Room is slots minus the pod's
+  load of the moment: the gateway's in-flight count (exact, immediate, every replica's
+  leases), or more if the last scrape showed requests the gateway does not know (traffic
+  that bypasses it). Until a pod has shown its limit it is filled as under `queue`. Every
+  `PROBE_S` a pod at its limit whose limit was not seen again may take one more (one request
+  waits in its engine until the next scrape): a limit learned too low, or an engine given
+  more KV, is found again.
+- `queue` (llm-d's): a pod takes requests while its estimated waiting queue is under
+  `saturation.queue_threshold`. The queue is scraped every poll (0.5 s); between scrapes the
+  requests dispatched since count onto it: scraped waiting + (in flight now - in flight when
+  that scrape was first seen).
+
+Either way a pod at `saturation.kv_threshold` takes nothing, nor one the gateway holds
+`max_concurrency` requests on. A pod without a queue or KV signal offers nothing, and a pod
+whose metrics went stale is not ready (the endpoint store drops it): stale metrics halt its
+dispatch, as llm-d's detector fails closed. Between a pod's last good scrape and staleness the
+`slots` rule keeps working from the in-flight view alone (the learned limit does not age).
+
+`Capacity.pods` lists the pods with room: the director routes a dispatched request among them
+(late binding into room, not into the pool), so a dispatch never lands on a full pod.
+
+Pool saturation (the gauge an autoscaler reads) is the saturation model's mean over pods
+(`extproc.routing.saturation`), with each pod's load over its learned slots as one more term:
+under `slots` the engines' queues stay empty, and a full pool must still read 1.0.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from extproc.config import SaturationConfig
+from extproc.routing.saturation import pod_saturation
 from extproc.types import Endpoint, EngineMetrics
 
-__all__ = ["Capacity", "PoolCapacity"]
+__all__ = ["PROBE_S", "Capacity", "DispatchRule", "PodSlots", "PoolCapacity"]
+
+PROBE_S = 5.0  # a pod at its learned limit may take one more this often
+DispatchRule = str  # "slots" | "queue" (flow_control.dispatch)
 
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
     endpoints: int  # ready pods of the model
     free: int  # requests the pool takes now before any pod is full
-    saturation: float  # llm-d's pool saturation (>= 1.0: saturated)
+    saturation: float  # pool saturation (>= 1.0: saturated)
+    pods: tuple[str, ...] = ()  # addresses of the pods with room now
+
+
+@dataclass(slots=True)
+class PodSlots:
+    """What one pod's scrapes taught: its running slots, and how its last scrape is bridged."""
+
+    scraped_at: float = -1.0  # `updated_at` of the scrape the baseline belongs to
+    base: int = 0  # in flight when that scrape was first seen
+    slots: int | None = None  # running requests the engine takes at most; None: not seen full
+    low: int = 0  # consecutive scrapes showing it full below `slots`
+    confirmed: float = field(default=-math.inf)  # when it was last seen full at `slots`
+
+    def learn(self, running: float, waiting: float, kv_full: bool, now: float) -> None:
+        """One new scrape. Requests waiting below the KV threshold: the engine is full at
+        `running` (believed at once upward; downward after two scrapes in a row, since a
+        request that arrived between two engine steps waits for a moment in any engine).
+        Nothing waiting and more running than believed: the engine takes more."""
+        r = int(running)
+        if kv_full or r < 1:
+            self.low = 0
+            return
+        if waiting >= 1:
+            if self.slots is None or r >= self.slots:
+                self.slots, self.low, self.confirmed = r, 0, now
+            else:
+                self.low += 1
+                if self.low >= 2:
+                    self.slots, self.low, self.confirmed = r, 0, now
+        else:
+            self.low = 0
+            if self.slots is not None and r > self.slots:
+                self.slots = r
 
 
 class PoolCapacity:
@@ -38,43 +97,77 @@ class PoolCapacity:
         *,
         ready: Callable[[str], Sequence[tuple[Endpoint, EngineMetrics]]],
         in_flight: Callable[[str], int],
-        queue_threshold: float,
-        kv_threshold: float,
+        saturation: SaturationConfig,
+        dispatch: DispatchRule = "slots",
         max_concurrency: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if dispatch not in ("slots", "queue"):
+            raise ValueError(f"unknown dispatch rule {dispatch!r}")
         self._ready = ready
         self._in_flight = in_flight
-        self._qt = queue_threshold
-        self._kvt = kv_threshold
+        self._sat = saturation
+        self._slots_rule = dispatch == "slots"
         self._max = max_concurrency
-        # address -> (scrape time, in-flight when this process first saw that scrape)
-        self._base: dict[str, dict[str, tuple[float, int]]] = {}  # per model
+        self._clock = clock
+        self._pods: dict[str, dict[str, PodSlots]] = {}  # model -> address -> what it taught
 
     def __call__(self, model: str) -> Capacity:
         ready = self._ready(model)
         if not ready:
             return Capacity(endpoints=0, free=0, saturation=1.0)
-        bases = self._base.setdefault(model, {})
+        views = self._pods.setdefault(model, {})
+        now = self._clock()
         free = 0
         total = 0.0
+        pods: list[str] = []
         for ep, m in ready:
-            address = ep.address
-            flight = self._in_flight(address)
-            if m.waiting is None or m.kv_cache_usage is None:
-                total += 1.0  # no queue or KV signal: count it saturated, offer nothing
-                continue
-            base = bases.get(address)
-            if base is None or base[0] != m.updated_at:
-                base = bases[address] = (m.updated_at, flight)
-            waiting = max(0.0, m.waiting + flight - base[1])
-            total += max(waiting / self._qt, m.kv_cache_usage / self._kvt)
-            if m.kv_cache_usage >= self._kvt:
-                continue
-            slots = max(0, math.ceil(self._qt - waiting))
-            if self._max > 0:
-                slots = min(slots, max(0, self._max - flight))
-            free += slots
-        if len(bases) > 2 * len(ready) + 16:  # forget pods gone away
+            room, sat = self._pod(views, ep.address, m, now)
+            total += sat
+            if room > 0:
+                free += room
+                pods.append(ep.address)
+        if len(views) > 2 * len(ready) + 16:  # forget pods gone away
             live = {ep.address for ep, _ in ready}
-            self._base[model] = {a: b for a, b in bases.items() if a in live}
-        return Capacity(endpoints=len(ready), free=free, saturation=total / len(ready))
+            self._pods[model] = {a: v for a, v in views.items() if a in live}
+        return Capacity(
+            endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods)
+        )
+
+    def slots(self, model: str, address: str) -> int | None:
+        """The running slots learned for a pod (None: not seen full yet)."""
+        view = self._pods.get(model, {}).get(address)
+        return None if view is None else view.slots
+
+    def _pod(
+        self, views: dict[str, PodSlots], address: str, m: EngineMetrics, now: float
+    ) -> tuple[int, float]:
+        """(room, saturation) of one pod now."""
+        flight = self._in_flight(address)
+        if m.waiting is None or m.kv_cache_usage is None:
+            return 0, 1.0  # no queue or KV signal: count it saturated, offer nothing
+        view = views.get(address)
+        if view is None:
+            view = views[address] = PodSlots()
+        kv_full = m.kv_cache_usage >= self._sat.kv_threshold
+        if view.scraped_at != m.updated_at:  # a new scrape: the truth again
+            view.scraped_at, view.base = m.updated_at, flight
+            view.learn(m.running or 0.0, m.waiting, kv_full, now)
+        since = flight - view.base  # dispatched minus finished since the scrape
+        waiting = max(0.0, m.waiting + since)
+        # The engine's load: the gateway's own count, or what the scrape saw if that was more.
+        load = max(flight, int((m.running or 0.0) + m.waiting) + since)
+        sat = pod_saturation(EngineMetrics(updated_at=0.0, waiting=waiting,
+                                           kv_cache_usage=m.kv_cache_usage), self._sat)  # fmt: skip
+        if self._slots_rule and view.slots is not None:
+            sat = max(sat, load / view.slots)
+        if kv_full:
+            return 0, sat
+        if self._slots_rule and view.slots is not None:
+            probe = 1 if now - view.confirmed >= PROBE_S else 0
+            room = view.slots + probe - load
+        else:
+            room = math.ceil(self._sat.queue_threshold - waiting)
+        if self._max > 0:
+            room = min(room, self._max - flight)
+        return max(0, room), sat

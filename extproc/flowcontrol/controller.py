@@ -49,12 +49,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from extproc.config import FlowControlConfig
 from extproc.flowcontrol.capacity import Capacity
 from extproc.flowcontrol.policies import (
-    FAIRNESS,
-    ORDERING,
     FairnessPolicy,
     Flow,
     OrderingPolicy,
+    PolicyRegistry,
     Queued,
+    builtin_policies,
 )
 from extproc.types import GatewayError
 
@@ -62,10 +62,10 @@ __all__ = [
     "DROPPED_HEADER",
     "FlowController",
     "FlowMetrics",
+    "FlowOutcome",
     "FlowRejected",
     "FlowRequest",
     "Grant",
-    "Outcome",
 ]
 
 log = logging.getLogger("extproc.flowcontrol")
@@ -75,7 +75,7 @@ TICK_S = 0.02  # how often a non-empty queue looks for room, besides wake-ups
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
-class Outcome(enum.StrEnum):
+class FlowOutcome(enum.StrEnum):
     DISPATCHED = "dispatched"
     SATURATED = "rejected-saturated"
     TTL_EXPIRED = "rejected-ttl-expired"
@@ -88,10 +88,10 @@ class FlowRejected(GatewayError):
     """A request flow control answers itself: 429 (with Retry-After) or 503, and the reason
     in `x-llm-d-request-dropped-reason`."""
 
-    def __init__(self, outcome: Outcome, message: str, *, retry_after_s: int) -> None:
+    def __init__(self, outcome: FlowOutcome, message: str, *, retry_after_s: int) -> None:
         super().__init__(message, code=str(outcome))
         self.outcome = outcome
-        if outcome is Outcome.NO_ENDPOINTS:
+        if outcome is FlowOutcome.NO_ENDPOINTS:
             self.status, self.error_type = 503, "service_unavailable"
         else:
             self.status, self.error_type = 429, "rate_limit_error"
@@ -110,14 +110,19 @@ class FlowRequest:
 
 class Grant:
     """A dispatched request's slot, counted by the controller until the request's own claim is
-    made (then the in-flight view counts it). `release()` is idempotent."""
+    made (then the in-flight view counts it). `release()` is idempotent. `pods` are the pods
+    that had room when it was dispatched (empty: no restriction, e.g. handed off): the request
+    is routed among them."""
 
-    __slots__ = ("_controller", "_model", "waited_s")
+    __slots__ = ("_controller", "_model", "pods", "waited_s")
 
-    def __init__(self, controller: FlowController, model: str, waited_s: float) -> None:
+    def __init__(
+        self, controller: FlowController, model: str, waited_s: float, pods: tuple[str, ...] = ()
+    ) -> None:
         self._controller: FlowController | None = controller
         self._model = model
         self.waited_s = waited_s
+        self.pods = pods
 
     def release(self) -> None:
         controller, self._controller = self._controller, None
@@ -183,19 +188,26 @@ class FlowController:
         settings: FlowControlConfig,
         capacity: Callable[[str], Capacity],
         tokens: Callable[[str], float] = lambda _flow: 0.0,
+        policies: PolicyRegistry | None = None,
         metrics: FlowMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = TICK_S,
     ) -> None:
-        if settings.ordering not in ORDERING:
-            raise ValueError(f"unknown ordering {settings.ordering!r}")
-        if settings.fairness not in FAIRNESS:
-            raise ValueError(f"unknown fairness {settings.fairness!r}")
         self.settings = settings
         self._tick_s = tick_s
         self.capacity = capacity
-        self._ordering: OrderingPolicy = ORDERING[settings.ordering]()
-        self._fairness: FairnessPolicy = FAIRNESS[settings.fairness](self._ordering, tokens)
+        policies = policies or builtin_policies(tokens=tokens)
+        params = settings.policy_params
+        self._ordering: OrderingPolicy = policies.create(
+            "ordering", settings.ordering, params.get(settings.ordering),
+            where="flow_control.ordering",
+            params_where=f"flow_control.policy_params.{settings.ordering}",
+        )  # fmt: skip
+        self._fairness: FairnessPolicy = policies.create(
+            "fairness", settings.fairness, params.get(settings.fairness),
+            where="flow_control.fairness",
+            params_where=f"flow_control.policy_params.{settings.fairness}",
+        )  # fmt: skip
         self.metrics = metrics
         self._clock = clock
         self._bands: dict[str, dict[int, _Band]] = {}  # model -> priority -> band
@@ -213,21 +225,21 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Grant:
         model, priority = request.model, request.priority
         if self._stopping:
-            return self._grant(model, 0.0, Outcome.HANDED_OFF, priority)
+            return self._grant(model, 0.0, FlowOutcome.HANDED_OFF, priority)
         band = self._band(model, priority)
         s = self.settings
         if band.live >= s.max_requests_per_band or band.bytes + request.size > s.max_bytes_per_band:
-            raise self._reject(request, Outcome.SATURATED, 0.0,
+            raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                f"the flow-control queue for priority {priority} is full")  # fmt: skip
         if not self._waiting_at_or_above(model, priority):
             cap = self.capacity(model)
             if cap.free - self._transit.get(model, 0) > 0:
-                return self._grant(model, 0.0, Outcome.DISPATCHED, priority)
+                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, cap.pods)
             if priority < 0 and cap.endpoints > 0:
-                raise self._reject(request, Outcome.SATURATED, 0.0,
+                raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                    "every endpoint is saturated; sheddable request dropped")  # fmt: skip
         elif priority < 0:
-            raise self._reject(request, Outcome.SATURATED, 0.0,
+            raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                "requests are queued; sheddable request dropped")  # fmt: skip
         return await self._wait(request, band)
 
@@ -285,7 +297,7 @@ class FlowController:
         stopping process cuts no request it holds."""
         self._stopping = True
         for waiting in list(self._waiting.values()):
-            self._finish(waiting, Outcome.HANDED_OFF)
+            self._finish(waiting, FlowOutcome.HANDED_OFF)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -311,10 +323,17 @@ class FlowController:
                     return True
         return False
 
-    def _grant(self, model: str, waited: float, outcome: Outcome, priority: int) -> Grant:
+    def _grant(
+        self,
+        model: str,
+        waited: float,
+        outcome: FlowOutcome,
+        priority: int,
+        pods: tuple[str, ...] = (),
+    ) -> Grant:
         self._transit[model] = self._transit.get(model, 0) + 1
         self._observe(model, priority, outcome, waited)
-        return Grant(self, model, waited)
+        return Grant(self, model, waited, pods)
 
     def _released(self, model: str) -> None:
         n = self._transit.get(model, 0) - 1
@@ -323,14 +342,14 @@ class FlowController:
         else:
             self._transit.pop(model, None)
 
-    def _observe(self, model: str, priority: int, outcome: Outcome, waited: float) -> None:
+    def _observe(self, model: str, priority: int, outcome: FlowOutcome, waited: float) -> None:
         if self.metrics is not None:
             labels = (model, str(priority), str(outcome))
             self.metrics.outcomes.labels(*labels).inc()
             self.metrics.wait.labels(*labels).observe(waited)
 
     def _reject(
-        self, request: FlowRequest, outcome: Outcome, waited: float, message: str
+        self, request: FlowRequest, outcome: FlowOutcome, waited: float, message: str
     ) -> FlowRejected:
         self._observe(request.model, request.priority, outcome, waited)
         return FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
@@ -339,9 +358,9 @@ class FlowController:
         now = self._clock()
         ttl = request.ttl_s if request.ttl_s is not None else self.settings.ttl_s
         expires = now + ttl
-        deadline = expires if request.slo_ttft_s is None else now + request.slo_ttft_s
+        deadline = None if request.slo_ttft_s is None else now + request.slo_ttft_s
         item = Queued(flow=request.flow, enqueued=now, expires=expires,
-                      deadline=min(deadline, expires), size=request.size, seq=next(self._seq))  # fmt: skip
+                      deadline=deadline, size=request.size, seq=next(self._seq))  # fmt: skip
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         waiting = _Waiting(item=item, request=request, future=future)
         flow = band.flows.get(request.flow)
@@ -358,12 +377,18 @@ class FlowController:
             return await future
         except asyncio.CancelledError:
             if not waiting.done:  # the client went away while waiting
-                self._finish(waiting, Outcome.CANCELLED)
+                self._finish(waiting, FlowOutcome.CANCELLED)
             elif future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()  # dispatched in the same instant: give it back
             raise
 
-    def _finish(self, waiting: _Waiting, outcome: Outcome, error: Exception | None = None) -> None:
+    def _finish(
+        self,
+        waiting: _Waiting,
+        outcome: FlowOutcome,
+        error: Exception | None = None,
+        pods: tuple[str, ...] = (),
+    ) -> None:
         """Take one request out of its band and end its wait (grant, error or nothing)."""
         if waiting.done:
             return
@@ -378,13 +403,15 @@ class FlowController:
             band.flows.pop(item.flow, None)
         self._gauge(request.model, request.priority, band)
         waited = self._clock() - item.enqueued
-        if outcome is Outcome.CANCELLED:  # its future is cancelled already
+        if outcome is FlowOutcome.CANCELLED:  # its future is cancelled already
             self._observe(request.model, request.priority, outcome, waited)
             return
         if waiting.future.done():
             return
-        if outcome in (Outcome.DISPATCHED, Outcome.HANDED_OFF):
-            waiting.future.set_result(self._grant(request.model, waited, outcome, request.priority))
+        if outcome in (FlowOutcome.DISPATCHED, FlowOutcome.HANDED_OFF):
+            waiting.future.set_result(
+                self._grant(request.model, waited, outcome, request.priority, pods)
+            )
         else:
             assert error is not None
             waiting.future.set_exception(error)
@@ -436,12 +463,12 @@ class FlowController:
                 else:  # the band's share of what is left, in proportion to its depths
                     take, room = min(mine, math.ceil(room * mine / (mine + theirs))), 0
                 if band is not None:
-                    sent += self._dispatch_band(band, take)
+                    sent += self._dispatch_band(band, take, cap.pods)
                 if room <= 0:
                     break
         return sent
 
-    def _dispatch_band(self, band: _Band, take: int) -> int:
+    def _dispatch_band(self, band: _Band, take: int, pods: tuple[str, ...]) -> int:
         sent = 0
         while sent < take and band.live:
             flows = []
@@ -456,7 +483,7 @@ class FlowController:
             waiting = self._waiting.get(flow.pop())
             if waiting is None or waiting.done:
                 continue
-            self._finish(waiting, Outcome.DISPATCHED)
+            self._finish(waiting, FlowOutcome.DISPATCHED, pods=pods)
             sent += 1
         return sent
 
@@ -480,7 +507,7 @@ class FlowController:
             ready = ready_by_model.get(request.model)
             if ready is None:
                 ready = ready_by_model[request.model] = self.capacity(request.model).endpoints > 0
-            outcome = Outcome.TTL_EXPIRED if ready else Outcome.NO_ENDPOINTS
+            outcome = FlowOutcome.TTL_EXPIRED if ready else FlowOutcome.NO_ENDPOINTS
             waited = now - item.enqueued
             message = (
                 f"waited {waited:.1f}s in the flow-control queue without room on a pod"

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from extproc.config import FlowControlConfig
+from extproc.config import FlowControlConfig, SaturationConfig
 from extproc.director.api import ImmediateReply, RequestHead, RouteResult
 from extproc.director.flow import FlowStep
 from extproc.flowcontrol import (
@@ -46,7 +46,7 @@ class Kit:
             self._capacity = PoolCapacity(
                 ready=lambda m: self.kit.store.ready(m),
                 in_flight=lambda a: self.kit.inflight.load(a).requests,
-                queue_threshold=5.0, kv_threshold=0.8,
+                saturation=SaturationConfig(),
             )  # fmt: skip
         return self._capacity(model)
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from extproc.config import RouteSettings
+from extproc.config import RouteSettings, SaturationConfig
 from extproc.director.lifecycle import ModelRuntime, Outgoing
 from extproc.director.prefill import PrefillClient
 from extproc.director.steps import (
@@ -66,7 +66,7 @@ def test_shed_sheddable(
     pods: tuple[Any, ...],
     rejected: bool,
 ) -> None:
-    step = ShedSheddable(queue_threshold=5, kv_threshold=0.8)
+    step = ShedSheddable(saturation=SaturationConfig())
     req = prepared(
         runtime, priority=priority, pods=pods, settings=RouteSettings(shed_sheddable=shed_route)
     )

@@ -15,10 +15,10 @@ from extproc.flowcontrol import (
     Capacity,
     FlowController,
     FlowMetrics,
+    FlowOutcome,
     FlowRejected,
     FlowRequest,
     Grant,
-    Outcome,
 )
 from tests._clock import ManualClock
 from tests.reliability._director import sample
@@ -371,7 +371,7 @@ def test_unknown_policy_names_are_refused() -> None:
 
 
 def test_outcomes_are_the_documented_set() -> None:
-    assert {str(o) for o in Outcome} == {
+    assert {str(o) for o in FlowOutcome} == {
         "dispatched", "rejected-saturated", "rejected-ttl-expired", "rejected-no-endpoints",
         "cancelled", "handed-off",
     }  # fmt: skip
