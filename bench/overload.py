@@ -14,10 +14,11 @@ served, answered 429/503 (with the reason header), or lost (anything else).
                              [--variants off,fc-queue,fc-slots] [--out FILE]
     python -m bench.overload --merge a.json b.json ...   # one table from several runs
 
-Variants (`VARIANTS`): `off` (flow control off), `fc-queue` (flow control, llm-d's dispatch:
+Variants (`variant()`): `off` (flow control off), `fc-queue` (flow control, llm-d's dispatch:
 up to 5 waiting per engine), `fc-slots` (flow control into free running slots); `+prio` runs
 the engines with vLLM's `--scheduling-policy priority` and declares it to the gateway, which
-then writes each request's band into its body.
+then writes each request's band into its body; `+token`, `+global-strict`, `+round-robin`
+choose flow control's fairness.
 """
 
 from __future__ import annotations
@@ -68,18 +69,30 @@ class Variant:
     engine_priority: bool = False  # sims run --scheduling-policy priority; the gateway knows
 
 
-def _fc(**kw: Any) -> dict[str, Any]:
-    return {"flow_control": {"enabled": True, **kw}}
-
-
-VARIANTS: dict[str, Variant] = {
-    "off": Variant(),
-    "fc-queue": Variant(_fc(dispatch="queue")),  # llm-d's: up to 5 waiting in each engine
-    "fc-slots": Variant(_fc(dispatch="slots")),  # into free running slots only
-    "off+prio": Variant(engine_priority=True),
-    "fc-queue+prio": Variant(_fc(dispatch="queue"), engine_priority=True),
-    "fc-slots+prio": Variant(_fc(dispatch="slots"), engine_priority=True),
+BASES: dict[str, dict[str, Any]] = {
+    "off": {},
+    "fc-queue": {"flow_control": {"enabled": True, "dispatch": "queue"}},  # llm-d's: 5 waiting
+    "fc-slots": {"flow_control": {"enabled": True, "dispatch": "slots"}},  # free slots only
 }
+FAIRNESS = ("round-robin", "token", "global-strict")
+
+
+def variant(name: str) -> Variant:
+    """`base[+option...]`: a base of `BASES`; `prio` runs the engines with vLLM's priority
+    policy; a fairness policy's name selects it (flow control's default otherwise)."""
+    base, *options = name.split("+")
+    if base not in BASES:
+        raise SystemExit(f"unknown variant base {base!r} (known: {', '.join(BASES)})")
+    server = json.loads(json.dumps(BASES[base]))
+    prio = False
+    for option in options:
+        if option == "prio":
+            prio = True
+        elif option in FAIRNESS and "flow_control" in server:
+            server["flow_control"]["fairness"] = option
+        else:
+            raise SystemExit(f"unknown variant option {option!r} in {name!r}")
+    return Variant(server, engine_priority=prio)
 
 
 @functools.cache
@@ -169,7 +182,7 @@ async def _drive(
 def capacity(workdir: Path, processes: int, seconds: float) -> float:
     """Requests/s the pool serves flat out (closed loop well above its batch slots)."""
     convs = schedule(100.0, 40.0, seed=99)  # 4,000 requests, in order
-    with _stack(workdir, processes, VARIANTS["off"]) as s:
+    with _stack(workdir, processes, variant("off")) as s:
         records, duration, _ = asyncio.run(
             _drive(s, convs, Arrival(ArrivalKind.CLOSED, concurrency=24), seconds, 0.0)
         )
@@ -223,9 +236,9 @@ def run(
                            "processes": processes, "runs": []}  # fmt: skip
     for rep in range(first_rep, first_rep + reps):
         plan = [("ref-off", "off", REFERENCE_LOAD), *((v, v, load) for v in variants)]
-        for name, variant, factor in plan:
+        for name, spec, factor in plan:
             convs = schedule(cap * factor, seconds, seed=rep)
-            with _stack(root / f"{name}-{rep}", processes, VARIANTS[variant]) as s:
+            with _stack(root / f"{name}-{rep}", processes, variant(spec)) as s:
                 arrival = Arrival(ArrivalKind.TRACE, concurrency=0)
                 records, _, waiting = asyncio.run(_drive(s, convs, arrival, seconds + 60, seconds))
             summary = summarize(records, seconds, waiting)

@@ -55,6 +55,11 @@ class Capacity:
     free: int  # requests the pool takes now before any pod is full
     saturation: float  # pool saturation (>= 1.0: saturated)
     pods: tuple[str, ...] = ()  # addresses of the pods with room now
+    # Pods whose running slots are all taken and whose engine queue is empty (`slots` only): a
+    # request sent there now is the next its engine starts. Flow control lets a band above the
+    # default priority wait there rather than in the gateway (it starts at the next release on
+    # that pod, without waiting for the gateway to hear of it).
+    line: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -121,18 +126,22 @@ class PoolCapacity:
         free = 0
         total = 0.0
         pods: list[str] = []
+        line: list[str] = []
         for ep, m in ready:
-            room, sat = self._pod(views, ep.address, m, now)
+            room, next_in_line, sat = self._pod(views, ep.address, m, now)
             total += sat
             if room > 0:
                 free += room
                 pods.append(ep.address)
+            elif next_in_line:
+                line.append(ep.address)
         if len(views) > 2 * len(ready) + 16:  # forget pods gone away
             live = {ep.address for ep, _ in ready}
             self._pods[model] = {a: v for a, v in views.items() if a in live}
         return Capacity(
-            endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods)
-        )
+            endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods),
+            line=tuple(line),
+        )  # fmt: skip
 
     def slots(self, model: str, address: str) -> int | None:
         """The running slots learned for a pod (None: not seen full yet)."""
@@ -141,11 +150,12 @@ class PoolCapacity:
 
     def _pod(
         self, views: dict[str, PodSlots], address: str, m: EngineMetrics, now: float
-    ) -> tuple[int, float]:
-        """(room, saturation) of one pod now."""
+    ) -> tuple[int, bool, float]:
+        """(room, next in line, saturation) of one pod now: next in line when its running
+        slots are all taken and nothing waits in its engine."""
         flight = self._in_flight(address)
         if m.waiting is None or m.kv_cache_usage is None:
-            return 0, 1.0  # no queue or KV signal: count it saturated, offer nothing
+            return 0, False, 1.0  # no queue or KV signal: count it saturated, offer nothing
         view = views.get(address)
         if view is None:
             view = views[address] = PodSlots()
@@ -155,19 +165,24 @@ class PoolCapacity:
             view.learn(m.running or 0.0, m.waiting, kv_full, now)
         since = flight - view.base  # dispatched minus finished since the scrape
         waiting = max(0.0, m.waiting + since)
-        # The engine's load: the gateway's own count, or what the scrape saw if that was more.
-        load = max(flight, int((m.running or 0.0) + m.waiting) + since)
+        # The engine's load: what the scrape saw, plus what the gateway sent since, minus what it
+        # heard finished since. A request's end is heard when its access-log record arrives
+        # (up to Envoy's flush interval late), so the gateway's own count runs high by the
+        # records in transit; counted from the scrape, those that finished before it are not.
+        load = max(0, int((m.running or 0.0) + m.waiting) + since)
         sat = pod_saturation(EngineMetrics(updated_at=0.0, waiting=waiting,
                                            kv_cache_usage=m.kv_cache_usage), self._sat)  # fmt: skip
         if self._slots_rule and view.slots is not None:
             sat = max(sat, load / view.slots)
-        if kv_full:
-            return 0, sat
+        if kv_full or (self._max > 0 and flight >= self._max):
+            return 0, False, sat
+        next_in_line = False
         if self._slots_rule and view.slots is not None:
             probe = 1 if now - view.confirmed >= PROBE_S else 0
             room = view.slots + probe - load
+            next_in_line = load == view.slots
         else:
             room = math.ceil(self._sat.queue_threshold - waiting)
         if self._max > 0:
             room = min(room, self._max - flight)
-        return max(0, room), sat
+        return max(0, room), next_in_line, sat

@@ -233,8 +233,11 @@ class FlowController:
                                f"the flow-control queue for priority {priority} is full")  # fmt: skip
         if not self._waiting_at_or_above(model, priority):
             cap = self.capacity(model)
-            if cap.free - self._transit.get(model, 0) > 0:
+            room = cap.free - self._transit.get(model, 0)
+            if room > 0:
                 return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, cap.pods)
+            if priority > 0 and room + len(cap.line) > 0:  # next in line in an engine
+                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, cap.line)
             if priority < 0 and cap.endpoints > 0:
                 raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                    "every endpoint is saturated; sheddable request dropped")  # fmt: skip
@@ -446,24 +449,35 @@ class FlowController:
                 continue
             cap = self.capacity(model)
             room = cap.free - self._transit.get(model, 0)
-            if room <= 0:
+            if room <= 0 and not cap.line:
                 continue
             remote: dict[int, int] = {}
             for peer in self._remote.values():
                 for p, v in peer.get(model, {}).items():
                     remote[p] = remote.get(p, 0) + v[0]
+            top = True
             for priority in sorted({*bands, *remote}, reverse=True):
                 band = bands.get(priority)
                 mine = band.live if band is not None else 0
                 theirs = remote.get(priority, 0)
                 if mine + theirs == 0:
                     continue
-                if mine + theirs <= room:
-                    take, room = mine, room - mine - theirs
+                # The highest band waiting, above the default priority, may also take the
+                # places next in line in full engines; every other band only free slots.
+                line = len(cap.line) if top and priority > 0 else 0
+                top = False
+                avail = room + line
+                if avail <= 0:
+                    break
+                if mine + theirs <= avail:
+                    take, used = mine, mine + theirs
                 else:  # the band's share of what is left, in proportion to its depths
-                    take, room = min(mine, math.ceil(room * mine / (mine + theirs))), 0
+                    take, used = min(mine, math.ceil(avail * mine / (mine + theirs))), avail
                 if band is not None:
-                    sent += self._dispatch_band(band, take, cap.pods)
+                    in_room = min(take, max(0, room))
+                    sent += self._dispatch_band(band, in_room, cap.pods)
+                    sent += self._dispatch_band(band, take - in_room, cap.line)
+                room -= min(used, max(0, room))
                 if room <= 0:
                     break
         return sent

@@ -48,7 +48,12 @@ def test_params_are_decoded_into_the_dataclass() -> None:
     ("kind", "type_name", "params", "needle"),
     [
         ("fairness", "lottery", None, "flow_control.fairness: unknown fairness policy 'lottery'"),
-        ("ordering", "edf", {"deadline": 1}, "flow_control.policy_params.edf.deadline: unknown key"),
+        (
+            "ordering",
+            "edf",
+            {"deadline": 1},
+            "flow_control.policy_params.edf.deadline: unknown key",
+        ),
         ("ordering", "edf", {"default_deadline_s": "soon"}, "default_deadline_s: must be float"),
         ("ordering", "edf", {"default_deadline_s": -1}, "default_deadline_s must be > 0"),
         ("ordering", "fcfs", {"x": 1}, "unknown key (allowed: none)"),
