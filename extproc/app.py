@@ -58,6 +58,8 @@ from extproc.discovery.kubernetes import (
     make_api_client,
 )
 from extproc.flowcontrol import FlowController, FlowMetrics, PoolCapacity
+from extproc.flowcontrol.policies import builtin_policies
+from extproc.flowcontrol.ttft import EngineTtft
 from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
@@ -409,8 +411,15 @@ class App:
             dispatch=cfg.dispatch,
             max_concurrency=cfg.max_concurrency,
         )
+        load = self.inflight.load
         return FlowController(
             settings=cfg, capacity=capacity, tokens=self.fairness.tokens,
+            policies=builtin_policies(tokens=self.fairness.tokens),
+            ttft=EngineTtft(
+                ready=lambda model: self.store.ready(model),
+                load=lambda address: (load(address).requests, load(address).tokens),
+                models=self.latency,
+            ),
             metrics=FlowMetrics(self.registry),
         )  # fmt: skip
 

@@ -44,5 +44,6 @@ class FlowStep:
                 flow=fairness_id(headers) or parsed.user or "",
                 size=parsed.size,
                 slo_ttft_s=_seconds(slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER)),
+                prompt_tokens=parsed.prompt_tokens,
             )
         )

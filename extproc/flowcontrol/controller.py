@@ -15,6 +15,11 @@ request ends one way, counted in `extproc_flow_control_outcomes_total`:
     dispatched      admitted at once, or after a wait
     rejected-saturated     its band is full (requests or bytes), or it is sheddable
                            (priority < 0) while the pool is saturated: 429 at once
+    rejected-slo-unmet     it sent a TTFT SLO that no pod can meet: its predicted TTFT (the
+                           wait for the requests dispatched before it, at the rate slots have
+                           been freeing, plus the best pod's predicted TTFT once it has room)
+                           is over the SLO at arrival, or becomes so while it waits: 429 then,
+                           rather than a late answer (`deadlines`)
     rejected-ttl-expired   waited its TTL while the pool had pods: 429 + Retry-After
     rejected-no-endpoints  waited its TTL while the model had no ready pod: 503
     cancelled       the client went away while it waited (Envoy reset the stream)
@@ -41,6 +46,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -72,12 +78,14 @@ log = logging.getLogger("extproc.flowcontrol")
 
 DROPPED_HEADER = "x-llm-d-request-dropped-reason"  # llm-d's name, so its clients understand it
 TICK_S = 0.02  # how often a non-empty queue looks for room, besides wake-ups
+RATE_SAMPLES = 32  # the rate requests leave the queue at: over this many of the last
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
 class FlowOutcome(enum.StrEnum):
     DISPATCHED = "dispatched"
     SATURATED = "rejected-saturated"
+    SLO_UNMET = "rejected-slo-unmet"
     TTL_EXPIRED = "rejected-ttl-expired"
     NO_ENDPOINTS = "rejected-no-endpoints"
     CANCELLED = "cancelled"
@@ -105,7 +113,8 @@ class FlowRequest:
     flow: str  # fairness id (or user); "" for none
     size: int  # body bytes
     ttl_s: float | None = None  # None: the settings' TTL
-    slo_ttft_s: float | None = None  # orders it under the `edf` ordering
+    slo_ttft_s: float | None = None  # its deadline (429 when unmet), and its order under `edf`
+    prompt_tokens: int = 0  # for the predicted TTFT once dispatched
 
 
 class Grant:
@@ -136,6 +145,7 @@ class _Waiting:
     request: FlowRequest
     future: asyncio.Future[Grant]
     done: bool = False
+    slo_by: float = math.inf  # monotonic: dispatched after this, it misses its SLO
 
 
 @dataclass(eq=False)
@@ -189,6 +199,7 @@ class FlowController:
         capacity: Callable[[str], Capacity],
         tokens: Callable[[str], float] = lambda _flow: 0.0,
         policies: PolicyRegistry | None = None,
+        ttft: Callable[[FlowRequest], float | None] | None = None,
         metrics: FlowMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = TICK_S,
@@ -210,6 +221,11 @@ class FlowController:
         )  # fmt: skip
         self.metrics = metrics
         self._clock = clock
+        # The TTFT a request would see once dispatched into room (the best pod's prediction);
+        # None: unknown (cold models), counted as 0.
+        self._ttft = ttft
+        # model -> when the last requests left the queue: the rate slots free up at
+        self._left: dict[str, deque[float]] = {}
         self._bands: dict[str, dict[int, _Band]] = {}  # model -> priority -> band
         self._waiting: dict[Queued, _Waiting] = {}
         self._expiry: list[tuple[float, int, Queued]] = []  # a heap; done entries skipped
@@ -231,20 +247,65 @@ class FlowController:
         if band.live >= s.max_requests_per_band or band.bytes + request.size > s.max_bytes_per_band:
             raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                f"the flow-control queue for priority {priority} is full")  # fmt: skip
+        engine = self._engine_ttft(request)
         if not self._waiting_at_or_above(model, priority):
             cap = self.capacity(model)
             room = cap.free - self._transit.get(model, 0)
-            if room > 0:
-                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, cap.pods)
-            if priority > 0 and room + len(cap.line) > 0:  # next in line in an engine
-                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, cap.line)
+            line = priority > 0 and room + len(cap.line) > 0  # next in line in an engine
+            if room > 0 or line:
+                self._check_slo(request, engine, 0.0)
+                pods = cap.pods if room > 0 else cap.line
+                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, pods)
             if priority < 0 and cap.endpoints > 0:
                 raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                    "every endpoint is saturated; sheddable request dropped")  # fmt: skip
         elif priority < 0:
             raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                "requests are queued; sheddable request dropped")  # fmt: skip
-        return await self._wait(request, band)
+        self._check_slo(request, engine, self._expected_wait(request, band))
+        return await self._wait(request, band, engine)
+
+    # -- deadlines ----------------------------------------------------------------------------
+
+    def _engine_ttft(self, request: FlowRequest) -> float:
+        if request.slo_ttft_s is None or self._ttft is None:
+            return 0.0
+        return self._ttft(request) or 0.0
+
+    def _check_slo(self, request: FlowRequest, engine: float, wait: float) -> None:
+        """429 now when the request's predicted TTFT is over its SLO."""
+        slo = request.slo_ttft_s
+        if slo is not None and wait + engine > slo:
+            raise self._reject(
+                request, FlowOutcome.SLO_UNMET, 0.0,
+                f"no endpoint can meet the TTFT SLO of {slo * 1000:.0f} ms: predicted "
+                f"{(wait + engine) * 1000:.0f} ms ({wait * 1000:.0f} ms waiting for room, "
+                f"{engine * 1000:.0f} ms on the best endpoint)",
+            )  # fmt: skip
+
+    def _expected_wait(self, request: FlowRequest, band: _Band) -> float:
+        """How long a request arriving now waits for room: the requests dispatched before it
+        (higher bands', then its own band's as the fairness policy orders them, on every
+        replica) at the rate requests have been leaving the queue. 0 while that rate is not
+        known (too few dispatches yet): no request is refused on a guess."""
+        if request.slo_ttft_s is None:
+            return 0.0
+        times = self._left.get(request.model)
+        if times is None or len(times) < RATE_SAMPLES // 2 or times[-1] <= times[0]:
+            return 0.0
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        model, priority = request.model, request.priority
+        ahead = sum(b.live for p, b in self._bands.get(model, {}).items() if p > priority)
+        flows = [f for f in band.flows.values() if len(f)]
+        mine = self._fairness.ahead(flows, request.flow) if flows else 0
+        ahead += mine
+        for peer in self._remote.values():
+            for p, v in peer.get(model, {}).items():
+                if p > priority:
+                    ahead += v[0]
+                elif p == priority:  # a peer's band: the same share of it goes first
+                    ahead += round(v[0] * mine / band.live) if band.live else v[0]
+        return (ahead + 1) / rate
 
     def wake(self) -> None:
         """Something freed room (a lease ended, a pod appeared): look again now."""
@@ -357,7 +418,7 @@ class FlowController:
         self._observe(request.model, request.priority, outcome, waited)
         return FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
 
-    async def _wait(self, request: FlowRequest, band: _Band) -> Grant:
+    async def _wait(self, request: FlowRequest, band: _Band, engine: float) -> Grant:
         now = self._clock()
         ttl = request.ttl_s if request.ttl_s is not None else self.settings.ttl_s
         expires = now + ttl
@@ -366,6 +427,8 @@ class FlowController:
                       deadline=deadline, size=request.size, seq=next(self._seq))  # fmt: skip
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         waiting = _Waiting(item=item, request=request, future=future)
+        if deadline is not None:
+            waiting.slo_by = deadline - engine
         flow = band.flows.get(request.flow)
         if flow is None:
             flow = band.flows[request.flow] = Flow(request.flow)
@@ -373,7 +436,7 @@ class FlowController:
         band.live += 1
         band.bytes += request.size
         self._waiting[item] = waiting
-        heapq.heappush(self._expiry, (expires, item.seq, item))
+        heapq.heappush(self._expiry, (min(expires, waiting.slo_by), item.seq, item))
         self._gauge(request.model, request.priority, band)
         self._wake.set()
         try:
@@ -499,6 +562,10 @@ class FlowController:
                 continue
             self._finish(waiting, FlowOutcome.DISPATCHED, pods=pods)
             sent += 1
+            left = self._left.get(waiting.request.model)
+            if left is None:
+                left = self._left[waiting.request.model] = deque(maxlen=RATE_SAMPLES)
+            left.append(self._clock())
         return sent
 
     def _clean(self, flow: Flow) -> bool:
@@ -518,16 +585,25 @@ class FlowController:
             if waiting is None or waiting.done:
                 continue
             request = waiting.request
-            ready = ready_by_model.get(request.model)
-            if ready is None:
-                ready = ready_by_model[request.model] = self.capacity(request.model).endpoints > 0
-            outcome = FlowOutcome.TTL_EXPIRED if ready else FlowOutcome.NO_ENDPOINTS
             waited = now - item.enqueued
-            message = (
-                f"waited {waited:.1f}s in the flow-control queue without room on a pod"
-                if ready
-                else f"no ready endpoint for model {request.model!r} within {waited:.1f}s"
-            )
+            if waiting.slo_by < item.expires:
+                outcome = FlowOutcome.SLO_UNMET
+                assert request.slo_ttft_s is not None
+                message = (
+                    f"waited {waited:.1f}s in the flow-control queue: too long to meet the "
+                    f"TTFT SLO of {request.slo_ttft_s * 1000:.0f} ms"
+                )
+            else:
+                ready = ready_by_model.get(request.model)
+                if ready is None:
+                    ready = self.capacity(request.model).endpoints > 0
+                    ready_by_model[request.model] = ready
+                outcome = FlowOutcome.TTL_EXPIRED if ready else FlowOutcome.NO_ENDPOINTS
+                message = (
+                    f"waited {waited:.1f}s in the flow-control queue without room on a pod"
+                    if ready
+                    else f"no ready endpoint for model {request.model!r} within {waited:.1f}s"
+                )
             self._observe(request.model, request.priority, outcome, waited)
             error = FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
             self._finish(waiting, outcome, error)

@@ -4,8 +4,11 @@ constructor `(name, params)`, registered explicitly in a `PolicyRegistry` (the c
 builds it with `builtin_policies`; a policy that needs more than its params, as `token` needs
 the VTC counters, is registered with a factory closing over it).
 
-    fairness (inside a band):   FairnessPolicy.pick(flows) -> the flow that dispatches next
-    ordering (inside a flow):   OrderingPolicy.key(item)   -> smaller goes first
+    fairness (inside a band):   FairnessPolicy.pick(flows)        -> the flow that dispatches next
+                                FairnessPolicy.ahead(flows, flow) -> how many go before a new
+                                                                     request of `flow` (for
+                                                                     deadlines: an estimate)
+    ordering (inside a flow):   OrderingPolicy.key(item)          -> smaller goes first
 
 Between bands there is no policy: strict priority (the highest band with anything waiting
 goes first, always). Config: `flow_control.fairness` and `flow_control.ordering` name the type,
@@ -141,6 +144,15 @@ class FairnessPolicy(Protocol):
 
     def pick(self, flows: Sequence[Flow]) -> Flow: ...
 
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        """Of the requests waiting in `flows`, about how many dispatch before one `flow`
+        adds now (its own flow's included)."""
+        ...
+
+
+def _depth(flows: Sequence[Flow], flow: str) -> int:
+    return next((len(f) for f in flows if f.name == flow), 0)
+
 
 class GlobalStrict:
     """No fairness: the best head across every flow of the band, by the ordering policy's key
@@ -154,6 +166,9 @@ class GlobalStrict:
 
     def pick(self, flows: Sequence[Flow]) -> Flow:
         return min(flows, key=Flow.head_key)
+
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        return sum(len(f) for f in flows)  # one order over the band: everyone already there
 
 
 class RoundRobin:
@@ -176,6 +191,11 @@ class RoundRobin:
             self._last = {k: v for k, v in self._last.items() if k in live}
         return flow
 
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        # Its own flow's queue, and as many turns of every other flow (those it holds).
+        own = _depth(flows, flow)
+        return own + sum(min(len(f), own + 1) for f in flows if f.name != flow)
+
 
 class TokenFair:
     """The flow whose tokens used so far are fewest goes next: the VTC counters (Sheng et al.)
@@ -191,6 +211,13 @@ class TokenFair:
 
     def pick(self, flows: Sequence[Flow]) -> Flow:
         return min(flows, key=lambda f: (self._tokens(f.name), f.head().seq))
+
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        # Every flow that used fewer tokens goes first, then its own queue.
+        used = self._tokens(flow)
+        return _depth(flows, flow) + sum(
+            len(f) for f in flows if f.name != flow and self._tokens(f.name) < used
+        )
 
 
 PolicyFactory = Callable[[str, Any], Any]

@@ -372,6 +372,6 @@ def test_unknown_policy_names_are_refused() -> None:
 
 def test_outcomes_are_the_documented_set() -> None:
     assert {str(o) for o in FlowOutcome} == {
-        "dispatched", "rejected-saturated", "rejected-ttl-expired", "rejected-no-endpoints",
-        "cancelled", "handed-off",
+        "dispatched", "rejected-saturated", "rejected-slo-unmet", "rejected-ttl-expired",
+        "rejected-no-endpoints", "cancelled", "handed-off",
     }  # fmt: skip

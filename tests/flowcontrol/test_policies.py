@@ -112,3 +112,29 @@ def test_fairness_picks() -> None:
     assert TokenFair("t", tokens=used.__getitem__).pick(flows).name == "c"  # fewest tokens
     rr = RoundRobin("rr")
     assert [rr.pick(flows).name for _ in range(4)] == ["b", "c", "a", "b"]
+
+
+def _deep(**depths: int) -> list[Flow]:
+    out, seq, ordering = [], 0, Fcfs("fcfs")
+    for name, n in depths.items():
+        f = Flow(name)
+        for _ in range(n):
+            f.push(item(seq, flow=name, at=float(seq)), ordering)
+            seq += 1
+        out.append(f)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("policy", "flow", "expected"),
+    [
+        (GlobalStrict("gs"), "light", 13),  # one order over the band: all 13 go first
+        (RoundRobin("rr"), "light", 1 + 2 + 2),  # its 1, and 2 turns of each other flow
+        (RoundRobin("rr"), "new", 1 + 1 + 1),  # a new flow: one turn of each
+        (TokenFair("t", tokens={"heavy": 90.0, "light": 5.0, "mid": 30.0}.__getitem__), "light", 1),
+        (TokenFair("t", tokens={"heavy": 90.0, "light": 5.0, "mid": 30.0}.__getitem__), "mid", 3),
+    ],
+)
+def test_how_many_go_first(policy: object, flow: str, expected: int) -> None:
+    flows = _deep(heavy=10, light=1, mid=2)
+    assert policy.ahead(flows, flow) == expected  # type: ignore[attr-defined]
