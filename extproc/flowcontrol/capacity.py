@@ -165,11 +165,13 @@ class PoolCapacity:
             view.learn(m.running or 0.0, m.waiting, kv_full, now)
         since = flight - view.base  # dispatched minus finished since the scrape
         waiting = max(0.0, m.waiting + since)
-        # The engine's load: what the scrape saw, plus what the gateway sent since, minus what it
-        # heard finished since. A request's end is heard when its access-log record arrives
-        # (up to Envoy's flush interval late), so the gateway's own count runs high by the
-        # records in transit; counted from the scrape, those that finished before it are not.
-        load = max(0, int((m.running or 0.0) + m.waiting) + since)
+        # The engine's load: the gateway's own count, or what the scrape saw (plus the gateway's
+        # dispatches and ends since) when that is more: traffic that bypasses the gateway.
+        # Not the scrape's alone: it misses requests still in the engine's front end
+        # (tokenizing, not yet queued), and then the engines' queues grow. The gateway's count
+        # runs high by the records in transit (an end is heard up to Envoy's access-log flush
+        # interval late): that much slot time idles, hence a short flush interval.
+        load = max(flight, int((m.running or 0.0) + m.waiting) + since)
         sat = pod_saturation(EngineMetrics(updated_at=0.0, waiting=waiting,
                                            kv_cache_usage=m.kv_cache_usage), self._sat)  # fmt: skip
         if self._slots_rule and view.slots is not None:
