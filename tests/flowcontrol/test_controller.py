@@ -31,10 +31,13 @@ class Pool:
     endpoints: int = 2
     free: int = 0
     calls: int = 0
+    line: tuple[str, ...] = ()  # full pods with an empty engine queue
 
     def __call__(self, model: str) -> Capacity:
         self.calls += 1
-        return Capacity(endpoints=self.endpoints, free=self.free, saturation=1.0)
+        pods = ("room:1",) if self.free > 0 else ()
+        return Capacity(endpoints=self.endpoints, free=self.free, saturation=1.0, pods=pods,
+                        line=self.line)  # fmt: skip
 
 
 @dataclass
@@ -375,3 +378,26 @@ def test_outcomes_are_the_documented_set() -> None:
         "dispatched", "rejected-saturated", "rejected-slo-unmet", "rejected-ttl-expired",
         "rejected-no-endpoints", "cancelled", "handed-off",
     }  # fmt: skip
+
+
+def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
+    async def main() -> None:
+        k = kit()
+        k.pool.line = ("full:1",)  # every slot taken, nothing waiting in that engine
+        grant = await k.flow.admit(req(priority=3))  # next in line at once, on that pod
+        assert grant.pods == ("full:1",)
+        [low] = await queued(k, req(priority=0))  # the default band waits in the gateway
+        [mid, high] = await queued(k, req(priority=1), req(priority=2))
+        grant.release()
+        # Only the highest band waiting takes the place in line; the others wait for room.
+        assert k.flow.dispatch() == 1
+        await asyncio.sleep(0)
+        assert high.done() and not mid.done() and not low.done()
+        assert (await high).pods == ("full:1",)
+        (await high).release()
+        k.pool.line = ()
+        k.pool.free = 2  # room: the rest go to the pods with room
+        assert k.flow.dispatch() == 2
+        assert (await mid).pods == ("room:1",) and (await low).pods == ("room:1",)
+
+    run(main())
