@@ -18,7 +18,8 @@ Variants (`variant()`): `off` (flow control off), `fc-queue` (flow control, llm-
 up to 5 waiting per engine), `fc-slots` (flow control into free running slots); `+prio` runs
 the engines with vLLM's `--scheduling-policy priority` and declares it to the gateway, which
 then writes each request's band into its body; `+token`, `+global-strict`, `+round-robin`
-choose flow control's fairness.
+choose flow control's fairness; `+flush1` has Envoy flush its access log every 1 s (Envoy
+Gateway's), not 0.1 s.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ WAITING_RE = re.compile(r"^vllm:num_requests_waiting\{[^}]*\} ([0-9.eE+-]+)$", r
 class Variant:
     server: dict[str, Any] = field(default_factory=dict)
     engine_priority: bool = False  # sims run --scheduling-policy priority; the gateway knows
+    flush_s: float | None = None  # Envoy's access-log flush interval (None: the stack's 0.1 s)
 
 
 BASES: dict[str, dict[str, Any]] = {
@@ -85,14 +87,17 @@ def variant(name: str) -> Variant:
         raise SystemExit(f"unknown variant base {base!r} (known: {', '.join(BASES)})")
     server = json.loads(json.dumps(BASES[base]))
     prio = False
+    flush: float | None = None
     for option in options:
         if option == "prio":
             prio = True
+        elif option == "flush1":  # Envoy Gateway's access-log flush interval
+            flush = 1.0
         elif option in FAIRNESS and "flow_control" in server:
             server["flow_control"]["fairness"] = option
         else:
             raise SystemExit(f"unknown variant option {option!r} in {name!r}")
-    return Variant(server, engine_priority=prio)
+    return Variant(server, engine_priority=prio, flush_s=flush)
 
 
 @functools.cache
@@ -142,6 +147,8 @@ def _stack(workdir: Path, processes: int, variant: Variant) -> LocalStack:
     )  # fmt: skip
     if variant.server.get("flow_control", {}).get("enabled"):
         opts = replace(opts, flow_control=True)
+    if variant.flush_s is not None:
+        opts = replace(opts, access_log_flush_s=variant.flush_s)
     if variant.engine_priority:  # the model is declared to run vLLM's priority policy
         models = LocalStack(opts).server_config()["models"]
         models[0]["scheduling_policy"] = "priority"

@@ -7,9 +7,12 @@ Two dispatch rules (`flow_control.dispatch`):
   fairness apply. A pod's slots are learned from its scrapes: a scrape with requests waiting
   (and KV below the threshold) shows the engine full at its running count; a scrape with
   nothing waiting and more running than believed raises it. Room is slots minus the pod's
-  load of the moment: the gateway's in-flight count (exact, immediate, every replica's
-  leases), or more if the last scrape showed requests the gateway does not know (traffic
-  that bypasses it). Until a pod has shown its limit it is filled as under `queue`. Every
+  load of the moment: the gateway's in-flight count (immediate for dispatches, every
+  replica's leases) less the ends it has not heard of yet (an access-log record arrives up to
+  Envoy's flush interval late, 1 s under Envoy Gateway: at every scrape the gateway learns how
+  many more it counts than the engine holds, a moving average, and counts that many fewer),
+  or more if the last scrape showed requests the gateway does not know (traffic that
+  bypasses it). Until a pod has shown its limit it is filled as under `queue`. Every
   `PROBE_S` a pod at its limit whose limit was not seen again may take one more (one request
   waits in its engine until the next scrape): a limit learned too low, or an engine given
   more KV, is found again.
@@ -46,6 +49,7 @@ from extproc.types import Endpoint, EngineMetrics
 __all__ = ["PROBE_S", "Capacity", "DispatchRule", "PodSlots", "PoolCapacity"]
 
 PROBE_S = 5.0  # a pod at its learned limit may take one more this often
+OVERCOUNT_WEIGHT = 0.2  # the overcount's moving average weighs each new scrape this much
 DispatchRule = str  # "slots" | "queue" (flow_control.dispatch)
 
 
@@ -71,6 +75,18 @@ class PodSlots:
     slots: int | None = None  # running requests the engine takes at most; None: not seen full
     low: int = 0  # consecutive scrapes showing it full below `slots`
     confirmed: float = field(default=-math.inf)  # when it was last seen full at `slots`
+    # How many more the gateway counts in flight than the engine holds, on average over its
+    # recent scrapes: ends not heard yet (an access-log record arrives up to Envoy's flush
+    # interval late, and a peer's lease ends one sync tick later still).
+    overcount: float = 0.0
+
+    def bridge(self, flight: int, running: float, waiting: float) -> None:
+        """A new scrape: the baseline for the dispatches and ends after it, and one more sample
+        of the overcount."""
+        self.base = flight
+        sample = flight - (running + waiting)
+        self.overcount = max(0.0, (1 - OVERCOUNT_WEIGHT) * self.overcount
+                             + OVERCOUNT_WEIGHT * sample)  # fmt: skip
 
     def learn(self, running: float, waiting: float, kv_full: bool, now: float) -> None:
         """One new scrape. Requests waiting below the KV threshold: the engine is full at
@@ -160,18 +176,19 @@ class PoolCapacity:
         if view is None:
             view = views[address] = PodSlots()
         kv_full = m.kv_cache_usage >= self._sat.kv_threshold
+        running = m.running or 0.0
         if view.scraped_at != m.updated_at:  # a new scrape: the truth again
-            view.scraped_at, view.base = m.updated_at, flight
-            view.learn(m.running or 0.0, m.waiting, kv_full, now)
+            view.scraped_at = m.updated_at
+            view.bridge(flight, running, m.waiting)
+            view.learn(running, m.waiting, kv_full, now)
         since = flight - view.base  # dispatched minus finished since the scrape
         waiting = max(0.0, m.waiting + since)
-        # The engine's load: the gateway's own count, or what the scrape saw (plus the gateway's
-        # dispatches and ends since) when that is more: traffic that bypasses the gateway.
-        # Not the scrape's alone: it misses requests still in the engine's front end
-        # (tokenizing, not yet queued), and then the engines' queues grow. The gateway's count
-        # runs high by the records in transit (an end is heard up to Envoy's access-log flush
-        # interval late): that much slot time idles, hence a short flush interval.
-        load = max(flight, int((m.running or 0.0) + m.waiting) + since)
+        # The engine's load now: the gateway's own count (every dispatch at once), less the
+        # ends it has not heard of yet (the overcount), or what the scrape saw plus the
+        # gateway's changes since when that is more (traffic that bypasses the gateway). Not
+        # the scrape's alone: it misses requests still in the engine's front end (tokenizing,
+        # not queued yet), and the engines' queues grow.
+        load = max(0, math.floor(max(flight - view.overcount, running + m.waiting + since) + 0.5))
         sat = pod_saturation(EngineMetrics(updated_at=0.0, waiting=waiting,
                                            kv_cache_usage=m.kv_cache_usage), self._sat)  # fmt: skip
         if self._slots_rule and view.slots is not None:

@@ -214,3 +214,24 @@ def test_queue_rule_never_learns_slots() -> None:
     w.scrape(A, 1.0, running=4, waiting=2)
     assert pool("m").free == 3  # 5 - 2 waiting, whatever the running slots
     assert pool("m").saturation == pytest.approx(2 / 5)
+
+
+def test_slots_ends_not_heard_yet_are_learned_from_the_scrapes() -> None:
+    """Access-log records arrive late: the gateway counts 2 more in flight than the engine holds
+    at every scrape. It learns that overcount and fills the slots it hides."""
+    w = World()
+    pool = capacity(w, "slots")
+    w.flight[A.address] = 5
+    w.scrape(A, 1.0, running=4, waiting=1)  # 4 slots, learned
+    assert pool("m").free == 0
+    for i in range(20):  # the engine runs 4, the gateway still counts 6
+        w.flight[A.address] = 6
+        w.scrape(A, 2.0 + i, running=4, waiting=0)
+        pool("m")
+    view_free = pool("m").free
+    assert view_free == 0  # 6 - 2 = 4: full, and not over-filled
+    w.flight[A.address] = 5  # one really ended (its record is in): one slot free
+    assert pool("m").free == 1
+    w.scrape(A, 30.0, running=4, waiting=2)  # the engine shows its queue: the truth again
+    w.flight[A.address] = 6
+    assert pool("m").free == 0
