@@ -18,8 +18,8 @@ Variants (`variant()`): `off` (flow control off), `fc-queue` (flow control, llm-
 up to 5 waiting per engine), `fc-slots` (flow control into free running slots); `+prio` runs
 the engines with vLLM's `--scheduling-policy priority` and declares it to the gateway, which
 then writes each request's band into its body; `+token`, `+global-strict`, `+round-robin`
-choose flow control's fairness; `+flush1` has Envoy flush its access log every 1 s (Envoy
-Gateway's), not 0.1 s.
+choose flow control's fairness; `+eqN` lets each engine hold N waiting under `slots`;
+`+flush1` has Envoy flush its access log every 1 s (Envoy Gateway's), not 0.1 s.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def variant(name: str) -> Variant:
             prio = True
         elif option == "flush1":  # Envoy Gateway's access-log flush interval
             flush = 1.0
+        elif option.startswith("eq") and option[2:].isdigit() and "flow_control" in server:
+            server["flow_control"]["engine_queue"] = int(option[2:])
         elif option in FAIRNESS and "flow_control" in server:
             server["flow_control"]["fairness"] = option
         else:

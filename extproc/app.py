@@ -409,6 +409,7 @@ class App:
             in_flight=lambda address: self.inflight.load(address).requests,
             saturation=config.saturation,
             dispatch=cfg.dispatch,
+            engine_queue=cfg.engine_queue,
             max_concurrency=cfg.max_concurrency,
         )
         load = self.inflight.load

@@ -234,6 +234,9 @@ class FlowControlConfig:
     # `saturation.queue_threshold`. Either way a pod at `saturation.kv_threshold` takes none,
     # nor one the gateway holds `max_concurrency` requests on (0: no such limit).
     dispatch: Literal["slots", "queue"] = "slots"
+    # Under "slots", requests each engine may hold waiting beyond its running slots: 1 has the
+    # next request in the engine when a slot frees (no round trip through the gateway then).
+    engine_queue: int = 1
     max_concurrency: int = 0
     # InferenceObjective names -> priority (higher first, < 0 sheddable), chosen per request by
     # `x-llm-d-inference-objective` (or `x-gateway-inference-objective`); resources watched
@@ -243,8 +246,8 @@ class FlowControlConfig:
     def __post_init__(self) -> None:
         if self.ttl_s <= 0 or self.max_requests_per_band <= 0 or self.max_bytes_per_band <= 0:
             raise ConfigError("needs ttl_s, max_requests_per_band and max_bytes_per_band > 0")
-        if self.max_concurrency < 0:
-            raise ConfigError("max_concurrency: must be >= 0")
+        if self.max_concurrency < 0 or self.engine_queue < 0:
+            raise ConfigError("needs max_concurrency >= 0 and engine_queue >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ def capacity(world: World, dispatch: str = "queue", **kw: float) -> PoolCapacity
             queue_threshold=kw.get("queue_threshold", 5.0), kv_threshold=kw.get("kv_threshold", 0.8)
         ),
         dispatch=dispatch,
+        engine_queue=int(kw.get("engine_queue", 0)),
         max_concurrency=int(kw.get("max_concurrency", 0)),
         clock=lambda: world.now,
     )
@@ -234,4 +235,18 @@ def test_slots_ends_not_heard_yet_are_learned_from_the_scrapes() -> None:
     assert pool("m").free == 1
     w.scrape(A, 30.0, running=4, waiting=2)  # the engine shows its queue: the truth again
     w.flight[A.address] = 6
+    assert pool("m").free == 0
+
+
+def test_slots_an_engine_queue_keeps_the_next_request_in_the_engine() -> None:
+    w = World()
+    pool = capacity(w, "slots", engine_queue=1)
+    w.flight[A.address] = 5
+    w.scrape(A, 1.0, running=4, waiting=1)  # 4 slots, and its one place in the queue taken
+    cap = pool("m")
+    assert (cap.free, cap.pods, cap.line) == (0, (), (A.address,))
+    w.flight[A.address] = 4  # one ended: the waiting one runs, its place is free
+    assert pool("m").free == 1
+    w.now += PROBE_S  # with a queue allowed, no probe: the scrapes show a higher limit
+    w.flight[A.address] = 5
     assert pool("m").free == 0
