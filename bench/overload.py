@@ -202,7 +202,7 @@ def capacity(workdir: Path, processes: int, seconds: float) -> float:
 def summarize(records: list[RequestRecord], seconds: float, waiting: list[float]) -> dict[str, Any]:
     ends: Counter[str] = Counter()
     ttft: dict[str, list[float]] = {f: [] for f in FLOWS}
-    prompt = cached = good = 0
+    prompt = cached = good = window = 0
     for r in records:
         flow = r.conversation_id.split("|")[0]
         if r.ok:
@@ -212,6 +212,7 @@ def summarize(records: list[RequestRecord], seconds: float, waiting: list[float]
             prompt += r.prompt_tokens or 0
             cached += r.cached_tokens or 0
             good += r.ttft_s <= SLO_TTFT_S
+            window += r.start_s + r.ttft_s <= seconds
         elif r.status in (429, 503):
             ends[f"answered_{r.status}"] += 1
         else:
@@ -221,6 +222,7 @@ def summarize(records: list[RequestRecord], seconds: float, waiting: list[float]
         "ends": dict(ends),
         "ttft_s": {f: {q: percentile(v, q) for q in (50, 90, 99)} for f, v in ttft.items()},
         "goodput_rps": round(good / seconds, 3),
+        "throughput_rps": round(window / seconds, 3),  # first tokens while arrivals went on
         "prefix_hit": round(cached / prompt, 4) if prompt else None,
         "engine_waiting": {
             "mean": round(statistics.fmean(waiting), 2) if waiting else None,
@@ -236,7 +238,13 @@ def summarize(records: list[RequestRecord], seconds: float, waiting: list[float]
 
 
 def run(
-    load: float, seconds: float, reps: int, processes: int, variants: list[str], first_rep: int = 0
+    load: float,
+    seconds: float,
+    reps: int,
+    processes: int,
+    variants: list[str],
+    first_rep: int = 0,
+    references: tuple[str, ...] = ("off",),
 ) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="overload-"))
     cap = capacity(root / "capacity", processes, 20.0)
@@ -244,7 +252,10 @@ def run(
     out: dict[str, Any] = {"capacity_rps": cap, "load": load, "seconds": seconds,
                            "processes": processes, "runs": []}  # fmt: skip
     for rep in range(first_rep, first_rep + reps):
-        plan = [("ref-off", "off", REFERENCE_LOAD), *((v, v, load) for v in variants)]
+        plan = [
+            *((f"ref-{v}", v, REFERENCE_LOAD) for v in references),
+            *((v, v, load) for v in variants),
+        ]
         for name, spec, factor in plan:
             convs = schedule(cap * factor, seconds, seed=rep)
             with _stack(root / f"{name}-{rep}", processes, variant(spec)) as s:
@@ -268,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-rep", type=int, default=0, help="seed of the first repetition")
     p.add_argument("--processes", type=int, default=1, help="ext_proc processes per stack")
     p.add_argument("--variants", default="off,fc-queue,fc-slots", help="comma-separated")
+    p.add_argument(
+        "--references", default="off",
+        help="variants also run unloaded (a third of capacity); ratios are to ref-off",
+    )  # fmt: skip
     p.add_argument("--out", default="bench/data/overload.json")
     p.add_argument("--plot", default="", help="a PNG of TTFT over time ('' for none)")
     p.add_argument("--merge", nargs="+", help="print one table from these --out files")
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.time()
     data = run(args.load, args.seconds, args.reps, args.processes, args.variants.split(","),
-               args.first_rep)  # fmt: skip
+               args.first_rep, tuple(args.references.split(",")))  # fmt: skip
     data["wall_s"] = round(time.time() - started, 1)
     Path(args.out).write_text(json.dumps(data, indent=1))
     print(f"wrote {args.out}")
@@ -345,8 +360,8 @@ def table(runs: list[dict[str, Any]]) -> str:
         if k not in keys:
             keys.append(k)
     rows = [
-        "| proc | load | variant | high TTFT p99 s (x unloaded) | light TTFT p90 s (x unloaded) | heavy TTFT p50 s | goodput req/s | prefix hit | engine waiting mean / max | served / 429 / 503 / lost |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| proc | load | variant | high TTFT p99 s (x unloaded) | light TTFT p90 s (x unloaded) | heavy TTFT p50 s | goodput req/s | throughput req/s | prefix hit | engine waiting mean / max | served / 429 / 503 / lost |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for proc, factor, name in keys:
         rs = [
@@ -362,7 +377,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {_med([r['ttft_s']['light']['90'] for r in rs])} "
             f"({_med([_ratio(r, f, 'light', 90) for r, f in zip(rs, ref, strict=True)])}) "
             f"| {_med([r['ttft_s']['heavy']['50'] for r in rs])} "
-            f"| {_med([r['goodput_rps'] for r in rs])} | {_med([r['prefix_hit'] for r in rs])} "
+            f"| {_med([r['goodput_rps'] for r in rs])} "
+            f"| {_med([r.get('throughput_rps') for r in rs])} | {_med([r['prefix_hit'] for r in rs])} "
             f"| {_med([r['engine_waiting']['mean'] for r in rs])} / "
             f"{_med([r['engine_waiting']['max'] for r in rs])} "
             f"| {' / '.join(str(e) for e in ends)} |"
