@@ -58,6 +58,7 @@ from extproc.discovery.kubernetes import (
     make_api_client,
 )
 from extproc.flowcontrol import FlowController, FlowMetrics, PoolCapacity
+from extproc.flowcontrol.controller import ROOM_CACHE_S
 from extproc.flowcontrol.policies import builtin_policies
 from extproc.flowcontrol.ttft import EngineTtft
 from extproc.gctune import tune_gc
@@ -421,7 +422,7 @@ class App:
                 load=lambda address: (load(address).requests, load(address).tokens),
                 models=self.latency,
             ),
-            metrics=FlowMetrics(self.registry),
+            metrics=FlowMetrics(self.registry), room_cache_s=ROOM_CACHE_S,
         )  # fmt: skip
 
     def _objective_priority(self, name: str) -> int | None:

@@ -45,7 +45,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from extproc.config import SaturationConfig
-from extproc.routing.saturation import pod_saturation
 from extproc.types import Endpoint, EngineMetrics
 
 __all__ = ["PROBE_S", "Capacity", "DispatchRule", "PodSlots", "PoolCapacity"]
@@ -141,20 +140,66 @@ class PoolCapacity:
         ready = self._ready(model)
         if not ready:
             return Capacity(endpoints=0, free=0, saturation=1.0)
-        views = self._pods.setdefault(model, {})
+        views = self._pods.get(model)
+        if views is None:
+            views = self._pods[model] = {}
         now = self._clock()
         free = 0
         total = 0.0
         pods: list[str] = []
         line: list[str] = []
+        # One pass, no allocation per pod: at hundreds of pods this runs for every request
+        # admitted at once and at every dispatch.
+        in_flight = self._in_flight
+        qt, kvt = self._sat.queue_threshold, self._sat.kv_threshold
+        slots_rule, queue, cap = self._slots_rule, self._queue, self._max
         for ep, m in ready:
-            room, next_in_line, sat = self._pod(views, ep.address, m, now)
+            address = ep.address
+            waiting, kv = m.waiting, m.kv_cache_usage
+            if waiting is None or kv is None:
+                total += 1.0  # no queue or KV signal: count it saturated, offer nothing
+                continue
+            flight = in_flight(address)
+            running = m.running or 0.0
+            view = views.get(address)
+            if view is None:
+                view = views[address] = PodSlots()
+            kv_full = kv >= kvt
+            if view.scraped_at != m.updated_at:  # a new scrape: the truth again
+                view.scraped_at = m.updated_at
+                view.bridge(flight, running, waiting)
+                view.learn(running, waiting, kv_full, now)
+            since = flight - view.base  # dispatched minus finished since the scrape
+            queued = waiting + since
+            if queued < 0.0:
+                queued = 0.0
+            # The engine's load now: the gateway's own count (every dispatch at once), less
+            # the ends it has not heard of yet (the overcount), or what the scrape saw plus the
+            # gateway's changes since when that is more (traffic that bypasses the gateway).
+            # Not the scrape's alone: it misses requests still in the engine's front end
+            # (tokenizing, not queued yet), and the engines' queues grow.
+            seen = running + waiting + since
+            load = math.floor(max(flight - view.overcount, seen, 0.0) + 0.5)
+            sat = max(_over(queued, qt), _over(kv, kvt))
+            limit = view.slots if slots_rule else None
+            if limit is not None and load / limit > sat:
+                sat = load / limit
             total += sat
+            if kv_full or (cap > 0 and flight >= cap):
+                continue
+            if limit is not None:
+                full = limit + queue  # running slots and the engine queue allowed
+                probe = 1 if queue == 0 and now - view.confirmed >= PROBE_S else 0
+                room = full + probe - load
+                if room <= 0 and load == full:
+                    line.append(address)
+            else:
+                room = math.ceil(qt - queued)
+            if cap > 0 and room > cap - flight:
+                room = cap - flight
             if room > 0:
                 free += room
-                pods.append(ep.address)
-            elif next_in_line:
-                line.append(ep.address)
+                pods.append(address)
         if len(views) > 2 * len(ready) + 16:  # forget pods gone away
             live = {ep.address for ep, _ in ready}
             self._pods[model] = {a: v for a, v in views.items() if a in live}
@@ -168,45 +213,6 @@ class PoolCapacity:
         view = self._pods.get(model, {}).get(address)
         return None if view is None else view.slots
 
-    def _pod(
-        self, views: dict[str, PodSlots], address: str, m: EngineMetrics, now: float
-    ) -> tuple[int, bool, float]:
-        """(room, next in line, saturation) of one pod now: next in line when its running
-        slots are all taken and nothing waits in its engine."""
-        flight = self._in_flight(address)
-        if m.waiting is None or m.kv_cache_usage is None:
-            return 0, False, 1.0  # no queue or KV signal: count it saturated, offer nothing
-        view = views.get(address)
-        if view is None:
-            view = views[address] = PodSlots()
-        kv_full = m.kv_cache_usage >= self._sat.kv_threshold
-        running = m.running or 0.0
-        if view.scraped_at != m.updated_at:  # a new scrape: the truth again
-            view.scraped_at = m.updated_at
-            view.bridge(flight, running, m.waiting)
-            view.learn(running, m.waiting, kv_full, now)
-        since = flight - view.base  # dispatched minus finished since the scrape
-        waiting = max(0.0, m.waiting + since)
-        # The engine's load now: the gateway's own count (every dispatch at once), less the
-        # ends it has not heard of yet (the overcount), or what the scrape saw plus the
-        # gateway's changes since when that is more (traffic that bypasses the gateway). Not
-        # the scrape's alone: it misses requests still in the engine's front end (tokenizing,
-        # not queued yet), and the engines' queues grow.
-        load = max(0, math.floor(max(flight - view.overcount, running + m.waiting + since) + 0.5))
-        sat = pod_saturation(EngineMetrics(updated_at=0.0, waiting=waiting,
-                                           kv_cache_usage=m.kv_cache_usage), self._sat)  # fmt: skip
-        if self._slots_rule and view.slots is not None:
-            sat = max(sat, load / view.slots)
-        if kv_full or (self._max > 0 and flight >= self._max):
-            return 0, False, sat
-        next_in_line = False
-        if self._slots_rule and view.slots is not None:
-            full = view.slots + self._queue  # running slots and the engine queue allowed
-            probe = 1 if self._queue == 0 and now - view.confirmed >= PROBE_S else 0
-            room = full + probe - load
-            next_in_line = load == full
-        else:
-            room = math.ceil(self._sat.queue_threshold - waiting)
-        if self._max > 0:
-            room = min(room, self._max - flight)
-        return max(0, room), next_in_line, sat
+
+def _over(value: float, threshold: float) -> float:
+    return value / threshold if threshold > 0 else 1.0 + value  # a zero threshold: always full

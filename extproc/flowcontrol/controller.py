@@ -79,6 +79,10 @@ log = logging.getLogger("extproc.flowcontrol")
 DROPPED_HEADER = "x-llm-d-request-dropped-reason"  # llm-d's name, so its clients understand it
 TICK_S = 0.02  # how often a non-empty queue looks for room, besides wake-ups
 RATE_SAMPLES = 32  # the rate requests leave the queue at: over this many of the last
+# How old the pool's room may be for a request admitted at once, and how soon after one
+# dispatch the loop runs again (the app's; 0 in tests): reading the room is a pass over the
+# model's pods (about 1 us each), not to be paid by every request of a large pool.
+ROOM_CACHE_S = 0.005
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -203,9 +207,15 @@ class FlowController:
         metrics: FlowMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = TICK_S,
+        room_cache_s: float = 0.0,
     ) -> None:
         self.settings = settings
         self._tick_s = tick_s
+        self._room_cache_s = room_cache_s
+        # model -> (when read, the capacity then, its room then net of grants in transit) and
+        # the grants made since: a request admitted at once reads the room at most this old.
+        self._room: dict[str, tuple[float, Capacity, int]] = {}
+        self._granted: dict[str, int] = {}
         self.capacity = capacity
         policies = policies or builtin_policies(tokens=tokens)
         params = settings.policy_params
@@ -249,8 +259,7 @@ class FlowController:
                                f"the flow-control queue for priority {priority} is full")  # fmt: skip
         engine = self._engine_ttft(request)
         if not self._waiting_at_or_above(model, priority):
-            cap = self.capacity(model)
-            room = cap.free - self._transit.get(model, 0)
+            cap, room = self._room_now(model)
             line = priority > 0 and room + len(cap.line) > 0  # next in line in an engine
             if room > 0 or line:
                 self._check_slo(request, engine, 0.0)
@@ -264,6 +273,24 @@ class FlowController:
                                "requests are queued; sheddable request dropped")  # fmt: skip
         self._check_slo(request, engine, self._expected_wait(request, band))
         return await self._wait(request, band, engine)
+
+    def _room_now(self, model: str) -> tuple[Capacity, int]:
+        """The pool's capacity and room (free slots net of grants in transit): the last read,
+        less the grants made since, while it is fresh and shows room; else read anew."""
+        now = self._clock()
+        cached = self._room.get(model)
+        if cached is not None and now - cached[0] < self._room_cache_s:
+            room = cached[2] - self._granted.get(model, 0)
+            if room > 0:
+                return cached[1], room
+        return self._read_room(model, now)
+
+    def _read_room(self, model: str, now: float) -> tuple[Capacity, int]:
+        cap = self.capacity(model)
+        room = cap.free - self._transit.get(model, 0)
+        self._room[model] = (now, cap, room)
+        self._granted[model] = 0
+        return cap, room
 
     # -- deadlines ----------------------------------------------------------------------------
 
@@ -396,6 +423,7 @@ class FlowController:
         pods: tuple[str, ...] = (),
     ) -> Grant:
         self._transit[model] = self._transit.get(model, 0) + 1
+        self._granted[model] = self._granted.get(model, 0) + 1
         self._observe(model, priority, outcome, waited)
         return Grant(self, model, waited, pods)
 
@@ -495,6 +523,8 @@ class FlowController:
                 self._wake.clear()
                 if self._waiting:
                     self.dispatch()
+                    if self._room_cache_s > 0:  # wake-ups in a burst: one pass for them all
+                        await asyncio.sleep(self._room_cache_s)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the loop must never die: log and go on
@@ -510,8 +540,7 @@ class FlowController:
         for model, bands in self._bands.items():
             if not any(b.live for b in bands.values()):
                 continue
-            cap = self.capacity(model)
-            room = cap.free - self._transit.get(model, 0)
+            cap, room = self._read_room(model, now)
             if room <= 0 and not cap.line:
                 continue
             remote: dict[int, int] = {}

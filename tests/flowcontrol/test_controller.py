@@ -52,7 +52,7 @@ class Kit:
         return sample(self.registry, name, **labels)
 
 
-def kit(tick_s: float = 0.02, **settings: object) -> Kit:
+def kit(tick_s: float = 0.02, room_cache_s: float = 0.0, **settings: object) -> Kit:
     pool = Pool()
     clock = ManualClock()
     registry = CollectorRegistry()
@@ -64,6 +64,7 @@ def kit(tick_s: float = 0.02, **settings: object) -> Kit:
         tokens=lambda f: tokens.get(f, 0.0),
         metrics=FlowMetrics(registry),
         clock=clock.now,
+        room_cache_s=room_cache_s,
     )
     return Kit(flow, pool, clock, registry, tokens)
 
@@ -399,5 +400,29 @@ def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
         k.pool.free = 2  # room: the rest go to the pods with room
         assert k.flow.dispatch() == 2
         assert (await mid).pods == ("room:1",) and (await low).pods == ("room:1",)
+
+    run(main())
+
+
+def test_requests_admitted_at_once_share_one_read_of_the_room() -> None:
+    async def main() -> None:
+        k = kit(room_cache_s=0.005)
+        k.pool.free = 3
+        grants = [await k.flow.admit(req()) for _ in range(3)]  # one read, three grants
+        assert k.pool.calls == 1
+        for g in grants:
+            g.release()
+        k.pool.free = 0  # they took the slots
+        [fourth] = await queued(k, req())  # the read showed 3: read again, and it is full now
+        assert k.pool.calls == 2
+        k.pool.free = 5
+        k.clock.advance(0.01)
+        assert k.flow.dispatch() == 1
+        (await fourth).release()
+        # A fresh read showing room serves the next requests without another pass.
+        grants = [await k.flow.admit(req()) for _ in range(4)]
+        assert k.pool.calls == 3
+        for g in grants:
+            g.release()
 
     run(main())
