@@ -19,7 +19,8 @@ up to 5 waiting per engine), `fc-slots` (flow control into free running slots); 
 the engines with vLLM's `--scheduling-policy priority` and declares it to the gateway, which
 then writes each request's band into its body; `+token`, `+global-strict`, `+round-robin`
 choose flow control's fairness; `+eqN` lets each engine hold N waiting under `slots`;
-`+flush1` has Envoy flush its access log every 1 s (Envoy Gateway's), not 0.1 s.
+`+flush1` has Envoy flush its access log every 1 s (Envoy Gateway's), not 0.1 s; `+sloN`
+has every request send `x-slo-ttft-ms: N` (flow control refuses what cannot meet it).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Variant:
     server: dict[str, Any] = field(default_factory=dict)
     engine_priority: bool = False  # sims run --scheduling-policy priority; the gateway knows
     flush_s: float | None = None  # Envoy's access-log flush interval (None: the stack's 0.1 s)
+    slo_ms: int | None = None  # every request sends x-slo-ttft-ms (deadlines)
 
 
 BASES: dict[str, dict[str, Any]] = {
@@ -88,18 +90,21 @@ def variant(name: str) -> Variant:
     server = json.loads(json.dumps(BASES[base]))
     prio = False
     flush: float | None = None
+    slo: int | None = None
     for option in options:
         if option == "prio":
             prio = True
         elif option == "flush1":  # Envoy Gateway's access-log flush interval
             flush = 1.0
+        elif option.startswith("slo") and option[3:].isdigit():
+            slo = int(option[3:])
         elif option.startswith("eq") and option[2:].isdigit() and "flow_control" in server:
             server["flow_control"]["engine_queue"] = int(option[2:])
         elif option in FAIRNESS and "flow_control" in server:
             server["flow_control"]["fairness"] = option
         else:
             raise SystemExit(f"unknown variant option {option!r} in {name!r}")
-    return Variant(server, engine_priority=prio, flush_s=flush)
+    return Variant(server, engine_priority=prio, flush_s=flush, slo_ms=slo)
 
 
 @functools.cache
@@ -257,8 +262,12 @@ def run(
             *((v, v, load) for v in variants),
         ]
         for name, spec, factor in plan:
+            v = variant(spec)
             convs = schedule(cap * factor, seconds, seed=rep)
-            with _stack(root / f"{name}-{rep}", processes, variant(spec)) as s:
+            if v.slo_ms is not None:
+                slo = (("x-slo-ttft-ms", str(v.slo_ms)),)
+                convs = [replace(c, headers=c.headers + slo) for c in convs]
+            with _stack(root / f"{name}-{rep}", processes, v) as s:
                 arrival = Arrival(ArrivalKind.TRACE, concurrency=0)
                 records, _, waiting = asyncio.run(_drive(s, convs, arrival, seconds + 60, seconds))
             summary = summarize(records, seconds, waiting)
