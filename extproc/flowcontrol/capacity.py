@@ -24,7 +24,9 @@ Two dispatch rules (`flow_control.dispatch`):
   that scrape was first seen).
 
 Either way a pod at `saturation.kv_threshold` takes nothing, nor one the gateway holds
-`max_concurrency` requests on. A pod without a queue or KV signal offers nothing, and a pod
+`max_concurrency` requests on. A pod without a queue or KV signal offers nothing (one without
+any metrics, e.g. no metrics URL configured, is not held back: only `max_concurrency` caps
+it), and a pod
 whose metrics went stale is not ready (the endpoint store drops it): stale metrics halt its
 dispatch, as llm-d's detector fails closed. Between a pod's last good scrape and staleness the
 `slots` rule keeps working from the in-flight view alone (the learned limit does not age).
@@ -50,7 +52,10 @@ from extproc.types import Endpoint, EngineMetrics
 __all__ = ["PROBE_S", "Capacity", "DispatchRule", "PodSlots", "PoolCapacity"]
 
 PROBE_S = 5.0  # a pod at its learned limit may take one more this often
-OVERCOUNT_WEIGHT = 0.2  # the overcount's moving average weighs each new scrape this much
+OVERCOUNT_WEIGHT = 0.2
+UNKNOWN_ROOM = (
+    1 << 20
+)  # what a pod without metrics offers: no limit flow control can know  # the overcount's moving average weighs each new scrape this much
 DispatchRule = str  # "slots" | "queue" (flow_control.dispatch)
 
 
@@ -157,7 +162,14 @@ class PoolCapacity:
             address = ep.address
             waiting, kv = m.waiting, m.kv_cache_usage
             if waiting is None or kv is None:
-                total += 1.0  # no queue or KV signal: count it saturated, offer nothing
+                total += 1.0  # no queue or KV signal: count it saturated
+                if m.running is None and waiting is None and kv is None:
+                    # No metrics at all (no metrics URL): nothing can say it is full, so flow
+                    # control does not hold it back; `max_concurrency` caps it.
+                    room = UNKNOWN_ROOM if cap <= 0 else cap - in_flight(address)
+                    if room > 0:
+                        free += room
+                        pods.append(address)
                 continue
             flight = in_flight(address)
             running = m.running or 0.0

@@ -250,3 +250,16 @@ def test_slots_an_engine_queue_keeps_the_next_request_in_the_engine() -> None:
     w.now += PROBE_S  # with a queue allowed, no probe: the scrapes show a higher limit
     w.flight[A.address] = 5
     assert pool("m").free == 0
+
+
+@pytest.mark.parametrize("dispatch", ["queue", "slots"])
+def test_a_pod_without_any_metrics_is_not_held_back(dispatch: str) -> None:
+    """No metrics URL: the store offers it with nothing known. Flow control cannot tell it is
+    full, so it does not hold requests for it; only max_concurrency caps it."""
+    w = World()
+    w.metrics[A.address] = EngineMetrics(updated_at=1.0)
+    cap = capacity(w, dispatch)("m")
+    assert cap.free > 1000 and cap.pods == (A.address,)
+    w.flight[A.address] = 2
+    capped = capacity(w, dispatch, max_concurrency=3)("m")
+    assert (capped.free, capped.pods) == (1, (A.address,))
