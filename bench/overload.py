@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import random
 import re
 import statistics
@@ -271,6 +272,7 @@ def run(
                 arrival = Arrival(ArrivalKind.TRACE, concurrency=0)
                 records, _, waiting = asyncio.run(_drive(s, convs, arrival, seconds + 60, seconds))
             summary = summarize(records, seconds, waiting)
+            summary["loadavg_1m"] = round(os.getloadavg()[0], 2)  # the shared machine's load
             summary.update(variant=name, rep=rep, factor=factor, processes=processes,
                            run=root.name)  # fmt: skip
             out["runs"].append(summary)
