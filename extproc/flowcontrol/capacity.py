@@ -7,8 +7,10 @@ Two dispatch rules (`flow_control.dispatch`):
   slot frees, instead of a round trip through the gateway later, which cost 7-18 % of the
   pool's throughput at 0), so the engines' waiting queues stay near empty and what waits,
   waits in the gateway, where priority and fairness apply. A pod's slots are learned from its scrapes: a scrape with requests waiting
-  (and KV below the threshold) shows the engine full at its running count; a scrape with
-  nothing waiting and more running than believed raises it. Room is slots minus the pod's
+  (and KV below the threshold) shows the engine full at its running count (two such scrapes
+  in a row before a first or a lower limit is believed: a request caught between two engine
+  steps waits a moment in any engine); a scrape with nothing waiting and more running than
+  believed raises it. Room is slots minus the pod's
   load of the moment: the gateway's in-flight count (immediate for dispatches, every
   replica's leases) less the ends it has not heard of yet (an access-log record arrives up to
   Envoy's flush interval late, 1 s under Envoy Gateway: at every scrape the gateway learns how
@@ -79,7 +81,7 @@ class PodSlots:
     scraped_at: float = -1.0  # `updated_at` of the scrape the baseline belongs to
     base: int = 0  # in flight when that scrape was first seen
     slots: int | None = None  # running requests the engine takes at most; None: not seen full
-    low: int = 0  # consecutive scrapes showing it full below `slots`
+    full_at: int | None = None  # running at the previous scrape if it showed the engine full
     confirmed: float = field(default=-math.inf)  # when it was last seen full at `slots`
     # How many more the gateway counts in flight than the engine holds, on average over its
     # recent scrapes: ends not heard yet (an access-log record arrives up to Envoy's flush
@@ -96,22 +98,24 @@ class PodSlots:
 
     def learn(self, running: float, waiting: float, kv_full: bool, now: float) -> None:
         """One new scrape. Requests waiting below the KV threshold: the engine is full at
-        `running` (believed at once upward; downward after two scrapes in a row, since a
-        request that arrived between two engine steps waits for a moment in any engine).
-        Nothing waiting and more running than believed: the engine takes more."""
+        `running`. Believed at once when that raises a known limit; else (the first limit, or a
+        lower one) only when the previous scrape showed it full too, and then the larger of the
+        two: a request that arrived between two engine steps waits for a moment in any engine,
+        and one such scrape of a lightly loaded pod must not cap it. Nothing waiting and more
+        running than believed: the engine takes more."""
         r = int(running)
         if kv_full or r < 1:
-            self.low = 0
+            self.full_at = None
             return
         if waiting >= 1:
-            if self.slots is None or r >= self.slots:
-                self.slots, self.low, self.confirmed = r, 0, now
+            if self.slots is not None and r >= self.slots:
+                self.slots, self.full_at, self.confirmed = r, None, now
+            elif self.full_at is not None:
+                self.slots, self.full_at, self.confirmed = max(r, self.full_at), None, now
             else:
-                self.low += 1
-                if self.low >= 2:
-                    self.slots, self.low, self.confirmed = r, 0, now
+                self.full_at = r
         else:
-            self.low = 0
+            self.full_at = None
             if self.slots is not None and r > self.slots:
                 self.slots = r
 

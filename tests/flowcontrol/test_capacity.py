@@ -101,14 +101,22 @@ def test_max_concurrency_caps_a_pod(dispatch: str) -> None:
     assert pool("m").free == 1
 
 
-# -- slots -------------------------------------------------------------------------------------
+# -- slots ----------------------------------------------------------------------------------
+
+
+def teach(w: World, pool: PoolCapacity, *, running: int, waiting: int, at: float = 1.0) -> None:
+    """Two scrapes in a row showing the engine full at `running` (what a limit needs), the
+    gateway holding running + waiting in flight."""
+    w.flight[A.address] = running + waiting
+    for t in (at, at + 0.5):
+        w.scrape(A, t, running=running, waiting=waiting)
+        pool("m")
 
 
 def test_slots_a_pod_seen_full_takes_only_what_its_running_slots_free() -> None:
     w = World()
     pool = capacity(w, "slots")
-    w.flight[A.address] = 6
-    w.scrape(A, 1.0, running=4, waiting=2)  # full at 4 running
+    teach(w, pool, running=4, waiting=2)  # full at 4 running
     cap = pool("m")
     assert pool.slots("m", A.address) == 4
     assert (cap.free, cap.pods) == (0, ())
@@ -117,6 +125,25 @@ def test_slots_a_pod_seen_full_takes_only_what_its_running_slots_free() -> None:
     assert pool("m").free == 1  # no scrape needed: 4 slots, 3 in flight
     w.flight[A.address] = 4
     assert pool("m").free == 0
+
+
+def test_slots_one_full_scrape_of_a_light_pod_does_not_cap_it() -> None:
+    """A request caught between two engine steps waits for a moment in any engine: one scrape
+    showing it is no limit; two in a row are."""
+    w = World()
+    pool = capacity(w, "slots")
+    w.flight[A.address] = 2
+    w.scrape(A, 1.0, running=1, waiting=1)  # a moment between two steps
+    assert pool("m").free == 5 - 1  # still filled as under `queue`
+    assert pool.slots("m", A.address) is None
+    w.scrape(A, 1.5, running=2, waiting=0)  # it ran: nothing learned
+    pool("m")
+    w.scrape(A, 2.0, running=1, waiting=1)
+    pool("m")
+    assert pool.slots("m", A.address) is None
+    w.scrape(A, 2.5, running=2, waiting=1)  # full twice in a row: the larger of the two
+    pool("m")
+    assert pool.slots("m", A.address) == 2
 
 
 def test_slots_before_a_pod_shows_its_limit_it_is_filled_as_under_queue() -> None:
@@ -131,26 +158,26 @@ def test_slots_before_a_pod_shows_its_limit_it_is_filled_as_under_queue() -> Non
 def test_slots_nothing_waiting_and_more_running_raises_the_limit() -> None:
     w = World()
     pool = capacity(w, "slots")
-    w.flight[A.address] = 5
-    w.scrape(A, 1.0, running=4, waiting=1)
-    pool("m")
-    w.scrape(A, 1.5, running=6, waiting=0)  # the engine took more (freed KV, say)
+    teach(w, pool, running=4, waiting=1)
+    w.scrape(A, 3.0, running=6, waiting=0)  # the engine took more (freed KV, say)
     w.flight[A.address] = 6
     pool("m")
     assert pool.slots("m", A.address) == 6
+    w.scrape(A, 3.5, running=7, waiting=1)  # and more again, full: believed at once
+    w.flight[A.address] = 8
+    pool("m")
+    assert pool.slots("m", A.address) == 7
 
 
 def test_slots_one_scrape_caught_between_engine_steps_does_not_lower_the_limit() -> None:
-    """A request that arrived between two engine steps shows as waiting below the limit; the
-    limit goes down only when two scrapes in a row say so."""
+    """The limit goes down only when two scrapes in a row say so."""
     w = World()
     pool = capacity(w, "slots")
-    w.scrape(A, 1.0, running=4, waiting=1)
-    pool("m")
-    w.scrape(A, 1.5, running=3, waiting=1)  # a moment between steps
+    teach(w, pool, running=4, waiting=1)
+    w.scrape(A, 3.0, running=3, waiting=1)  # a moment between steps
     pool("m")
     assert pool.slots("m", A.address) == 4
-    w.scrape(A, 2.0, running=3, waiting=2)  # again: the engine now holds only 3
+    w.scrape(A, 3.5, running=3, waiting=2)  # again: the engine now holds only 3
     pool("m")
     assert pool.slots("m", A.address) == 3
 
@@ -158,8 +185,9 @@ def test_slots_one_scrape_caught_between_engine_steps_does_not_lower_the_limit()
 def test_slots_a_full_kv_cache_teaches_nothing_and_offers_nothing() -> None:
     w = World()
     pool = capacity(w, "slots")
-    w.scrape(A, 1.0, running=3, waiting=2, kv=0.9)
-    cap = pool("m")
+    for t in (1.0, 1.5):
+        w.scrape(A, t, running=3, waiting=2, kv=0.9)
+        cap = pool("m")
     assert pool.slots("m", A.address) is None
     assert cap.free == 0
 
@@ -167,8 +195,9 @@ def test_slots_a_full_kv_cache_teaches_nothing_and_offers_nothing() -> None:
 def test_slots_traffic_the_gateway_does_not_see_counts_from_the_scrape() -> None:
     w = World()
     pool = capacity(w, "slots")
+    teach(w, pool, running=4, waiting=1)
     w.flight[A.address] = 1
-    w.scrape(A, 1.0, running=4, waiting=1)  # the engine holds 5; the gateway sent 1
+    w.scrape(A, 3.0, running=4, waiting=1)  # the engine holds 5; the gateway sent 1
     pool("m")
     w.flight[A.address] = 0  # ours finished: the engine still has the other 4
     assert pool("m").free == 0
@@ -177,18 +206,16 @@ def test_slots_traffic_the_gateway_does_not_see_counts_from_the_scrape() -> None
 def test_slots_a_pod_at_its_limit_probes_one_more_now_and_then() -> None:
     w = World()
     pool = capacity(w, "slots")
-    w.flight[A.address] = 5
-    w.scrape(A, 1.0, running=4, waiting=1)  # limit 4, seen now
-    pool("m")
+    teach(w, pool, running=4, waiting=1)  # limit 4, seen now
     w.flight[A.address] = 4  # one finished
     assert pool("m").free == 0
     w.now += PROBE_S  # not seen full since: one more may go
     assert pool("m").free == 1
     w.flight[A.address] = 5
-    w.scrape(A, 2.0, running=5, waiting=0)  # it ran 5: the limit was too low
+    w.scrape(A, 3.0, running=5, waiting=0)  # it ran 5: the limit was too low
     assert pool("m").free == 1  # 5 slots, and probing on
     w.flight[A.address] = 6
-    w.scrape(A, 2.5, running=5, waiting=1)  # full at 5: confirmed, the probe stops
+    w.scrape(A, 3.5, running=5, waiting=1)  # full at 5: confirmed, the probe stops
     pool("m")
     w.flight[A.address] = 5
     assert (pool("m").free, pool.slots("m", A.address)) == (0, 5)
@@ -199,9 +226,7 @@ def test_slots_stale_scrapes_leave_the_in_flight_view_in_charge() -> None:
     count still say when a slot is free."""
     w = World()
     pool = capacity(w, "slots")
-    w.flight[A.address] = 5
-    w.scrape(A, 1.0, running=4, waiting=1)
-    pool("m")
+    teach(w, pool, running=4, waiting=1)
     w.now += 2.0
     for flight, free in ((4, 0), (2, 2), (3, 1)):
         w.flight[A.address] = flight
@@ -222,15 +247,13 @@ def test_slots_ends_not_heard_yet_are_learned_from_the_scrapes() -> None:
     at every scrape. It learns that overcount and fills the slots it hides."""
     w = World()
     pool = capacity(w, "slots")
-    w.flight[A.address] = 5
-    w.scrape(A, 1.0, running=4, waiting=1)  # 4 slots, learned
+    teach(w, pool, running=4, waiting=1)  # 4 slots, learned
     assert pool("m").free == 0
     for i in range(20):  # the engine runs 4, the gateway still counts 6
         w.flight[A.address] = 6
-        w.scrape(A, 2.0 + i, running=4, waiting=0)
+        w.scrape(A, 3.0 + i, running=4, waiting=0)
         pool("m")
-    view_free = pool("m").free
-    assert view_free == 0  # 6 - 2 = 4: full, and not over-filled
+    assert pool("m").free == 0  # 6 - 2 = 4: full, and not over-filled
     w.flight[A.address] = 5  # one really ended (its record is in): one slot free
     assert pool("m").free == 1
     w.scrape(A, 30.0, running=4, waiting=2)  # the engine shows its queue: the truth again
@@ -241,8 +264,7 @@ def test_slots_ends_not_heard_yet_are_learned_from_the_scrapes() -> None:
 def test_slots_an_engine_queue_keeps_the_next_request_in_the_engine() -> None:
     w = World()
     pool = capacity(w, "slots", engine_queue=1)
-    w.flight[A.address] = 5
-    w.scrape(A, 1.0, running=4, waiting=1)  # 4 slots, and its one place in the queue taken
+    teach(w, pool, running=4, waiting=1)  # 4 slots, and its one place in the queue taken
     cap = pool("m")
     assert (cap.free, cap.pods, cap.line) == (0, (), (A.address,))
     w.flight[A.address] = 4  # one ended: the waiting one runs, its place is free
