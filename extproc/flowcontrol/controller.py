@@ -7,10 +7,12 @@
 Below saturation `admit` returns at once (no await, no task switch): the pool has free slots
 (`capacity.PoolCapacity`) and nothing of this band or higher is waiting on any replica. Above
 it the request waits here, holding its ext_proc answer, and is dispatched when a pod has room;
-the director then routes it from the state of that moment (late binding: its pod is chosen at
-dispatch, not at arrival). Between priority bands the order is strict; inside a band the
-fairness policy picks the flow and the ordering policy the request (`policies.py`). Every
-request ends one way, counted in `extproc_flow_control_outcomes_total`:
+the director then routes it from the state of that moment among the pods that had room (late
+binding: its pod is chosen at dispatch, not at arrival). The highest band waiting, if above
+the default priority, may also take a place next in line in a full engine (`Capacity.line`).
+Between priority bands the order is strict; inside a band the fairness policy picks the flow
+and the ordering policy the request (`policies.py`). Every request ends one way, counted in
+`extproc_flow_control_outcomes_total`:
 
     dispatched      admitted at once, or after a wait
     rejected-saturated     its band is full (requests or bytes), or it is sheddable
@@ -31,9 +33,11 @@ Replicas: every replica publishes its depths per (model, band) on the replica bu
 band, its peers' included, has had its share of the free slots; a band's slots are split
 between replicas in proportion to their depths there. The free slots themselves come from the
 shared in-flight view. What is approximate: a peer's depths and in-flight are one sync tick old
-(~10 ms), so for one tick two replicas may both use the same free slot (the pool's queue
-threshold is overshot by at most the number of replicas per tick), and a higher band that
-arrives on a peer during that tick can be passed by one dispatch here.
+(~10 ms), so replicas dispatching in the same tick fill the same room: together they send at
+most the room plus one per other replica in a pass (each rounds its share up;
+tests/flowcontrol/test_replica_overlap.py), the excess waiting in engine queues until a slot
+frees (docs/benchmarks.md §4 measures the engines' queues with 2 and 3 processes), and a higher
+band that arrives on a peer during that tick can be passed by one dispatch here.
 """
 
 from __future__ import annotations
