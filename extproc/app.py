@@ -45,6 +45,7 @@ from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.attributes import AttributeReader
 from extproc.director.bodyless import Bodyless
 from extproc.director.director import Deciding, Director, Limits
+from extproc.director.engine_priority import EnginePriority, priority_models
 from extproc.director.flow import FlowControl
 from extproc.director.latency import LatencyShare, LearnLatency, MarkRouted, TagLatency
 from extproc.director.leases import LEASE_LATENCY_MULTIPLE, LeaseBook
@@ -75,6 +76,9 @@ from extproc.discovery.kubernetes import (
     make_api_client,
 )
 from extproc.flowcontrol import FlowController, FlowMetrics, PoolCapacity
+from extproc.flowcontrol.controller import ROOM_CACHE_S
+from extproc.flowcontrol.policies import builtin_policies
+from extproc.flowcontrol.ttft import EngineTtft
 from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
 from extproc.kvcache.exact import ExactIndex
@@ -269,13 +273,21 @@ class Core:
         capacity = PoolCapacity(
             ready=lambda model: self.store.ready(model),
             in_flight=lambda address: self.inflight.load(address).requests,
-            queue_threshold=cfg.queue_threshold,
-            kv_threshold=cfg.kv_threshold,
+            saturation=config.saturation,
+            dispatch=cfg.dispatch,
+            engine_queue=cfg.engine_queue,
             max_concurrency=cfg.max_concurrency,
         )
+        load = self.inflight.load
         return FlowController(
             settings=cfg, capacity=capacity, tokens=self.fairness.tokens,
-            metrics=FlowMetrics(self.registry),
+            policies=builtin_policies(tokens=self.fairness.tokens),
+            ttft=EngineTtft(
+                ready=lambda model: self.store.ready(model),
+                load=lambda address: (load(address).requests, load(address).tokens),
+                models=self.latency,
+            ),
+            metrics=FlowMetrics(self.registry), room_cache_s=ROOM_CACHE_S,
         )  # fmt: skip
 
     def _lease_bound(self, address: str) -> float:
@@ -492,8 +504,7 @@ def build_steps(
                 ShedSheddable(
                     candidates=candidates,
                     metrics=metrics,
-                    queue_threshold=cfg.queue_threshold,
-                    kv_threshold=cfg.kv_threshold,
+                    saturation=config.saturation,
                 ),
             )
         ),
@@ -514,6 +525,7 @@ def build_steps(
             StampResponseId(tokens=sessions, session_header=cfg.session_header),
             ExplainHeader(allowed=config.server.allow_explain),
             TagForAccounting(replica=core.replica),
+            EnginePriority(models=priority_models(config)),
             MarkRouted(models=core.latency),
             TagLatency(models=core.latency),
             *((core.decisions,) if config.server.status_page else ()),

@@ -45,6 +45,7 @@ __all__ = [
     "RouteSettings",
     "RouteTable",
     "RoutingConfig",
+    "SaturationConfig",
     "ServerConfig",
     "SyncConfig",
     "SyncTLSConfig",
@@ -185,8 +186,6 @@ class RoutingConfig:
     # A pod holding a request unanswered this long, that has answered nothing for as long, is
     # hung: it leaves the candidates until it answers (needs response accounting; 0 = off).
     stall_after_s: float = 10.0
-    queue_threshold: float = 128.0  # saturation: waiting requests per pod
-    kv_threshold: float = 0.95  # saturation: KV-cache usage fraction per pod
     priority_header: str = "x-request-priority"  # < 0 marks a request sheddable
     session_header: str = "x-session-id"
     # Key of the opaque session ids (docs/strategies.md, session-affinity). Every process and
@@ -198,22 +197,51 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class FlowControlConfig:
-    """The queue in the gateway for demand above the pool (docs/operations.md, flow control)."""
+class SaturationConfig:
+    """When a pod is full, one idea for every part that asks (llm-d's utilization detector): the
+    shedding of sheddable requests, flow control's dispatch and pool saturation, and the
+    `saturation` filter's defaults. A pod is saturated at `queue_threshold` waiting requests or
+    `kv_threshold` KV usage (`headroom` stretches both for the filter and the shedding)."""
 
-    enabled: bool = False
-    # Inside a band: "round-robin" between flows, "token" (fewest VTC tokens used goes next),
-    # or "global-strict" (no fairness: one order over the band).
-    fairness: Literal["global-strict", "round-robin", "token"] = "round-robin"
-    ordering: Literal["fcfs", "edf"] = "fcfs"  # inside a flow; edf: the TTFT SLO or the TTL
+    queue_threshold: float = 5.0  # llm-d's queueDepthThreshold (0: every pod counts as full)
+    kv_threshold: float = 0.8  # llm-d's kvCacheUtilThreshold (0: every pod counts as full)
+    headroom: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.queue_threshold < 0 or not 0 <= self.kv_threshold <= 1 or self.headroom < 0:
+            raise ConfigError("needs queue_threshold >= 0, 0 <= kv_threshold <= 1, headroom >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControlConfig:
+    """The queue in the gateway for demand above the pool (docs/operations.md, flow control).
+
+    On by default (docs/benchmarks.md §4: below saturation it costs nothing measurable, above it
+    every flow is served far sooner than with the engines queueing first come, first served).
+    It needs Envoy to wait for a decision longer than `ttl_s` (the Envoy Gateway overlay's
+    `messageTimeout: 65s`)."""
+
+    enabled: bool = True
+    # Policies, plugins by type name (extproc/flowcontrol/policies.py). Inside a band:
+    # "round-robin" between flows, "token" (fewest VTC tokens used goes next), or
+    # "global-strict" (no fairness: one order over the band). Inside a flow: "fcfs", or "edf"
+    # (the TTFT SLO or the TTL). Their params by type name: `policy_params: {edf: {...}}`.
+    fairness: str = "round-robin"
+    ordering: str = "fcfs"
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     ttl_s: float = 60.0  # then 429 (rejected-ttl-expired), or 503 while no pod was ready
     max_requests_per_band: int = 5000
     max_bytes_per_band: int = 1 << 30
     retry_after_s: int = 1
-    # A pod is full at this many waiting requests or this KV usage (llm-d's defaults), or when
-    # the gateway holds `max_concurrency` requests on it (0: no such limit).
-    queue_threshold: float = 5.0
-    kv_threshold: float = 0.8
+    # When a pod takes another request (docs/operations.md, flow control): "slots": into a free
+    # running slot, each pod's learned from its scrapes (the engines' queues stay near empty,
+    # what waits waits here); "queue": llm-d's, while the estimated engine queue is under
+    # `saturation.queue_threshold`. Either way a pod at `saturation.kv_threshold` takes none,
+    # nor one the gateway holds `max_concurrency` requests on (0: no such limit).
+    dispatch: Literal["slots", "queue"] = "slots"
+    # Under "slots", requests each engine may hold waiting beyond its running slots: 1 has the
+    # next request in the engine when a slot frees (no round trip through the gateway then).
+    engine_queue: int = 1
     max_concurrency: int = 0
     # InferenceObjective names -> priority (higher first, < 0 sheddable), chosen per request by
     # `x-llm-d-inference-objective` (or `x-gateway-inference-objective`); resources watched
@@ -223,8 +251,8 @@ class FlowControlConfig:
     def __post_init__(self) -> None:
         if self.ttl_s <= 0 or self.max_requests_per_band <= 0 or self.max_bytes_per_band <= 0:
             raise ConfigError("needs ttl_s, max_requests_per_band and max_bytes_per_band > 0")
-        if self.queue_threshold <= 0 or not 0 < self.kv_threshold <= 1:
-            raise ConfigError("needs queue_threshold > 0 and 0 < kv_threshold <= 1")
+        if self.max_concurrency < 0 or self.engine_queue < 0:
+            raise ConfigError("needs max_concurrency >= 0 and engine_queue >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +341,10 @@ class ModelConfig:
     lora_adapters: list[str] = field(default_factory=list)
     strategy: str | None = None  # default strategy for this model (else routing.default_strategy)
     kv_events_mode: Literal["auto", "exact", "approximate"] | None = None
+    # The engines' vLLM --scheduling-policy: with "priority" each request's band goes into the
+    # body's `priority` (negated: vLLM serves lower first). vLLM refuses a non-zero priority
+    # under "fcfs", and no metric says which policy runs, so it is declared here.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     endpoints: list[EndpointConfig] = field(default_factory=list)
     kubernetes: KubernetesDiscoveryConfig | None = None
 
@@ -456,6 +488,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     accounting: AccountingConfig = field(default_factory=AccountingConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    saturation: SaturationConfig = field(default_factory=SaturationConfig)
     flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)

@@ -164,7 +164,8 @@ def test_up_config_brings_ones_own_profiles_and_keeps_the_stacks_models_and_port
 @pytest.mark.parametrize(
     ("argv", "file", "enabled", "timeout_s"),
     [
-        ([], {}, False, 5.0),
+        ([], {}, True, 65.0),  # the server's default: on
+        (["--flow-control", "off"], {}, False, 5.0),
         (["--flow-control", "on"], {}, True, 65.0),
         ([], {"flow_control": {"enabled": True, "ttl_s": 20}}, True, 25.0),
         (["--flow-control", "off"], {"flow_control": {"enabled": True, "ttl_s": 20}}, False, 5.0),

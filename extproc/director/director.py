@@ -158,7 +158,8 @@ class Director:
         req = await self._prepare(head, body, self._state, dry_run=False)
         grants, waited = await self._admit(req)
         try:
-            return await self._routed(req, started + waited)
+            room = tuple(pod for grant in grants for pod in grant.pods)
+            return await self._routed(req, started + waited, room)
         finally:
             for grant in grants:  # the claim holds the request's place now
                 grant.release()
@@ -195,12 +196,12 @@ class Director:
             self._deciding.count += 1
         return grants, waited
 
-    async def _routed(self, req: Request, started: float) -> RouteResult:
+    async def _routed(self, req: Request, started: float, room: tuple[str, ...]) -> RouteResult:
         """Place, decide, the pre-request steps, then the claim. The claim comes last, after
         the last await and anything that can raise, so a cancelled stream cannot leave one
         behind: the ticket reaches the stream, which closes it when the request ends."""
         steps = self.steps
-        place = steps.place.place(req)
+        place = steps.place.place(req, room)  # among the pods admitted into, if named
         decision = steps.decide.decide(req, place, self._state)
         out = Outgoing()
         for step in steps.pre_request:

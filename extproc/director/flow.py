@@ -30,5 +30,6 @@ class FlowControl:
                 flow=attrs.flow,
                 size=req.size,
                 slo_ttft_s=None if ttft is None else ttft / 1000.0,
+                prompt_tokens=req.prompt.tokens,
             )
         )

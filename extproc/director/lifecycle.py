@@ -198,6 +198,7 @@ class Outgoing:
     include_usage: bool = False  # ask a streaming engine for `usage` in its last event
     kv_transfer_params: Mapping[str, Any] | None = None  # P/D: the prefill's KV handle
     request_id: str | None = None  # Responses API: the response id, naming the pick
+    priority: int | None = None  # the engine's `priority` (vLLM: lower first); None: as sent
     # Headers Envoy sets on the request it forwards (it echoes the session and explain ones
     # to the client).
     set_headers: dict[str, str] = field(default_factory=dict)
@@ -211,6 +212,7 @@ class Outgoing:
             model=self.model,
             kv_transfer_params=self.kv_transfer_params,
             request_id=self.request_id,
+            priority=self.priority,
         )
 
 
@@ -226,10 +228,15 @@ class Completed:
 
 class Grant(Protocol):
     """An admit step's answer: the request may go on. `release()` (idempotent) once the
-    request's claim is made, which then holds its place; `waited_s`: how long it waited."""
+    request's claim is made, which then holds its place; `waited_s`: how long it waited;
+    `pods`: the pods it was admitted into (flow control's room), the place step's candidates
+    narrowed to them; empty: no restriction."""
 
     @property
     def waited_s(self) -> float: ...
+
+    @property
+    def pods(self) -> tuple[str, ...]: ...
 
     def release(self) -> None: ...
 
@@ -239,6 +246,7 @@ class _Admitted:
 
     __slots__ = ()
     waited_s = 0.0
+    pods: tuple[str, ...] = ()
 
     def release(self) -> None:
         pass
@@ -265,7 +273,7 @@ class AdmitStep(Protocol):
 class PlaceStep(Protocol):
     """The candidates and their state now; raise a GatewayError when there are none."""
 
-    def place(self, req: Request) -> Placement: ...
+    def place(self, req: Request, room: Sequence[str] = ()) -> Placement: ...
 
 
 class DecideStep(Protocol):

@@ -35,8 +35,10 @@ class Candidates:
         self._inflight = inflight
         self._stall_after = stall_after_s
 
-    def of(self, req: Request) -> Sequence[ReadyEndpoint]:
-        ready = self._store.ready(req.runtime.name)
+    def of(self, req: Request, room: Sequence[str] = ()) -> Sequence[ReadyEndpoint]:
+        ready: Sequence[ReadyEndpoint] = self._store.ready(req.runtime.name)
+        if room and len(ready) > 1:  # admitted into these pods' room (flow control)
+            ready = _keep(ready, [r[0].address in set(room) for r in ready])
         subset = req.head.subset
         if subset is not None:
             allowed = set(subset)
@@ -49,14 +51,18 @@ class Candidates:
             if self._stall_after > 0:
                 unfit |= self._inflight.stalled_addresses(self._stall_after)
             if unfit:
-                mask = [r[0].address not in unfit for r in ready]
-                if any(mask) and not all(mask):
-                    # On the store's ready list, keep its columns (gathered by slot).
-                    if isinstance(ready, ReadyEndpoints):
-                        ready = ready.keep(mask)
-                    else:
-                        ready = tuple(compress(ready, mask))
+                ready = _keep(ready, [r[0].address not in unfit for r in ready])
         return ready
+
+
+def _keep(ready: Sequence[ReadyEndpoint], mask: list[bool]) -> Sequence[ReadyEndpoint]:
+    """The endpoints `mask` keeps, unless it keeps none or all. On the store's ready list, its
+    columns are kept (gathered by slot)."""
+    if not any(mask) or all(mask):
+        return ready
+    if isinstance(ready, ReadyEndpoints):
+        return ready.keep(mask)
+    return tuple(compress(ready, mask))
 
 
 class PlaceCandidates:
@@ -80,9 +86,9 @@ class PlaceCandidates:
         self._sessions = sessions
         self._clock = clock
 
-    def place(self, req: Request) -> Placement:
+    def place(self, req: Request, room: Sequence[str] = ()) -> Placement:
         runtime = req.runtime
-        candidates = self._candidates.of(req)
+        candidates = self._candidates.of(req, room)
         if not candidates:
             if req.head.subset is not None:
                 raise ServiceUnavailable(

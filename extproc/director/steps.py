@@ -31,7 +31,7 @@ from extproc.director.placement import Candidates
 from extproc.director.prefill import PrefillClient, PrefillError
 from extproc.routing.base import Decision, PodState, Snapshot
 from extproc.routing.predicted import SLO_UNMET
-from extproc.routing.saturation import is_saturated
+from extproc.routing.saturation import SaturationConfig, is_saturated
 from extproc.routing.session import SessionTokens
 from extproc.types import RequestKind, ServiceUnavailable, TooManyRequests
 
@@ -67,19 +67,17 @@ class ShedSheddable:
         *,
         candidates: Candidates,
         metrics: GatewayMetrics,
-        queue_threshold: float,
-        kv_threshold: float,
+        saturation: SaturationConfig,
     ) -> None:
         self._candidates = candidates
         self._metrics = metrics
-        self._queue = queue_threshold
-        self._kv = kv_threshold
+        self._saturation = saturation
 
     async def admit(self, req: Request) -> Grant:
         if req.attributes.priority >= 0 or not req.settings.shed_sheddable:
             return ADMITTED
         ready = self._candidates.of(req)  # none: the place step answers 503
-        if ready and is_saturated([PodState(ep, m) for ep, m in ready], self._queue, self._kv):
+        if ready and is_saturated([PodState(ep, m) for ep, m in ready], self._saturation):
             if not req.dry_run:
                 self._metrics.observe_shed(req.runtime.name, "saturated")
             raise TooManyRequests("every endpoint is saturated; sheddable request dropped")

@@ -11,10 +11,10 @@ from extproc.flowcontrol.controller import (
     DROPPED_HEADER,
     FlowController,
     FlowMetrics,
+    FlowOutcome,
     FlowRejected,
     FlowRequest,
     Grant,
-    Outcome,
 )
 
 __all__ = [
@@ -22,9 +22,9 @@ __all__ = [
     "Capacity",
     "FlowController",
     "FlowMetrics",
+    "FlowOutcome",
     "FlowRejected",
     "FlowRequest",
     "Grant",
-    "Outcome",
     "PoolCapacity",
 ]

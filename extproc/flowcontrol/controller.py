@@ -7,14 +7,21 @@
 Below saturation `admit` returns at once (no await, no task switch): the pool has free slots
 (`capacity.PoolCapacity`) and nothing of this band or higher is waiting on any replica. Above
 it the request waits here, holding its ext_proc answer, and is dispatched when a pod has room;
-the director then routes it from the state of that moment (late binding: its pod is chosen at
-dispatch, not at arrival). Between priority bands the order is strict; inside a band the
-fairness policy picks the flow and the ordering policy the request (`policies.py`). Every
-request ends one way, counted in `extproc_flow_control_outcomes_total`:
+the director then routes it from the state of that moment among the pods that had room (late
+binding: its pod is chosen at dispatch, not at arrival). The highest band waiting, if above
+the default priority, may also take a place next in line in a full engine (`Capacity.line`).
+Between priority bands the order is strict; inside a band the fairness policy picks the flow
+and the ordering policy the request (`policies.py`). Every request ends one way, counted in
+`extproc_flow_control_outcomes_total`:
 
     dispatched      admitted at once, or after a wait
     rejected-saturated     its band is full (requests or bytes), or it is sheddable
                            (priority < 0) while the pool is saturated: 429 at once
+    rejected-slo-unmet     it sent a TTFT SLO that no pod can meet: its predicted TTFT (the
+                           wait for the requests dispatched before it, at the rate slots have
+                           been freeing, plus the best pod's predicted TTFT once it has room)
+                           is over the SLO at arrival, or becomes so while it waits: 429 then,
+                           rather than a late answer (`deadlines`)
     rejected-ttl-expired   waited its TTL while the pool had pods: 429 + Retry-After
     rejected-no-endpoints  waited its TTL while the model had no ready pod: 503
     cancelled       the client went away while it waited (Envoy reset the stream)
@@ -26,9 +33,11 @@ Replicas: every replica publishes its depths per (model, band) on the replica bu
 band, its peers' included, has had its share of the free slots; a band's slots are split
 between replicas in proportion to their depths there. The free slots themselves come from the
 shared in-flight view. What is approximate: a peer's depths and in-flight are one sync tick old
-(~10 ms), so for one tick two replicas may both use the same free slot (the pool's queue
-threshold is overshot by at most the number of replicas per tick), and a higher band that
-arrives on a peer during that tick can be passed by one dispatch here.
+(~10 ms), so replicas dispatching in the same tick fill the same room: together they send at
+most the room plus one per other replica in a pass (each rounds its share up;
+tests/flowcontrol/test_replica_overlap.py), the excess waiting in engine queues until a slot
+frees (docs/benchmarks.md §4 measures the engines' queues with 2 and 3 processes), and a higher
+band that arrives on a peer during that tick can be passed by one dispatch here.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,12 +59,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from extproc.config import FlowControlConfig
 from extproc.flowcontrol.capacity import Capacity
 from extproc.flowcontrol.policies import (
-    FAIRNESS,
-    ORDERING,
     FairnessPolicy,
     Flow,
     OrderingPolicy,
+    PolicyRegistry,
     Queued,
+    builtin_policies,
 )
 from extproc.types import GatewayError
 
@@ -62,22 +72,28 @@ __all__ = [
     "DROPPED_HEADER",
     "FlowController",
     "FlowMetrics",
+    "FlowOutcome",
     "FlowRejected",
     "FlowRequest",
     "Grant",
-    "Outcome",
 ]
 
 log = logging.getLogger("extproc.flowcontrol")
 
 DROPPED_HEADER = "x-llm-d-request-dropped-reason"  # llm-d's name, so its clients understand it
 TICK_S = 0.02  # how often a non-empty queue looks for room, besides wake-ups
+RATE_SAMPLES = 32  # the rate requests leave the queue at: over this many of the last
+# How old the pool's room may be for a request admitted at once, and how soon after one
+# dispatch the loop runs again (the app's; 0 in tests): reading the room is a pass over the
+# model's pods (about 1 us each), not to be paid by every request of a large pool.
+ROOM_CACHE_S = 0.005
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
-class Outcome(enum.StrEnum):
+class FlowOutcome(enum.StrEnum):
     DISPATCHED = "dispatched"
     SATURATED = "rejected-saturated"
+    SLO_UNMET = "rejected-slo-unmet"
     TTL_EXPIRED = "rejected-ttl-expired"
     NO_ENDPOINTS = "rejected-no-endpoints"
     CANCELLED = "cancelled"
@@ -88,10 +104,10 @@ class FlowRejected(GatewayError):
     """A request flow control answers itself: 429 (with Retry-After) or 503, and the reason
     in `x-llm-d-request-dropped-reason`."""
 
-    def __init__(self, outcome: Outcome, message: str, *, retry_after_s: int) -> None:
+    def __init__(self, outcome: FlowOutcome, message: str, *, retry_after_s: int) -> None:
         super().__init__(message, code=str(outcome))
         self.outcome = outcome
-        if outcome is Outcome.NO_ENDPOINTS:
+        if outcome is FlowOutcome.NO_ENDPOINTS:
             self.status, self.error_type = 503, "service_unavailable"
         else:
             self.status, self.error_type = 429, "rate_limit_error"
@@ -105,19 +121,25 @@ class FlowRequest:
     flow: str  # fairness id (or user); "" for none
     size: int  # body bytes
     ttl_s: float | None = None  # None: the settings' TTL
-    slo_ttft_s: float | None = None  # orders it under the `edf` ordering
+    slo_ttft_s: float | None = None  # its deadline (429 when unmet), and its order under `edf`
+    prompt_tokens: int = 0  # for the predicted TTFT once dispatched
 
 
 class Grant:
     """A dispatched request's slot, counted by the controller until the request's own claim is
-    made (then the in-flight view counts it). `release()` is idempotent."""
+    made (then the in-flight view counts it). `release()` is idempotent. `pods` are the pods
+    that had room when it was dispatched (empty: no restriction, e.g. handed off): the request
+    is routed among them."""
 
-    __slots__ = ("_controller", "_model", "waited_s")
+    __slots__ = ("_controller", "_model", "pods", "waited_s")
 
-    def __init__(self, controller: FlowController, model: str, waited_s: float) -> None:
+    def __init__(
+        self, controller: FlowController, model: str, waited_s: float, pods: tuple[str, ...] = ()
+    ) -> None:
         self._controller: FlowController | None = controller
         self._model = model
         self.waited_s = waited_s
+        self.pods = pods
 
     def release(self) -> None:
         controller, self._controller = self._controller, None
@@ -131,6 +153,7 @@ class _Waiting:
     request: FlowRequest
     future: asyncio.Future[Grant]
     done: bool = False
+    slo_by: float = math.inf  # monotonic: dispatched after this, it misses its SLO
 
 
 @dataclass(eq=False)
@@ -183,21 +206,40 @@ class FlowController:
         settings: FlowControlConfig,
         capacity: Callable[[str], Capacity],
         tokens: Callable[[str], float] = lambda _flow: 0.0,
+        policies: PolicyRegistry | None = None,
+        ttft: Callable[[FlowRequest], float | None] | None = None,
         metrics: FlowMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = TICK_S,
+        room_cache_s: float = 0.0,
     ) -> None:
-        if settings.ordering not in ORDERING:
-            raise ValueError(f"unknown ordering {settings.ordering!r}")
-        if settings.fairness not in FAIRNESS:
-            raise ValueError(f"unknown fairness {settings.fairness!r}")
         self.settings = settings
         self._tick_s = tick_s
+        self._room_cache_s = room_cache_s
+        # model -> (when read, the capacity then, its room then net of grants in transit) and
+        # the grants made since: a request admitted at once reads the room at most this old.
+        self._room: dict[str, tuple[float, Capacity, int]] = {}
+        self._granted: dict[str, int] = {}
         self.capacity = capacity
-        self._ordering: OrderingPolicy = ORDERING[settings.ordering]()
-        self._fairness: FairnessPolicy = FAIRNESS[settings.fairness](self._ordering, tokens)
+        policies = policies or builtin_policies(tokens=tokens)
+        params = settings.policy_params
+        self._ordering: OrderingPolicy = policies.create(
+            "ordering", settings.ordering, params.get(settings.ordering),
+            where="flow_control.ordering",
+            params_where=f"flow_control.policy_params.{settings.ordering}",
+        )  # fmt: skip
+        self._fairness: FairnessPolicy = policies.create(
+            "fairness", settings.fairness, params.get(settings.fairness),
+            where="flow_control.fairness",
+            params_where=f"flow_control.policy_params.{settings.fairness}",
+        )  # fmt: skip
         self.metrics = metrics
         self._clock = clock
+        # The TTFT a request would see once dispatched into room (the best pod's prediction);
+        # None: unknown (cold models), counted as 0.
+        self._ttft = ttft
+        # model -> when the last requests left the queue: the rate slots free up at
+        self._left: dict[str, deque[float]] = {}
         self._bands: dict[str, dict[int, _Band]] = {}  # model -> priority -> band
         self._waiting: dict[Queued, _Waiting] = {}
         self._expiry: list[tuple[float, int, Queued]] = []  # a heap; done entries skipped
@@ -213,23 +255,88 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Grant:
         model, priority = request.model, request.priority
         if self._stopping:
-            return self._grant(model, 0.0, Outcome.HANDED_OFF, priority)
+            return self._grant(model, 0.0, FlowOutcome.HANDED_OFF, priority)
         band = self._band(model, priority)
         s = self.settings
         if band.live >= s.max_requests_per_band or band.bytes + request.size > s.max_bytes_per_band:
-            raise self._reject(request, Outcome.SATURATED, 0.0,
+            raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                f"the flow-control queue for priority {priority} is full")  # fmt: skip
+        engine = self._engine_ttft(request)
         if not self._waiting_at_or_above(model, priority):
-            cap = self.capacity(model)
-            if cap.free - self._transit.get(model, 0) > 0:
-                return self._grant(model, 0.0, Outcome.DISPATCHED, priority)
+            cap, room = self._room_now(model)
+            line = priority > 0 and room + len(cap.line) > 0  # next in line in an engine
+            if room > 0 or line:
+                self._check_slo(request, engine, 0.0)
+                pods = cap.pods if room > 0 else cap.line
+                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, pods)
             if priority < 0 and cap.endpoints > 0:
-                raise self._reject(request, Outcome.SATURATED, 0.0,
+                raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                    "every endpoint is saturated; sheddable request dropped")  # fmt: skip
         elif priority < 0:
-            raise self._reject(request, Outcome.SATURATED, 0.0,
+            raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                "requests are queued; sheddable request dropped")  # fmt: skip
-        return await self._wait(request, band)
+        self._check_slo(request, engine, self._expected_wait(request, band))
+        return await self._wait(request, band, engine)
+
+    def _room_now(self, model: str) -> tuple[Capacity, int]:
+        """The pool's capacity and room (free slots net of grants in transit): the last read,
+        less the grants made since, while it is fresh and shows room; else read anew."""
+        now = self._clock()
+        cached = self._room.get(model)
+        if cached is not None and now - cached[0] < self._room_cache_s:
+            room = cached[2] - self._granted.get(model, 0)
+            if room > 0:
+                return cached[1], room
+        return self._read_room(model, now)
+
+    def _read_room(self, model: str, now: float) -> tuple[Capacity, int]:
+        cap = self.capacity(model)
+        room = cap.free - self._transit.get(model, 0)
+        self._room[model] = (now, cap, room)
+        self._granted[model] = 0
+        return cap, room
+
+    # -- deadlines ----------------------------------------------------------------------------
+
+    def _engine_ttft(self, request: FlowRequest) -> float:
+        if request.slo_ttft_s is None or self._ttft is None:
+            return 0.0
+        return self._ttft(request) or 0.0
+
+    def _check_slo(self, request: FlowRequest, engine: float, wait: float) -> None:
+        """429 now when the request's predicted TTFT is over its SLO."""
+        slo = request.slo_ttft_s
+        if slo is not None and wait + engine > slo:
+            raise self._reject(
+                request, FlowOutcome.SLO_UNMET, 0.0,
+                f"no endpoint can meet the TTFT SLO of {slo * 1000:.0f} ms: predicted "
+                f"{(wait + engine) * 1000:.0f} ms ({wait * 1000:.0f} ms waiting for room, "
+                f"{engine * 1000:.0f} ms on the best endpoint)",
+            )  # fmt: skip
+
+    def _expected_wait(self, request: FlowRequest, band: _Band) -> float:
+        """How long a request arriving now waits for room: the requests dispatched before it
+        (higher bands', then its own band's as the fairness policy orders them, on every
+        replica) at the rate requests have been leaving the queue. 0 while that rate is not
+        known (too few dispatches yet): no request is refused on a guess."""
+        if request.slo_ttft_s is None:
+            return 0.0
+        times = self._left.get(request.model)
+        if times is None or len(times) < RATE_SAMPLES // 2 or times[-1] <= times[0]:
+            return 0.0
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        model, priority = request.model, request.priority
+        ahead = sum(b.live for p, b in self._bands.get(model, {}).items() if p > priority)
+        flows = [f for f in band.flows.values() if len(f)]
+        mine = self._fairness.ahead(flows, request.flow) if flows else 0
+        ahead += mine
+        for peer in self._remote.values():
+            for p, v in peer.get(model, {}).items():
+                if p > priority:
+                    ahead += v[0]
+                elif p == priority:  # a peer's band: the same share of it goes first
+                    ahead += round(v[0] * mine / band.live) if band.live else v[0]
+        return (ahead + 1) / rate
 
     def wake(self) -> None:
         """Something freed room (a lease ended, a pod appeared): look again now."""
@@ -285,7 +392,7 @@ class FlowController:
         stopping process cuts no request it holds."""
         self._stopping = True
         for waiting in list(self._waiting.values()):
-            self._finish(waiting, Outcome.HANDED_OFF)
+            self._finish(waiting, FlowOutcome.HANDED_OFF)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -311,10 +418,18 @@ class FlowController:
                     return True
         return False
 
-    def _grant(self, model: str, waited: float, outcome: Outcome, priority: int) -> Grant:
+    def _grant(
+        self,
+        model: str,
+        waited: float,
+        outcome: FlowOutcome,
+        priority: int,
+        pods: tuple[str, ...] = (),
+    ) -> Grant:
         self._transit[model] = self._transit.get(model, 0) + 1
+        self._granted[model] = self._granted.get(model, 0) + 1
         self._observe(model, priority, outcome, waited)
-        return Grant(self, model, waited)
+        return Grant(self, model, waited, pods)
 
     def _released(self, model: str) -> None:
         n = self._transit.get(model, 0) - 1
@@ -323,27 +438,29 @@ class FlowController:
         else:
             self._transit.pop(model, None)
 
-    def _observe(self, model: str, priority: int, outcome: Outcome, waited: float) -> None:
+    def _observe(self, model: str, priority: int, outcome: FlowOutcome, waited: float) -> None:
         if self.metrics is not None:
             labels = (model, str(priority), str(outcome))
             self.metrics.outcomes.labels(*labels).inc()
             self.metrics.wait.labels(*labels).observe(waited)
 
     def _reject(
-        self, request: FlowRequest, outcome: Outcome, waited: float, message: str
+        self, request: FlowRequest, outcome: FlowOutcome, waited: float, message: str
     ) -> FlowRejected:
         self._observe(request.model, request.priority, outcome, waited)
         return FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
 
-    async def _wait(self, request: FlowRequest, band: _Band) -> Grant:
+    async def _wait(self, request: FlowRequest, band: _Band, engine: float) -> Grant:
         now = self._clock()
         ttl = request.ttl_s if request.ttl_s is not None else self.settings.ttl_s
         expires = now + ttl
-        deadline = expires if request.slo_ttft_s is None else now + request.slo_ttft_s
+        deadline = None if request.slo_ttft_s is None else now + request.slo_ttft_s
         item = Queued(flow=request.flow, enqueued=now, expires=expires,
-                      deadline=min(deadline, expires), size=request.size, seq=next(self._seq))  # fmt: skip
+                      deadline=deadline, size=request.size, seq=next(self._seq))  # fmt: skip
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         waiting = _Waiting(item=item, request=request, future=future)
+        if deadline is not None:
+            waiting.slo_by = deadline - engine
         flow = band.flows.get(request.flow)
         if flow is None:
             flow = band.flows[request.flow] = Flow(request.flow)
@@ -351,19 +468,25 @@ class FlowController:
         band.live += 1
         band.bytes += request.size
         self._waiting[item] = waiting
-        heapq.heappush(self._expiry, (expires, item.seq, item))
+        heapq.heappush(self._expiry, (min(expires, waiting.slo_by), item.seq, item))
         self._gauge(request.model, request.priority, band)
         self._wake.set()
         try:
             return await future
         except asyncio.CancelledError:
             if not waiting.done:  # the client went away while waiting
-                self._finish(waiting, Outcome.CANCELLED)
+                self._finish(waiting, FlowOutcome.CANCELLED)
             elif future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()  # dispatched in the same instant: give it back
             raise
 
-    def _finish(self, waiting: _Waiting, outcome: Outcome, error: Exception | None = None) -> None:
+    def _finish(
+        self,
+        waiting: _Waiting,
+        outcome: FlowOutcome,
+        error: Exception | None = None,
+        pods: tuple[str, ...] = (),
+    ) -> None:
         """Take one request out of its band and end its wait (grant, error or nothing)."""
         if waiting.done:
             return
@@ -378,13 +501,15 @@ class FlowController:
             band.flows.pop(item.flow, None)
         self._gauge(request.model, request.priority, band)
         waited = self._clock() - item.enqueued
-        if outcome is Outcome.CANCELLED:  # its future is cancelled already
+        if outcome is FlowOutcome.CANCELLED:  # its future is cancelled already
             self._observe(request.model, request.priority, outcome, waited)
             return
         if waiting.future.done():
             return
-        if outcome in (Outcome.DISPATCHED, Outcome.HANDED_OFF):
-            waiting.future.set_result(self._grant(request.model, waited, outcome, request.priority))
+        if outcome in (FlowOutcome.DISPATCHED, FlowOutcome.HANDED_OFF):
+            waiting.future.set_result(
+                self._grant(request.model, waited, outcome, request.priority, pods)
+            )
         else:
             assert error is not None
             waiting.future.set_exception(error)
@@ -402,6 +527,8 @@ class FlowController:
                 self._wake.clear()
                 if self._waiting:
                     self.dispatch()
+                    if self._room_cache_s > 0:  # wake-ups in a burst: one pass for them all
+                        await asyncio.sleep(self._room_cache_s)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the loop must never die: log and go on
@@ -417,31 +544,41 @@ class FlowController:
         for model, bands in self._bands.items():
             if not any(b.live for b in bands.values()):
                 continue
-            cap = self.capacity(model)
-            room = cap.free - self._transit.get(model, 0)
-            if room <= 0:
+            cap, room = self._read_room(model, now)
+            if room <= 0 and not cap.line:
                 continue
             remote: dict[int, int] = {}
             for peer in self._remote.values():
                 for p, v in peer.get(model, {}).items():
                     remote[p] = remote.get(p, 0) + v[0]
+            top = True
             for priority in sorted({*bands, *remote}, reverse=True):
                 band = bands.get(priority)
                 mine = band.live if band is not None else 0
                 theirs = remote.get(priority, 0)
                 if mine + theirs == 0:
                     continue
-                if mine + theirs <= room:
-                    take, room = mine, room - mine - theirs
+                # The highest band waiting, above the default priority, may also take the
+                # places next in line in full engines; every other band only free slots.
+                line = len(cap.line) if top and priority > 0 else 0
+                top = False
+                avail = room + line
+                if avail <= 0:
+                    break
+                if mine + theirs <= avail:
+                    take, used = mine, mine + theirs
                 else:  # the band's share of what is left, in proportion to its depths
-                    take, room = min(mine, math.ceil(room * mine / (mine + theirs))), 0
+                    take, used = min(mine, math.ceil(avail * mine / (mine + theirs))), avail
                 if band is not None:
-                    sent += self._dispatch_band(band, take)
+                    in_room = min(take, max(0, room))
+                    sent += self._dispatch_band(band, in_room, cap.pods)
+                    sent += self._dispatch_band(band, take - in_room, cap.line)
+                room -= min(used, max(0, room))
                 if room <= 0:
                     break
         return sent
 
-    def _dispatch_band(self, band: _Band, take: int) -> int:
+    def _dispatch_band(self, band: _Band, take: int, pods: tuple[str, ...]) -> int:
         sent = 0
         while sent < take and band.live:
             flows = []
@@ -456,8 +593,12 @@ class FlowController:
             waiting = self._waiting.get(flow.pop())
             if waiting is None or waiting.done:
                 continue
-            self._finish(waiting, Outcome.DISPATCHED)
+            self._finish(waiting, FlowOutcome.DISPATCHED, pods=pods)
             sent += 1
+            left = self._left.get(waiting.request.model)
+            if left is None:
+                left = self._left[waiting.request.model] = deque(maxlen=RATE_SAMPLES)
+            left.append(self._clock())
         return sent
 
     def _clean(self, flow: Flow) -> bool:
@@ -477,16 +618,25 @@ class FlowController:
             if waiting is None or waiting.done:
                 continue
             request = waiting.request
-            ready = ready_by_model.get(request.model)
-            if ready is None:
-                ready = ready_by_model[request.model] = self.capacity(request.model).endpoints > 0
-            outcome = Outcome.TTL_EXPIRED if ready else Outcome.NO_ENDPOINTS
             waited = now - item.enqueued
-            message = (
-                f"waited {waited:.1f}s in the flow-control queue without room on a pod"
-                if ready
-                else f"no ready endpoint for model {request.model!r} within {waited:.1f}s"
-            )
+            if waiting.slo_by < item.expires:
+                outcome = FlowOutcome.SLO_UNMET
+                assert request.slo_ttft_s is not None
+                message = (
+                    f"waited {waited:.1f}s in the flow-control queue: too long to meet the "
+                    f"TTFT SLO of {request.slo_ttft_s * 1000:.0f} ms"
+                )
+            else:
+                ready = ready_by_model.get(request.model)
+                if ready is None:
+                    ready = self.capacity(request.model).endpoints > 0
+                    ready_by_model[request.model] = ready
+                outcome = FlowOutcome.TTL_EXPIRED if ready else FlowOutcome.NO_ENDPOINTS
+                message = (
+                    f"waited {waited:.1f}s in the flow-control queue without room on a pod"
+                    if ready
+                    else f"no ready endpoint for model {request.model!r} within {waited:.1f}s"
+                )
             self._observe(request.model, request.priority, outcome, waited)
             error = FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
             self._finish(waiting, outcome, error)

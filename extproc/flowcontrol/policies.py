@@ -1,33 +1,47 @@
-"""The flow controller's policies: one signature per kind, as llm-d's flowcontrol framework.
+"""The flow controller's policies, plugins as routing's are (`extproc.routing.framework`): a small
+class with a `type_name`, a frozen `Params` dataclass decoded strictly from the config, and a
+constructor `(name, params)`, registered explicitly in a `PolicyRegistry` (the composition root
+builds it with `builtin_policies`; a policy that needs more than its params, as `token` needs
+the VTC counters, is registered with a factory closing over it).
 
-    fairness (inside a band):   FairnessPolicy.pick(flows) -> the flow that dispatches next
-    ordering (inside a flow):   OrderingPolicy.key(item)   -> smaller goes first
+    fairness (inside a band):   FairnessPolicy.pick(flows)        -> the flow that dispatches next
+                                FairnessPolicy.ahead(flows, flow) -> how many go before a new
+                                                                     request of `flow` (for
+                                                                     deadlines: an estimate)
+    ordering (inside a flow):   OrderingPolicy.key(item)          -> smaller goes first
 
 Between bands there is no policy: strict priority (the highest band with anything waiting
-goes first, always). A new policy is a class here plus its name in `FAIRNESS` / `ORDERING`.
+goes first, always). Config: `flow_control.fairness` and `flow_control.ordering` name the type,
+`flow_control.policy_params.<type>` holds its params.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, is_dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+from extproc.routing.framework import EmptyParams, PluginConfigError, decode_params
 
 __all__ = [
-    "FAIRNESS",
-    "ORDERING",
     "Deadline",
+    "DeadlineParams",
     "FairnessPolicy",
     "Fcfs",
     "Flow",
     "GlobalStrict",
     "OrderingPolicy",
+    "PolicyKind",
+    "PolicyRegistry",
     "Queued",
     "RoundRobin",
     "TokenFair",
+    "builtin_policies",
 ]
+
+PolicyKind = Literal["fairness", "ordering"]
 
 
 @dataclass(eq=False, slots=True)
@@ -37,7 +51,7 @@ class Queued:
     flow: str  # the fairness id (or the user the VTC counters know), "" when none
     enqueued: float  # monotonic
     expires: float  # monotonic: enqueue + the request's TTL
-    deadline: float  # monotonic: expiry, or enqueue + its TTFT SLO when it has one
+    deadline: float | None  # monotonic: enqueue + its TTFT SLO when it sent one
     size: int  # body bytes (what the band's byte cap counts)
     seq: int  # arrival order, the final tie-break
 
@@ -45,6 +59,8 @@ class Queued:
 class OrderingPolicy(Protocol):
     """Inside one flow: which waiting request goes first (the smallest key)."""
 
+    type_name: ClassVar[str]
+    Params: ClassVar[type]
     name: str
 
     def key(self, item: Queued) -> tuple[float, int]: ...
@@ -53,20 +69,47 @@ class OrderingPolicy(Protocol):
 class Fcfs:
     """First come, first served."""
 
-    name = "fcfs"
+    type_name: ClassVar[str] = "fcfs"
+    Params: ClassVar[type] = EmptyParams
+
+    def __init__(self, name: str, params: object = None) -> None:
+        self.name = name
 
     def key(self, item: Queued) -> tuple[float, int]:
         return (item.enqueued, item.seq)
 
 
+@dataclass(frozen=True, slots=True)
+class DeadlineParams:
+    # The deadline of a request that sent no TTFT SLO: this long after it arrived (None: its
+    # TTL, so it goes after every request with an SLO that is due sooner).
+    default_deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.default_deadline_s is not None and self.default_deadline_s <= 0:
+            raise ValueError("default_deadline_s must be > 0")
+
+
 class Deadline:
     """Earliest deadline first: the enqueue time plus the request's TTFT SLO when it sent one
-    (`x-slo-ttft-ms`), else its TTL (llm-d's EDF and SLO-deadline orderings in one)."""
+    (`x-slo-ttft-ms`), else plus `default_deadline_s` or its TTL (llm-d's EDF and SLO-deadline
+    orderings in one)."""
 
-    name = "edf"
+    type_name: ClassVar[str] = "edf"
+    Params: ClassVar[type] = DeadlineParams
+
+    def __init__(self, name: str, params: DeadlineParams | None = None) -> None:
+        self.name = name
+        self._default = (params or DeadlineParams()).default_deadline_s
 
     def key(self, item: Queued) -> tuple[float, int]:
-        return (item.deadline, item.seq)
+        if item.deadline is not None:
+            due = item.deadline
+        elif self._default is not None:
+            due = item.enqueued + self._default
+        else:
+            due = item.expires
+        return (min(due, item.expires), item.seq)
 
 
 @dataclass(eq=False)
@@ -82,6 +125,9 @@ class Flow:
     def head(self) -> Queued:
         return self.heap[0][1]
 
+    def head_key(self) -> tuple[float, int]:
+        return self.heap[0][0]
+
     def pop(self) -> Queued:
         return heapq.heappop(self.heap)[1]
 
@@ -92,30 +138,47 @@ class Flow:
 class FairnessPolicy(Protocol):
     """Inside one band: which flow dispatches next (every flow given has a request waiting)."""
 
+    type_name: ClassVar[str]
+    Params: ClassVar[type]
     name: str
 
     def pick(self, flows: Sequence[Flow]) -> Flow: ...
 
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        """Of the requests waiting in `flows`, about how many dispatch before one `flow`
+        adds now (its own flow's included)."""
+        ...
+
+
+def _depth(flows: Sequence[Flow], flow: str) -> int:
+    return next((len(f) for f in flows if f.name == flow), 0)
+
 
 class GlobalStrict:
-    """No fairness: the best head across every flow of the band (llm-d's default)."""
+    """No fairness: the best head across every flow of the band, by the ordering policy's key
+    (llm-d's default)."""
 
-    name = "global-strict"
+    type_name: ClassVar[str] = "global-strict"
+    Params: ClassVar[type] = EmptyParams
 
-    def __init__(self, ordering: OrderingPolicy) -> None:
-        self._ordering = ordering
+    def __init__(self, name: str, params: object = None) -> None:
+        self.name = name
 
     def pick(self, flows: Sequence[Flow]) -> Flow:
-        return min(flows, key=lambda f: self._ordering.key(f.head()))
+        return min(flows, key=Flow.head_key)
+
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        return sum(len(f) for f in flows)  # one order over the band: everyone already there
 
 
 class RoundRobin:
     """Each flow with a request waiting takes a turn, in the order the flows first came."""
 
-    name = "round-robin"
+    type_name: ClassVar[str] = "round-robin"
+    Params: ClassVar[type] = EmptyParams
 
-    def __init__(self, ordering: OrderingPolicy) -> None:
-        del ordering
+    def __init__(self, name: str, params: object = None) -> None:
+        self.name = name
         self._turn = itertools.count()
         self._last: dict[str, int] = {}
 
@@ -128,35 +191,97 @@ class RoundRobin:
             self._last = {k: v for k, v in self._last.items() if k in live}
         return flow
 
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        # Its own flow's queue, and as many turns of every other flow (those it holds).
+        own = _depth(flows, flow)
+        return own + sum(min(len(f), own + 1) for f in flows if f.name != flow)
+
 
 class TokenFair:
     """The flow whose tokens used so far are fewest goes next: the VTC counters (Sheng et al.)
     the response accounting keeps per user and shares between replicas, so a tenant sending
     5x more does not get 5x the pool."""
 
-    name = "token"
+    type_name: ClassVar[str] = "token"
+    Params: ClassVar[type] = EmptyParams
 
-    def __init__(self, ordering: OrderingPolicy, tokens: Callable[[str], float]) -> None:
-        del ordering
+    def __init__(self, name: str, params: object = None, *, tokens: Callable[[str], float]) -> None:
+        self.name = name
         self._tokens = tokens
 
     def pick(self, flows: Sequence[Flow]) -> Flow:
         return min(flows, key=lambda f: (self._tokens(f.name), f.head().seq))
 
-
-ORDERING: dict[str, Callable[[], OrderingPolicy]] = {"fcfs": Fcfs, "edf": Deadline}
-
-
-def _global_strict(ordering: OrderingPolicy, _tokens: Callable[[str], float]) -> FairnessPolicy:
-    return GlobalStrict(ordering)
-
-
-def _round_robin(ordering: OrderingPolicy, _tokens: Callable[[str], float]) -> FairnessPolicy:
-    return RoundRobin(ordering)
+    def ahead(self, flows: Sequence[Flow], flow: str) -> int:
+        # Every flow that used fewer tokens goes first, then its own queue.
+        used = self._tokens(flow)
+        return _depth(flows, flow) + sum(
+            len(f) for f in flows if f.name != flow and self._tokens(f.name) < used
+        )
 
 
-FAIRNESS: dict[str, Callable[[OrderingPolicy, Callable[[str], float]], FairnessPolicy]] = {
-    "global-strict": _global_strict,
-    "round-robin": _round_robin,
-    "token": TokenFair,
-}
+PolicyFactory = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    params_type: type
+    factory: PolicyFactory
+
+
+class PolicyRegistry:
+    """Policy classes by (kind, type name), registered explicitly, decoded strictly (the
+    routing `PluginRegistry`'s shape, for flow control's kinds)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[PolicyKind, str], _Entry] = {}
+
+    def register(
+        self, kind: PolicyKind, cls: type, *, factory: PolicyFactory | None = None
+    ) -> None:
+        type_name = getattr(cls, "type_name", None)
+        if not isinstance(type_name, str):
+            raise TypeError(f"{cls.__name__} has no type_name")
+        if (kind, type_name) in self._entries:
+            raise ValueError(f"{kind} policy {type_name!r} registered twice")
+        params = getattr(cls, "Params", None)
+        if not is_dataclass(params) or not isinstance(params, type):
+            raise TypeError(f"{cls.__name__}.Params must be a frozen dataclass")
+        self._entries[(kind, type_name)] = _Entry(params, factory or cls)
+
+    def type_names(self, kind: PolicyKind) -> list[str]:
+        return sorted(name for k, name in self._entries if k == kind)
+
+    def create(
+        self,
+        kind: PolicyKind,
+        type_name: str,
+        params: Mapping[str, object] | None = None,
+        *,
+        where: str | None = None,
+        params_where: str | None = None,
+    ) -> Any:
+        """A new `kind` policy named after its type. Errors name `where` (the key that chose
+        the type) and `params_where` (the key of its params)."""
+        entry = self._entries.get((kind, type_name))
+        if entry is None:
+            at = f"{where}: " if where else ""
+            known = ", ".join(self.type_names(kind))
+            raise PluginConfigError(f"{at}unknown {kind} policy {type_name!r} (known: {known})")
+        decoded: object = decode_params(
+            entry.params_type, params, params_where or f"{kind} policy {type_name!r} params"
+        )
+        return entry.factory(type_name, decoded)
+
+
+def builtin_policies(*, tokens: Callable[[str], float]) -> PolicyRegistry:
+    """Every built-in policy; `tokens` is the VTC counters' read (tokens used per flow)."""
+    reg = PolicyRegistry()
+    reg.register("ordering", Fcfs)
+    reg.register("ordering", Deadline)
+    reg.register("fairness", GlobalStrict)
+    reg.register("fairness", RoundRobin)
+    reg.register(
+        "fairness", TokenFair, factory=lambda name, params: TokenFair(name, params, tokens=tokens)
+    )
+    return reg

@@ -241,6 +241,7 @@ def rewrite_body(
     model: str | None = None,
     kv_transfer_params: Mapping[str, Any] | None = None,
     request_id: str | None = None,
+    priority: int | None = None,
 ) -> bytes | None:
     """Serialized body with the requested changes, or None when nothing would change.
 
@@ -249,6 +250,7 @@ def rewrite_body(
     - `model`: the served model name (model-name mapping).
     - `kv_transfer_params`: the prefill's KV handle for the decode pod (P/D disaggregation).
     - `request_id`: a Responses request's id, which vLLM makes the response's id.
+    - `priority`: the engine's scheduling priority (vLLM `--scheduling-policy priority`).
 
     Other fields and their values are kept, in their order; `body` is not mutated.
     """
@@ -270,4 +272,9 @@ def rewrite_body(
     if request_id is not None:
         out["request_id"] = request_id
         changed = True
+    if priority is not None:
+        current = out.get("priority", 0)  # vLLM's default
+        if type(current) is not int or current != priority:
+            out["priority"] = priority
+            changed = True
     return orjson.dumps(out) if changed else None

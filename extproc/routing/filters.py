@@ -15,7 +15,7 @@ from extproc.routing.base import (
     RoutingRequest,
 )
 from extproc.routing.framework import EmptyParams
-from extproc.routing.saturation import DEFAULT_KV_THRESHOLD, DEFAULT_QUEUE_THRESHOLD, has_headroom
+from extproc.routing.saturation import SaturationConfig, has_headroom
 from extproc.types import EndpointRole
 
 __all__ = [
@@ -29,19 +29,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class SaturationParams:
-    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD
-    kv_threshold: float = DEFAULT_KV_THRESHOLD
-    headroom: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.queue_threshold <= 0 or self.kv_threshold <= 0 or self.headroom < 0:
-            raise ValueError("queue_threshold and kv_threshold must be > 0, headroom >= 0")
+# The filter's params are the saturation model's own thresholds (one set of defaults).
+SaturationParams = SaturationConfig
 
 
 class SaturationFilter:
-    """GAIE utilization-detector as a filter: keep pods under both queue and KV thresholds."""
+    """GAIE utilization-detector as a filter: keep pods with headroom (`routing.saturation`)."""
 
     type_name: ClassVar[str] = "saturation"
     Params: ClassVar[type] = SaturationParams
@@ -52,11 +45,7 @@ class SaturationFilter:
         self.params = params or SaturationParams()
 
     def filter(self, req: RoutingRequest, pods: Sequence[PodState]) -> FilterResult:
-        p = self.params
-        kept = [
-            pod for pod in pods if has_headroom(pod, p.queue_threshold, p.kv_threshold, p.headroom)
-        ]
-        return kept, None
+        return [pod for pod in pods if has_headroom(pod, self.params)], None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,64 +1,71 @@
-"""Saturation detection for admission (GAIE utilization-detector semantics).
+"""When a pod is full: the one saturation model every part uses (llm-d's utilization detector).
 
-A pod has headroom when its waiting queue is below `queue_threshold` and its KV usage is below
-`kv_threshold`. Missing metrics count as saturated, as GAIE counts stale metrics as 1.0.
-The director sheds sheddable requests (priority < 0) with 429 when `is_saturated` is true.
+A pod's saturation is max(waiting / queue_threshold, KV usage / kv_threshold), 1.0 when its
+metrics lack either signal (stale or missing metrics count as full, as llm-d's detector fails
+closed); it has headroom below 1 (stretched by `headroom`). The pool's saturation is the mean
+over its pods, 1.0 with none. The thresholds are `SaturationConfig` (config key `saturation`,
+llm-d's defaults 5 and 0.8), read by:
+
+- the shedding admit step: a sheddable request (priority < 0) is refused when no candidate
+  has headroom (`is_saturated`);
+- the `saturation` filter: keeps the candidates with headroom (its params are the same
+  dataclass, so the same defaults);
+- flow control (`extproc.flowcontrol.capacity`): a pod at the KV threshold takes nothing, the
+  `queue` dispatch rule fills each pod's queue up to the queue threshold, and the pool
+  saturation it exports is this mean, with a pod's in-flight load over its learned running
+  slots as a third term (the engines' queues stay empty when the gateway holds the queue).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from extproc.config import SaturationConfig
 from extproc.routing.base import PodState
+from extproc.types import EngineMetrics
 
 __all__ = [
-    "DEFAULT_KV_THRESHOLD",
-    "DEFAULT_QUEUE_THRESHOLD",
+    "DEFAULT_SATURATION",
+    "SaturationConfig",
     "has_headroom",
     "is_saturated",
+    "pod_saturation",
     "saturation",
 ]
 
-DEFAULT_QUEUE_THRESHOLD = 5.0  # GAIE queueDepthThreshold
-DEFAULT_KV_THRESHOLD = 0.8  # GAIE kvCacheUtilThreshold
+DEFAULT_SATURATION = SaturationConfig()
 
 
-def has_headroom(
-    pod: PodState,
-    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD,
-    kv_threshold: float = DEFAULT_KV_THRESHOLD,
-    headroom: float = 0.0,
-) -> bool:
-    m = pod.metrics
-    if m is None or m.waiting is None or m.kv_cache_usage is None:
-        return False
-    return m.waiting < queue_threshold * (1 + headroom) and m.kv_cache_usage < kv_threshold * (
-        1 + headroom
+def _over(value: float, threshold: float) -> float:
+    return value / threshold if threshold > 0 else 1.0 + value  # a zero threshold: always full
+
+
+def pod_saturation(metrics: EngineMetrics | None, cfg: SaturationConfig) -> float:
+    """max(waiting / queue threshold, KV / KV threshold); 1.0 without both signals."""
+    if metrics is None or metrics.waiting is None or metrics.kv_cache_usage is None:
+        return 1.0
+    return max(
+        _over(metrics.waiting, cfg.queue_threshold), _over(metrics.kv_cache_usage, cfg.kv_threshold)
     )
 
 
-def is_saturated(
-    pods: Sequence[PodState],
-    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD,
-    kv_threshold: float = DEFAULT_KV_THRESHOLD,
-) -> bool:
+def has_headroom(pod: PodState, cfg: SaturationConfig = DEFAULT_SATURATION) -> bool:
+    m = pod.metrics
+    if m is None or m.waiting is None or m.kv_cache_usage is None:
+        return False
+    stretch = 1.0 + cfg.headroom
+    return (
+        m.waiting < cfg.queue_threshold * stretch and m.kv_cache_usage < cfg.kv_threshold * stretch
+    )
+
+
+def is_saturated(pods: Sequence[PodState], cfg: SaturationConfig = DEFAULT_SATURATION) -> bool:
     """True when no pod has headroom (also true for no pods at all)."""
-    return not any(has_headroom(p, queue_threshold, kv_threshold) for p in pods)
+    return not any(has_headroom(p, cfg) for p in pods)
 
 
-def saturation(
-    pods: Sequence[PodState],
-    queue_threshold: float = DEFAULT_QUEUE_THRESHOLD,
-    kv_threshold: float = DEFAULT_KV_THRESHOLD,
-) -> float:
-    """GAIE's pool saturation: mean of max(q/qt, kv/kvt) per pod, unknown = 1.0 (for metrics)."""
+def saturation(pods: Sequence[PodState], cfg: SaturationConfig = DEFAULT_SATURATION) -> float:
+    """The pool's saturation: the mean of its pods', 1.0 with none."""
     if not pods:
         return 1.0
-    total = 0.0
-    for p in pods:
-        m = p.metrics
-        if m is None or m.waiting is None or m.kv_cache_usage is None:
-            total += 1.0
-        else:
-            total += max(m.waiting / queue_threshold, m.kv_cache_usage / kv_threshold)
-    return total / len(pods)
+    return sum(pod_saturation(p.metrics, cfg) for p in pods) / len(pods)

@@ -7,7 +7,16 @@ Public API: `main(argv)` (the `extproc sim` command), `SimServer` (start/stop in
 from __future__ import annotations
 
 from extproc.sim.cli import main
-from extproc.sim.config import EventEncoding, SimConfig, SimRole, StepTimeModel
+from extproc.sim.config import EventEncoding, SchedulingPolicy, SimConfig, SimRole, StepTimeModel
 from extproc.sim.server import Faults, SimServer
 
-__all__ = ["EventEncoding", "Faults", "SimConfig", "SimRole", "SimServer", "StepTimeModel", "main"]
+__all__ = [
+    "EventEncoding",
+    "Faults",
+    "SchedulingPolicy",
+    "SimConfig",
+    "SimRole",
+    "SimServer",
+    "StepTimeModel",
+    "main",
+]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from extproc.kvcache.vllm_hash import HashAlgo
-from extproc.sim.config import EventEncoding, SimConfig, SimRole, StepTimeModel
+from extproc.sim.config import EventEncoding, SchedulingPolicy, SimConfig, SimRole, StepTimeModel
 from extproc.sim.server import SimServer
 from extproc.tokenization import bundled_qwen_dir
 
@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument(
+        "--scheduling-policy", choices=[x.value for x in SchedulingPolicy],
+        default=d.scheduling_policy.value,
+        help="vLLM's: fcfs, or priority (the body's `priority`, lower first; preemption by it)",
+    )  # fmt: skip
     p.add_argument("--output-len-mean", type=int, default=d.output_len_mean)
     p.add_argument("--time-scale", type=float, default=s.time_scale)
     p.add_argument("--step-overhead-ms", type=float, default=s.overhead_s * 1e3)
@@ -85,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
+        scheduling_policy=SchedulingPolicy(args.scheduling_policy),
         block_size=args.block_size,
         num_gpu_blocks=args.cache_blocks,
         output_len_mean=args.output_len_mean,

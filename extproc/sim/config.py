@@ -8,13 +8,20 @@ from pathlib import Path
 
 from extproc.kvcache.vllm_hash import HashAlgo
 
-__all__ = ["EventEncoding", "SimConfig", "SimRole", "StepTimeModel"]
+__all__ = ["EventEncoding", "SchedulingPolicy", "SimConfig", "SimRole", "StepTimeModel"]
 
 
 class SimRole(StrEnum):
     BOTH = "both"
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class SchedulingPolicy(StrEnum):
+    """vLLM's `--scheduling-policy` (`extproc/sim/queue.py`)."""
+
+    FCFS = "fcfs"  # vLLM's default
+    PRIORITY = "priority"  # the body's `priority` (lower first) orders the queue and preemption
 
 
 class EventEncoding(StrEnum):
@@ -84,6 +91,9 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 32768
+    # Under `priority` a request's `priority` field (lower value first) orders the waiting queue
+    # and picks who is preempted; under `fcfs` a priority other than 0 is a 400, as in vLLM.
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     # Prefix cache: capacity in blocks of `block_size` tokens (8192 x 16 = 131k tokens, about
     # 16 GiB of KV for an 8B model, what an 80 GB H100 keeps after weights at 0.92 utilisation).
     block_size: int = 16

@@ -5,7 +5,11 @@ admits waiting requests while `max_num_seqs` and the token budget (`max_num_batc
 chunked prefill) allow, exactly as vLLM's V1 scheduler does. The step then "runs" for the
 time the `StepTimeModel` gives, after which every scheduled request has its tokens computed,
 its newly full blocks cached (BlockStored) and, when it has caught up, one more output token.
-A request that cannot get a KV block preempts the latest running request (recompute).
+A running request that cannot get a KV block preempts another (recompute): the newest under
+`fcfs`, the lowest priority (largest `priority`, then latest arrival) under `priority`; a step
+that preempted admits nothing from the waiting queue (vLLM's `if not preempted_reqs`). The
+waiting queue's order is the policy's (`queue.py`); a waiting request never preempts a running
+one, whatever its priority: it waits for a slot or for blocks, as in vLLM.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from dataclasses import dataclass, field
 
 from extproc.kvcache.vllm_hash import VllmBlockHasher, block_extra_keys
 from extproc.sim.cache import BlockPool
-from extproc.sim.config import SimConfig, StepTimeModel
+from extproc.sim.config import SchedulingPolicy, SimConfig, StepTimeModel
 from extproc.sim.kvevents import KVEvent
+from extproc.sim.queue import RequestQueue, request_queue
 
 __all__ = ["Engine", "EngineStats", "Finished", "RequestStats", "SimRequest"]
 
@@ -79,6 +84,8 @@ class SimRequest:
     output_vocab: Sequence[int]
     rng: random.Random
     external_prefill: bool = False  # P/D decode: the prompt's KV arrives from a prefill pod
+    priority: int = 0  # the body's `priority` (used under the `priority` policy: lower first)
+    num_preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
     queue: asyncio.Queue[int | Finished] = field(default_factory=asyncio.Queue)
     token_hashes: list[bytes] = field(default_factory=list)  # full blocks of all tokens
@@ -130,7 +137,8 @@ class Engine:
         self.pool = BlockPool(num_blocks=config.num_gpu_blocks, block_size=config.block_size)
         self.hasher = VllmBlockHasher(block_size=config.block_size, algo=config.hash_algo)
         self.stats = EngineStats()
-        self.waiting: deque[SimRequest] = deque()
+        self.policy = config.scheduling_policy
+        self.waiting: RequestQueue = request_queue(self.policy)
         self.running: list[SimRequest] = []
         self._transferring = 0
         self._event_sink = event_sink
@@ -182,6 +190,7 @@ class Engine:
         external_prefill: bool = False,
         request_id: str | None = None,
         received_wall: float | None = None,
+        priority: int = 0,
     ) -> SimRequest:
         """Build a request with a deterministic output (same prompt -> same tokens)."""
         digest = hashlib.sha256(repr((lora_name, prompt_ids)).encode()).digest()
@@ -207,6 +216,7 @@ class Engine:
             output_vocab=output_vocab,
             rng=rng,
             external_prefill=external_prefill,
+            priority=priority,
         )
 
     async def submit(self, req: SimRequest) -> None:
@@ -223,7 +233,7 @@ class Engine:
                 self._transferring -= 1
             if req.finish_reason is not None:
                 return
-        self.waiting.append(req)
+        self.waiting.add(req)
         self._wake.set()
 
     def abort(self, req: SimRequest) -> None:
@@ -251,7 +261,7 @@ class Engine:
             if not scheduled:
                 # Nothing fits even in an empty engine (prompt larger than the whole cache).
                 if not self.running and self.waiting:
-                    self._finish(self.waiting[0], "error")
+                    self._finish(self.waiting.peek(), "error")
                 self._flush_events()
                 await asyncio.sleep(0)
                 continue
@@ -310,11 +320,19 @@ class Engine:
         req.held_uncached += max(0, need)
         return True
 
+    def _victim(self) -> SimRequest:
+        """Who gives up its blocks when a running request cannot grow: the newest running
+        request (fcfs), or the lowest priority, latest arrival among them (priority)."""
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_wall))
+        return self.running[-1]
+
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)
         self._release(req)
         req.num_computed = 0
-        self.waiting.appendleft(req)
+        req.num_preemptions += 1
+        self.waiting.prepend(req)
         self.stats.preemptions += 1
 
     def _release(self, req: SimRequest) -> None:
@@ -325,34 +343,38 @@ class Engine:
 
     def _schedule(self) -> list[tuple[SimRequest, int]]:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[SimRequest, int]] = []
+        scheduled: dict[SimRequest, int] = {}  # in scheduling order
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
+            fits = True
             while not self._grow(req, req.num_computed + n):
-                victim = self.running[-1]
-                scheduled = [(r, k) for r, k in scheduled if r is not victim]
+                victim = self._victim()
+                at = self.running.index(victim)
+                budget += scheduled.pop(victim, 0)  # its tokens go back to the budget
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
+                    fits = False
                     break
-            else:
-                scheduled.append((req, n))
-                budget -= n
-                i += 1
-                continue
-            break  # req itself was preempted: nothing further can fit
-        # Tokens of already scheduled requests were counted against the budget; recompute
-        # the budget in case a preemption removed some of them.
-        budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            req = self.waiting[0]
-            if not self._admit(req, budget, scheduled):
-                break
-            budget -= scheduled[-1][1]
-        return scheduled
+                if at < i:
+                    i -= 1  # a request scheduled earlier left the running list
+            if not fits:
+                break  # req itself was preempted: nothing further can fit
+            scheduled[req] = n
+            budget -= n
+            i += 1
+        if not preempted:  # vLLM admits no waiting request in a step that preempted
+            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+                req = self.waiting.peek()
+                if not self._admit(req, budget, scheduled):
+                    break
+                budget -= scheduled[req]
+        return list(scheduled.items())
 
-    def _admit(self, req: SimRequest, budget: int, scheduled: list[tuple[SimRequest, int]]) -> bool:
+    def _admit(self, req: SimRequest, budget: int, scheduled: dict[SimRequest, int]) -> bool:
         total = req.num_tokens
         # The last token is always recomputed to get logits: at most total-1 tokens hit.
         self._ensure_hashes(req, total - 1)
@@ -370,7 +392,7 @@ class Engine:
         if not self._grow(req, start + n):
             self._release(req)
             return False
-        self.waiting.popleft()
+        self.waiting.pop()
         if req.cached_tokens < 0:
             req.cached_tokens = computed
             self.stats.prompt_tokens += len(req.prompt_ids)
@@ -378,7 +400,7 @@ class Engine:
         self.stats.prefix_cache_hits += computed
         req.num_computed = start
         self.running.append(req)
-        scheduled.append((req, n))
+        scheduled[req] = n
         return True
 
     def _apply(self, scheduled: list[tuple[SimRequest, int]]) -> None:

@@ -32,7 +32,7 @@ from extproc.sim.agents import (
     response_body,
     responses_usage,
 )
-from extproc.sim.config import SimConfig, SimRole
+from extproc.sim.config import SchedulingPolicy, SimConfig, SimRole
 from extproc.sim.engine import Engine, Finished, RequestStats, SimRequest
 from extproc.sim.kvevents import KVEvent, KVEventPublisher
 from extproc.sim.metrics import SimMetrics
@@ -213,6 +213,19 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None) -> int |
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BadRequest(f"{name} must be a non-negative integer", param=name)
+    return value
+
+
+def _priority(body: Mapping[str, Any], policy: SchedulingPolicy) -> int:
+    """The body's `priority` (lower first), refused unless the engine schedules by priority,
+    with vLLM's words."""
+    value = body.get("priority", 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest("priority must be an integer", param="priority")
+    if value != 0 and policy is not SchedulingPolicy.PRIORITY:
+        raise BadRequest(f"Got priority {value} but Priority scheduling is not enabled.")
     return value
 
 
@@ -481,6 +494,7 @@ class SimServer:
             max_tokens = _int_field(body, "max_tokens", 16)  # vLLM's completions default
             prompt_ids = await self._encode_prompt(body)
         min_tokens = _int_field(body, "min_tokens", 0) or 0
+        priority = _priority(body, self.config.scheduling_policy)
         limit = self.config.max_model_len
         if len(prompt_ids) + (max_tokens or 1) > limit:
             raise BadRequest(
@@ -512,6 +526,7 @@ class SimServer:
             min_tokens=min_tokens,
             ignore_eos=bool(body.get("ignore_eos", False)),
             external_prefill=remote_prefill,
+            priority=priority,
         )
         assert self.metrics is not None
         if prefill_only:
@@ -706,6 +721,7 @@ class SimServer:
     ) -> tuple[str, SimRequest]:
         """Render the converted messages as a chat, then queue the request on the engine."""
         model, lora = self._resolve_model(body)
+        priority = _priority(body, self.config.scheduling_policy)
         fn = functools.partial(
             self.tokenizer.encode_chat, messages, tools=list(tools) if tools else None
         )
@@ -721,6 +737,7 @@ class SimServer:
         req = engine.new_request(
             prompt_ids, request_id=rid, received_wall=received, output_vocab=self._vocab_ids,
             lora_name=lora, max_tokens=max_tokens, ignore_eos=bool(body.get("ignore_eos", False)),
+            priority=priority,
         )  # fmt: skip
         await engine.submit(req)
         return model, req

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from extproc.config import FlowControlConfig
 from extproc.routing.settings import config_file_problems
 from extproc.stack.envoy_config import HostPort, RequestBodyMode, ResponseAccounting
 from extproc.stack.envoy_gateway import GatewayShape
@@ -111,7 +112,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         default=None,
         help="queue requests above the pool's capacity by priority and fairness "
-        "(default: the --config file's flow_control.enabled, else off)",
+        "(default: the --config file's flow_control.enabled, else on, the server's default)",
     )
     p.add_argument(
         "--gateway-shape",
@@ -221,7 +222,7 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
     flow_control = (
         args.flow_control == "on"
         if args.flow_control is not None
-        else bool(flow.get("enabled", d.flow_control))
+        else bool(flow.get("enabled", FlowControlConfig().enabled))
     )
     if args.flow_control is not None and flow:  # the switch wins over the file
         server_config = {**server_config, "flow_control": {**flow, "enabled": flow_control}}

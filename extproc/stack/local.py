@@ -26,6 +26,7 @@ import httpx
 import yaml
 
 from extproc.admin.guard import ADMIN_TOKEN_HEADER
+from extproc.config import FlowControlConfig
 from extproc.stack.envoy_config import (
     EXTPROC_MESSAGE_TIMEOUT_S,
     ROUTING_HEADERS,
@@ -151,7 +152,7 @@ def message_timeout_s(server_config: dict[str, Any]) -> float:
     request holds its answer up to the queue's TTL, so Envoy must wait longer than that (as
     deploy/overlays/envoy-gateway's `messageTimeout` does)."""
     flow = server_config.get("flow_control") or {}
-    if not flow.get("enabled"):
+    if not flow.get("enabled", FlowControlConfig().enabled):
         return EXTPROC_MESSAGE_TIMEOUT_S
     return max(EXTPROC_MESSAGE_TIMEOUT_S, float(flow.get("ttl_s", 60.0)) + MESSAGE_TIMEOUT_MARGIN_S)
 

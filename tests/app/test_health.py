@@ -60,6 +60,7 @@ async def test_readiness_follows_fresh_metrics(engine_metrics: tuple[int, dict[s
     cfg = load_config_text(f"""
 server: {{grpc_port: {grpc_port}, metrics_port: {free_port()}}}
 metrics: {{poll_interval_s: 0.1, stale_after_s: 0.5}}
+flow_control: {{enabled: false}}  # with it, the server serves (queues) with no ready pod
 models:
   - name: m
     endpoints: [{{address: "127.0.0.1:{eng_port}", metrics_url: "http://127.0.0.1:{eng_port}/metrics"}}]

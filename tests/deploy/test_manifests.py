@@ -592,7 +592,8 @@ def test_ext_proc_message_timeout_outlasts_the_flow_control_queue() -> None:
     assert timeout > config.flow_control.ttl_s
     enabled = {"flow_control": {"enabled": True, "ttl_s": config.flow_control.ttl_s}}
     assert message_timeout_s(enabled) == timeout
-    assert message_timeout_s({}) == 5.0
+    assert message_timeout_s({"flow_control": {"enabled": False}}) == 5.0
+    assert message_timeout_s({}) == timeout  # on by default
 
 
 def test_keda_scales_the_model_servers_from_zero_on_flow_control_metrics() -> None:

@@ -178,3 +178,22 @@ def test_the_fairness_id_names_the_flow_and_the_vtc_user(kit: Kit) -> None:
         assert result.routed.user == "tenant-a"
 
     asyncio.run(main())
+
+
+def test_a_dispatched_request_goes_to_a_pod_with_room(kit: Kit) -> None:
+    """Late binding into room: least-request alone would pick an idle pod whose queue is full;
+    the grant names the pod with room and the request goes there."""
+
+    async def main() -> None:
+        kit.scrape(POOL[0], waiting=5)  # full queues, nothing of ours in flight
+        kit.scrape(POOL[1], waiting=5)
+        kit.scrape(POOL[2], waiting=4)  # the one with room, and the busiest by our count
+        for _ in range(3):
+            kit.kit.core.inflight.start(kit.eps[POOL[2]], 10)
+        for i in range(3):
+            result = await kit.kit.director.route(head(i), BODY)
+            assert isinstance(result, RouteResult)
+            assert result.destinations[0] == POOL[2]
+            kit.scrape(POOL[2], waiting=4)  # still room for one (a fresh scrape)
+
+    asyncio.run(main())

@@ -30,6 +30,8 @@ server:
   allow_explain: true
 metrics:
   stale_after_s: 3600
+flow_control:
+  enabled: false  # the rule's SLO filter and the shedding step are what these tests read
 routing:
   default_strategy: predicted-latency
   seed: 7

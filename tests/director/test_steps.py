@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from extproc.config import RouteSettings
+from extproc.config import RouteSettings, SaturationConfig
 from extproc.director.lifecycle import ModelRuntime, Outgoing
 from extproc.director.prefill import PrefillClient
 from extproc.director.steps import (
@@ -71,7 +71,7 @@ async def test_shed_sheddable(
 ) -> None:
     parts.scrape(pods)
     step = ShedSheddable(
-        candidates=parts.candidates(), metrics=parts.metrics, queue_threshold=5, kv_threshold=0.8
+        candidates=parts.candidates(), metrics=parts.metrics, saturation=SaturationConfig()
     )
     req, _ = prepared(
         runtime, priority=priority, settings=RouteSettings(shed_sheddable=shed_route),
@@ -92,7 +92,7 @@ async def test_shed_sheddable_leaves_an_empty_pool_to_the_place_step(
 ) -> None:
     parts.store.set_endpoints({"qwen3": ()})
     step = ShedSheddable(
-        candidates=parts.candidates(), metrics=parts.metrics, queue_threshold=5, kv_threshold=0.8
+        candidates=parts.candidates(), metrics=parts.metrics, saturation=SaturationConfig()
     )
     req, _ = prepared(runtime, priority=-1)
     await step.admit(req)  # no 429: the place step answers 503 "no ready endpoint"

@@ -54,7 +54,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         flow_control=True,
         sim_args=("--time-scale", "1.0", "--max-num-seqs", "2"),
         server_config={
-            "flow_control": {"enabled": True, "ttl_s": TTL_S, "queue_threshold": 1},
+            "flow_control": {"enabled": True, "ttl_s": TTL_S},
+            "saturation": {"queue_threshold": 1},
             "metrics": {"poll_interval_s": 0.2, "stale_after_s": 1.0},
         },
     )  # fmt: skip

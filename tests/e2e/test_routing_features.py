@@ -55,7 +55,9 @@ def test_pd_runs_prefill_on_a_prefill_pod_and_decodes_on_a_decode_pod(tmp_path: 
 def test_sheddable_requests_get_429_when_every_pod_is_saturated(tmp_path: Path) -> None:
     # Thresholds of zero make every pod count as saturated.
     opts = stack_options(
-        tmp_path, sims=2, server_config={"routing": {"queue_threshold": 0.0, "kv_threshold": 0.0}}
+        tmp_path,
+        sims=2,
+        server_config={"saturation": {"queue_threshold": 0.0, "kv_threshold": 0.0}},
     )
     with running_stack(opts) as stack:
         url = f"{stack.base_url}/v1/chat/completions"

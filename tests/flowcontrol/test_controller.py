@@ -15,10 +15,10 @@ from extproc.flowcontrol import (
     Capacity,
     FlowController,
     FlowMetrics,
+    FlowOutcome,
     FlowRejected,
     FlowRequest,
     Grant,
-    Outcome,
 )
 from tests._clock import ManualClock
 from tests._metrics import sample
@@ -31,10 +31,13 @@ class Pool:
     endpoints: int = 2
     free: int = 0
     calls: int = 0
+    line: tuple[str, ...] = ()  # full pods with an empty engine queue
 
     def __call__(self, model: str) -> Capacity:
         self.calls += 1
-        return Capacity(endpoints=self.endpoints, free=self.free, saturation=1.0)
+        pods = ("room:1",) if self.free > 0 else ()
+        return Capacity(endpoints=self.endpoints, free=self.free, saturation=1.0, pods=pods,
+                        line=self.line)  # fmt: skip
 
 
 @dataclass
@@ -49,7 +52,7 @@ class Kit:
         return sample(self.registry, name, **labels)
 
 
-def kit(tick_s: float = 0.02, **settings: object) -> Kit:
+def kit(tick_s: float = 0.02, room_cache_s: float = 0.0, **settings: object) -> Kit:
     pool = Pool()
     clock = ManualClock()
     registry = CollectorRegistry()
@@ -61,6 +64,7 @@ def kit(tick_s: float = 0.02, **settings: object) -> Kit:
         tokens=lambda f: tokens.get(f, 0.0),
         metrics=FlowMetrics(registry),
         clock=clock.now,
+        room_cache_s=room_cache_s,
     )
     return Kit(flow, pool, clock, registry, tokens)
 
@@ -371,7 +375,54 @@ def test_unknown_policy_names_are_refused() -> None:
 
 
 def test_outcomes_are_the_documented_set() -> None:
-    assert {str(o) for o in Outcome} == {
-        "dispatched", "rejected-saturated", "rejected-ttl-expired", "rejected-no-endpoints",
-        "cancelled", "handed-off",
+    assert {str(o) for o in FlowOutcome} == {
+        "dispatched", "rejected-saturated", "rejected-slo-unmet", "rejected-ttl-expired",
+        "rejected-no-endpoints", "cancelled", "handed-off",
     }  # fmt: skip
+
+
+def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
+    async def main() -> None:
+        k = kit()
+        k.pool.line = ("full:1",)  # every slot taken, nothing waiting in that engine
+        grant = await k.flow.admit(req(priority=3))  # next in line at once, on that pod
+        assert grant.pods == ("full:1",)
+        [low] = await queued(k, req(priority=0))  # the default band waits in the gateway
+        [mid, high] = await queued(k, req(priority=1), req(priority=2))
+        grant.release()
+        # Only the highest band waiting takes the place in line; the others wait for room.
+        assert k.flow.dispatch() == 1
+        await asyncio.sleep(0)
+        assert high.done() and not mid.done() and not low.done()
+        assert (await high).pods == ("full:1",)
+        (await high).release()
+        k.pool.line = ()
+        k.pool.free = 2  # room: the rest go to the pods with room
+        assert k.flow.dispatch() == 2
+        assert (await mid).pods == ("room:1",) and (await low).pods == ("room:1",)
+
+    run(main())
+
+
+def test_requests_admitted_at_once_share_one_read_of_the_room() -> None:
+    async def main() -> None:
+        k = kit(room_cache_s=0.005)
+        k.pool.free = 3
+        grants = [await k.flow.admit(req()) for _ in range(3)]  # one read, three grants
+        assert k.pool.calls == 1
+        for g in grants:
+            g.release()
+        k.pool.free = 0  # they took the slots
+        [fourth] = await queued(k, req())  # the read showed 3: read again, and it is full now
+        assert k.pool.calls == 2
+        k.pool.free = 5
+        k.clock.advance(0.01)
+        assert k.flow.dispatch() == 1
+        (await fourth).release()
+        # A fresh read showing room serves the next requests without another pass.
+        grants = [await k.flow.admit(req()) for _ in range(4)]
+        assert k.pool.calls == 3
+        for g in grants:
+            g.release()
+
+    run(main())

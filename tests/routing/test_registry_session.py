@@ -14,7 +14,7 @@ from extproc.routing.base import Capabilities, Decision, RoutingRequest, Snapsho
 from extproc.routing.builtin import default_plugins, default_registry
 from extproc.routing.framework import PluginConfigError, Profile
 from extproc.routing.registry import StrategyRegistry
-from extproc.routing.saturation import is_saturated, saturation
+from extproc.routing.saturation import SaturationConfig, is_saturated, saturation
 from extproc.routing.session import SessionTokens, rendezvous
 from extproc.routing.strategies import StrategyPlugin
 from extproc.types import BadRequest
@@ -195,7 +195,7 @@ def test_saturation_all_over_thresholds() -> None:
         [pod(A, no_metrics=True), pod(B, waiting=None, kv=0.1)]
     )  # unknown counts as full
     assert is_saturated([])
-    assert not is_saturated(over, queue_threshold=10, kv_threshold=0.9)
+    assert not is_saturated(over, SaturationConfig(queue_threshold=10, kv_threshold=0.9))
 
 
 def test_saturation_level_is_gaie_mean() -> None:

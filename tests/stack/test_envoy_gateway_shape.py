@@ -341,4 +341,7 @@ def test_both_shapes_give_a_decision_the_same_time() -> None:
     routing = hcm(translate_overlay(EG, OPTS).bootstrap)["http_filters"][1]["typed_config"]
     on = {"flow_control": {"enabled": True, "ttl_s": FlowControlConfig().ttl_s}}
     assert duration_s(routing["message_timeout"]) == message_timeout_s(on)
-    assert message_timeout_s({}) == EnvoyOptions().message_timeout_s
+    assert message_timeout_s({}) == message_timeout_s(on)  # on by default
+    assert (
+        message_timeout_s({"flow_control": {"enabled": False}}) == EnvoyOptions().message_timeout_s
+    )
