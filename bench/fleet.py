@@ -20,6 +20,14 @@ p50/p99 per pool (hot pools each, cold pools together).
     flock /tmp/heavy.lock .venv/bin/python bench/fleet.py --pools 10 --pods 10 \\
         [--window 20] [--rate 20] [--hot 3] [--sim-procs 2] [--json out.json] [--label now]
 
+`--memory`: no simulators, no traffic; the server's components built in this process for the
+same shape, RSS after each: the app (one shared tokenizer not loaded yet), the tokenizer
+loaded, every endpoint's engine figures stored, every pool's exact KV index filled with each
+pod's whole cache (`--blocks-per-pod` distinct blocks of 16 tokens, chained as an engine
+stores them). Per endpoint and per pool figures are the slope between two shapes.
+
+    .venv/bin/python bench/fleet.py --memory --pools 100 --pods 10 [--blocks-per-pod 8192]
+
 Figures go to docs/benchmarks.md (the fleet table).
 """
 
@@ -107,12 +115,22 @@ class Server:
         self.url = f"http://{o.host}:{o.metrics_port}"
         self.pid = stack.pid("extproc-0")
 
-    def exposition(self) -> tuple[float, int]:
-        """Scrapes counted so far, and the number of series on /metrics."""
+    def exposition(self) -> tuple[float, int, dict[str, int]]:
+        """Scrapes counted so far, the number of series on /metrics, and the families with
+        the most series."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
         result = parse(text)
         scrapes = sum(s.value for s in result.samples if s.name == "extproc_metrics_scrapes_total")
-        return scrapes, len(result.samples)
+        families: defaultdict[str, int] = defaultdict(int)
+        for sample in result.samples:
+            base = sample.name
+            for suffix in ("_bucket", "_count", "_sum", "_created", "_total"):
+                if base.endswith(suffix):
+                    base = base[: -len(suffix)]
+                    break
+            families[base] += 1
+        top = dict(sorted(families.items(), key=lambda kv: -kv[1])[:8])
+        return scrapes, len(result.samples), top
 
     def endpoints(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = httpx.get(
@@ -227,7 +245,7 @@ def decisions(
 def window(
     stack: FleetStack, server: Server, seconds: float, load: Load | None, hot: list[str]
 ) -> dict[str, Any]:
-    scrapes0, _ = server.exposition()
+    scrapes0, _, _ = server.exposition()
     sims = {n: stack.pid(n) for n in stack.sim_names()}
     sims0 = sum(cpu_seconds(p) for p in sims.values())
     ok0 = sum(load.ok.values()) if load else 0
@@ -236,7 +254,7 @@ def window(
     time.sleep(seconds)
     cpu1, t1, wall1 = cpu_seconds(server.pid), time.monotonic(), time.time()
     sims1 = sum(cpu_seconds(p) for p in sims.values())
-    scrapes1, series = server.exposition()
+    scrapes1, series, families = server.exposition()
     wall = t1 - t0
     cpu = (cpu1 - cpu0) / wall
     rate = (scrapes1 - scrapes0) / wall
@@ -247,6 +265,7 @@ def window(
         "cpu_ms_per_scrape": round(1000 * cpu / rate, 3) if rate else None,
         "rss_mib": round(rss_mib(server.pid), 1),
         "series": series,
+        "series_top": families,
         "sims_cpu": round((sims1 - sims0) / wall, 3),
     }
     if load is not None:
@@ -334,6 +353,72 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return result
 
 
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """RSS of the server's parts for `pools` x `pods`, built in this process (see --memory)."""
+    import gc
+
+    import yaml
+
+    from extproc.app import App
+    from extproc.config import load_config_text
+    from extproc.types import EngineMetrics
+
+    shape = FleetShape(pools=args.pools, pods=args.pods, base_port=20000)
+    cfg = {
+        "server": {"grpc_port": 19000, "metrics_port": 19001},
+        "models": [shape.model_config(j) for j in range(args.pools)],
+    }
+    gc.collect()
+    pid = os.getpid()
+    out: dict[str, Any] = {"label": args.label, "pools": args.pools, "pods": args.pods}
+    out["rss_imports_mib"] = round(rss_mib(pid), 1)
+
+    async def build() -> dict[str, Any]:
+        app = App(load_config_text(yaml.safe_dump(cfg)))
+        gc.collect()
+        out["rss_app_mib"] = round(rss_mib(pid), 1)
+        await app.tokenizers.warm()
+        gc.collect()
+        out["distinct_tokenizers"] = app.tokenizers.loaded_count()
+        out["rss_tokenizers_mib"] = round(rss_mib(pid), 1)
+        now = time.monotonic()
+        for ep in app.store.endpoints():
+            app.store.record_success(
+                ep,
+                EngineMetrics(
+                    updated_at=now, running=1, waiting=0, kv_cache_usage=0.5,
+                    prefix_cache_hits=1e6, prefix_cache_queries=2e6, prompt_tokens_total=3e6,
+                    generation_tokens_total=1e6, ttft_avg_s=0.1, itl_avg_s=0.01,
+                    block_size=16, num_gpu_blocks=args.blocks_per_pod,
+                ),
+            )  # fmt: skip
+        gc.collect()
+        out["rss_endpoints_mib"] = round(rss_mib(pid), 1)
+        rng = random.Random(1)
+        t0 = time.perf_counter()
+        entries = 0
+        for model, index in app.exact_indexes.items():
+            for ep in app.store.endpoints(model):
+                parent: int | None = None
+                for start in range(0, args.blocks_per_pod, 16):
+                    n = min(16, args.blocks_per_pod - start)
+                    hashes = [rng.getrandbits(63) for _ in range(n)]
+                    tokens = [rng.randrange(150000) for _ in range(16 * n)]
+                    index.stored(ep.address, hashes, parent, tokens)
+                    parent = hashes[-1]
+            entries += index.stats().entries
+        gc.collect()
+        out["index_entries"] = entries
+        out["index_fill_s"] = round(time.perf_counter() - t0, 1)
+        out["index_bytes_estimate_mib"] = round(
+            sum(i.stats().bytes_estimate for i in app.exact_indexes.values()) / 2**20, 1
+        )
+        out["rss_full_index_mib"] = round(rss_mib(pid), 1)
+        return out
+
+    return asyncio.run(build())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pools", type=int, default=10)
@@ -352,7 +437,16 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary dir)")
     ap.add_argument("--json", type=Path, help="append the result (one JSON line) to this file")
+    ap.add_argument("--memory", action="store_true", help="in-process memory breakdown only")
+    ap.add_argument("--blocks-per-pod", type=int, default=8192, help="--memory: cache per pod")
     args = ap.parse_args()
+    if args.memory:
+        mem = memory(args)
+        print(json.dumps(mem, indent=1))
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps({"memory": mem}) + "\n")
+        return
     if args.workdir is not None:
         result = run(args, args.workdir)
     else:

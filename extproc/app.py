@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -75,6 +76,7 @@ from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.sync import StateSync, SyncMetrics
 from extproc.tokenization import (
     CharEstimateTokenizer,
+    SharedTokenizers,
     TokenizerLoadError,
     TokenizerPool,
     bundled_qwen_dir,
@@ -88,6 +90,7 @@ __all__ = ["App", "build_endpoints", "load_model_tokenizer"]
 log = logging.getLogger("extproc.app")
 
 BUNDLED_PREFIX = "bundled:"
+UNKNOWN_POD_BLOCKS = 32768  # a pod's KV blocks until it reports them: 512k tokens at 16
 
 
 def check_tokenizer_path(path: Path, root: str | None, model: str) -> Path:
@@ -106,14 +109,14 @@ def check_tokenizer_path(path: Path, root: str | None, model: str) -> Path:
     return resolved
 
 
-def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokenizer:
-    """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
+def model_tokenizer_dir(model: ModelConfig, root: str | None = None) -> Path | None:
+    """The directory of the model's tokenizer; None (logged) gives a labelled estimate."""
     spec = model.tokenizer
     if spec is None:
         log.warning(
             "model %s: no tokenizer configured; token counts are ESTIMATED (chars/4)", model.name
         )
-        return CharEstimateTokenizer()
+        return None
     if spec.startswith(BUNDLED_PREFIX):
         if spec != "bundled:qwen3":
             raise ConfigError(f"models[{model.name}].tokenizer: unknown bundled tokenizer {spec!r}")
@@ -123,9 +126,15 @@ def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokeniz
                 "model %s: bundled Qwen3 tokenizer not installed; token counts are ESTIMATED",
                 model.name,
             )
-            return CharEstimateTokenizer()
-    else:
-        path = check_tokenizer_path(Path(spec), root, model.name)
+        return path
+    return check_tokenizer_path(Path(spec), root, model.name)
+
+
+def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokenizer:
+    """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
+    path = model_tokenizer_dir(model, root)
+    if path is None:
+        return CharEstimateTokenizer()
     try:
         return load_tokenizer(path)
     except TokenizerLoadError as exc:
@@ -224,6 +233,12 @@ class App:
         self._objective_watcher: InferenceObjectiveWatcher | None = None
         self._api_client: Any = None
         self._objectives: dict[str, int] = {}  # InferenceObjective name -> priority (watched)
+        # Tokenizers by content, loaded lazily within a bound (settings apply at start-up).
+        self.tokenizers = SharedTokenizers(
+            max_loaded=config.server.max_tokenizers,
+            threads=config.server.tokenizer_threads,
+            inline_threshold_chars=config.server.tokenize_inline_bytes,
+        )
         self.flow = self._build_flow(config)
         self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
@@ -292,18 +307,8 @@ class App:
 
     def _build(self, config: Config, previous: _Runtime | None = None) -> _Runtime:
         """A complete runtime for `config`, reusing what is compatible from `previous` (warm
-        tokenizers and indexes) and changing nothing live. Raises on a bad config."""
-        created: list[TokenizerPool] = []
-        try:
-            return self._build_runtime(config, previous, created)
-        except BaseException:
-            for pool in created:  # new pools of a rejected config: nothing else holds them
-                pool.close()
-            raise
-
-    def _build_runtime(
-        self, config: Config, previous: _Runtime | None, created: list[TokenizerPool]
-    ) -> _Runtime:
+        indexes; tokenizers are shared by content across runtimes) and changing nothing live.
+        Raises on a bad config."""
         # Every routing setting checked (key path in errors).
         registry = build_strategies(config, default_plugins(latency=self.latency))
         runtimes: dict[str, ModelRuntime] = {}
@@ -311,15 +316,11 @@ class App:
         exact_map: dict[str, ExactIndex] = {}
         approx_map: dict[str, ApproximateIndex] = {}
         for model in config.models:
-            pool = previous.tokenizers.get(_tok_key(model)) if previous else None
-            if pool is None:
-                pool = TokenizerPool(
-                    load_model_tokenizer(model, config.server.tokenizer_root),
-                    max_workers=config.server.tokenizer_threads,
-                    inline_threshold_chars=config.server.tokenize_inline_bytes,
-                )
-                created.append(pool)
-            tokenizers[_tok_key(model)] = pool
+            # One pool per distinct tokenizer content, shared by every model and every runtime.
+            pool = self.tokenizers.pool(
+                model_tokenizer_dir(model, config.server.tokenizer_root), model=model.name
+            )
+            tokenizers[model.name] = pool
             mode = IndexMode(model.kv_events_mode or config.kv_events.mode)
             exact = previous.exact.get(model.name) if previous else None
             if exact is None or exact.block_size != model.block_size:
@@ -385,9 +386,10 @@ class App:
 
     def _install(self, rt: _Runtime) -> None:
         """Make `rt` the live runtime (start-up and reload). KV-event subscribers follow
-        with `kv.set_indexes` (async). Tokenizer pools the new runtime dropped stay open:
-        requests the old director is still tokenizing use them."""
+        with `kv.set_indexes` (async). Tokenizer pools are shared by content and outlive
+        runtimes (`SharedTokenizers`); the old director's requests keep theirs."""
         self._rt = rt
+        self.tokenizers.set_inline_threshold(rt.config.server.tokenize_inline_bytes)
         self._routes = self._routes.with_local(rt.config.routes)
         self._set_rewrites(self._found_rewrites)
         self._publish_endpoints()
@@ -655,6 +657,9 @@ class App:
         await self.kv.set_endpoints(self.store.endpoints())
         self._start_kubernetes()
         await self._admin.start(self.config.server.host, self.config.server.metrics_port)
+        # Up to the bound, tokenizers load now in the executor (the first requests wait less).
+        warm = self.tokenizers.warm()
+        self._tasks.append(asyncio.create_task(warm, name="tokenizers-warm"))
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease-expiry"))
         if self.flow is not None:
@@ -712,9 +717,25 @@ class App:
         is: the waiting room of a pool scaling up from zero)."""
         return bool(self.config.models) and (self.flow is not None or self.store.any_ready())
 
+    def _size_indexes(self) -> None:
+        """Each pool's prefix indexes bounded by what its pods can cache (1.25x their reported
+        blocks; 32k blocks for a pod not saying), within the configured per-pool ceilings: a
+        fleet of small pools holds what it caches, not a ceiling per pool."""
+        kv = self.config.kv_events
+        for model, exact in self._rt.exact.items():
+            need = int(1.25 * self.store.cache_blocks(model, unknown=UNKNOWN_POD_BLOCKS))
+            exact.resize(max(1, min(kv.exact_capacity_blocks, need)))
+            approx = self._rt.approx.get(model)
+            if approx is not None:
+                approx.resize(max(1, min(kv.approx_capacity_blocks, need)))
+
     async def _readiness_loop(self) -> None:
         ready: bool | None = None
+        sized = -math.inf
         while True:
+            if time.monotonic() - sized > 5.0:
+                self._size_indexes()
+                sized = time.monotonic()
             self.metrics.refresh_ready(self.store, time.monotonic())
             stall_after = self.config.routing.stall_after_s
             for address in {
@@ -818,10 +839,6 @@ class _HandlerRef:
 
     def account(self, record: AccessRecord) -> None:
         self._app.director.account(record)
-
-
-def _tok_key(model: ModelConfig) -> str:
-    return f"{model.name}\x00{model.tokenizer}"
 
 
 def _mtime(path: Path | None) -> float | None:

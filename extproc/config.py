@@ -110,7 +110,10 @@ class ServerConfig:
     # ~3 ms), is encoded on the event loop: a hop to a thread and back cost more than that
     # under load (the higress scenario: 4.7 against 8.5 ms mean tokenization at 4096).
     tokenize_inline_bytes: int = 16384
-    tokenizer_threads: int = 1
+    tokenizer_threads: int = 1  # shared by every tokenizer
+    # Distinct tokenizers (by file content: models naming equal files share one) kept loaded;
+    # past it the least recently used is dropped and loaded again by its next request.
+    max_tokenizers: int = 8
     # When set, every tokenizer directory must resolve (symlinks followed) inside this root:
     # the config cannot make the server read files elsewhere.
     tokenizer_root: str | None = None

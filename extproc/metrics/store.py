@@ -531,6 +531,19 @@ class EndpointStore:
                 out.append((ep, metrics))
         return tuple(out)
 
+    def cache_blocks(self, model: str, *, unknown: int) -> int:
+        """KV-cache blocks the model's pods can hold together, as their engines report it
+        (`num_gpu_blocks`); `unknown` for a pod not scraped yet or not saying. What sizes the
+        pool's prefix indexes: a pool of ten pods needs a tenth of a hundred-pod pool's."""
+        total = 0
+        for ep in self._by_model.get(model, ()):
+            state = self._states.get(ep)
+            blocks = (
+                None if state is None or state.metrics is None else state.metrics.num_gpu_blocks
+            )
+            total += blocks if blocks is not None and blocks > 0 else unknown
+        return total
+
     def any_ready(self, now: float | None = None) -> bool:
         """True when at least one endpoint of any model is ready (readiness probe)."""
         if now is None:
