@@ -66,6 +66,7 @@ from extproc.kvevents.metrics import KVEventMetrics
 from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
+from extproc.metrics.scrape import PageFetcher
 from extproc.metrics.store import EndpointStore
 from extproc.metrics.transport import PerHostTransport
 from extproc.routing.builtin import default_plugins
@@ -243,10 +244,14 @@ class App:
         self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
+        # One kept-alive connection per pod, httpx for https and the rest (metrics/scrape.py).
+        self._pages = PageFetcher(self._scrape_http, max_bytes=config.metrics.max_response_bytes)
         self.poller = MetricsPoller(
             self.store,
             self._scrape_http,
+            fetch=self._pages.fetch,
             interval=config.metrics.poll_interval_s,
+            idle_interval=config.metrics.idle_poll_interval_s,
             timeout=config.metrics.timeout_s,
             max_bytes=config.metrics.max_response_bytes,
             names=metric_preset(config.metrics.preset, config.metrics.names),
@@ -366,7 +371,7 @@ class App:
             route_settings=self.route_settings_for,
             model_rewrites=lambda: self._rewrites,
             prefill=PrefillClient(self._http),
-            on_routed=lambda address: self.kv.note_traffic(address),
+            on_routed=self._note_traffic,
             replica=self.replica,
             leases=self.leases,
             flow=FlowStep(self.flow) if self.flow is not None else None,
@@ -482,6 +487,12 @@ class App:
         )
         return sync
 
+    def _note_traffic(self, address: str) -> None:
+        """A request was routed to `address`: its KV events and its metrics are watched
+        closely from now on (an idle pod was scraped at the idle pace)."""
+        self.kv.note_traffic(address)
+        self.poller.note_traffic(address)
+
     def _lease_bound(self, address: str) -> float:
         """How long a request on `address` may take before its lease is presumed lost: 3x
         the longest response seen there (else in the pool), within the configured bounds."""
@@ -525,7 +536,7 @@ class App:
             return
         state = self.store.state(ep)
         if state is None or state.metrics is None or state.metrics.updated_at < metrics.updated_at:
-            self.store.record_success(ep, metrics)
+            self.poller.record_peer(ep, metrics)
 
     def _kv_manager(self, config: Config) -> KVEventManager:
         manager = KVEventManager(
@@ -695,9 +706,9 @@ class App:
         await self.kv.close()
         await self._admin.stop()
         await self._http.aclose()
+        await self._pages.aclose()
         await self._scrape_http.aclose()
-        for pool in self._rt.tokenizers.values():
-            pool.close()
+        await asyncio.to_thread(self.tokenizers.close)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

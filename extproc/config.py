@@ -148,12 +148,20 @@ class AdminConfig:
 
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
-    poll_interval_s: float = 0.5
+    poll_interval_s: float = 0.5  # busy or changing pods
+    # Idle pods (nothing running or waiting, figures unchanged, nothing routed there): the
+    # pause doubles per scrape up to this; their figures are used until the next scrape is
+    # due plus stale_after_s (extproc/metrics/poller.py). Equal to poll_interval_s: a fixed pace.
+    idle_poll_interval_s: float = 10.0
     timeout_s: float = 1.0
     stale_after_s: float = 3.0  # a pod whose last good scrape is older leaves the candidate set
     preset: Literal["vllm", "sglang"] = "vllm"
     names: dict[str, str] = field(default_factory=dict)  # override single metric names
     max_response_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.idle_poll_interval_s < self.poll_interval_s:
+            raise ConfigError("idle_poll_interval_s: must be at least poll_interval_s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ _UNESCAPE = re.compile(r"\\(.)")
 # A line that starts like a sample (cheap pre-check before parsing it fully).
 _ANY_SAMPLE = re.compile(r"^[ \t\r]*([a-zA-Z_:][a-zA-Z0-9_:]*)[{ \t].*", re.MULTILINE)
 _BLANK = " \t\r"
+_INDENTED = "\n "
 _SPECIAL_VALUES = {"+Inf": math.inf, "Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}
 
 
@@ -124,9 +125,38 @@ def parse(text: str, wanted: Collection[str] | None = None) -> ParseResult:
 def _parse_wanted(text: str, wanted: Collection[str]) -> ParseResult:
     if not wanted:
         return ParseResult((), 0, 0, _ANY_SAMPLE.search(text) is not None)
+    if _INDENTED in text or "\n\t" in text or "\n\r" in text or text[:1] in _BLANK:
+        return _parse_wanted_regex(text, wanted)  # indented lines: rare, the general scan
+    # Each wanted name is found with `str.find` from line start to line start (C speed, a
+    # few microseconds a name over a vLLM page), then only those lines are parsed.
+    body = "\n" + text
+    found: list[tuple[int, str]] = []
+    for name in wanted:
+        needle = "\n" + name
+        size = len(needle)
+        at = body.find(needle)
+        while at >= 0:
+            nxt = body[at + size : at + size + 1]
+            if nxt in ("{", " ", "\t"):
+                end = body.find("\n", at + size)
+                found.append((at, body[at + 1 : end if end >= 0 else len(body)]))
+            at = body.find(needle, at + size)
+    found.sort()
+    samples: list[Sample] = []
+    errors = 0
+    for _, line in found:
+        sample = _parse_line(line.strip(_BLANK))
+        if sample is None:
+            errors += 1
+        else:
+            samples.append(sample)
+    return _wanted_result(text, wanted, samples, errors, len(found))
+
+
+def _parse_wanted_regex(text: str, wanted: Collection[str]) -> ParseResult:
     # Anchoring on a literal "\n" (not ^ with MULTILINE) lets re jump from line to line
-    # with a fast literal search: 5x quicker on a vLLM page. re caches compiled patterns,
-    # so a repeated wanted set costs one join, not a compile.
+    # with a fast literal search. re caches compiled patterns, so a repeated wanted set costs
+    # one join, not a compile.
     alternatives = "|".join(re.escape(n) for n in sorted(wanted))
     finder = re.compile(rf"\n[ \t\r]*(?:{alternatives})(?=[{{ \t])[^\n]*")
     samples: list[Sample] = []
@@ -139,6 +169,12 @@ def _parse_wanted(text: str, wanted: Collection[str]) -> ParseResult:
             errors += 1
         else:
             samples.append(sample)
+    return _wanted_result(text, wanted, samples, errors, lines)
+
+
+def _wanted_result(
+    text: str, wanted: Collection[str], samples: list[Sample], errors: int, lines: int
+) -> ParseResult:
     other = False
     if not samples:
         other = any(

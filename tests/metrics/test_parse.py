@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.metrics.parse import parse
+from extproc.metrics.names import VLLM
+from extproc.metrics.parse import _parse_wanted, _parse_wanted_regex, parse
 from tests.metrics.expositions import SGLANG, VLLM_DP2
 
 # (line, expected (name, labels, value) or None for an error line)
@@ -174,3 +175,22 @@ def test_never_raises_on_exposition_like_text(text: str) -> None:
     # Filtering changes speed, never results: the same samples an unfiltered parse gives.
     assert filtered.samples == tuple(s for s in result.samples if s.name in {"m", "vllm:x"})
     assert filtered.errors <= result.errors
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_line_atoms, max_size=40).map("".join))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
+def test_line_finding_equals_the_general_scan(text: str) -> None:
+    # The fast path (str.find per wanted name) and the regex scan agree on every input the
+    # fast path takes; the others go to the scan.
+    wanted = {"m", "vllm:x", "e"}
+    assert _parse_wanted(text, wanted) == _parse_wanted_regex(text, wanted)
+
+
+def test_line_finding_on_a_vllm_page_keeps_page_order() -> None:
+    wanted = VLLM.wanted()
+    fast = _parse_wanted(VLLM_DP2, wanted)
+    assert fast == _parse_wanted_regex(VLLM_DP2, wanted)
+    assert [s.name for s in fast.samples] == [
+        s.name for s in parse(VLLM_DP2).samples if s.name in wanted
+    ]
