@@ -229,7 +229,12 @@ class GatewayMetrics:
         self.in_flight.labels(endpoint).set(count)
 
     def set_stalled(self, endpoint: str, stalled: bool) -> None:
-        self.endpoint_stalled.labels(endpoint).set(1 if stalled else 0)
+        """A series only while the endpoint is stalled (1): a thousand pods would otherwise
+        export a thousand zeros. `max by (endpoint) (...) == 1` reads it the same."""
+        if stalled:
+            self.endpoint_stalled.labels(endpoint).set(1)
+        else:
+            _remove(self.endpoint_stalled, endpoint)
 
     def set_ready(self, model: str, endpoint: str, ready: bool) -> None:
         self.endpoint_ready.labels(model, endpoint).set(1 if ready else 0)
