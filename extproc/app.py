@@ -57,6 +57,16 @@ from extproc.discovery.kubernetes import (
     PodSource,
     make_api_client,
 )
+from extproc.discovery.pools import (
+    FleetChanges,
+    FleetSnapshot,
+    PoolDispatcher,
+    PoolHandlers,
+    PoolKey,
+    PoolSelection,
+    PoolWatcher,
+    model_config,
+)
 from extproc.flowcontrol import FlowController, FlowMetrics, PoolCapacity
 from extproc.gctune import tune_gc
 from extproc.kvcache.approx import ApproximateIndex
@@ -240,6 +250,12 @@ class App:
             threads=config.server.tokenizer_threads,
             inline_threshold_chars=config.server.tokenize_inline_bytes,
         )
+        # Pools found in the cluster (extproc/discovery/pools/): a runtime per pool, and the
+        # dispatcher giving each request to its route's pool (the config's models otherwise).
+        self._pool_runtimes: dict[PoolKey, _Runtime] = {}
+        self._pool_endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self._pools: PoolDispatcher[Director] = PoolDispatcher(lambda: self._rt.director)
+        self._pool_watcher: PoolWatcher | None = None
         self.flow = self._build_flow(config)
         self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
@@ -302,11 +318,11 @@ class App:
 
     @property
     def exact_indexes(self) -> Mapping[str, ExactIndex]:
-        return self._rt.exact
+        return {k: v for rt in self._runtimes() for k, v in rt.exact.items()}
 
     @property
     def approx_indexes(self) -> Mapping[str, ApproximateIndex]:
-        return self._rt.approx
+        return {k: v for rt in self._runtimes() for k, v in rt.approx.items()}
 
     # -- building ------------------------------------------------------------------------------
 
@@ -559,6 +575,7 @@ class App:
         by_model = dict(self._rt.static)
         for model, eps in self._discovered.items():
             by_model[model] = (*by_model.get(model, ()), *eps)
+        by_model.update(self._pool_endpoints)
         self.store.set_endpoints(by_model)
 
     def _on_discovered(self, model: str, endpoints: tuple[Endpoint, ...]) -> None:
@@ -588,14 +605,17 @@ class App:
         cfg = self.config
         wanted = [m for m in cfg.models if m.kubernetes is not None]
         k = cfg.kubernetes
-        if not wanted and not (
-            k.watch_httproutes or k.watch_model_rewrites or k.watch_inference_objectives
+        if (
+            not wanted
+            and not cfg.pools.enabled
+            and not (k.watch_httproutes or k.watch_model_rewrites or k.watch_inference_objectives)
         ):
             return
         self._api_client = make_api_client(
             in_cluster=cfg.kubernetes.in_cluster, kubeconfig=cfg.kubernetes.kubeconfig
         )
         loop = asyncio.get_running_loop()
+        self._start_pools(loop)
         for model in wanted:
             assert model.kubernetes is not None
             discovery = PodDiscovery(
@@ -637,6 +657,9 @@ class App:
         log.info("%d InferenceObjectives in force", len(by_name))
 
     async def _stop_kubernetes(self) -> None:
+        if self._pool_watcher is not None:
+            await asyncio.to_thread(self._pool_watcher.stop)
+            self._pool_watcher = None
         for discovery in self._discoveries:
             await asyncio.to_thread(discovery.stop)
         self._discoveries.clear()
@@ -652,6 +675,72 @@ class App:
         if self._api_client is not None:
             self._api_client.close()
             self._api_client = None
+
+    # -- pools found in the cluster (extproc/discovery/pools/) ----------------------------------
+
+    def handler_for(self, head: RequestHead | None) -> Director:
+        """The director of the pool the request's route names, else the config's."""
+        return self._pools.handler_for(head)
+
+    def _runtimes(self) -> list[_Runtime]:
+        return [self._rt, *self._pool_runtimes.values()]
+
+    def _start_pools(self, loop: asyncio.AbstractEventLoop) -> None:
+        pools = self.config.pools
+        if not pools.enabled:
+            return
+        selection = PoolSelection(
+            picker_names=frozenset(pools.picker_names),
+            labels=dict(pools.labels),
+            namespaces=tuple(pools.namespaces),
+        )
+        self._pool_watcher = PoolWatcher(self._api_client, selection, self._on_pools, loop=loop)
+        self._pool_watcher.start()
+
+    def _build_pool(self, snapshot: FleetSnapshot, key: PoolKey) -> _Runtime:
+        """A runtime for one pool: the live config with the pool as its only model."""
+        spec = snapshot.pools[key].spec
+        cfg = dataclasses.replace(
+            self.config, models=[model_config(spec, self.config.pools.tokenizer)]
+        )
+        return self._build(cfg, previous=self._pool_runtimes.get(key))
+
+    def _on_pools(self, snapshot: FleetSnapshot, *, rebuild: bool = False) -> None:
+        """Pools appeared, changed or went: build the new ones beside the live ones, then
+        swap; a pool whose settings do not build is left out (logged), the others go on."""
+        changes = FleetChanges.between(self._pools.current.snapshot, snapshot)
+        runtimes = {k: rt for k, rt in self._pool_runtimes.items() if k in snapshot.pools}
+        build = list(snapshot.pools) if rebuild else [*changes.added, *changes.changed]
+        for key in build:
+            try:
+                runtimes[key] = self._build_pool(snapshot, key)
+            except (ConfigError, GatewayError, ValueError) as exc:
+                log.error("inferencepool %s/%s is not served: %s", *key, exc)
+                runtimes.pop(key, None)
+        self._pool_runtimes = runtimes
+        self._pool_endpoints = {
+            name: eps for name, eps in snapshot.endpoints().items()
+            if any(rt.config.models[0].name == name for rt in runtimes.values())
+        }  # fmt: skip
+        self._pools.install(PoolHandlers(snapshot, {k: rt.director for k, rt in runtimes.items()}))
+        self._publish_endpoints()
+        if changes or rebuild:
+            log.info(
+                "pools: %d served (%d added, %d changed, %d removed, %d with new endpoints)",
+                len(runtimes), len(changes.added), len(changes.changed), len(changes.removed),
+                len(changes.endpoints),
+            )  # fmt: skip
+        task = asyncio.get_running_loop().create_task(self._follow_kv())
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _follow_kv(self) -> None:
+        await self.kv.set_indexes(self.exact_indexes)
+        await self.kv.set_endpoints(self.store.endpoints())
+
+    def _rebuild_pools(self) -> None:
+        if self._pool_runtimes or self._pool_watcher is not None:
+            self._on_pools(self._pools.current.snapshot, rebuild=True)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -726,17 +815,19 @@ class App:
     def is_ready(self) -> bool:
         """Serving: some pod is ready, or flow control is on (it holds requests while no pod
         is: the waiting room of a pool scaling up from zero)."""
-        return bool(self.config.models) and (self.flow is not None or self.store.any_ready())
+        serves = bool(self.config.models or self._pool_runtimes)
+        return serves and (self.flow is not None or self.store.any_ready())
 
     def _size_indexes(self) -> None:
         """Each pool's prefix indexes bounded by what its pods can cache (1.25x their reported
         blocks; 32k blocks for a pod not saying), within the configured per-pool ceilings: a
         fleet of small pools holds what it caches, not a ceiling per pool."""
         kv = self.config.kv_events
-        for model, exact in self._rt.exact.items():
+        approx_all = self.approx_indexes
+        for model, exact in self.exact_indexes.items():
             need = int(1.25 * self.store.cache_blocks(model, unknown=UNKNOWN_POD_BLOCKS))
             exact.resize(max(1, min(kv.exact_capacity_blocks, need)))
-            approx = self._rt.approx.get(model)
+            approx = approx_all.get(model)
             if approx is not None:
                 approx.resize(max(1, min(kv.approx_capacity_blocks, need)))
 
@@ -811,8 +902,9 @@ class App:
                 self.reload_status.failed(time.time(), str(exc))
                 continue
             self._install(rt)
+            self._rebuild_pools()  # the pools' runtimes on the new settings
             # Subscribers of a model whose index was replaced (block size) restart on the new one.
-            await self.kv.set_indexes(rt.exact)
+            await self.kv.set_indexes(self.exact_indexes)
             await self.kv.set_endpoints(self.store.endpoints())
             self.config_reloads.labels("ok").inc()
             self.reload_status.succeeded(time.time())
@@ -843,10 +935,10 @@ class _HandlerRef:
         return self._app.director.max_body_bytes
 
     async def route(self, head: RequestHead, body: bytes | None) -> Any:
-        return await self._app.director.route(head, body)
+        return await self._app.handler_for(head).route(head, body)
 
     def reject(self, head: RequestHead | None, status: int, message: str) -> Any:
-        return self._app.director.reject(head, status, message)
+        return self._app.handler_for(head).reject(head, status, message)
 
     def account(self, record: AccessRecord) -> None:
         self._app.director.account(record)

@@ -40,6 +40,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "ModelRewriteConfig",
+    "PoolsConfig",
     "RewriteRule",
     "RewriteTarget",
     "RouteSettings",
@@ -445,6 +446,21 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolsConfig:
+    """InferencePools served without listing them (extproc/discovery/pools/): the ones whose
+    `endpointPickerRef` is a Service named in `picker_names`, or carrying `labels`."""
+
+    picker_names: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    tokenizer: str | None = None  # for pools whose `lb.extproc.io/tokenizer` names none
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.picker_names or self.labels)
+
+
+@dataclass(frozen=True, slots=True)
 class RouteSettings:
     """Per-route routing settings, from HTTPRoute annotations or the YAML ``routes:`` section."""
 
@@ -470,6 +486,7 @@ class Config:
     flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     models: list[ModelConfig] = field(default_factory=list)
     model_rewrites: list[ModelRewriteConfig] = field(default_factory=list)  # aliases, canaries

@@ -40,6 +40,7 @@ DEPLOY = REPO / "deploy"
 CRDS = Path(__file__).resolve().parent / "crds"  # upstream CRDs, unmodified (see its README)
 OVERLAYS = [
     "envoy-gateway",
+    "envoy-gateway-fleet",
     "envoy-gateway-token-limits",
     "inferencepool",
     "keda",
