@@ -840,10 +840,7 @@ class App:
                 sized = time.monotonic()
             self.metrics.refresh_ready(self.store, time.monotonic())
             stall_after = self.config.routing.stall_after_s
-            for address in {
-                ep.address for m in self.store.models() for ep in self.store.endpoints(m)
-            }:
-                self.metrics.set_stalled(address, self.inflight.stalled(address, stall_after))
+            self.metrics.refresh_stalled(self.inflight.stalled_addresses(stall_after))
             self.state_gauge.labels("access_log_streams").set(self.server.access_log.streams)
             self.state_gauge.labels("deciding").set(self.director.deciding)
             self.state_gauge.labels("flow_control_waiting").set(
