@@ -20,8 +20,9 @@ p50/p99 per pool (hot pools each, cold pools together).
     flock /tmp/heavy.lock .venv/bin/python bench/fleet.py --pools 10 --pods 10 \\
         [--window 20] [--rate 20] [--hot 3] [--sim-procs 2] [--json out.json] [--label now]
 
-`--memory`: no simulators, no traffic; the server's components built in this process for the
-same shape, RSS after each: the app (one shared tokenizer not loaded yet), the tokenizer
+`--memory`: no simulators, no traffic; the server started in this process for the same shape
+(nothing listens at the endpoints), RSS after each step: the app (one shared tokenizer not
+loaded yet), the tokenizer
 loaded, every endpoint's engine figures stored, every pool's exact KV index filled with each
 pod's whole cache (`--blocks-per-pod` distinct blocks of 16 tokens, chained as an engine
 stores them). Per endpoint and per pool figures are the slope between two shapes.
@@ -40,6 +41,7 @@ import json
 import math
 import os
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -94,6 +96,12 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return math.nan
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def port_base(size: int) -> int:
@@ -365,7 +373,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
 
     shape = FleetShape(pools=args.pools, pods=args.pods, base_port=20000)
     cfg = {
-        "server": {"grpc_port": 19000, "metrics_port": 19001},
+        "server": {"grpc_port": free_port(), "metrics_port": free_port()},
         "models": [shape.model_config(j) for j in range(args.pools)],
     }
     gc.collect()
@@ -375,6 +383,9 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
 
     async def build() -> dict[str, Any]:
         app = App(load_config_text(yaml.safe_dump(cfg)))
+        # Started as `extproc serve` starts it (gRPC and admin servers, poller, loops); nothing
+        # listens at the endpoints, so their scrapes are refused and they stay unready.
+        await app.start()
         gc.collect()
         out["rss_app_mib"] = round(rss_mib(pid), 1)
         await app.tokenizers.warm()
@@ -414,9 +425,38 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
             sum(i.stats().bytes_estimate for i in app.exact_indexes.values()) / 2**20, 1
         )
         out["rss_full_index_mib"] = round(rss_mib(pid), 1)
+        await app.stop()
         return out
 
     return asyncio.run(build())
+
+
+def plot(rows_path: Path, out: Path) -> None:
+    """Server CPU and RSS against endpoints, idle and loaded, for each label in the file."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    runs = [r for r in rows if "idle" in r]
+    fig, (cpu_ax, rss_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in sorted({r["label"] for r in runs}):
+        mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["endpoints"])
+        x = [r["endpoints"] for r in mine]
+        cpu_ax.plot(x, [r["idle"]["server_cpu"] for r in mine], "o-", label=f"{label}, idle")
+        loaded = [(r["endpoints"], r["load"]["server_cpu"]) for r in mine if "load" in r]
+        if loaded:
+            cpu_ax.plot(*zip(*loaded, strict=True), "s--", label=f"{label}, loaded")
+        rss_ax.plot(x, [r["idle"]["rss_mib"] for r in mine], "o-", label=label)
+    cpu_ax.set(xlabel="endpoints (pools of 10)", ylabel="server CPU (cores)", ylim=(0, None))
+    rss_ax.set(xlabel="endpoints (pools of 10)", ylabel="server RSS (MiB)", ylim=(0, None))
+    for ax in (cpu_ax, rss_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("One gateway for a fleet: cost against endpoints (bench/fleet.py)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def main() -> None:
@@ -438,8 +478,15 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary dir)")
     ap.add_argument("--json", type=Path, help="append the result (one JSON line) to this file")
     ap.add_argument("--memory", action="store_true", help="in-process memory breakdown only")
+    ap.add_argument(
+        "--plot", nargs=2, type=Path, metavar=("ROWS.jsonl", "OUT.png"),
+        help="draw cost against endpoints from saved rows, and exit",
+    )  # fmt: skip
     ap.add_argument("--blocks-per-pod", type=int, default=8192, help="--memory: cache per pod")
     args = ap.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return
     if args.memory:
         mem = memory(args)
         print(json.dumps(mem, indent=1))
