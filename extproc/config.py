@@ -151,7 +151,7 @@ class AdminConfig:
 class MetricsConfig:
     poll_interval_s: float = 0.5  # busy or changing pods
     # Idle pods (nothing running or waiting, figures unchanged, nothing routed there): the
-    # pause doubles per scrape up to this; their figures are used until the next scrape is
+    # pause grows 4x per scrape up to this; their figures are used until the next scrape is
     # due plus stale_after_s (extproc/metrics/poller.py). Equal to poll_interval_s: a fixed pace.
     idle_poll_interval_s: float = 10.0
     timeout_s: float = 1.0

@@ -9,11 +9,13 @@ what makes a scrape cheap.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from extproc.types import EMPTY_LABELS
 
@@ -28,7 +30,6 @@ _UNESCAPE = re.compile(r"\\(.)")
 # A line that starts like a sample (cheap pre-check before parsing it fully).
 _ANY_SAMPLE = re.compile(r"^[ \t\r]*([a-zA-Z_:][a-zA-Z0-9_:]*)[{ \t].*", re.MULTILINE)
 _BLANK = " \t\r"
-_INDENTED = "\n "
 _SPECIAL_VALUES = {"+Inf": math.inf, "Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}
 
 
@@ -57,6 +58,7 @@ def _unescape(value: str) -> str:
     return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
+@functools.lru_cache(maxsize=4096)  # a page repeats its label sets at every scrape
 def _parse_labels(body: str) -> Mapping[str, str] | None:
     """Parse `a="x",b="y"` (trailing comma allowed); None if anything is malformed."""
     if not body.strip():
@@ -122,43 +124,39 @@ def parse(text: str, wanted: Collection[str] | None = None) -> ParseResult:
     return ParseResult(tuple(samples), errors, lines)
 
 
+def _trie(words: Iterable[str]) -> str:
+    """A regex alternation of `words` with common prefixes factored out ("a(?:b|c)"): re
+    then tries a line start against one branch per character instead of every name in turn,
+    nine times faster over a vLLM page than the flat `a|b|c`."""
+    root: dict[str, Any] = {}
+    for word in sorted(set(words)):
+        node = root
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        alts = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(root)
+
+
+@functools.lru_cache(maxsize=64)
+def _wanted_pattern(wanted: frozenset[str]) -> re.Pattern[str]:
+    # Anchoring on a literal "\n" (not ^ with MULTILINE) lets re jump from line to line.
+    return re.compile(rf"\n[ \t\r]*(?:{_trie(wanted)})(?=[{{ \t])[^\n]*")
+
+
 def _parse_wanted(text: str, wanted: Collection[str]) -> ParseResult:
     if not wanted:
         return ParseResult((), 0, 0, _ANY_SAMPLE.search(text) is not None)
-    if _INDENTED in text or "\n\t" in text or "\n\r" in text or text[:1] in _BLANK:
-        return _parse_wanted_regex(text, wanted)  # indented lines: rare, the general scan
-    # Each wanted name is found with `str.find` from line start to line start (C speed, a
-    # few microseconds a name over a vLLM page), then only those lines are parsed.
-    body = "\n" + text
-    found: list[tuple[int, str]] = []
-    for name in wanted:
-        needle = "\n" + name
-        size = len(needle)
-        at = body.find(needle)
-        while at >= 0:
-            nxt = body[at + size : at + size + 1]
-            if nxt in ("{", " ", "\t"):
-                end = body.find("\n", at + size)
-                found.append((at, body[at + 1 : end if end >= 0 else len(body)]))
-            at = body.find(needle, at + size)
-    found.sort()
-    samples: list[Sample] = []
-    errors = 0
-    for _, line in found:
-        sample = _parse_line(line.strip(_BLANK))
-        if sample is None:
-            errors += 1
-        else:
-            samples.append(sample)
-    return _wanted_result(text, wanted, samples, errors, len(found))
-
-
-def _parse_wanted_regex(text: str, wanted: Collection[str]) -> ParseResult:
-    # Anchoring on a literal "\n" (not ^ with MULTILINE) lets re jump from line to line
-    # with a fast literal search. re caches compiled patterns, so a repeated wanted set costs
-    # one join, not a compile.
-    alternatives = "|".join(re.escape(n) for n in sorted(wanted))
-    finder = re.compile(rf"\n[ \t\r]*(?:{alternatives})(?=[{{ \t])[^\n]*")
+    # One scan from line start to line start with the names as a trie (40 us over a vLLM
+    # page); only the lines found are parsed (a dozen of its ~490).
+    finder = _wanted_pattern(frozenset(wanted))
     samples: list[Sample] = []
     errors = 0
     lines = 0

@@ -8,11 +8,12 @@ any of this: it reads the store.
 
 **Rate.** A pod is scraped every `interval` while it is busy or changing. A pod whose engine
 reports nothing running and nothing waiting, with the same load figures as at its previous
-scrape, and to which this gateway has routed nothing for `stale_after_s`, is idle: its interval
-doubles at
-each such scrape, up to `idle_interval`. The first request routed to it (`note_traffic`)
-brings it back to `interval` and scrapes it at once. A thousand idle pods then cost a
-scrape each every `idle_interval`, not every `interval`.
+scrape, and to which this gateway has routed nothing for an `interval`, is idle: its interval
+grows fourfold at each such scrape, up to `idle_interval` (0.5, 2, 8, 10 s by default). The
+first request routed to it (`note_traffic`) brings it back to `interval` and scrapes it at
+once. A thousand idle pods then cost a scrape each every `idle_interval`, not every
+`interval`; a request to an idle pod costs a few scrapes (at once, while it runs, the one that
+sees it finished, and the way back to the idle pace).
 
 **Freshness** (what a decision may use, per field):
 - running and waiting requests, KV-cache usage, the running and waiting LoRA adapters, the
@@ -51,6 +52,7 @@ __all__ = ["SCRAPE_RESULTS", "MetricsPoller", "ScrapeObserver"]
 SCRAPE_RESULTS = ("ok", "timeout", "unreachable", "http_error", "too_large", "garbage", "error")
 
 _log = logging.getLogger(__name__)
+IDLE_GROWTH = 4  # an idle pod's pause grows this much per unchanged scrape
 
 Fetch = Callable[[str], Awaitable[bytes]]
 _Signature = tuple[tuple[object, ...], ...]
@@ -288,7 +290,7 @@ class MetricsPoller:
             sched is not None
             and sched.interval > self._interval
             and _nothing_in_flight((metrics,))
-            and self._clock() - sched.routed_at > self._store.stale_after
+            and self._clock() - sched.routed_at > self._interval
         ):
             trusted_for = sched.interval + self._store.stale_after
         self._store.record_success(endpoint, metrics, trusted_for=trusted_for)
@@ -344,7 +346,7 @@ class MetricsPoller:
             return None
         signature = _load_signature(metrics)
         idle = (
-            self._clock() - sched.routed_at > self._store.stale_after
+            self._clock() - sched.routed_at > self._interval
             and sched.signature == signature
             and _nothing_in_flight(metrics)
             and self._idle_interval > self._interval
@@ -353,7 +355,7 @@ class MetricsPoller:
         if not idle:
             sched.interval = self._interval
             return None
-        sched.interval = min(self._idle_interval, sched.interval * 2)
+        sched.interval = min(self._idle_interval, sched.interval * IDLE_GROWTH)
         return sched.interval + self._store.stale_after
 
     def _ingest(self, url: str, body: bytes) -> None:
