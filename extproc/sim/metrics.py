@@ -161,9 +161,7 @@ class SimMetrics:
         self._params_n = histogram("vllm:request_params_n", "n", PARAMS_N_BUCKETS)
         # Label strings of every histogram's bucket lines, built once.
         self._bucket_labels = {
-            name: [
-                _labels((*self._base, ("le", _num(b)))) for b in (*h.bounds, math.inf)
-            ]
+            name: [_labels((*self._base, ("le", _num(b)))) for b in (*h.bounds, math.inf)]
             for name, (_doc, h) in self._histograms.items()
         }
         self._max_model_len = config.max_model_len
