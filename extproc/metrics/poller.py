@@ -35,13 +35,13 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import httpx
 
 from extproc.metrics.names import VLLM, MetricNames, extract
-from extproc.metrics.parse import parse
+from extproc.metrics.parse import parse_lines, wanted_lines
 from extproc.metrics.scrape import ScrapeError
 from extproc.metrics.store import EndpointStore
 from extproc.types import Endpoint, EngineMetrics
@@ -139,6 +139,8 @@ class MetricsPoller:
         self._heap: list[tuple[float, str]] = []  # (due, url); stale entries skipped
         self._scrapes: dict[str, asyncio.Task[None]] = {}  # by metrics URL
         self._last_result: dict[str, str] = {}
+        # Per URL: the wanted lines of its last good scrape and what they gave.
+        self._last_lines: dict[str, tuple[tuple[str, ...], list[EngineMetrics]]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._sleep_until = math.inf
@@ -210,6 +212,7 @@ class MetricsPoller:
             if ep.metrics_url is not None:
                 groups.setdefault(ep.metrics_url, []).append(ep)
         self._groups = groups
+        self._last_lines.clear()  # a URL's endpoints may have changed: parse afresh
         by_address: dict[str, list[str]] = {}
         for url, eps in groups.items():
             for ep in eps:
@@ -221,6 +224,7 @@ class MetricsPoller:
             if url not in groups:  # removed by discovery: stop scraping it
                 del self._schedules[url]
                 self._last_result.pop(url, None)
+                self._last_lines.pop(url, None)
                 task = self._scrapes.pop(url, None)
                 if task is not None:
                     task.cancel()
@@ -362,16 +366,27 @@ class MetricsPoller:
         eps = self._groups.get(url, [])
         names_of = [self.names_for(ep) for ep in eps]
         wanted = frozenset().union(*(self._wanted_names(n) for n in set(names_of)))
-        result = parse(body.decode("utf-8", errors="replace"), wanted)
-        # Any well-formed line (even of metrics we do not read) makes a partial scrape,
-        # which beats none; nothing well-formed at all is garbage (an error page).
-        if not result.samples and not result.other_metrics:
-            raise ScrapeError("garbage", f"no valid Prometheus sample ({result.errors} bad lines)")
+        text = body.decode("utf-8", errors="replace")
+        lines = wanted_lines(text, wanted)
         now = self._clock()
-        out = [
-            extract(result.samples, names, ep.model, now)
-            for ep, names in zip(eps, names_of, strict=True)
-        ]
+        last = self._last_lines.get(url)
+        if lines and last is not None and last[0] == lines:
+            # The lines we read are those of the last scrape: the same figures, newly taken
+            # (an idle engine's page, most scrapes of a fleet).
+            out = [replace(m, updated_at=now) for m in last[1]]
+        else:
+            result = parse_lines(lines, text, wanted)
+            # Any well-formed line (even of metrics we do not read) makes a partial scrape,
+            # which beats none; nothing well-formed at all is garbage (an error page).
+            if not result.samples and not result.other_metrics:
+                raise ScrapeError(
+                    "garbage", f"no valid Prometheus sample ({result.errors} bad lines)"
+                )
+            out = [
+                extract(result.samples, names, ep.model, now)
+                for ep, names in zip(eps, names_of, strict=True)
+            ]
+        self._last_lines[url] = (lines, out)
         trusted_for = self._pace(url, out)
         for ep, metrics in zip(eps, out, strict=True):
             self._store.record_success(ep, metrics, trusted_for=trusted_for)

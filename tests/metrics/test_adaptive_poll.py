@@ -167,3 +167,41 @@ def test_idle_interval_below_interval_is_refused() -> None:
         MetricsPoller(
             EndpointStore(stale_after=1.0), httpx.AsyncClient(), interval=1, idle_interval=0.5
         )
+
+
+async def test_an_unchanged_page_gives_the_same_figures_newly_dated_and_garbage_still_fails(
+    serve: Callable[..., object],
+) -> None:
+    pages = [page(0, 0, 5), page(0, 0, 5), page(2, 1, 9), "<html>upstream error</html>"]
+
+    @dataclass
+    class Scripted:
+        hits: int = 0
+
+        async def handle(self, request: web.Request) -> web.Response:
+            self.hits += 1
+            return web.Response(text=pages[min(self.hits, len(pages)) - 1])
+
+    pod = Scripted()
+    ep = await serve(pod)  # type: ignore[misc]
+    now = [10.0]
+    store = EndpointStore(stale_after=100.0, clock=lambda: now[0])
+    store.set_endpoints({"m": [ep]})
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(store, client, clock=lambda: now[0])
+        seen = []
+        for t in (10.0, 11.0, 12.0, 13.0):
+            now[0] = t
+            await poller.poll_once()
+            state = store.state(ep)
+            assert state is not None
+            seen.append(state)
+    first, again, changed, garbage = seen
+    assert first.metrics is not None and again.metrics is not None
+    assert again.metrics.updated_at == 11.0
+    assert (again.metrics.running, again.metrics.generation_tokens_total) == (0, 5)
+    assert changed.metrics is not None and (changed.metrics.running, changed.metrics.waiting) == (
+        2,
+        1,
+    )
+    assert garbage.last_error == "garbage" and garbage.failures == 1
