@@ -20,8 +20,9 @@ sees it finished, and the way back to the idle pace).
   TTFT and ITL averages and the token counters all move only with traffic. A busy pod's are
   used for `stale_after_s` after its scrape (the store's bound, 3 s by default). An idle pod's
   are used until its next scrape is due plus `stale_after_s`: nothing was sent there by this
-  gateway meanwhile (what it sends from now on, its in-flight count carries), and a pod that
-  stops answering is caught by its next scrape or by a refused connection at once.
+  gateway meanwhile (what it sends from now on, its in-flight count carries); a request
+  routed there scrapes it at once, a refused connection excludes it at once, and a failed
+  scrape cuts its trust to `stale_after_s` past the failure.
 - block size and GPU blocks (`cache_config_info`) change only when the engine restarts; a
   restart resets the counters, which is a change, so the pod is busy again.
 """

@@ -507,12 +507,19 @@ class EndpointStore:
     def record_failure(self, endpoint: Endpoint, reason: str, *, unreachable: bool = False) -> None:
         state = self._states.get(endpoint)
         if state is not None:
+            trusted = state.trusted_for
+            if trusted is not None and state.metrics is not None:
+                # An idle pod's figures, trusted long, are used at most `stale_after` past its
+                # first failed scrape: a pod that stopped answering is not vouched for as long.
+                age = self._clock() - state.metrics.updated_at
+                trusted = min(trusted, age + self._stale_after)
             self._put(
                 replace(
                     state,
                     failures=state.failures + 1,
                     last_error=reason,
                     unreachable=unreachable,
+                    trusted_for=trusted,
                 )
             )
 

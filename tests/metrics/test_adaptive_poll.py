@@ -158,8 +158,23 @@ def test_figures_are_used_for_as_long_as_they_are_trusted(
     assert bool(store.ready("m")) is ready
     state = store.state(ep)
     assert state is not None and store.is_ready(state, now[0]) is ready
-    store.record_failure(ep, "timeout")  # one failed scrape keeps the figures as trusted
+    store.record_failure(ep, "timeout")  # one failed scrape keeps the figures usable...
     assert bool(store.ready("m")) is ready
+
+
+def test_a_failed_scrape_cuts_an_idle_pods_long_trust_to_stale_after() -> None:
+    now = [100.0]
+    store = EndpointStore(stale_after=3.0, clock=lambda: now[0])
+    ep = Endpoint("10.0.0.1:8000", "m", metrics_url="http://10.0.0.1:8000/metrics")
+    store.set_endpoints({"m": [ep]})
+    store.record_success(ep, EngineMetrics(updated_at=100.0, running=0), trusted_for=13.0)
+    now[0] = 105.0
+    store.record_failure(ep, "timeout")  # ...for stale_after past the failure (108), not 113
+    now[0] = 107.0
+    store.record_failure(ep, "timeout")  # a later failure does not extend it (not 110)
+    for t, ready in ((107.9, True), (108.1, False), (109.9, False)):
+        now[0] = t
+        assert bool(store.ready("m")) is ready, t
 
 
 def test_idle_interval_below_interval_is_refused() -> None:
