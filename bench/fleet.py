@@ -443,6 +443,8 @@ def plot(rows_path: Path, out: Path) -> None:
     fig, (cpu_ax, rss_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for label in sorted({r["label"] for r in runs}):
         mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["endpoints"])
+        if len(mine) < 2:
+            continue  # a single shape is no line (a variant measured once)
         x = [r["endpoints"] for r in mine]
         cpu_ax.plot(x, [r["idle"]["server_cpu"] for r in mine], "o-", label=f"{label}, idle")
         loaded = [(r["endpoints"], r["load"]["server_cpu"]) for r in mine if "load" in r]
