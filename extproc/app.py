@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import random
 import signal
@@ -75,6 +76,16 @@ from extproc.discovery.kubernetes import (
     PodSource,
     make_api_client,
 )
+from extproc.discovery.pools import (
+    FleetChanges,
+    FleetSnapshot,
+    PoolDispatcher,
+    PoolHandlers,
+    PoolKey,
+    PoolSelection,
+    PoolWatcher,
+    model_config,
+)
 from extproc.flowcontrol import FlowController, FlowMetrics, PoolCapacity
 from extproc.flowcontrol.controller import ROOM_CACHE_S
 from extproc.flowcontrol.policies import builtin_policies
@@ -87,6 +98,7 @@ from extproc.kvevents.metrics import KVEventMetrics
 from extproc.kvevents.subscriber import KVEventManager, SubscriberSettings
 from extproc.metrics.names import preset as metric_preset
 from extproc.metrics.poller import MetricsPoller
+from extproc.metrics.scrape import PageFetcher
 from extproc.metrics.store import EndpointStore
 from extproc.metrics.transport import PerHostTransport
 from extproc.routing.builtin import default_plugins
@@ -98,6 +110,7 @@ from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.sync import StateSync, SyncMetrics
 from extproc.tokenization import (
     CharEstimateTokenizer,
+    SharedTokenizers,
     TokenizerLoadError,
     TokenizerPool,
     bundled_qwen_dir,
@@ -120,6 +133,7 @@ __all__ = [
 log = logging.getLogger("extproc.app")
 
 BUNDLED_PREFIX = "bundled:"
+UNKNOWN_POD_BLOCKS = 32768  # a pod's KV blocks until it reports them: 512k tokens at 16
 
 
 def check_tokenizer_path(path: Path, root: str | None, model: str) -> Path:
@@ -138,14 +152,14 @@ def check_tokenizer_path(path: Path, root: str | None, model: str) -> Path:
     return resolved
 
 
-def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokenizer:
-    """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
+def model_tokenizer_dir(model: ModelConfig, root: str | None = None) -> Path | None:
+    """The directory of the model's tokenizer; None (logged) gives a labelled estimate."""
     spec = model.tokenizer
     if spec is None:
         log.warning(
             "model %s: no tokenizer configured; token counts are ESTIMATED (chars/4)", model.name
         )
-        return CharEstimateTokenizer()
+        return None
     if spec.startswith(BUNDLED_PREFIX):
         if spec != "bundled:qwen3":
             raise ConfigError(f"models[{model.name}].tokenizer: unknown bundled tokenizer {spec!r}")
@@ -155,9 +169,15 @@ def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokeniz
                 "model %s: bundled Qwen3 tokenizer not installed; token counts are ESTIMATED",
                 model.name,
             )
-            return CharEstimateTokenizer()
-    else:
-        path = check_tokenizer_path(Path(spec), root, model.name)
+        return path
+    return check_tokenizer_path(Path(spec), root, model.name)
+
+
+def load_model_tokenizer(model: ModelConfig, root: str | None = None) -> Tokenizer:
+    """The model's exact tokenizer, or a labelled estimate when none is configured or loadable."""
+    path = model_tokenizer_dir(model, root)
+    if path is None:
+        return CharEstimateTokenizer()
     try:
         return load_tokenizer(path)
     except TokenizerLoadError as exc:
@@ -257,6 +277,14 @@ class Core:
         self.objectives: dict[str, int] = {}
         self.discovered: dict[str, tuple[Endpoint, ...]] = {}
         self.static: dict[str, tuple[Endpoint, ...]] = {}
+        self.pool_endpoints: dict[str, tuple[Endpoint, ...]] = {}  # pools found in the cluster
+        # Tokenizers by content, loaded lazily within a bound, shared by every model, pool and
+        # runtime (settings apply at start-up).
+        self.tokenizers = SharedTokenizers(
+            max_loaded=config.server.max_tokenizers,
+            threads=config.server.tokenizer_threads,
+            inline_threshold_chars=config.server.tokenize_inline_bytes,
+        )
         # Hooks into the app's other parts.
         self.kv_healthy: Callable[[str], bool] = lambda _address: False
         self.on_routed: Callable[[str], None] | None = None  # the KV-event manager's
@@ -310,6 +338,7 @@ class Core:
         """`rt`'s config in force: its routes, rewrites and static endpoints beside the
         discovered ones."""
         self.config = rt.config
+        self.tokenizers.set_inline_threshold(rt.config.server.tokenize_inline_bytes)
         self.routes = self.routes.with_local(rt.config.routes)
         self.static = rt.static
         self.set_rewrites(self.found_rewrites)
@@ -328,6 +357,7 @@ class Core:
         by_model = dict(self.static)
         for model, eps in self.discovered.items():
             by_model[model] = (*by_model.get(model, ()), *eps)
+        by_model.update(self.pool_endpoints)
         self.store.set_endpoints(by_model)
 
     def share_blocks_of(self, model: str) -> Callable[[str, Sequence[int]], None]:
@@ -359,7 +389,6 @@ def build_runtime(
     (warm tokenizers and indexes, the session key) and changing nothing live. Raises on a
     bad config. New tokenizer pools are appended to `created` (closed by the caller when the
     config is rejected). `tokenizer_for` loads a model's tokenizer (tests hand theirs)."""
-    load = tokenizer_for or (lambda m: load_model_tokenizer(m, config.server.tokenizer_root))
     created = created if created is not None else []
     # Every routing setting checked (key path in errors).
     strategies = build_strategies(config, default_plugins(latency=core.latency))
@@ -368,15 +397,18 @@ def build_runtime(
     exact_map: dict[str, ExactIndex] = {}
     approx_map: dict[str, ApproximateIndex] = {}
     for model in config.models:
-        pool = previous.tokenizers.get(_tok_key(model)) if previous else None
-        if pool is None:
+        if tokenizer_for is None:
+            # One pool per distinct tokenizer content, shared by every model and runtime.
+            root = config.server.tokenizer_root
+            pool = core.tokenizers.pool(model_tokenizer_dir(model, root), model=model.name)
+        else:
             pool = TokenizerPool(
-                load(model),
+                tokenizer_for(model),
                 max_workers=config.server.tokenizer_threads,
                 inline_threshold_chars=config.server.tokenize_inline_bytes,
             )
             created.append(pool)
-        tokenizers[_tok_key(model)] = pool
+        tokenizers[model.name] = pool
         exact = previous.exact.get(model.name) if previous else None
         if exact is None or exact.block_size != model.block_size:
             # Another block size hashes other blocks: a new index, fed by new subscribers.
@@ -593,13 +625,23 @@ class App:
         self._rewrite_watcher: ModelRewriteWatcher | None = None
         self._objective_watcher: InferenceObjectiveWatcher | None = None
         self._api_client: Any = None
+        self.tokenizers = core.tokenizers
+        # Pools found in the cluster (extproc/discovery/pools/): a runtime per pool, and the
+        # dispatcher giving each request to its route's pool (the config's models otherwise).
+        self._pool_runtimes: dict[PoolKey, Runtime] = {}
+        self._pools: PoolDispatcher[Director] = PoolDispatcher(lambda: self._rt.director)
+        self._pool_watcher: PoolWatcher | None = None
         self._install(self._build(config))
         self._kv_metrics = KVEventMetrics(self.registry)
         self.kv = self._kv_manager(config)
+        # One kept-alive connection per pod, httpx for https and the rest (metrics/scrape.py).
+        self._pages = PageFetcher(self._scrape_http, max_bytes=config.metrics.max_response_bytes)
         self.poller = MetricsPoller(
             self.store,
             self._scrape_http,
+            fetch=self._pages.fetch,
             interval=config.metrics.poll_interval_s,
+            idle_interval=config.metrics.idle_poll_interval_s,
             timeout=config.metrics.timeout_s,
             max_bytes=config.metrics.max_response_bytes,
             names=metric_preset(config.metrics.preset, config.metrics.names),
@@ -650,11 +692,11 @@ class App:
 
     @property
     def exact_indexes(self) -> Mapping[str, ExactIndex]:
-        return self._rt.exact
+        return {k: v for rt in self._runtimes() for k, v in rt.exact.items()}
 
     @property
     def approx_indexes(self) -> Mapping[str, ApproximateIndex]:
-        return self._rt.approx
+        return {k: v for rt in self._runtimes() for k, v in rt.approx.items()}
 
     # -- building ------------------------------------------------------------------------------
 
@@ -670,8 +712,8 @@ class App:
 
     def _install(self, rt: Runtime) -> None:
         """Make `rt` the live runtime (start-up and reload). KV-event subscribers follow
-        with `kv.set_indexes` (async). Tokenizer pools the new runtime dropped stay open:
-        requests the old director is still tokenizing use them."""
+        with `kv.set_indexes` (async). Tokenizer pools are shared by content and outlive
+        runtimes (`SharedTokenizers`); the old director's requests keep theirs."""
         self._rt = rt
         self.core.install(rt)
 
@@ -768,10 +810,13 @@ class App:
             return
         state = self.store.state(ep)
         if state is None or state.metrics is None or state.metrics.updated_at < metrics.updated_at:
-            self.store.record_success(ep, metrics)
+            self.poller.record_peer(ep, metrics)
 
     def _note_traffic(self, address: str) -> None:
+        """A request was routed to `address`: its KV events and its metrics are watched
+        closely from now on (an idle pod was scraped at the idle pace)."""
         self.kv.note_traffic(address)
+        self.poller.note_traffic(address)
 
     def _kv_manager(self, config: Config) -> KVEventManager:
         manager = KVEventManager(
@@ -808,14 +853,17 @@ class App:
         cfg = self.config
         wanted = [m for m in cfg.models if m.kubernetes is not None]
         k = cfg.kubernetes
-        if not wanted and not (
-            k.watch_httproutes or k.watch_model_rewrites or k.watch_inference_objectives
+        if (
+            not wanted
+            and not cfg.pools.enabled
+            and not (k.watch_httproutes or k.watch_model_rewrites or k.watch_inference_objectives)
         ):
             return
         self._api_client = make_api_client(
             in_cluster=cfg.kubernetes.in_cluster, kubeconfig=cfg.kubernetes.kubeconfig
         )
         loop = asyncio.get_running_loop()
+        self._start_pools(loop)
         for model in wanted:
             assert model.kubernetes is not None
             discovery = PodDiscovery(
@@ -857,6 +905,9 @@ class App:
         log.info("%d InferenceObjectives in force", len(by_name))
 
     async def _stop_kubernetes(self) -> None:
+        if self._pool_watcher is not None:
+            await asyncio.to_thread(self._pool_watcher.stop)
+            self._pool_watcher = None
         for discovery in self._discoveries:
             await asyncio.to_thread(discovery.stop)
         self._discoveries.clear()
@@ -873,6 +924,72 @@ class App:
             self._api_client.close()
             self._api_client = None
 
+    # -- pools found in the cluster (extproc/discovery/pools/) ----------------------------------
+
+    def handler_for(self, head: RequestHead | None) -> Director:
+        """The director of the pool the request's route names, else the config's."""
+        return self._pools.handler_for(head)
+
+    def _runtimes(self) -> list[Runtime]:
+        return [self._rt, *self._pool_runtimes.values()]
+
+    def _start_pools(self, loop: asyncio.AbstractEventLoop) -> None:
+        pools = self.config.pools
+        if not pools.enabled:
+            return
+        selection = PoolSelection(
+            picker_names=frozenset(pools.picker_names),
+            labels=dict(pools.labels),
+            namespaces=tuple(pools.namespaces),
+        )
+        self._pool_watcher = PoolWatcher(self._api_client, selection, self._on_pools, loop=loop)
+        self._pool_watcher.start()
+
+    def _build_pool(self, snapshot: FleetSnapshot, key: PoolKey) -> Runtime:
+        """A runtime for one pool: the live config with the pool as its only model."""
+        spec = snapshot.pools[key].spec
+        cfg = dataclasses.replace(
+            self.config, models=[model_config(spec, self.config.pools.tokenizer)]
+        )
+        return self._build(cfg, previous=self._pool_runtimes.get(key))
+
+    def _on_pools(self, snapshot: FleetSnapshot, *, rebuild: bool = False) -> None:
+        """Pools appeared, changed or went: build the new ones beside the live ones, then
+        swap; a pool whose settings do not build is left out (logged), the others go on."""
+        changes = FleetChanges.between(self._pools.current.snapshot, snapshot)
+        runtimes = {k: rt for k, rt in self._pool_runtimes.items() if k in snapshot.pools}
+        build = list(snapshot.pools) if rebuild else [*changes.added, *changes.changed]
+        for key in build:
+            try:
+                runtimes[key] = self._build_pool(snapshot, key)
+            except (ConfigError, GatewayError, ValueError) as exc:
+                log.error("inferencepool %s/%s is not served: %s", *key, exc)
+                runtimes.pop(key, None)
+        self._pool_runtimes = runtimes
+        self.core.pool_endpoints = {
+            name: eps for name, eps in snapshot.endpoints().items()
+            if any(rt.config.models[0].name == name for rt in runtimes.values())
+        }  # fmt: skip
+        self._pools.install(PoolHandlers(snapshot, {k: rt.director for k, rt in runtimes.items()}))
+        self.core.publish_endpoints()
+        if changes or rebuild:
+            log.info(
+                "pools: %d served (%d added, %d changed, %d removed, %d with new endpoints)",
+                len(runtimes), len(changes.added), len(changes.changed), len(changes.removed),
+                len(changes.endpoints),
+            )  # fmt: skip
+        task = asyncio.get_running_loop().create_task(self._follow_kv())
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _follow_kv(self) -> None:
+        await self.kv.set_indexes(self.exact_indexes)
+        await self.kv.set_endpoints(self.store.endpoints())
+
+    def _rebuild_pools(self) -> None:
+        if self._pool_runtimes or self._pool_watcher is not None:
+            self._on_pools(self._pools.current.snapshot, rebuild=True)
+
     # -- running -------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -888,6 +1005,9 @@ class App:
         await self.kv.set_endpoints(self.store.endpoints())
         self._start_kubernetes()
         await self._admin.start(self.config.server.host, self.config.server.metrics_port)
+        # Up to the bound, tokenizers load now in the executor (the first requests wait less).
+        warm = self.tokenizers.warm()
+        self._tasks.append(asyncio.create_task(warm, name="tokenizers-warm"))
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease-expiry"))
         if self.flow is not None:
@@ -923,9 +1043,9 @@ class App:
         await self.kv.close()
         await self._admin.stop()
         await self._http.aclose()
+        await self._pages.aclose()
         await self._scrape_http.aclose()
-        for pool in self._rt.tokenizers.values():
-            pool.close()
+        await asyncio.to_thread(self.tokenizers.close)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -943,17 +1063,32 @@ class App:
     def is_ready(self) -> bool:
         """Serving: some pod is ready, or flow control is on (it holds requests while no pod
         is: the waiting room of a pool scaling up from zero)."""
-        return bool(self.config.models) and (self.flow is not None or self.store.any_ready())
+        serves = bool(self.config.models or self._pool_runtimes)
+        return serves and (self.flow is not None or self.store.any_ready())
+
+    def _size_indexes(self) -> None:
+        """Each pool's prefix indexes bounded by what its pods can cache (1.25x their reported
+        blocks; 32k blocks for a pod not saying), within the configured per-pool ceilings: a
+        fleet of small pools holds what it caches, not a ceiling per pool."""
+        kv = self.config.kv_events
+        approx_all = self.approx_indexes
+        for model, exact in self.exact_indexes.items():
+            need = int(1.25 * self.store.cache_blocks(model, unknown=UNKNOWN_POD_BLOCKS))
+            exact.resize(max(1, min(kv.exact_capacity_blocks, need)))
+            approx = approx_all.get(model)
+            if approx is not None:
+                approx.resize(max(1, min(kv.approx_capacity_blocks, need)))
 
     async def _readiness_loop(self) -> None:
         ready: bool | None = None
+        sized = -math.inf
         while True:
+            if time.monotonic() - sized > 5.0:
+                self._size_indexes()
+                sized = time.monotonic()
             self.metrics.refresh_ready(self.store, time.monotonic())
             stall_after = self.config.routing.stall_after_s
-            for address in {
-                ep.address for m in self.store.models() for ep in self.store.endpoints(m)
-            }:
-                self.metrics.set_stalled(address, self.inflight.stalled(address, stall_after))
+            self.metrics.refresh_stalled(self.inflight.stalled_addresses(stall_after))
             self.state_gauge.labels("access_log_streams").set(self.server.access_log.streams)
             self.state_gauge.labels("deciding").set(self.director.deciding)
             self.state_gauge.labels("flow_control_waiting").set(
@@ -1012,8 +1147,9 @@ class App:
                 self.reload_status.failed(time.time(), str(exc))
                 continue
             self._install(rt)
+            self._rebuild_pools()  # the pools' runtimes on the new settings
             # Subscribers of a model whose index was replaced (block size) restart on the new one.
-            await self.kv.set_indexes(rt.exact)
+            await self.kv.set_indexes(self.exact_indexes)
             await self.kv.set_endpoints(self.store.endpoints())
             self.config_reloads.labels("ok").inc()
             self.reload_status.succeeded(time.time())
@@ -1044,17 +1180,13 @@ class _HandlerRef:
         return self._app.director.max_body_bytes
 
     async def route(self, head: RequestHead, body: bytes | None) -> Any:
-        return await self._app.director.route(head, body)
+        return await self._app.handler_for(head).route(head, body)
 
     def reject(self, head: RequestHead | None, status: int, message: str) -> Any:
-        return self._app.director.reject(head, status, message)
+        return self._app.handler_for(head).reject(head, status, message)
 
     def account(self, record: AccessRecord) -> None:
         self._app.director.account(record)
-
-
-def _tok_key(model: ModelConfig) -> str:
-    return f"{model.name}\x00{model.tokenizer}"
 
 
 def _mtime(path: Path | None) -> float | None:

@@ -55,6 +55,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     config = load_config(args.config)
     _setup_logging(args.log_level or config.server.log_level)
+    # prometheus_client writes a `_created` gauge beside every counter and histogram series:
+    # at a thousand pods, thousands of series nobody queries. A process-wide switch, thrown
+    # once here where the process starts (docs/operations.md, "Series").
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
         import uvloop
 

@@ -40,6 +40,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "ModelRewriteConfig",
+    "PoolsConfig",
     "RewriteRule",
     "RewriteTarget",
     "RouteSettings",
@@ -111,7 +112,10 @@ class ServerConfig:
     # ~3 ms), is encoded on the event loop: a hop to a thread and back cost more than that
     # under load (the higress scenario: 4.7 against 8.5 ms mean tokenization at 4096).
     tokenize_inline_bytes: int = 16384
-    tokenizer_threads: int = 1
+    tokenizer_threads: int = 1  # shared by every tokenizer
+    # Distinct tokenizers (by file content: models naming equal files share one) kept loaded;
+    # past it the least recently used is dropped and loaded again by its next request.
+    max_tokenizers: int = 8
     # When set, every tokenizer directory must resolve (symlinks followed) inside this root:
     # the config cannot make the server read files elsewhere.
     tokenizer_root: str | None = None
@@ -146,12 +150,20 @@ class AdminConfig:
 
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
-    poll_interval_s: float = 0.5
+    poll_interval_s: float = 0.5  # busy or changing pods
+    # Idle pods (nothing running or waiting, figures unchanged, nothing routed there): the
+    # pause grows 4x per scrape up to this; their figures are used until the next scrape is
+    # due plus stale_after_s (extproc/metrics/poller.py). Equal to poll_interval_s: a fixed pace.
+    idle_poll_interval_s: float = 10.0
     timeout_s: float = 1.0
     stale_after_s: float = 3.0  # a pod whose last good scrape is older leaves the candidate set
     preset: Literal["vllm", "sglang"] = "vllm"
     names: dict[str, str] = field(default_factory=dict)  # override single metric names
     max_response_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.idle_poll_interval_s < self.poll_interval_s:
+            raise ConfigError("idle_poll_interval_s: must be at least poll_interval_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,6 +478,21 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolsConfig:
+    """InferencePools served without listing them (extproc/discovery/pools/): the ones whose
+    `endpointPickerRef` is a Service named in `picker_names`, or carrying `labels`."""
+
+    picker_names: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    tokenizer: str | None = None  # for pools whose `lb.extproc.io/tokenizer` names none
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.picker_names or self.labels)
+
+
+@dataclass(frozen=True, slots=True)
 class RouteSettings:
     """Per-route routing settings, from HTTPRoute annotations or the YAML ``routes:`` section."""
 
@@ -492,6 +519,7 @@ class Config:
     flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     models: list[ModelConfig] = field(default_factory=list)
     model_rewrites: list[ModelRewriteConfig] = field(default_factory=list)  # aliases, canaries

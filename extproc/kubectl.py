@@ -1,6 +1,7 @@
 """`kubectl extproc`: the router's view from the command line, through the Kubernetes API.
 
-    kubectl extproc status [--pod NAME] [-o table|json]
+    kubectl extproc status [--pod NAME] [--model NAME[,NAME]] [--pools [--top N]] [--all]
+                           [-o table|json]
     kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME]
     kubectl extproc config [--pod NAME] [-o yaml|json]
     (every command: [--admin-secret NAME], the Secret that holds the admin token)
@@ -232,7 +233,7 @@ STATUS_COLUMNS = (
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "-"
-    if key == "metrics_age_s" and isinstance(value, int | float):
+    if key in ("metrics_age_s", "oldest_metrics_age_s") and isinstance(value, int | float):
         return f"{value:.1f}s"
     if isinstance(value, bool):
         return "yes" if value else "no"
@@ -246,7 +247,68 @@ def _table(rows: Iterable[Sequence[str]], out: TextIO) -> None:
         out.write("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
+# A table longer than this (100 pools of 10 pods is 1,000 rows per replica) is summarised per
+# pool unless asked for (`--all`) or narrowed (`--model`).
+MAX_TABLE_ROWS = 100
+POOL_COLUMNS = (
+    ("REPLICA", "replica"),
+    ("POOL", "model"),
+    ("READY", "ready"),
+    ("ENDPOINTS", "endpoints"),
+    ("UNREACHABLE", "unreachable"),
+    ("IN FLIGHT", "in_flight"),
+    ("RUNNING", "running"),
+    ("WAITING", "waiting"),
+    ("OLDEST FIGURES", "oldest_metrics_age_s"),
+)
+
+
+def _models_arg(values: Sequence[str] | None) -> list[str]:
+    return [m.strip() for v in values or () for m in v.split(",") if m.strip()]
+
+
+def cmd_pools(cluster: Cluster, chosen: list[Replica], args: argparse.Namespace) -> int:
+    """One row per pool and replica (`/debug/pools`), those needing attention first."""
+    failed = 0
+    report: dict[str, Any] = {}
+    notes: list[str] = []
+    rows: list[dict[str, Any]] = []
+    for replica in chosen:
+        try:
+            reply = cluster.proxy(replica, "/debug/pools")
+            pools = reply.json() if reply.status == 200 else None
+        except (KubectlError, ValueError) as exc:
+            notes.append(str(exc))
+            failed += 1
+            continue
+        if not isinstance(pools, list):
+            text = _error_message(reply) or reply.body[:200].decode(errors="replace")
+            notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(text)}")
+            failed += 1
+            continue
+        if args.top is not None:
+            pools = pools[: args.top]
+        report[replica.name] = pools
+        rows += [{"replica": replica.name, **p} for p in pools]
+    if args.output == "json":
+        json.dump({"replicas": report, "errors": notes}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif rows:
+        header = [title for title, _ in POOL_COLUMNS]
+        body = [[_cell(k, r.get(k)) for _, k in POOL_COLUMNS] for r in rows]
+        _table([header, *body], sys.stdout)
+    elif not notes:
+        sys.stdout.write("no pools\n")
+    for note in notes:
+        sys.stderr.write(_printable(note) + "\n")
+    return 1 if failed else 0
+
+
 def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
+    if args.pools:
+        return cmd_pools(cluster, _pick(replicas, args.pod), args)
+    models = _models_arg(args.model)
+    query = {"model": ",".join(models)} if models else None
     failed = 0
     report: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
@@ -258,7 +320,7 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
             notes.append(f"{replica.name}: not ready, skipped")
     for replica in chosen:
         try:
-            reply = cluster.proxy(replica, "/debug/endpoints")
+            reply = cluster.proxy(replica, "/debug/endpoints", query=query)
         except KubectlError as exc:
             notes.append(str(exc))
             failed += 1
@@ -284,6 +346,15 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
     if args.output == "json":
         json.dump({"replicas": report, "sync": sync, "errors": notes}, sys.stdout, indent=2)
         sys.stdout.write("\n")
+    elif len(rows) > args.max_rows and not models and not args.all:
+        pools = len({(r.get("replica"), r.get("model")) for r in rows})
+        sys.stdout.write(
+            f"{len(rows)} endpoint rows in {pools} pool rows: one row per pool (--model NAME "
+            "for a pool's endpoints, --all for every endpoint)\n"
+        )
+        for note in notes:
+            sys.stderr.write(_printable(note) + "\n")
+        return max(1 if failed else 0, cmd_pools(cluster, chosen, args))
     else:
         if rows:
             header = [title for title, _ in STATUS_COLUMNS]
@@ -491,6 +562,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="endpoints and their state, from every ready replica")
     s.add_argument("--pod", default=None, help="one replica only")
+    s.add_argument(
+        "--model", action="append", default=None, metavar="NAME[,NAME]",
+        help="only these pools' endpoints (repeat or comma-separate)",
+    )  # fmt: skip
+    s.add_argument(
+        "--pools", action="store_true", help="one row per pool (needing attention first)"
+    )
+    s.add_argument("--top", type=int, default=None, help="with --pools: the first N pools")
+    s.add_argument(
+        "--all", action="store_true", help="every endpoint even past --max-rows rows"
+    )  # fmt: skip
+    s.add_argument(
+        "--max-rows", type=int, default=MAX_TABLE_ROWS,
+        help="more endpoint rows than this are summarised per pool",
+    )  # fmt: skip
     s.add_argument("-o", "--output", choices=("table", "json"), default="table")
     s.set_defaults(func=cmd_status)
     e = sub.add_parser("explain", help="why the router would route a request body so")

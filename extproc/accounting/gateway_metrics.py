@@ -56,6 +56,8 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
         self.registry = registry
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._ready_last: dict[tuple[str, str], bool] = {}  # what the ready gauges say
+        self._stalled_last: frozenset[str] = frozenset()
         ns = namespace
         self.prompt_tokens = Counter(
             "prompt_tokens", "Prompt tokens reported by engines", ["model", "endpoint"],
@@ -231,17 +233,47 @@ class GatewayMetrics:
         self.child(self.in_flight, endpoint).set(count)
 
     def set_stalled(self, endpoint: str, stalled: bool) -> None:
-        self.child(self.endpoint_stalled, endpoint).set(1 if stalled else 0)
+        """A series only while the endpoint is stalled (1): a thousand pods would otherwise
+        export a thousand zeros. `max by (endpoint) (...) == 1` reads it the same."""
+        if stalled:
+            self.endpoint_stalled.labels(endpoint).set(1)
+        else:
+            _remove(self.endpoint_stalled, endpoint)
 
     def set_ready(self, model: str, endpoint: str, ready: bool) -> None:
         self.child(self.endpoint_ready, model, endpoint).set(1 if ready else 0)
 
     def refresh_ready(self, store: EndpointStore, now: float) -> None:
-        """Set the ready gauge of every endpoint in `store` (call after each poll)."""
+        """Set the ready gauge of every endpoint in `store` (call after each poll); only the
+        ones that changed are written (a thousand endpoints five times a second cost 4 ms a
+        pass when every gauge was set)."""
+        seen: dict[tuple[str, str], bool] = {}
+        last = self._ready_last
         for model in store.models():
             ready = {ep.address for ep, _ in store.ready(model, now)}
             for ep in store.endpoints(model):
-                self.set_ready(model, ep.address, ep.address in ready)
+                key = (model, ep.address)
+                value = seen[key] = ep.address in ready
+                if last.get(key) is not value:
+                    self.set_ready(model, ep.address, value)
+        gone = [key for key in last if key not in seen]
+        if gone:  # endpoints discovery removed: their series go too (bounded by the fleet)
+            live = {address for _, address in seen}
+            for model, address in gone:
+                if address in live:  # still serving another model: only this gauge goes
+                    _remove(self.endpoint_ready, model, address)
+                else:
+                    self.forget_endpoint(model, address)
+        self._ready_last = seen
+
+    def refresh_stalled(self, stalled: frozenset[str]) -> None:
+        """The stalled endpoints now (`InflightTracker.stalled_addresses`): a series for each,
+        none for the others."""
+        for address in stalled - self._stalled_last:
+            self.set_stalled(address, True)
+        for address in self._stalled_last - stalled:
+            self.set_stalled(address, False)
+        self._stalled_last = stalled
 
     def scrape_result(self, endpoint: Endpoint, result: str) -> None:
         """`extproc.metrics.ScrapeObserver`: one scrape's outcome."""

@@ -21,7 +21,7 @@ from aiohttp import web
 from extproc.admin.guard import ExplainGate, authorized
 from extproc.admin.series import PodSeries
 from extproc.admin.source import AdminSource
-from extproc.admin.status import endpoint_rows, status_json
+from extproc.admin.status import endpoint_rows, pool_rows, status_json
 from extproc.director.api import RequestHead
 from extproc.director.director import Director
 from extproc.memdiag import MemoryDiagnostics
@@ -122,6 +122,7 @@ class AdminServer:
         app.router.add_get("/healthz", self._h_healthz)
         app.router.add_get("/readyz", self._h_readyz)
         app.router.add_get("/debug/endpoints", self._h_endpoints)
+        app.router.add_get("/debug/pools", self._h_pools)
         app.router.add_get("/debug/sync", self._h_sync)
         app.router.add_post("/debug/explain", self._h_explain)
         app.router.add_get("/debug/kv", self._h_kv)
@@ -183,14 +184,28 @@ class AdminServer:
             }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    async def _h_endpoints(self, _request: web.Request) -> web.Response:
+    async def _h_endpoints(self, request: web.Request) -> web.Response:
+        """Every endpoint, or those of `?model=a,b` only; `?not_ready=1`: only those not ready."""
         src = self._src
+        models = _names(request.query.get("model"))
+        if models is not None:
+            known = set(src.store.models())
+            models = [m for m in models if m in known]
         rows = endpoint_rows(
             src.store, src.inflight, src.kv.is_healthy, src.config.routing.stall_after_s,
-            time.monotonic(),
+            time.monotonic(), models,
         )  # fmt: skip
-        out = [row for row, _state in rows]
+        not_ready = request.query.get("not_ready") in ("1", "true")
+        out = [row for row, _state in rows if not (not_ready and row["ready"])]
         return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _h_pools(self, _request: web.Request) -> web.Response:
+        """One summary row per pool, those needing attention first (`kubectl extproc status`)."""
+        src = self._src
+        rows = pool_rows(
+            src.store, src.inflight, src.config.routing.stall_after_s, time.monotonic()
+        )
+        return web.Response(body=orjson.dumps(rows), content_type="application/json")
 
     def _status_off(self) -> web.Response | None:
         if self._src.config.server.status_page:
@@ -214,11 +229,22 @@ class AdminServer:
             },
         )
 
-    async def _h_status_json(self, _request: web.Request) -> web.Response:
+    async def _h_status_json(self, request: web.Request) -> web.Response:
+        """`?model=a,b`: those pools' endpoints; `?top=N`: the N pools needing attention."""
         off = self._status_off()
         if off is not None:
             return off
-        body = status_json(self._src, now=time.monotonic(), wall=time.time(), series=self._series)
+        top_text = request.query.get("top")
+        if top_text is not None and not top_text.isdigit():
+            return web.json_response({"error": "top must be a non-negative integer"}, status=400)
+        body = status_json(
+            self._src,
+            now=time.monotonic(),
+            wall=time.time(),
+            series=self._series,
+            models=_names(request.query.get("model")),
+            top=None if top_text is None else int(top_text),
+        )
         return web.Response(
             body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
             content_type="application/json",
@@ -294,6 +320,14 @@ class AdminServer:
                 status=reply.status, body=reply.body, content_type="application/json"
             )
         return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+
+def _names(text: str | None) -> list[str] | None:
+    """`a,b` -> ["a", "b"]; None or empty: no filter."""
+    if not text:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return names or None
 
 
 def _plain(obj: Any) -> dict[str, Any]:

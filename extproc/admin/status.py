@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +30,18 @@ __all__ = [
     "DecisionLog",
     "DecisionRecord",
     "ReloadStatus",
+    "chosen_models",
     "endpoint_rows",
+    "pool_rows",
     "redacted",
     "status_json",
 ]
 
 MAX_CANDIDATES_SHOWN = 32  # per decision: a 512-pod model would make every poll megabytes
+# With more endpoints than this, the page details only some pools (a summary row for each):
+# 100 pools of 10 made every poll a 1,000-row page.
+DETAIL_ALL_ENDPOINTS = 64
+DEFAULT_TOP_POOLS = 5
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~4 us more on the request path
@@ -152,10 +158,11 @@ def endpoint_rows(
     kv_healthy: Callable[[str], bool],
     stall_after_s: float,
     now: float,
+    models: Iterable[str] | None = None,
 ) -> Iterator[tuple[dict[str, Any], EndpointState | None]]:
-    """Every endpoint the store knows, with its scrape state and our own load on it
-    (`/debug/endpoints` and the status page), and its state for more detail."""
-    for model in store.models():
+    """Every endpoint the store knows (of `models` only, when given), with its scrape state and
+    our own load on it (`/debug/endpoints` and the status page), and its state for more detail."""
+    for model in store.models() if models is None else models:
         for ep in store.endpoints(model):
             state = store.state(ep)
             load = inflight.load(ep.address)
@@ -179,18 +186,85 @@ def endpoint_rows(
             yield row, state
 
 
+def pool_rows(
+    store: EndpointStore, inflight: InflightTracker, stall_after_s: float, now: float
+) -> list[dict[str, Any]]:
+    """One summary row per pool (model), the ones that need attention first: most endpoints
+    not ready, then most requests in flight, then by name."""
+    out: list[dict[str, Any]] = []
+    for model in store.models():
+        eps = store.endpoints(model)
+        ready = in_flight = running = waiting = unreachable = stalled = 0
+        oldest: float | None = None
+        for ep in eps:
+            state = store.state(ep)
+            if state is not None and store.is_ready(state, now):
+                ready += 1
+                m = state.metrics
+                if m is not None:
+                    running += int(m.running or 0)
+                    waiting += int(m.waiting or 0)
+            if state is not None and state.unreachable:
+                unreachable += 1
+            age = state.age(now) if state is not None else None
+            if age is not None and (oldest is None or age > oldest):
+                oldest = age
+            in_flight += inflight.load(ep.address).requests
+            stalled += inflight.stalled(ep.address, stall_after_s)
+        out.append(
+            {
+                "model": model,
+                "endpoints": len(eps),
+                "ready": ready,
+                "unreachable": unreachable,
+                "stalled": stalled,
+                "in_flight": in_flight,
+                "running": running,
+                "waiting": waiting,
+                "oldest_metrics_age_s": oldest,
+            }
+        )
+    out.sort(key=lambda r: (-(r["endpoints"] - r["ready"]), -r["in_flight"], r["model"]))
+    return out
+
+
+def chosen_models(
+    pools: Sequence[Mapping[str, Any]], models: Sequence[str] | None, top: int | None
+) -> tuple[list[str], bool]:
+    """The pools whose endpoints to show, and whether that is all of them: the ones named
+    (unknown names skipped), else every pool while there are at most `DETAIL_ALL_ENDPOINTS`
+    endpoints, else the first `top` (default `DEFAULT_TOP_POOLS`) of `pools` (attention order)."""
+    known = [str(p["model"]) for p in pools]
+    if models:
+        wanted = set(models)
+        return [m for m in known if m in wanted], False
+    total = sum(int(p["endpoints"]) for p in pools)
+    if top is None and total <= DETAIL_ALL_ENDPOINTS:
+        return known, True
+    n = DEFAULT_TOP_POOLS if top is None else max(0, top)
+    return known[:n], n >= len(known)
+
+
 def status_json(
-    src: AdminSource, *, now: float, wall: float, series: PodSeries | None = None
+    src: AdminSource,
+    *,
+    now: float,
+    wall: float,
+    series: PodSeries | None = None,
+    models: Sequence[str] | None = None,
+    top: int | None = None,
 ) -> dict[str, Any]:
-    """Everything the status page shows, read from the live runtime at this moment."""
+    """Everything the status page shows, read from the live runtime at this moment: a summary
+    row per pool, the endpoints of the pools `chosen_models` picks, and their decisions."""
     cfg = src.config
-    scores = src.decisions.recent_scores(
-        endpoints=sum(len(src.store.endpoints(m)) for m in src.store.models())
-    )
-    models: dict[str, list[dict[str, Any]]] = {}
-    for row, state in endpoint_rows(
-        src.store, src.inflight, src.kv.is_healthy, cfg.routing.stall_after_s, now
-    ):
+    stall = cfg.routing.stall_after_s
+    pools = pool_rows(src.store, src.inflight, stall, now)
+    shown, everything = chosen_models(pools, models, top)
+    if everything:  # the store's order, as before there were pool summaries
+        shown = list(src.store.models())
+    scores = src.decisions.recent_scores(endpoints=sum(len(src.store.endpoints(m)) for m in shown))
+    by_model: dict[str, list[dict[str, Any]]] = {m: [] for m in shown}
+    for row, state in endpoint_rows(src.store, src.inflight, src.kv.is_healthy, stall, now, shown):
         model, address = row["model"], row["address"]
         # A pod that is not ready shows no engine figures: its last ones would look live.
         row.update(_engine_view(state if row["ready"] else None))
@@ -199,9 +273,17 @@ def status_json(
         row["cached_blocks_approx"] = _pod_blocks(src.approx_indexes, model, address)
         row["recent"] = scores.get(address)
         row["series"] = series.json(address) if series is not None else None
-        models.setdefault(model, []).append(row)
+        by_model[model].append(row)
     strategies = {m.name: m.strategy or cfg.routing.default_strategy for m in cfg.models}
+    for pool in pools:
+        pool["strategy"] = strategies.get(pool["model"], cfg.routing.default_strategy)
     sync = src.sync
+    shown_set = set(shown)
+    recent = [
+        rec.to_json()
+        for rec in src.decisions.newest_first()
+        if everything or rec.model in shown_set
+    ]
     return {
         "replica": src.replica,
         "generated_at": wall,
@@ -211,15 +293,13 @@ def status_json(
             "shared_state": sync is not None,
             "members": sync.members() if sync is not None else [src.replica],
         },
+        "pools": pools,
+        "shown": {"models": shown, "all": everything, "filtered": bool(models)},
         "models": [
             {"name": name, "strategy": strategies.get(name, ""), "endpoints": rows}
-            for name, rows in models.items()
+            for name, rows in by_model.items()
         ],
-        "decisions": {
-            "total": src.decisions.total,
-            "kept": src.decisions.size,
-            "recent": [rec.to_json() for rec in src.decisions.newest_first()],
-        },
+        "decisions": {"total": src.decisions.total, "kept": src.decisions.size, "recent": recent},
         "config": {"in_force": redacted(cfg), "reload": dataclasses.asdict(src.reload_status)},
     }
 

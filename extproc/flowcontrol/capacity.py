@@ -165,16 +165,20 @@ class PoolCapacity:
         for ep, m in ready:
             address = ep.address
             waiting, kv = m.waiting, m.kv_cache_usage
-            if waiting is None or kv is None:
+            if waiting is None and kv is None:
                 total += 1.0  # no queue or KV signal: count it saturated
-                if m.running is None and waiting is None and kv is None:
-                    # No metrics at all (no metrics URL): nothing can say it is full, so flow
-                    # control does not hold it back; `max_concurrency` caps it.
-                    room = UNKNOWN_ROOM if cap <= 0 else cap - in_flight(address)
-                    if room > 0:
-                        free += room
-                        pods.append(address)
+                # No metrics (no metrics URL), or an engine that reports neither its queue nor
+                # its KV cache: nothing can say it is full, so flow control does not hold it
+                # back (it would wait out every request's TTL); `max_concurrency` caps it.
+                room = UNKNOWN_ROOM if cap <= 0 else cap - in_flight(address)
+                if room > 0:
+                    free += room
+                    pods.append(address)
                 continue
+            if waiting is None:
+                waiting = 0.0  # the KV signal alone says when it is full
+            if kv is None:
+                kv = 0.0  # the queue alone says when it is full
             flight = in_flight(address)
             running = m.running or 0.0
             view = views.get(address)

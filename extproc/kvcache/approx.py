@@ -65,6 +65,13 @@ class ApproximateIndex:
         self._next_sweep = float("-inf")
         self._evict_batch = max(1, max_blocks // 64)
 
+    def resize(self, max_blocks: int) -> None:
+        """A new bound (a pool grew or shrank); a smaller one applies at the next insert."""
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self.max_blocks = max_blocks
+        self._evict_batch = max(1, max_blocks // 64)
+
     def record(self, pod: str, block_hashes: Iterable[int], now: float) -> None:
         """Note that `pod` was just sent a request with these (router) block hashes."""
         records = self._pods.get(pod)

@@ -78,6 +78,13 @@ class ExactIndex:
 
     # ----------------------------------------------------------------- events
 
+    def resize(self, max_blocks: int) -> None:
+        """A new bound (a pool grew or shrank); a smaller one applies at the next insert."""
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self.max_blocks = max_blocks
+        self._evict_batch = max(1, max_blocks // 64)
+
     def stored(
         self,
         pod: str,

@@ -9,15 +9,17 @@ what makes a scrape cheap.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from extproc.types import EMPTY_LABELS
 
-__all__ = ["ParseResult", "Sample", "parse"]
+__all__ = ["ParseResult", "Sample", "parse", "parse_lines", "wanted_lines"]
 
 # Metric names may contain ':' (vLLM's "vllm:..." namespace); label names may not.
 _LINE = re.compile(
@@ -56,6 +58,7 @@ def _unescape(value: str) -> str:
     return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
+@functools.lru_cache(maxsize=4096)  # a page repeats its label sets at every scrape
 def _parse_labels(body: str) -> Mapping[str, str] | None:
     """Parse `a="x",b="y"` (trailing comma allowed); None if anything is malformed."""
     if not body.strip():
@@ -121,24 +124,66 @@ def parse(text: str, wanted: Collection[str] | None = None) -> ParseResult:
     return ParseResult(tuple(samples), errors, lines)
 
 
-def _parse_wanted(text: str, wanted: Collection[str]) -> ParseResult:
+def _trie(words: Iterable[str]) -> str:
+    """A regex alternation of `words` with common prefixes factored out ("a(?:b|c)"): re
+    then tries a line start against one branch per character instead of every name in turn,
+    nine times faster over a vLLM page than the flat `a|b|c`."""
+    root: dict[str, Any] = {}
+    for word in sorted(set(words)):
+        node = root
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        alts = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(root)
+
+
+@functools.lru_cache(maxsize=64)
+def _wanted_pattern(wanted: frozenset[str]) -> re.Pattern[str]:
+    # Anchoring on a literal "\n" (not ^ with MULTILINE) lets re jump from line to line.
+    return re.compile(rf"\n[ \t\r]*(?:{_trie(wanted)})(?=[{{ \t])[^\n]*")
+
+
+def wanted_lines(text: str, wanted: Collection[str]) -> tuple[str, ...]:
+    """The sample lines of `text` whose metric name is in `wanted`, stripped, in page order:
+    one scan from line start to line start with the names as a trie (40 us over a vLLM
+    page). Equal lines from one scrape to the next mean equal samples (the poller then skips
+    parsing them again)."""
+    if not wanted:
+        return ()
+    finder = _wanted_pattern(frozenset(wanted))
+    return tuple(m.group()[1:].strip(_BLANK) for m in finder.finditer("\n" + text))
+
+
+def parse_lines(lines: Sequence[str], text: str, wanted: Collection[str]) -> ParseResult:
+    """`parse(text, wanted)` from its `wanted_lines(text, wanted)`."""
     if not wanted:
         return ParseResult((), 0, 0, _ANY_SAMPLE.search(text) is not None)
-    # Anchoring on a literal "\n" (not ^ with MULTILINE) lets re jump from line to line
-    # with a fast literal search: 5x quicker on a vLLM page. re caches compiled patterns,
-    # so a repeated wanted set costs one join, not a compile.
-    alternatives = "|".join(re.escape(n) for n in sorted(wanted))
-    finder = re.compile(rf"\n[ \t\r]*(?:{alternatives})(?=[{{ \t])[^\n]*")
     samples: list[Sample] = []
     errors = 0
-    lines = 0
-    for m in finder.finditer("\n" + text):
-        lines += 1
-        sample = _parse_line(m.group()[1:].strip(_BLANK))
+    for line in lines:
+        sample = _parse_line(line)
         if sample is None:
             errors += 1
         else:
             samples.append(sample)
+    return _wanted_result(text, wanted, samples, errors, len(lines))
+
+
+def _parse_wanted(text: str, wanted: Collection[str]) -> ParseResult:
+    return parse_lines(wanted_lines(text, wanted), text, wanted)
+
+
+def _wanted_result(
+    text: str, wanted: Collection[str], samples: list[Sample], errors: int, lines: int
+) -> ParseResult:
     other = False
     if not samples:
         other = any(

@@ -36,7 +36,9 @@ __all__ = [
 ]
 
 ReadyEndpoint = tuple[Endpoint, EngineMetrics]
-_Routable = tuple[Endpoint, EngineMetrics | None, bool]
+# An endpoint fit for routing: its last metrics and until when they may be used (inf: no
+# metrics URL, so they never go stale).
+_Routable = tuple[Endpoint, EngineMetrics | None, float]
 FloatArray: TypeAlias = npt.NDArray[np.float64]
 IntArray: TypeAlias = npt.NDArray[np.intp]
 ObjectArray: TypeAlias = npt.NDArray[np.object_]
@@ -56,6 +58,9 @@ class EndpointState:
     failures: int = 0  # consecutive failed scrapes since the last good one
     last_error: str | None = None  # reason of the most recent failure, None after a success
     unreachable: bool = False  # the last attempt could not connect at all
+    # How long `metrics` may be used after its scrape; None: the store's `stale_after`. The
+    # poller trusts an idle pod's figures longer (extproc/metrics/poller.py, "Freshness").
+    trusted_for: float | None = None
 
     def age(self, now: float) -> float | None:
         return None if self.metrics is None else now - self.metrics.updated_at
@@ -235,15 +240,15 @@ class _ModelTable:
         "endpoint_array",
         "endpoints",
         "entries",
+        "expires",
         "lora",
         "n_routable",
-        "oldest",
         "pair_array",
         "pairs",
         "routable",
         "routable_slots",
+        "soonest",
         "unscraped",
-        "updated",
         "values",
     )
 
@@ -260,18 +265,19 @@ class _ModelTable:
         self.unscraped: set[int] = set()  # routable without a metrics URL (metrics made per read)
         self.values: FloatArray = np.full((len(ENGINE_FIELDS), n), np.nan)
         self.lora: IntArray = np.zeros(n, np.intp)
-        self.updated: FloatArray = np.zeros(n)
+        self.expires: FloatArray = np.zeros(n)  # until when each slot's metrics may be used
         self.routable = np.zeros(n, np.bool_)  # every condition of `is_ready` but freshness
         self.aged = np.zeros(n, np.bool_)  # goes stale (scraped), else ready while routable
         self.n_routable = 0
-        self.oldest: float | None = math.inf  # oldest scrape of a routable aged slot; None: unknown
+        # Soonest expiry of a routable aged slot; None: unknown (found again on the next read).
+        self.soonest: float | None = math.inf
         self.routable_slots: IntArray | None = None  # cached `flatnonzero(routable)`
 
     def write(self, i: int, entry: _Routable | None, lora_id: int) -> None:
         """Slot `i` now holds `entry` (see `EndpointStore._routable_entry`)."""
         was = bool(self.routable[i])
-        if was and self.aged[i] and self.oldest is not None and self.updated[i] <= self.oldest:
-            self.oldest = None  # the oldest may have moved: found again on the next read
+        if was and self.aged[i] and self.soonest is not None and self.expires[i] <= self.soonest:
+            self.soonest = None  # the soonest may have moved: found again on the next read
         if not self.values.flags.writeable:  # a ready list holds them: copy on write
             self.values = self.values.copy()
             self.lora = self.lora.copy()
@@ -291,30 +297,31 @@ class _ModelTable:
         self.unscraped.discard(i)
         pair: ReadyEndpoint | None = None
         if entry is not None:
-            ep, m, aged = entry
+            ep, m, expires = entry
+            aged = expires != math.inf
             self.aged[i] = aged
             if m is None:
                 self.unscraped.add(i)
             else:
                 pair = (ep, m)
-                self.updated[i] = m.updated_at
-                if aged and self.oldest is not None and m.updated_at < self.oldest:
-                    self.oldest = m.updated_at
+                self.expires[i] = expires
+                if aged and self.soonest is not None and expires < self.soonest:
+                    self.soonest = expires
         self.entries[i] = entry
         self.pairs[i] = pair
         self.pair_array[i] = pair
 
-    def ready(self, now: float, stale: float, sets: _AdapterSets) -> tuple[ReadyEndpoint, ...]:
-        """`EndpointStore.ready` from the arrays: one comparison with the oldest scrape when
+    def ready(self, now: float, sets: _AdapterSets) -> tuple[ReadyEndpoint, ...]:
+        """`EndpointStore.ready` from the arrays: one comparison with the soonest expiry when
         every routable endpoint is fresh, else one mask."""
         if not self.n_routable:
             return _EMPTY_READY
-        oldest = self.oldest
-        if oldest is None:
+        soonest = self.soonest
+        if soonest is None:
             timed = self.routable & self.aged
-            oldest = self.oldest = float(self.updated[timed].min()) if timed.any() else math.inf
+            soonest = self.soonest = float(self.expires[timed].min()) if timed.any() else math.inf
         slots: IntArray | None
-        if not now - oldest > stale:  # every routable endpoint is fresh
+        if not now > soonest:  # every routable endpoint is fresh
             if self.n_routable == len(self.pairs):
                 slots = None
             else:
@@ -322,7 +329,7 @@ class _ModelTable:
                     self.routable_slots = np.flatnonzero(self.routable)
                 slots = self.routable_slots
         else:
-            fresh = ~(self.aged & (now - self.updated > stale))
+            fresh = ~(self.aged & (now > self.expires))
             slots = np.flatnonzero(self.routable & fresh)
             if not len(slots):
                 return _EMPTY_READY
@@ -443,14 +450,17 @@ class EndpointStore:
     def _routable_entry(self, state: EndpointState) -> _Routable | None:
         """What a slot holds for `state`: `is_ready` without the age check."""
         if state.endpoint.metrics_url is None:
-            return (state.endpoint, state.metrics, False) if self._ready_without_url else None
+            return (state.endpoint, state.metrics, math.inf) if self._ready_without_url else None
         if state.metrics is None:
             return None
         if self._exclude_unreachable and state.unreachable:
             return None
         if self._max_failures is not None and state.failures >= self._max_failures:
             return None
-        return state.endpoint, state.metrics, True
+        return state.endpoint, state.metrics, self._expires(state.metrics, state.trusted_for)
+
+    def _expires(self, metrics: EngineMetrics, trusted_for: float | None) -> float:
+        return metrics.updated_at + (self._stale_after if trusted_for is None else trusted_for)
 
     def _put(self, state: EndpointState) -> None:
         old = self._states[state.endpoint]
@@ -482,24 +492,37 @@ class EndpointStore:
         """The endpoint of `model` at `address`, if it is in the set."""
         return self._by_address.get((model, address))
 
-    def record_success(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
-        """Store a good (possibly partial) scrape. Ignored for removed endpoints."""
+    def record_success(
+        self, endpoint: Endpoint, metrics: EngineMetrics, *, trusted_for: float | None = None
+    ) -> None:
+        """Store a good (possibly partial) scrape, usable for `trusted_for` seconds after it
+        was taken (None: `stale_after`). Ignored for removed endpoints."""
         if endpoint in self._states:
-            self._put(EndpointState(endpoint, metrics))
+            self._put(EndpointState(endpoint, metrics, trusted_for=trusted_for))
 
     def record_failure(self, endpoint: Endpoint, reason: str, *, unreachable: bool = False) -> None:
         state = self._states.get(endpoint)
         if state is not None:
+            trusted = state.trusted_for
+            if trusted is not None and state.metrics is not None:
+                # An idle pod's figures, trusted long, are used at most `stale_after` past its
+                # first failed scrape: a pod that stopped answering is not vouched for as long.
+                age = self._clock() - state.metrics.updated_at
+                trusted = min(trusted, age + self._stale_after)
             self._put(
                 replace(
-                    state, failures=state.failures + 1, last_error=reason, unreachable=unreachable
+                    state,
+                    failures=state.failures + 1,
+                    last_error=reason,
+                    unreachable=unreachable,
+                    trusted_for=trusted,
                 )
             )
 
     def is_ready(self, state: EndpointState, now: float) -> bool:
         if state.endpoint.metrics_url is None:
             return self._ready_without_url
-        if state.metrics is None or now - state.metrics.updated_at > self._stale_after:
+        if state.metrics is None or now > self._expires(state.metrics, state.trusted_for):
             return False
         if self._exclude_unreachable and state.unreachable:
             return False
@@ -513,7 +536,20 @@ class EndpointStore:
         table = self._tables.get(model)
         if table is None:
             return _EMPTY_READY
-        return table.ready(now, self._stale_after, self._lora_sets)
+        return table.ready(now, self._lora_sets)
+
+    def cache_blocks(self, model: str, *, unknown: int) -> int:
+        """KV-cache blocks the model's pods can hold together, as their engines report it
+        (`num_gpu_blocks`); `unknown` for a pod not scraped yet or not saying. What sizes the
+        pool's prefix indexes: a pool of ten pods needs a tenth of a hundred-pod pool's."""
+        total = 0
+        for ep in self._by_model.get(model, ()):
+            state = self._states.get(ep)
+            blocks = (
+                None if state is None or state.metrics is None else state.metrics.num_gpu_blocks
+            )
+            total += blocks if blocks is not None and blocks > 0 else unknown
+        return total
 
     def any_ready(self, now: float | None = None) -> bool:
         """True when at least one endpoint of any model is ready (readiness probe)."""

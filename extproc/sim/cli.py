@@ -1,4 +1,5 @@
-"""`extproc sim`: run one simulated vLLM engine until interrupted."""
+"""`extproc sim`: run one simulated vLLM engine until interrupted (or, with `--fleet`, one per
+endpoint of a layout file in this one process: extproc/sim/fleet.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from extproc.kvcache.vllm_hash import HashAlgo
 from extproc.sim.config import EventEncoding, SchedulingPolicy, SimConfig, SimRole, StepTimeModel
@@ -64,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 503")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fleet", type=Path, default=None, metavar="LAYOUT.json",
+        help="serve every endpoint of this layout from this process (extproc/sim/fleet.py); "
+        "each gets its own ports, the other flags apply to all",
+    )  # fmt: skip
     return p
 
 
@@ -136,12 +144,23 @@ async def _serve(config: SimConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    serve: Coroutine[Any, Any, None]
+    if args.fleet is not None:
+        from extproc.sim.fleet import FleetLayout, serve_fleet
+
+        try:
+            layout = FleetLayout.read(args.fleet)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        serve = serve_fleet(layout.configs(config))
+    else:
+        serve = _serve(config)
     try:
         import uvloop
 
-        uvloop.run(_serve(config))
+        uvloop.run(serve)
     except ImportError:
-        asyncio.run(_serve(config))
+        asyncio.run(serve)
     return 0
 
 

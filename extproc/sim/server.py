@@ -266,10 +266,20 @@ def _guard(fn: Callable[[SimServer, web.Request], Any]) -> Callable[[SimServer, 
 class SimServer:
     """One simulated vLLM engine: `await start()` serves on config.port (0 = any free port)."""
 
-    def __init__(self, config: SimConfig, *, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        vocabulary: Mapping[int, str] | None = None,
+    ) -> None:
+        """`tokenizer` and its `output_vocabulary` may be shared by simulators in one process
+        (extproc/sim/fleet.py): both are read-only here."""
         self.config = config
         self.tokenizer: Tokenizer = tokenizer or load_tokenizer(config.tokenizer_dir)
-        self.vocab = output_vocabulary(self.tokenizer)
+        self.vocab = (
+            dict(vocabulary) if vocabulary is not None else output_vocabulary(self.tokenizer)
+        )
         self._vocab_ids = sorted(self.vocab)
         self.faults = Faults(error_rate=config.error_rate)
         self._rng = random.Random(config.seed)
@@ -396,8 +406,8 @@ class SimServer:
             self.metrics.observe_itl(gap)
 
     def _finished(self, req: SimRequest, stats: RequestStats) -> None:
-        if self.metrics is not None and req.last_token_wall is not None:
-            self.metrics.observe_e2e(req.last_token_wall - req.arrival_wall)
+        if self.metrics is not None:
+            self.metrics.observe_finished(req, stats)
 
     # -- helpers ---------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict[str, Any]:

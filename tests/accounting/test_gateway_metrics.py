@@ -195,3 +195,35 @@ def test_refresh_ready(registry: CollectorRegistry, gm: GatewayMetrics) -> None:
     assert value(registry, "extproc_endpoint_ready", model="m", endpoint=never.address) == 0
     gm.refresh_ready(store, 20.0)  # fresh went stale
     assert value(registry, "extproc_endpoint_ready", model="m", endpoint=fresh.address) == 0
+
+
+def test_endpoints_that_left_take_their_series_with_them(
+    registry: CollectorRegistry, gm: GatewayMetrics
+) -> None:
+    a = Endpoint("10.0.0.1:8000", "m", metrics_url="http://10.0.0.1:8000/metrics")
+    b = Endpoint("10.0.0.2:8000", "m", metrics_url="http://10.0.0.2:8000/metrics")
+    shared = Endpoint("10.0.0.2:8000", "n", metrics_url="http://10.0.0.2:8000/metrics")
+    store = EndpointStore(stale_after=5.0, clock=lambda: 10.0)
+    store.set_endpoints({"m": [a, b], "n": [shared]})
+    gm.refresh_ready(store, 10.0)
+    gm.observe_usage("m", a.address, TokenUsage(prompt_tokens=5, completion_tokens=2))
+    gm.scrape_result(a, "ok")
+    store.set_endpoints({"n": [shared]})  # pool m went; 10.0.0.2 still serves n
+    gm.refresh_ready(store, 10.0)
+    assert value(registry, "extproc_endpoint_ready", model="m", endpoint=a.address) is None
+    assert value(registry, "extproc_endpoint_ready", model="m", endpoint=b.address) is None
+    assert value(registry, "extproc_prompt_tokens_total", model="m", endpoint=a.address) is None
+    assert value(registry, "extproc_metrics_scrapes_total", endpoint=a.address, result="ok") is None
+    assert value(registry, "extproc_endpoint_ready", model="n", endpoint=shared.address) == 0
+
+
+def test_stalled_series_exist_only_while_stalled(
+    registry: CollectorRegistry, gm: GatewayMetrics
+) -> None:
+    gm.refresh_stalled(frozenset({"10.0.0.1:8000", "10.0.0.2:8000"}))
+    assert value(registry, "extproc_endpoint_stalled", endpoint="10.0.0.1:8000") == 1
+    gm.refresh_stalled(frozenset({"10.0.0.2:8000"}))
+    assert value(registry, "extproc_endpoint_stalled", endpoint="10.0.0.1:8000") is None
+    assert value(registry, "extproc_endpoint_stalled", endpoint="10.0.0.2:8000") == 1
+    gm.refresh_stalled(frozenset())
+    assert value(registry, "extproc_endpoint_stalled", endpoint="10.0.0.2:8000") is None

@@ -42,6 +42,7 @@ from tests.deploy._manifests import (
 OVERLAYS = [
     "envoy-gateway",
     "envoy-gateway-one-message",
+    "envoy-gateway-fleet",
     "envoy-gateway-token-limits",
     "inferencepool",
     "keda",

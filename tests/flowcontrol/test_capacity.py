@@ -83,11 +83,29 @@ def test_dispatches_since_the_scrape_count_until_the_next_one() -> None:
     assert pool("m").free == 5
 
 
-def test_metrics_without_a_queue_signal_count_as_saturated() -> None:
+@pytest.mark.parametrize("dispatch", ["queue", "slots"])
+@pytest.mark.parametrize(
+    ("running", "waiting", "kv", "room"),
+    [
+        pytest.param(0.0, None, None, True, id="running-only"),  # e.g. a minimal exporter
+        pytest.param(None, None, 0.1, True, id="kv-only-below"),
+        pytest.param(None, None, 0.95, False, id="kv-only-full"),
+        pytest.param(None, 1.0, None, True, id="queue-only-below"),
+        pytest.param(None, 9.0, None, False, id="queue-only-full"),
+    ],
+)
+def test_a_missing_signal_never_holds_a_pod_back_forever(
+    dispatch: str, running: float | None, waiting: float | None, kv: float | None, room: bool
+) -> None:
+    """An engine that reports only part of vLLM's families: the signal it reports says when it
+    is full; with neither a queue nor a KV signal nothing can, and it is not held back (held,
+    every request would wait out its TTL for a pod that may be idle)."""
     w = World()
-    w.metrics[A.address] = EngineMetrics(updated_at=1.0, waiting=None, kv_cache_usage=0.1)
-    cap = capacity(w, dispatch="slots")("m")
-    assert (cap.free, cap.saturation, cap.pods) == (0, 1.0, ())
+    w.metrics[A.address] = EngineMetrics(
+        updated_at=1.0, running=running, waiting=waiting, kv_cache_usage=kv
+    )
+    cap = capacity(w, dispatch)("m")
+    assert (cap.free > 0, cap.pods == (A.address,)) == (room, room)
 
 
 @pytest.mark.parametrize("dispatch", ["queue", "slots"])

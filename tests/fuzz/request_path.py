@@ -150,7 +150,10 @@ class RequestPath:
     """One real Director (Qwen3 tokenizer) reused across cases on one event loop."""
 
     def __init__(self, tokenizer_dir: Path) -> None:
-        logging.getLogger("extproc").setLevel(logging.CRITICAL)  # fuzzing is noisy by design
+        # Fuzzing is noisy by design; `close` puts the level back (a test run goes on after).
+        self._logger = logging.getLogger("extproc")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.CRITICAL)
         self.kit: DirectorKit = build_director(config_text(max_body=MAX_BODY), tokenizer_dir)
         self.cases = 0
         self.routed = 0
@@ -159,6 +162,7 @@ class RequestPath:
 
     def close(self) -> None:
         self.kit.close()
+        self._logger.setLevel(self._level)
 
     async def run(self, case: Case) -> None:
         self.cases += 1

@@ -217,6 +217,34 @@ def test_status_json_of_one_replica(env: Env, capsys: pytest.CaptureFixture[str]
     assert addresses == {o.sim_address(i) for i in range(o.sims)}
 
 
+def test_status_narrowed_to_pools_and_summarised_per_pool(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    o = env.stack.options
+    code, out, _ = env.run("status", "--pod", "extproc-0", "--model", "qwen3", capsys=capsys)
+    assert code == 0 and all(o.sim_address(i) in out for i in range(o.sims))
+    assert any(
+        path.endswith("/proxy/debug/endpoints") and query.get("model") == "qwen3"
+        for _, path, query in env.api.requests
+    )
+    code, out, _ = env.run("status", "--pod", "extproc-0", "--model", "other", capsys=capsys)
+    assert code == 0 and out == "no endpoints\n"
+    code, out, _ = env.run("status", "--pod", "extproc-0", "--pools", capsys=capsys)
+    assert code == 0
+    header, row = out.splitlines()[:2]
+    assert header.split()[:4] == ["REPLICA", "POOL", "READY", "ENDPOINTS"]
+    assert row.split()[:4] == ["extproc-0", "qwen3", str(o.sims), str(o.sims)]
+    # Past --max-rows endpoint rows, the table becomes one row per pool.
+    code, out, _ = env.run("status", "--pod", "extproc-0", "--max-rows", "1", capsys=capsys)
+    assert code == 0
+    assert out.splitlines()[0].startswith(f"{o.sims} endpoint rows in 1 pool rows")
+    assert out.splitlines()[1].split()[:2] == ["REPLICA", "POOL"]
+    code, out, _ = env.run(
+        "status", "--pod", "extproc-0", "--max-rows", "1", "--all", capsys=capsys
+    )
+    assert out.splitlines()[0].split()[:3] == ["REPLICA", "MODEL", "ENDPOINT"]
+
+
 def test_explain_asks_a_replica_why(
     env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.metrics.parse import parse
+from extproc.metrics.names import VLLM
+from extproc.metrics.parse import _parse_line, _parse_wanted, parse
 from tests.metrics.expositions import SGLANG, VLLM_DP2
 
 # (line, expected (name, labels, value) or None for an error line)
@@ -142,6 +144,7 @@ def test_never_raises_on_arbitrary_text(text: str) -> None:
 _line_atoms = st.sampled_from(
     [
         "m",
+        "m_x",
         "vllm:x",
         "{",
         "}",
@@ -174,3 +177,34 @@ def test_never_raises_on_exposition_like_text(text: str) -> None:
     # Filtering changes speed, never results: the same samples an unfiltered parse gives.
     assert filtered.samples == tuple(s for s in result.samples if s.name in {"m", "vllm:x"})
     assert filtered.errors <= result.errors
+
+
+def _flat_scan(text: str, wanted: set[str]) -> list[tuple[str, object]]:
+    """The oracle: every line starting (after blanks) with a wanted name, by a flat alternation."""
+    alternatives = "|".join(re.escape(n) for n in sorted(wanted))
+    finder = re.compile(rf"\n[ \t\r]*(?:{alternatives})(?=[{{ \t])[^\n]*")
+    return [
+        (m.group()[1:].strip(" \t\r"), _parse_line(m.group()[1:].strip(" \t\r")))
+        for m in finder.finditer("\n" + text)
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_line_atoms, max_size=40).map("".join))
+@pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
+def test_the_trie_scan_finds_what_a_flat_alternation_finds(text: str) -> None:
+    # Names that are prefixes of each other ("m", "m_x") are the trie's hard case.
+    wanted = {"m", "m_x", "vllm:x", "e"}
+    expected = _flat_scan(text, wanted)
+    got = _parse_wanted(text, wanted)
+    assert got.lines == len(expected)
+    assert got.samples == tuple(s for _, s in expected if s is not None)
+
+
+def test_line_finding_on_a_vllm_page_keeps_page_order() -> None:
+    wanted = VLLM.wanted()
+    fast = _parse_wanted(VLLM_DP2, wanted)
+    assert fast.samples == tuple(s for _, s in _flat_scan(VLLM_DP2, set(wanted)) if s)
+    assert [s.name for s in fast.samples] == [
+        s.name for s in parse(VLLM_DP2).samples if s.name in wanted
+    ]

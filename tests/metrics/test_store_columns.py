@@ -95,7 +95,9 @@ def test_columns_equal_the_metrics_after_random_events(seed: int) -> None:
         action = rng.random()
         if action < 0.6 and eps:
             for ep in rng.sample(eps, min(len(eps), rng.randint(1, 6))):
-                store.record_success(ep, _metrics(rng, clock[0]))
+                # Some figures are trusted longer or shorter than `stale_after` (idle pods).
+                trusted = rng.choice((None, None, rng.uniform(0.5, 12.0)))
+                store.record_success(ep, _metrics(rng, clock[0]), trusted_for=trusted)
         elif action < 0.85 and eps:
             store.record_failure(rng.choice(eps), "boom", unreachable=rng.random() < 0.5)
         elif action < 0.93:  # a few pods leave and join (a model may cross the threshold)
@@ -110,13 +112,13 @@ def test_columns_equal_the_metrics_after_random_events(seed: int) -> None:
             ready = store.ready(m)
             got = [(ep.address, metrics.updated_at) for ep, metrics in ready]
             assert got == _by_definition(store, m, clock[0]), (step, m)
-            # White-box: the oldest scrape `ready()` compares against (to skip the per-pod
+            # White-box: the soonest expiry `ready()` compares against (to skip the per-pod
             # age check) is unknown or exact, never merely a bound (each request would then
             # pay the mask).
             table = store._tables[m]
             timed = table.routable & table.aged
-            assert table.oldest is None or table.oldest == (
-                table.updated[timed].min() if timed.any() else math.inf
+            assert table.soonest is None or table.soonest == (
+                table.expires[timed].min() if timed.any() else math.inf
             )
             if ready:
                 assert isinstance(ready, ReadyEndpoints)
