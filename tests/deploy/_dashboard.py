@@ -30,3 +30,14 @@ def dashboard_exprs() -> list[tuple[str, str]]:
             assert m is not None, f"variable {var['name']}: only label_values(expr, label)"
             out.append((f"variable ${var['name']}", m.group(1)))
     return out
+
+
+def custom_variable_values() -> dict[str, str]:
+    """`$name` and `${name}` -> the selected value of every custom (fixed-list) variable."""
+    out = {}
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] == "custom":
+            value = var["current"]["value"]
+            assert value in var["query"].split(","), f"variable {var['name']}: {value!r}"
+            out[f"${{{var['name']}}}"] = out[f"${var['name']}"] = value
+    return out

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy._dashboard import OVERLAY, dashboard_exprs
+from tests.deploy._dashboard import OVERLAY, custom_variable_values, dashboard_exprs
 from tests.deploy._manifests import find, render
 
 PROMTOOL = shutil.which("promtool", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -50,6 +50,7 @@ GRAFANA_VARIABLES = {
     "${__rate_interval}": "5m",
     "$model": ".*",
     "${model}": ".*",
+    **custom_variable_values(),
 }
 
 
