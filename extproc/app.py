@@ -780,7 +780,7 @@ class App:
         self.leases.forward = lambda key: sync.note_release(key.replica, key.seq)
         self.core.share_blocks = sync.note_blocks
         self.core.share_latency = sync.note_latency
-        self.poller.should_scrape = self._should_scrape
+        self.poller.owns = sync.owns
         self.poller.on_scraped = lambda ep, metrics: sync.note_metrics(
             ep.model, ep.address, metrics
         )
@@ -789,20 +789,6 @@ class App:
     def _adopt(self, rows: list[Any]) -> None:
         n = self.leases.adopt(rows)
         log.info("adopted %d open leases from a replica that shut down", n)
-
-    def _should_scrape(self, url: str, endpoints: Sequence[Endpoint]) -> bool:
-        """The pod's owner scrapes it; anyone whose copy is older than 2 polls does too."""
-        assert self.sync is not None
-        if self.sync.owns(url):
-            return True
-        now = time.monotonic()
-        limit = 2 * self.poller.interval
-        for ep in endpoints:
-            state = self.store.state(ep)
-            age = None if state is None else state.age(now)
-            if age is None or age > limit:
-                return True
-        return False
 
     def _peer_scrape(self, model: str, address: str, metrics: EngineMetrics) -> None:
         ep = self.store.find(model, address)

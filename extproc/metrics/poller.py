@@ -15,6 +15,12 @@ once. A thousand idle pods then cost a scrape each every `idle_interval`, not ev
 `interval`; a request to an idle pod costs a few scrapes (at once, while it runs, the one that
 sees it finished, and the way back to the idle pace).
 
+**Replicas** (`owns`, replica sync): each metrics URL has one owner among the live replicas,
+which scrapes it at the pace above and publishes what it got. The others keep the owner's
+figures (`record_peer`; an idle pod's trusted until the owner's next scrape may be due) and
+scrape the pod themselves only when their copy runs out (the owner is gone) or when they route
+to the pod while their copy is older than two polls (the owner may be at the idle pace).
+
 **Freshness** (what a decision may use, per field):
 - running and waiting requests, KV-cache usage, the running and waiting LoRA adapters, the
   TTFT and ITL averages and the token counters all move only with traffic. A busy pod's are
@@ -146,9 +152,10 @@ class MetricsPoller:
         self._wake: asyncio.Event | None = None
         self._sleep_until = math.inf
         self.started = 0  # scrapes started (for tests and /debug)
-        # Replica sync: whether this replica scrapes a metrics URL now (another one may own
-        # it and publish), and who hears of each good scrape (to publish it).
-        self.should_scrape: Callable[[str, Sequence[Endpoint]], bool] | None = None
+        # Replica sync: whether this replica owns a metrics URL (None: every URL; a URL
+        # another replica owns is scraped by it and published), and who hears of each good
+        # scrape (to publish it).
+        self.owns: Callable[[str], bool] | None = None
         self.on_scraped: Callable[[Endpoint, EngineMetrics], None] | None = None
 
     def names_for(self, endpoint: Endpoint) -> MetricNames:
@@ -256,9 +263,12 @@ class MetricsPoller:
         if task is not None and not task.done():
             self._reschedule(url, sched, now + sched.interval)  # its scrape reschedules too
             return
-        if self.should_scrape is not None and not self.should_scrape(url, self._groups[url]):
-            self._reschedule(url, sched, now + self._interval)  # another replica has it
-            return
+        if self.owns is not None and not self.owns(url):
+            wait = self._peer_copy_lasts(url, sched, now)
+            if wait > 0:  # another replica scrapes it: look again when the copy runs out
+                sched.interval = max(self._interval, wait)  # traffic here cuts it short
+                self._reschedule(url, sched, now + sched.interval)
+                return
         self.started += 1
         self._scrapes[url] = asyncio.create_task(self._scrape_guarded(url))
 
@@ -285,19 +295,39 @@ class MetricsPoller:
                 if url not in self._scrapes:
                     self._reschedule(url, sched, now)
 
+    def _peer_copy_lasts(self, url: str, sched: _Schedule, now: float) -> float:
+        """How long this replica's copy of the figures another replica publishes for `url`
+        will do (<= 0: scrape it here now). The copy must be younger than 2 polls when this
+        replica routes to the pod (the owner may scrape it at the idle pace), and otherwise
+        is renewed one poll before its trust runs out (the owner's scrapes stopped coming)."""
+        busy_here = now - sched.routed_at <= self._interval
+        lasts = math.inf
+        for ep in self._groups[url]:
+            state = self._store.state(ep)
+            age = None if state is None else state.age(now)
+            if state is None or age is None:
+                return 0.0
+            limit = 2 * self._interval
+            if state.trusted_for is not None and not busy_here:
+                limit = max(limit, state.trusted_for - self._interval)
+            lasts = min(lasts, limit - age)
+        return lasts
+
     def record_peer(self, endpoint: Endpoint, metrics: EngineMetrics) -> None:
-        """A scrape another replica made and published (replica sync): stored with the trust
-        this replica gives the pod's figures (an idle pod's: until its next scrape is due)."""
+        """A scrape another replica made and published (replica sync). An idle pod's figures
+        (nothing in flight, nothing routed to it here within a poll) are trusted as long as
+        the owner may take to scrape it again (`idle_interval`, plus `stale_after`); others
+        for `stale_after`."""
         trusted_for = None
         url = endpoint.metrics_url
         sched = self._schedules.get(url) if url is not None else None
         if (
-            sched is not None
-            and sched.interval > self._interval
+            url is not None
+            and self._idle_interval > self._interval
             and _nothing_in_flight((metrics,))
-            and self._clock() - sched.routed_at > self._interval
+            and (sched is None or self._clock() - sched.routed_at > self._interval)
         ):
-            trusted_for = sched.interval + self._store.stale_after
+            trusted_for = self._idle_interval + self._store.stale_after
         self._store.record_success(endpoint, metrics, trusted_for=trusted_for)
 
     async def poll_once(self) -> None:

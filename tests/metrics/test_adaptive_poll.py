@@ -5,6 +5,7 @@ until their next scrape is due (plus `stale_after`), busy ones for `stale_after`
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -134,6 +135,78 @@ async def test_a_changing_pod_is_busy_even_with_nothing_running(
             assert state is not None and state.trusted_for is None
         finally:
             await poller.stop()
+
+
+async def test_a_pod_another_replica_owns_is_scraped_here_only_when_the_copy_runs_out(
+    serve: Callable[..., object],
+) -> None:
+    pod = Pod()
+    ep = await serve(pod)  # type: ignore[misc]
+    store = EndpointStore(stale_after=0.5)
+    store.set_endpoints({"m": [ep]})
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(store, client, interval=0.1, idle_interval=1.0, timeout=1.0)
+        poller.owns = lambda url: False  # another replica scrapes the pod and publishes
+        published = time.monotonic()
+        poller.record_peer(ep, EngineMetrics(updated_at=published, running=0, waiting=0))
+        state = store.state(ep)
+        assert state is not None and state.trusted_for == pytest.approx(1.0 + 0.5)
+        ready_throughout = True
+
+        def still_ready() -> bool:
+            nonlocal ready_throughout
+            ready_throughout &= bool(store.ready("m"))
+            return bool(pod.hits)
+
+        poller.start()
+        try:
+            # The owner's idle figures hold for 1.5 s: nothing is scraped here meanwhile. Then
+            # no newer ones came (the owner is gone): scraped here a poll before they run out.
+            await eventually(still_ready, within=5.0)
+            assert time.monotonic() - published >= 1.0, pod.hits
+            assert ready_throughout
+        finally:
+            await poller.stop()
+
+
+async def test_routing_to_a_pod_another_replica_owns_wants_a_copy_younger_than_two_polls(
+    serve: Callable[..., object],
+) -> None:
+    pod = Pod()
+    ep = await serve(pod)  # type: ignore[misc]
+    store = EndpointStore(stale_after=0.5)
+    store.set_endpoints({"m": [ep]})
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(store, client, interval=0.05, idle_interval=5.0, timeout=1.0)
+        poller.owns = lambda url: False
+        poller.record_peer(ep, EngineMetrics(updated_at=time.monotonic(), running=0, waiting=0))
+        poller.start()
+        try:
+            await asyncio.sleep(0.3)  # the copy is 0.3 s old: good for an idle pod (5.5 s)
+            assert pod.hits == []
+            poller.note_traffic(ep.address)  # this replica routes there: it must be fresh
+            await eventually(lambda: bool(pod.hits), within=2.0)
+        finally:
+            await poller.stop()
+
+
+async def test_a_peers_figures_with_requests_in_flight_are_trusted_for_stale_after() -> None:
+    store = EndpointStore(stale_after=0.5)
+    ep = Endpoint("10.0.0.1:8000", "m", metrics_url="http://10.0.0.1:8000/metrics")
+    store.set_endpoints({"m": [ep]})
+    poller = MetricsPoller(store, httpx.AsyncClient(), interval=0.1, idle_interval=5.0)
+    poller.owns = lambda url: False
+    poller.record_peer(ep, EngineMetrics(time.monotonic(), running=0, waiting=0))
+    poller.tick()  # follows the store's endpoints (a fresh copy: nothing to scrape here)
+    assert poller.started == 0
+    for running, waiting, trusted_for in ((1, 0, None), (0, 2, None), (0, 0, 5.5)):
+        poller.record_peer(ep, EngineMetrics(time.monotonic(), running=running, waiting=waiting))
+        state = store.state(ep)
+        assert state is not None and state.trusted_for == trusted_for, (running, waiting)
+    poller.note_traffic(ep.address)  # routed here just now: the pod is not idle for us
+    poller.record_peer(ep, EngineMetrics(time.monotonic(), running=0, waiting=0))
+    state = store.state(ep)
+    assert state is not None and state.trusted_for is None
 
 
 @pytest.mark.parametrize(
