@@ -3,9 +3,11 @@
 Envoy's default circuit breakers (1,024 requests per cluster, which Envoy Gateway leaves in
 place unless a policy sets `circuitBreaker`) run at most 1,024 at once: the next 1,024 wait in
 Envoy's pending queue (measured without the BackendTrafficPolicy's `circuitBreaker`: the peak
-is exactly 1,024 and this test fails), later ones get 503. The simulators here are slow per step but give 2-token answers, so each stream is
-cheap and holds its upstream request for seconds: the requests, started at a pace the single
-ext_proc process keeps up with, pile up on the model cluster beyond that limit.
+is exactly 1,024 and this test fails), later ones get 503. The simulators here are slow per step but give 5-token answers, so each stream is
+cheap and holds its upstream request for 20 s or more: the requests pile up on the model
+cluster beyond that limit even when the single ext_proc process, sharing two cores with
+another stack, lets them in at 60 a second rather than the 250 a second they start at (a CI
+run with 2-token answers, held 8-12 s, peaked at 926).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.e2e
 STREAMS = 2000
 RATE = 250.0  # stream starts per second: ~8 s to start them all
 ENVOY_DEFAULT_CIRCUIT_BREAKER = 1024
-# Each engine step takes 4 s whatever its size (a 2-token answer is 2-3 steps, 8-12 s) and
+# Each engine step takes 4 s whatever its size (a 5-token answer is 5-6 steps, 20-24 s) and
 # every request fits in one batch: answers stay cheap, streams stay open.
 SLOW_SIM = (
     *("--time-scale", "1", "--step-overhead-ms", "4000"),
@@ -86,7 +88,8 @@ async def _streams(stack: LocalStack) -> tuple[Counter[object], int]:
     body = {
         "model": "qwen3",
         "messages": [{"role": "user", "content": "Say two words."}],
-        "max_tokens": 2,
+        "max_tokens": 5,
+        "ignore_eos": True,
         "stream": True,
     }
     url = f"{stack.base_url}/v1/chat/completions"
