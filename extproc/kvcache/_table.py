@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from operator import and_, or_
 from typing import NamedTuple
 
 import numpy as np
@@ -109,6 +110,28 @@ class PodBitmaskTable:
             return False
         masks[block] = old | bit
         return True
+
+    def add_new(self, bit: int, blocks: Sequence[int]) -> bool:
+        """Mark distinct `blocks`, none held by the pod with `bit` yet, in one pass; False,
+        marking nothing, when one is held already or one repeats."""
+        masks = self.masks
+        olds = list(map(masks.get, blocks, repeat(0)))
+        if any(map(and_, olds, repeat(bit))) or len(set(blocks)) != len(blocks):
+            return False
+        masks.update(zip(blocks, map(or_, olds, repeat(bit)), strict=True))
+        return True
+
+    def discard_all(self, bit: int, blocks: Iterable[int]) -> None:
+        """`discard` every block of `blocks`; in one pass when the pod alone holds them all."""
+        masks = self.masks
+        blocks = list(blocks)
+        if all(map(bit.__eq__, map(masks.get, blocks, repeat(0)))):
+            pop = masks.pop
+            for block in blocks:
+                pop(block, None)  # None: a block listed twice
+            return
+        for block in blocks:
+            self.discard(bit, block)
 
     def discard(self, bit: int, block: int) -> bool:
         """Unmark; True when the pod held the block."""

@@ -561,10 +561,22 @@ def apply_events(index: IndexWriter, pod: str, events: Iterable[KVEvent]) -> App
     """Apply one batch's events for `pod` to `index`.
 
     Only the GPU tier and KV-cache group 0 are indexed: CPU/disk copies and the extra groups
-    of hybrid models would otherwise count as GPU prefix hits.
+    of hybrid models would otherwise count as GPU prefix hits. Consecutive removals (vLLM
+    sends one event per evicted block) reach the index as one call.
     """
     counts = ApplyCounts()
+    removals: list[int] = []
     for event in events:
+        if isinstance(event, BlockRemoved):
+            if event.medium not in _INDEXED_MEDIA or event.group_idx:
+                counts.skipped += 1
+            else:
+                removals += event.block_hashes
+            continue
+        if removals:
+            index.removed(pod, removals)
+            counts.removed_blocks += len(removals)
+            removals = []
         if isinstance(event, BlockStored):
             if event.medium not in _INDEXED_MEDIA or event.group_idx:
                 counts.skipped += 1
@@ -580,15 +592,12 @@ def apply_events(index: IndexWriter, pod: str, events: Iterable[KVEvent]) -> App
             )
             counts.stored_blocks += len(event.block_hashes)
             counts.orphans += result.orphans
-        elif isinstance(event, BlockRemoved):
-            if event.medium not in _INDEXED_MEDIA or event.group_idx:
-                counts.skipped += 1
-                continue
-            index.removed(pod, event.block_hashes)
-            counts.removed_blocks += len(event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             index.cleared(pod)
             counts.cleared += 1
+    if removals:
+        index.removed(pod, removals)
+        counts.removed_blocks += len(removals)
     return counts
 
 
