@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice, repeat
+from typing import cast
 
 from extproc.kvcache._table import PodBitmaskTable, PodBlocks
 from extproc.kvcache.hashing import chain_hashes, lora_extra_key, root_hash, token_bytes
@@ -133,7 +134,11 @@ class ExactIndex:
         if entries is None:
             return 0
         e2r = entries.engine_to_router
-        routers = [r for r in map(e2r.pop, engine_hashes, repeat(None)) if r is not None]
+        popped = list(map(e2r.pop, engine_hashes, repeat(None)))
+        # None: a hash the pod does not hold (evicted here, or never seen); rare, so test first.
+        routers = (
+            [r for r in popped if r is not None] if None in popped else cast(list[int], popped)
+        )
         if entries.extra_refs:
             for router in routers:
                 self._unref(entries, router)
