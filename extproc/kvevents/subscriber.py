@@ -5,7 +5,10 @@ when a sequence gap shows lost messages, a short-lived DEALER to the pod's repla
 (docs/engines.md §1.2). What cannot be replayed is handled by dropping the pod's
 entries and rebuilding from live events; a sequence that goes backwards means the publisher
 restarted (its cache is empty), so the pod is cleared. Everything runs on the event loop
-and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved.
+and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved. A
+stream that is busy is read on a tick every subscriber shares (`drain_interval_s`): all
+that queued since, in one go, so the loop wakes once per tick for all pods rather than once
+per batch; an idle stream wakes the loop when its next batch lands.
 
 `KVEventManager` follows the endpoint set and answers `is_healthy(address)` for the
 `auto` index mode. Healthy means the stream is alive, not that blocks were added lately: an
@@ -27,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -85,6 +88,11 @@ class SubscriberSettings:
     stall_after_s: float = 10.0
     max_blocks_per_wake: int = 256  # yield to the event loop after this many block events
     rcvhwm: int = 100_000
+    # Take a stream's queued batches at most this often, on a tick all streams share: one loop
+    # wake-up per tick for every pod instead of one per batch (a wake-up costs as much CPU as
+    # indexing a batch: bench/kvingest.py). A batch waits at most this long (0: take each
+    # batch as it lands); `kv_events.pending_s` covers the gap far longer.
+    drain_interval_s: float = 0.02
 
     @classmethod
     def from_config(cls, cfg: KVEventsConfig) -> SubscriberSettings:
@@ -255,7 +263,7 @@ class KVEventSubscriber:
         # Live batches and probes apply to the index one at a time.
         self._lock = asyncio.Lock()
         self._budget = self._settings.max_blocks_per_wake
-        self._sub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.Socket[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -264,7 +272,8 @@ class KVEventSubscriber:
         """Connect and start consuming (ZMQ reconnects by itself if the pod goes away)."""
         if self._task is not None:
             return
-        sub = self._ctx.socket(zmq.SUB)
+        # A plain socket: the loop watches its descriptor only while the stream is idle.
+        sub: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._settings.rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -370,18 +379,30 @@ class KVEventSubscriber:
 
     # ----------------------------------------------------------------- loop
 
-    async def _run(self, sub: zmq.asyncio.Socket) -> None:
+    async def _run(self, sub: zmq.Socket[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self._settings.drain_interval_s
         while True:
-            frames = await sub.recv_multipart(copy=True)
-            try:
-                async with self._lock:
-                    await self._on_live(frames)
-            except Exception:  # a bug must not end the subscription silently forever
-                _log.exception("kv-events %s: failed to apply a batch", self.label)
-                self._reset("gap")
-            if self._budget <= 0:
-                await asyncio.sleep(0)
-                self._budget = self._settings.max_blocks_per_wake
+            frames = _recv_nowait(sub)
+            if frames is None:
+                await _readable(loop, sub)
+                continue
+            while frames is not None:  # everything queued, in one go
+                await self._take(frames)
+                frames = _recv_nowait(sub)
+            if interval > 0:  # let the next batches queue up until the shared tick
+                await asyncio.sleep(interval - loop.time() % interval)
+
+    async def _take(self, frames: list[bytes]) -> None:
+        try:
+            async with self._lock:
+                await self._on_live(frames)
+        except Exception:  # a bug must not end the subscription silently forever
+            _log.exception("kv-events %s: failed to apply a batch", self.label)
+            self._reset("gap")
+        if self._budget <= 0:
+            await asyncio.sleep(0)
+            self._budget = self._settings.max_blocks_per_wake
 
     async def _on_live(self, frames: list[bytes]) -> None:
         # Any message, even one we cannot decode, shows the stream is alive.
@@ -515,8 +536,9 @@ class KVEventSubscriber:
         self._budget -= counts.stored_blocks + counts.removed_blocks + 1
         m = self._metrics
         if m is not None:
-            m.batches.labels(self.label).inc()
-            m.lag.labels(self.label).set(st.lag_s)
+            label = self.label
+            m.series(m.batches, label).inc()
+            m.series(m.lag, label).set(st.lag_s)
             for kind, n in (
                 ("stored_blocks", counts.stored_blocks),
                 ("removed_blocks", counts.removed_blocks),
@@ -525,9 +547,9 @@ class KVEventSubscriber:
                 ("unknown", batch.unknown_events),
             ):
                 if n:
-                    m.events.labels(self.label, kind).inc(n)
+                    m.series(m.events, label, kind).inc(n)
             if counts.orphans:
-                m.orphans.labels(self.label).inc(counts.orphans)
+                m.series(m.orphans, label).inc(counts.orphans)
 
     def _reset(self, reason: str) -> None:
         self._writer.cleared(self.pod)
@@ -546,6 +568,31 @@ class KVEventSubscriber:
         _log.debug("kv-events %s: skipped a malformed message: %s", self.label, exc.reason)
         if self._metrics is not None:
             self._metrics.decode_errors.labels(self.label).inc()
+
+
+def _recv_nowait(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
+    """Until `sock` has a message. ZMQ's descriptor signals changes, not data: it is read
+    again (EVENTS) after every signal, and watched only while we wait."""
+    fd = sock.FD
+    while not cast(int, sock.EVENTS) & zmq.POLLIN:
+        signalled = loop.create_future()
+        loop.add_reader(fd, _set_once, signalled)
+        try:
+            await signalled
+        finally:
+            loop.remove_reader(fd)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 @dataclass(slots=True)
