@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import pickle
@@ -43,6 +42,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 import extproc
+from extproc.gctune import tune_gc
 from extproc.kvcache import ExactIndex
 from extproc.kvevents import (
     KVEventMetrics,
@@ -116,7 +116,7 @@ def _block_events(messages: Sequence[list[bytes]]) -> tuple[int, int]:
 def bench_direct(messages: Sequence[list[bytes]], gpu_blocks: int) -> float:
     """CPU seconds to decode and apply every message."""
     index = ExactIndex(block_size=16, max_blocks=4 * gpu_blocks)
-    gc.collect()
+    tune_gc()  # as the server runs: start-up frozen, young collections every 3,000
     t0 = time.process_time()
     for frames in messages:
         apply_events(index, POD, decode_message(frames).events)
@@ -147,7 +147,9 @@ def _publish(endpoint_file: str, pace_s: float) -> None:
     ctx.term()
 
 
-async def _subscribe(endpoint: str, last_seq: int, gpu_blocks: int) -> tuple[float, float]:
+async def _subscribe(
+    endpoint: str, last_seq: int, gpu_blocks: int, settings: SubscriberSettings
+) -> tuple[float, float]:
     """(process CPU seconds, of which the event loop's thread) from before the first message
     to after the last."""
     ctx = zmq.asyncio.Context()
@@ -158,14 +160,14 @@ async def _subscribe(endpoint: str, last_seq: int, gpu_blocks: int) -> tuple[flo
         replay_endpoint=None,
         index=index,
         context=ctx,
-        settings=SubscriberSettings(rcvhwm=0),
+        settings=settings,
         metrics=KVEventMetrics(CollectorRegistry()),  # the server counts every batch
     )
-    gc.collect()
+    tune_gc()
     sub.start()
     t0, t0_loop = time.process_time(), time.thread_time()  # before the first message lands
     while sub.stats.last_seq != last_seq:  # noqa: ASYNC110 - polling the subscriber's counters
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.25)  # rarely: each wake-up costs CPU here too
     cpu, cpu_loop = time.process_time() - t0, time.thread_time() - t0_loop
     stats = sub.stats
     await sub.stop()
@@ -175,7 +177,10 @@ async def _subscribe(endpoint: str, last_seq: int, gpu_blocks: int) -> tuple[flo
 
 
 def bench_zmq(
-    messages: Sequence[list[bytes]], pace_ms: float, gpu_blocks: int
+    messages: Sequence[list[bytes]],
+    pace_ms: float,
+    gpu_blocks: int,
+    settings: SubscriberSettings | None = None,
 ) -> tuple[float, float]:
     import uvloop
 
@@ -194,7 +199,8 @@ def bench_zmq(
     endpoint = endpoint_file.read_text()
     endpoint_file.unlink()
     try:
-        return uvloop.run(_subscribe(endpoint, len(messages) - 1, gpu_blocks))
+        settings = settings or SubscriberSettings(rcvhwm=0)
+        return uvloop.run(_subscribe(endpoint, len(messages) - 1, gpu_blocks, settings))
     finally:
         child.wait(timeout=30)
 
@@ -207,6 +213,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pace-ms", type=float, default=None, help="zmq only, this pace")
     parser.add_argument("--modes", default="direct,zmq-paced,zmq-burst")
+    parser.add_argument(
+        "--drain-interval-ms", type=float, help="SubscriberSettings.drain_interval_s (new tree)"
+    )
     parser.add_argument("--encodings", default="map,legacy")
     parser.add_argument("--out", help="write the JSON results here too")
     parser.add_argument("--publisher", help=argparse.SUPPRESS)
@@ -222,6 +231,10 @@ def main() -> None:
     }
     modes = args.modes.split(",")
     paced = 5.0 if args.pace_ms is None else args.pace_ms
+    settings = SubscriberSettings(rcvhwm=0)
+    if args.drain_interval_ms is not None:
+        settings = SubscriberSettings(rcvhwm=0, drain_interval_s=args.drain_interval_ms / 1e3)
+        results["drain_interval_ms"] = args.drain_interval_ms
     for name in args.encodings.split(","):
         encoding = EventEncoding(name)
         messages = make_stream(args.requests, args.prompt_tokens, args.gpu_blocks, encoding)
@@ -240,7 +253,7 @@ def main() -> None:
                     loop_cpus.append(cpu)
                 elif mode in ("zmq-paced", "zmq-burst"):
                     pace = paced if mode == "zmq-paced" else 0.0
-                    cpu, loop_cpu = bench_zmq(messages, pace, args.gpu_blocks)
+                    cpu, loop_cpu = bench_zmq(messages, pace, args.gpu_blocks, settings)
                     cpus.append(cpu)
                     loop_cpus.append(loop_cpu)
                 else:
