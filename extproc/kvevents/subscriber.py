@@ -6,9 +6,9 @@ when a sequence gap shows lost messages, a short-lived DEALER to the pod's repla
 entries and rebuilding from live events; a sequence that goes backwards means the publisher
 restarted (its cache is empty), so the pod is cleared. Everything runs on the event loop
 and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved. A
-stream that is busy is read on a tick every subscriber shares (`drain_interval_s`): all
-that queued since, in one go, so the loop wakes once per tick for all pods rather than once
-per batch; an idle stream wakes the loop when its next batch lands.
+stream is read in one go (all it queued); a busy one (it spoke within `drain_interval_s`)
+on a tick every subscriber shares, so the loop wakes once per tick for all busy pods rather
+than once per batch; a quieter stream wakes the loop when its next batch lands.
 
 `KVEventManager` follows the endpoint set and answers `is_healthy(address)` for the
 `auto` index mode. Healthy means the stream is alive, not that blocks were added lately: an
@@ -88,10 +88,11 @@ class SubscriberSettings:
     stall_after_s: float = 10.0
     max_blocks_per_wake: int = 256  # yield to the event loop after this many block events
     rcvhwm: int = 100_000
-    # Take a stream's queued batches at most this often, on a tick all streams share: one loop
-    # wake-up per tick for every pod instead of one per batch (a wake-up costs as much CPU as
-    # indexing a batch: bench/kvingest.py). A batch waits at most this long (0: take each
-    # batch as it lands); `kv_events.pending_s` covers the gap far longer.
+    # A stream that spoke within this interval is busy: its queued batches are taken on a tick
+    # all streams share, one loop wake-up per tick for every busy pod instead of one per batch
+    # (a wake-up costs about as much CPU as indexing a batch: bench/kvingest.py). A batch then
+    # waits at most this long (0: take each batch as it lands); `kv_events.pending_s` covers
+    # that gap many times over.
     drain_interval_s: float = 0.02
 
     @classmethod
@@ -382,15 +383,21 @@ class KVEventSubscriber:
     async def _run(self, sub: zmq.Socket[bytes]) -> None:
         loop = asyncio.get_running_loop()
         interval = self._settings.drain_interval_s
+        last = -interval
         while True:
             frames = _recv_nowait(sub)
             if frames is None:
                 await _readable(loop, sub)
                 continue
+            # Busy: the stream spoke within the last interval. Then its next batches queue
+            # until the shared tick; a stream that speaks more rarely is read as it speaks
+            # (a tick would only add a wake-up of its own).
+            now = loop.time()
+            busy, last = now - last < interval, now
             while frames is not None:  # everything queued, in one go
                 await self._take(frames)
                 frames = _recv_nowait(sub)
-            if interval > 0:  # let the next batches queue up until the shared tick
+            if busy:
                 await asyncio.sleep(interval - loop.time() % interval)
 
     async def _take(self, frames: list[bytes]) -> None:
