@@ -122,16 +122,16 @@ class PodBitmaskTable:
         return True
 
     def discard_all(self, bit: int, blocks: Iterable[int]) -> None:
-        """`discard` every block of `blocks`; in one pass when the pod alone holds them all."""
+        """`discard` every block of `blocks`, in one pass: each is taken out, and the blocks
+        other pods hold too go back with their bits (a block listed twice comes out once)."""
         masks = self.masks
         blocks = list(blocks)
-        if all(map(bit.__eq__, map(masks.get, blocks, repeat(0)))):
-            pop = masks.pop
-            for block in blocks:
-                pop(block, None)  # None: a block listed twice
-            return
-        for block in blocks:
-            self.discard(bit, block)
+        olds = list(map(masks.pop, blocks, repeat(0)))
+        others = ~bit
+        if any(map(and_, olds, repeat(others))):
+            for block, old in zip(blocks, olds, strict=True):
+                if old & others:
+                    masks[block] = old & others
 
     def discard(self, bit: int, block: int) -> bool:
         """Unmark; True when the pod held the block."""
