@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from operator import and_, or_
 from typing import NamedTuple
 
 import numpy as np
@@ -109,6 +110,28 @@ class PodBitmaskTable:
             return False
         masks[block] = old | bit
         return True
+
+    def add_new(self, bit: int, blocks: Sequence[int]) -> bool:
+        """Mark distinct `blocks`, none held by the pod with `bit` yet, in one pass; False,
+        marking nothing, when one is held already or one repeats."""
+        masks = self.masks
+        olds = list(map(masks.get, blocks, repeat(0)))
+        if any(map(and_, olds, repeat(bit))) or len(set(blocks)) != len(blocks):
+            return False
+        masks.update(zip(blocks, map(or_, olds, repeat(bit)), strict=True))
+        return True
+
+    def discard_all(self, bit: int, blocks: Iterable[int]) -> None:
+        """`discard` every block of `blocks`, in one pass: each is taken out, and the blocks
+        other pods hold too go back with their bits (a block listed twice comes out once)."""
+        masks = self.masks
+        blocks = list(blocks)
+        olds = list(map(masks.pop, blocks, repeat(0)))
+        others = ~bit
+        if any(map(and_, olds, repeat(others))):
+            for block, old in zip(blocks, olds, strict=True):
+                if old & others:
+                    masks[block] = old & others
 
     def discard(self, bit: int, block: int) -> bool:
         """Unmark; True when the pod held the block."""

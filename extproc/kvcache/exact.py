@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, repeat
+from typing import cast
 
 from extproc.kvcache._table import PodBitmaskTable, PodBlocks
 from extproc.kvcache.hashing import chain_hashes, lora_extra_key, root_hash, token_bytes
@@ -125,50 +126,42 @@ class ExactIndex:
         if entries is None:
             entries = _PodEntries(self._table.bit(pod), {}, {})
             self._pods[pod] = entries
-        e2r = entries.engine_to_router
-        bit = entries.bit
-        table_add = self._table.add
-        for engine, router in zip(engine_hashes, routers, strict=True):
-            previous = e2r.pop(engine, None)
-            e2r[engine] = router  # (re)insert at the back: most recently stored
-            if previous is None:
-                self._entries += 1
-                if not table_add(bit, router):
-                    entries.extra_refs[router] = entries.extra_refs.get(router, 0) + 1
-            elif previous != router:
-                self._unref(entries, previous)
-                if not table_add(bit, router):
-                    entries.extra_refs[router] = entries.extra_refs.get(router, 0) + 1
-        self._table.set_count(bit, len(e2r))
+        # The common event stores n blocks new to the pod: place them in bulk, else one by one.
+        if not self._place_new(entries, engine_hashes, routers):
+            self._place(entries, engine_hashes, routers)
+        self._table.set_count(entries.bit, len(entries.engine_to_router))
         if self._entries > self.max_blocks:
             self._enforce_bound(pod)
         return StoreResult(n, 0, 0)
 
     def removed(self, pod: str, engine_hashes: Iterable[int]) -> int:
-        """Apply a BlockRemoved event; returns how many entries were removed."""
+        """Apply a BlockRemoved event (or several, concatenated); returns how many entries
+        were removed."""
         entries = self._pods.get(pod)
         if entries is None:
             return 0
         e2r = entries.engine_to_router
-        removed = 0
-        for engine in engine_hashes:
-            router = e2r.pop(engine, None)
-            if router is not None:
+        popped = list(map(e2r.pop, engine_hashes, repeat(None)))
+        # None: a hash the pod does not hold (evicted here, or never seen); rare, so test first.
+        routers = (
+            [r for r in popped if r is not None] if None in popped else cast(list[int], popped)
+        )
+        if entries.extra_refs:
+            for router in routers:
                 self._unref(entries, router)
-                removed += 1
-        self._entries -= removed
+        else:  # one engine hash per router: each was held once
+            self._table.discard_all(entries.bit, routers)
+        self._entries -= len(routers)
         self._table.set_count(entries.bit, len(e2r))
-        return removed
+        return len(routers)
 
     def cleared(self, pod: str) -> int:
         """Apply AllBlocksCleared: the pod holds nothing now. Returns entries removed."""
         entries = self._pods.get(pod)
         if entries is None:
             return 0
-        discard = self._table.discard
         bit = entries.bit
-        for router in entries.engine_to_router.values():
-            discard(bit, router)
+        self._table.discard_all(bit, entries.engine_to_router.values())
         n = len(entries.engine_to_router)
         entries.engine_to_router.clear()
         entries.extra_refs.clear()
@@ -225,6 +218,43 @@ class ExactIndex:
         )
 
     # ----------------------------------------------------------------- internals
+
+    def _place_new(
+        self, entries: _PodEntries, engine_hashes: Sequence[int], routers: Sequence[int]
+    ) -> bool:
+        """Place blocks the pod holds under no engine hash and no router hash yet, all in one
+        go (what `_place` does for them, one C-level pass per structure); False, touching
+        nothing, when some block is not new."""
+        n = len(routers)
+        e2r = entries.engine_to_router
+        engines = set(engine_hashes)
+        if len(engines) != n or not e2r.keys().isdisjoint(engines):
+            return False
+        if not self._table.add_new(entries.bit, routers):
+            return False
+        e2r.update(zip(engine_hashes, routers, strict=True))
+        self._entries += n
+        return True
+
+    def _place(
+        self, entries: _PodEntries, engine_hashes: Sequence[int], routers: Sequence[int]
+    ) -> None:
+        """Place blocks one by one: new ones, refreshed ones (moved to the back), and engine
+        hashes that now chain to another router block."""
+        e2r = entries.engine_to_router
+        bit = entries.bit
+        table_add = self._table.add
+        for engine, router in zip(engine_hashes, routers, strict=True):
+            previous = e2r.pop(engine, None)
+            e2r[engine] = router  # (re)insert at the back: most recently stored
+            if previous is None:
+                self._entries += 1
+                if not table_add(bit, router):
+                    entries.extra_refs[router] = entries.extra_refs.get(router, 0) + 1
+            elif previous != router:
+                self._unref(entries, previous)
+                if not table_add(bit, router):
+                    entries.extra_refs[router] = entries.extra_refs.get(router, 0) + 1
 
     def _unref(self, entries: _PodEntries, router: int) -> None:
         extra = entries.extra_refs.get(router)

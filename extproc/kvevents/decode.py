@@ -7,16 +7,23 @@ legacy positional array form (`["BlockStored", hashes, parent, ...]`, trailing f
 over releases, so any length past the required ones is accepted). Hashes are ints, or raw
 digests (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) reduced to vLLM's int form: the last 8
 bytes read big-endian. Anything malformed raises `DecodeError` and nothing else.
+
+A payload is decoded in one msgspec call straight into the event types below, which are
+msgspec structs typed as vLLM sends them (C-level validation, no Python step per event).
+Whatever that typed decoding refuses (raw-digest or negative hashes, unknown event types,
+the two encodings mixed, a map envelope, malformed input) takes the general path, which
+decodes field by field and says what is wrong; where both accept a payload they give equal
+events (tests/kvevents/test_decode_paths.py).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgpack
+import msgspec
 
 from extproc.kvcache.hashing import TOKEN_ARRAY_TYPECODE
 
@@ -34,6 +41,16 @@ __all__ = [
 
 _MASK64 = (1 << 64) - 1
 
+if TYPE_CHECKING:
+    _TokenArray = array[int]
+    _ExtraKey = object
+else:  # what msgspec resolves: a type for `_dec_hook`, and any msgpack value
+    _TokenArray = array
+    _ExtraKey = Any
+
+# vLLM's int hashes: uint64 (msgspec refuses negative ints here; the general path masks them).
+_Hash = Annotated[int, msgspec.Meta(ge=0)]
+
 
 class DecodeError(ValueError):
     """A KV-event message that cannot be decoded; `reason` says why."""
@@ -43,36 +60,32 @@ class DecodeError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: array[int]  # the new blocks' tokens, concatenated; validated as uint32
-    block_size: int
+class BlockStored(msgspec.Struct, frozen=True, gc=False, tag=True, tag_field="type"):
+    block_hashes: tuple[_Hash, ...]
+    parent_block_hash: _Hash | None
+    token_ids: _TokenArray  # the new blocks' tokens, concatenated; validated as uint32
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: tuple[object, ...] | None = None  # one entry per block, None for plain blocks
+    extra_keys: tuple[_ExtraKey, ...] | None = None  # one entry per block, None for plain blocks
     group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[int, ...]
+class BlockRemoved(msgspec.Struct, frozen=True, gc=False, tag=True, tag_field="type"):
+    block_hashes: tuple[_Hash, ...]
     medium: str | None = None
     group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False, tag=True, tag_field="type"):
     pass
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(frozen=True, slots=True)
-class EventBatch:
+class EventBatch(msgspec.Struct, frozen=True):
     topic: bytes
     seq: int
     ts: float  # publisher's wall clock (unix seconds)
@@ -99,6 +112,22 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
 
 def decode_payload(payload: bytes) -> tuple[float, tuple[KVEvent, ...], int | None, int]:
     """msgpack envelope -> (ts, events, dp_rank, unknown event count)."""
+    for decoder, legacy in _TYPED:
+        try:
+            envelope = decoder.decode(payload)
+        except Exception:  # msgspec's errors, or _dec_hook's: the general path says which
+            continue
+        events = envelope.events
+        if legacy:
+            events = [_BASE[type(e)](*msgspec.structs.astuple(e)) for e in events]
+        if (legacy or b"extra_keys" in payload) and not all(map(_plain_keys, events)):
+            break
+        return float(envelope.ts), tuple(events), envelope.data_parallel_rank, 0
+    return _decode_general(payload)
+
+
+def _decode_general(payload: bytes) -> tuple[float, tuple[KVEvent, ...], int | None, int]:
+    """`decode_payload` field by field: every form this module accepts, and the reasons."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, ...)
@@ -248,3 +277,73 @@ def _opt_str(v: object, name: str) -> str | None:
     if isinstance(v, str):
         return v
     raise DecodeError(f"{name} is not a string")
+
+
+# ----------------------------------------------------------------- the typed decoders
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    ts: float | int  # an int stays one here; float() as the general path does
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _LegacyStored(BlockStored, frozen=True, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _LegacyRemoved(BlockRemoved, frozen=True, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _LegacyCleared(AllBlocksCleared, frozen=True, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _LegacyEnvelope(msgspec.Struct, array_like=True):
+    ts: float | int
+    events: list[_LegacyStored | _LegacyRemoved | _LegacyCleared]
+    data_parallel_rank: int | None = None
+
+
+_BASE: dict[type, type[KVEvent]] = {
+    _LegacyStored: BlockStored,
+    _LegacyRemoved: BlockRemoved,
+    _LegacyCleared: AllBlocksCleared,
+}
+
+
+def _dec_hook(tp: type, obj: object) -> object:
+    """token_ids: a msgpack array of uint32 (array() takes a map's keys: refuse maps)."""
+    if tp is array and type(obj) is list:
+        return array(TOKEN_ARRAY_TYPECODE, obj)
+    raise TypeError(f"cannot decode a {type(obj).__name__} as {tp.__name__}")
+
+
+# vLLM >= 0.26 sends maps: tried first; a legacy stream's first event fails it at once.
+_TYPED: tuple[tuple[msgspec.msgpack.Decoder[Any], bool], ...] = (
+    (msgspec.msgpack.Decoder(_Envelope, dec_hook=_dec_hook), False),
+    (msgspec.msgpack.Decoder(_LegacyEnvelope, dec_hook=_dec_hook), True),
+)
+
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _plain_keys(event: KVEvent) -> bool:
+    """The event's extra keys are made only of what msgspec and msgpack-python decode alike
+    (msgspec reads an ext as its own type, and a map key that is an array as a tuple)."""
+    if type(event) is not BlockStored or event.extra_keys is None:
+        return True
+    return all(map(_plain, event.extra_keys))
+
+
+def _plain(value: object) -> bool:
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    if kind is list:
+        return all(map(_plain, value))  # type: ignore[call-overload]
+    if kind is dict:
+        mapping: dict[object, object] = value  # type: ignore[assignment]
+        return all(type(k) in _PLAIN for k in mapping) and all(map(_plain, mapping.values()))
+    return False

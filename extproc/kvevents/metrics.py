@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+_M = TypeVar("_M", Counter, Gauge)
 
 __all__ = ["EVENT_KINDS", "PROBE_OUTCOMES", "REPLAY_OUTCOMES", "RESET_REASONS", "KVEventMetrics"]
 
@@ -84,6 +87,18 @@ class KVEventMetrics:
             registry=registry,
         )
 
+        # Series already looked up, by metric and labels: `labels()` takes a lock and
+        # validates the labels, and every batch counts into a few series.
+        self._series: dict[tuple[int, tuple[str, ...]], Counter | Gauge] = {}
+
+    def series(self, metric: _M, *labels: str) -> _M:
+        """`metric.labels(*labels)`, looked up once (the first label is the pod)."""
+        key = (id(metric), labels)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*labels)
+        return child  # type: ignore[return-value]
+
     def watch(self, pod: str, blocks: Callable[[], int], healthy: Callable[[], bool]) -> None:
         """Gauges read at scrape time, so the hot path never updates them."""
         self.index_blocks.labels(pod).set_function(lambda: float(blocks()))
@@ -91,6 +106,8 @@ class KVEventMetrics:
 
     def forget(self, pod: str) -> None:
         """Remove a departed pod's series (and the closures the gauges hold)."""
+        for key in [k for k in self._series if k[1][0] == pod]:
+            del self._series[key]
         for metric in (
             self.batches,
             self.lag,

@@ -5,7 +5,10 @@ when a sequence gap shows lost messages, a short-lived DEALER to the pod's repla
 (docs/engines.md §1.2). What cannot be replayed is handled by dropping the pod's
 entries and rebuilding from live events; a sequence that goes backwards means the publisher
 restarted (its cache is empty), so the pod is cleared. Everything runs on the event loop
-and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved.
+and yields every `max_blocks_per_wake` blocks so ext_proc streams are never starved. A
+stream is read in one go (all it queued); a busy one (it spoke within `drain_interval_s`)
+on a tick every subscriber shares, so the loop wakes once per tick for all busy pods rather
+than once per batch; a quieter stream wakes the loop when its next batch lands.
 
 `KVEventManager` follows the endpoint set and answers `is_healthy(address)` for the
 `auto` index mode. Healthy means the stream is alive, not that blocks were added lately: an
@@ -27,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -85,6 +88,12 @@ class SubscriberSettings:
     stall_after_s: float = 10.0
     max_blocks_per_wake: int = 256  # yield to the event loop after this many block events
     rcvhwm: int = 100_000
+    # A stream that spoke within this interval is busy: its queued batches are taken on a tick
+    # all streams share, one loop wake-up per tick for every busy pod instead of one per batch
+    # (a wake-up costs about as much CPU as indexing a batch: bench/kvingest.py). A batch then
+    # waits at most this long (0: take each batch as it lands); `kv_events.pending_s` covers
+    # that gap many times over.
+    drain_interval_s: float = 0.02
 
     @classmethod
     def from_config(cls, cfg: KVEventsConfig) -> SubscriberSettings:
@@ -255,7 +264,7 @@ class KVEventSubscriber:
         # Live batches and probes apply to the index one at a time.
         self._lock = asyncio.Lock()
         self._budget = self._settings.max_blocks_per_wake
-        self._sub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.Socket[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -264,7 +273,8 @@ class KVEventSubscriber:
         """Connect and start consuming (ZMQ reconnects by itself if the pod goes away)."""
         if self._task is not None:
             return
-        sub = self._ctx.socket(zmq.SUB)
+        # A plain socket: the loop watches its descriptor only while the stream is idle.
+        sub: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._settings.rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -370,18 +380,36 @@ class KVEventSubscriber:
 
     # ----------------------------------------------------------------- loop
 
-    async def _run(self, sub: zmq.asyncio.Socket) -> None:
+    async def _run(self, sub: zmq.Socket[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self._settings.drain_interval_s
+        last = -interval
         while True:
-            frames = await sub.recv_multipart(copy=True)
-            try:
-                async with self._lock:
-                    await self._on_live(frames)
-            except Exception:  # a bug must not end the subscription silently forever
-                _log.exception("kv-events %s: failed to apply a batch", self.label)
-                self._reset("gap")
-            if self._budget <= 0:
-                await asyncio.sleep(0)
-                self._budget = self._settings.max_blocks_per_wake
+            frames = _recv_nowait(sub)
+            if frames is None:
+                await _readable(loop, sub)
+                continue
+            # Busy: the stream spoke within the last interval. Then its next batches queue
+            # until the shared tick; a stream that speaks more rarely is read as it speaks
+            # (a tick would only add a wake-up of its own).
+            now = loop.time()
+            busy, last = now - last < interval, now
+            while frames is not None:  # everything queued, in one go
+                await self._take(frames)
+                frames = _recv_nowait(sub)
+            if busy:
+                await asyncio.sleep(interval - loop.time() % interval)
+
+    async def _take(self, frames: list[bytes]) -> None:
+        try:
+            async with self._lock:
+                await self._on_live(frames)
+        except Exception:  # a bug must not end the subscription silently forever
+            _log.exception("kv-events %s: failed to apply a batch", self.label)
+            self._reset("gap")
+        if self._budget <= 0:
+            await asyncio.sleep(0)
+            self._budget = self._settings.max_blocks_per_wake
 
     async def _on_live(self, frames: list[bytes]) -> None:
         # Any message, even one we cannot decode, shows the stream is alive.
@@ -515,8 +543,9 @@ class KVEventSubscriber:
         self._budget -= counts.stored_blocks + counts.removed_blocks + 1
         m = self._metrics
         if m is not None:
-            m.batches.labels(self.label).inc()
-            m.lag.labels(self.label).set(st.lag_s)
+            label = self.label
+            m.series(m.batches, label).inc()
+            m.series(m.lag, label).set(st.lag_s)
             for kind, n in (
                 ("stored_blocks", counts.stored_blocks),
                 ("removed_blocks", counts.removed_blocks),
@@ -525,9 +554,9 @@ class KVEventSubscriber:
                 ("unknown", batch.unknown_events),
             ):
                 if n:
-                    m.events.labels(self.label, kind).inc(n)
+                    m.series(m.events, label, kind).inc(n)
             if counts.orphans:
-                m.orphans.labels(self.label).inc(counts.orphans)
+                m.series(m.orphans, label).inc(counts.orphans)
 
     def _reset(self, reason: str) -> None:
         self._writer.cleared(self.pod)
@@ -548,6 +577,31 @@ class KVEventSubscriber:
             self._metrics.decode_errors.labels(self.label).inc()
 
 
+def _recv_nowait(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
+    """Until `sock` has a message. ZMQ's descriptor signals changes, not data: it is read
+    again (EVENTS) after every signal, and watched only while we wait."""
+    fd = sock.FD
+    while not cast(int, sock.EVENTS) & zmq.POLLIN:
+        signalled = loop.create_future()
+        loop.add_reader(fd, _set_once, signalled)
+        try:
+            await signalled
+        finally:
+            loop.remove_reader(fd)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass(slots=True)
 class ApplyCounts:
     stored_blocks: int = 0
@@ -561,10 +615,22 @@ def apply_events(index: IndexWriter, pod: str, events: Iterable[KVEvent]) -> App
     """Apply one batch's events for `pod` to `index`.
 
     Only the GPU tier and KV-cache group 0 are indexed: CPU/disk copies and the extra groups
-    of hybrid models would otherwise count as GPU prefix hits.
+    of hybrid models would otherwise count as GPU prefix hits. Consecutive removals (vLLM
+    sends one event per evicted block) reach the index as one call.
     """
     counts = ApplyCounts()
+    removals: list[int] = []
     for event in events:
+        if isinstance(event, BlockRemoved):
+            if event.medium not in _INDEXED_MEDIA or event.group_idx:
+                counts.skipped += 1
+            else:
+                removals += event.block_hashes
+            continue
+        if removals:
+            index.removed(pod, removals)
+            counts.removed_blocks += len(removals)
+            removals = []
         if isinstance(event, BlockStored):
             if event.medium not in _INDEXED_MEDIA or event.group_idx:
                 counts.skipped += 1
@@ -580,15 +646,12 @@ def apply_events(index: IndexWriter, pod: str, events: Iterable[KVEvent]) -> App
             )
             counts.stored_blocks += len(event.block_hashes)
             counts.orphans += result.orphans
-        elif isinstance(event, BlockRemoved):
-            if event.medium not in _INDEXED_MEDIA or event.group_idx:
-                counts.skipped += 1
-                continue
-            index.removed(pod, event.block_hashes)
-            counts.removed_blocks += len(event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             index.cleared(pod)
             counts.cleared += 1
+    if removals:
+        index.removed(pod, removals)
+        counts.removed_blocks += len(removals)
     return counts
 
 
