@@ -22,7 +22,7 @@ from extproc.metrics.store import (
     ReadyEndpoints,
 )
 from extproc.types import Endpoint, EngineMetrics
-from tests.metrics.test_store_ready import _by_definition
+from tests.metrics._ready import ready_by_definition
 
 ADAPTERS = ["a", "b", "c", "d"]
 
@@ -111,7 +111,7 @@ def test_columns_equal_the_metrics_after_random_events(seed: int) -> None:
         for m in store.models():
             ready = store.ready(m)
             got = [(ep.address, metrics.updated_at) for ep, metrics in ready]
-            assert got == _by_definition(store, m, clock[0]), (step, m)
+            assert got == ready_by_definition(store, m, clock[0]), (step, m)
             # White-box: the soonest expiry `ready()` compares against (to skip the per-pod
             # age check) is unknown or exact, never merely a bound (each request would then
             # pay the mask).

@@ -10,16 +10,7 @@ import pytest
 
 from extproc.metrics.store import EndpointStore
 from extproc.types import Endpoint, EngineMetrics
-
-
-def _by_definition(store: EndpointStore, model: str, now: float) -> list[tuple[str, float]]:
-    out = []
-    for ep in store.endpoints(model):
-        state = store.state(ep)
-        assert state is not None
-        if store.is_ready(state, now):
-            out.append((ep.address, state.metrics.updated_at if state.metrics else now))
-    return out
+from tests.metrics._ready import ready_by_definition
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -66,6 +57,6 @@ def test_ready_equals_is_ready_over_random_events(seed: int, max_failures: int |
             )
         for m in store.models():
             got = [(e.address, metrics.updated_at) for e, metrics in store.ready(m)]
-            assert got == _by_definition(store, m, clock[0])
+            assert got == ready_by_definition(store, m, clock[0])
             seen_ready += len(got)
     assert seen_ready > 0  # the walk did reach ready endpoints
