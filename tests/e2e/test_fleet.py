@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import httpx
@@ -80,6 +81,19 @@ def ready_by_pool(stack: FleetStack) -> Counter[str]:
     return Counter(r["model"] for r in rows if r["ready"])
 
 
+def pool_ready(stack: FleetStack, pool: str) -> bool:
+    return ready_by_pool(stack)[pool] == PODS
+
+
+def endpoints_of(stack: FleetStack, model: str) -> list[dict[str, Any]]:
+    """What the server says of a pool's pods (a failed request's diagnosis)."""
+    o = stack.options
+    rows: list[dict[str, Any]] = httpx.get(
+        f"http://{o.host}:{o.metrics_port}/debug/endpoints", headers=o.admin_headers(), timeout=10
+    ).json()
+    return [r for r in rows if r["model"] == model]
+
+
 def write_config(stack: FleetStack, models: list[dict[str, Any]]) -> None:
     """Rewrite the server's config with these models (it reloads on the file's change)."""
     path = stack.config_path
@@ -101,9 +115,14 @@ def test_twenty_pools_each_request_served_by_its_own_pool(
     pool_of = shape.pool_of()
     with httpx.Client(timeout=60) as client:
         for j in range(POOLS):
+            pool = shape.pool_name(j)
+            # Every pool was ready above; on a machine this loaded (two workers, 40 engines in
+            # two processes) a starved engine process may miss scrapes for stale_after_s: its
+            # pods leave the candidate set, and come back at its next scrape.
+            assert wait_for(partial(pool_ready, stack, pool), timeout=30), pool
             for _ in range(3):
-                r = chat(client, stack.base_url, shape.pool_name(j))
-                assert r.status_code == 200, r.text
+                r = chat(client, stack.base_url, pool)
+                assert r.status_code == 200, (r.text, endpoints_of(stack, pool))
                 assert pool_of[r.headers["x-inference-pod"]] == shape.pool_name(j)
 
 

@@ -44,7 +44,14 @@ def test_ready_equals_is_ready_over_random_events(seed: int, max_failures: int |
         eps = store.endpoints(model)
         action = rng.random()
         if action < 0.5 and eps:
-            store.record_success(rng.choice(eps), EngineMetrics(updated_at=clock[0], waiting=1.0))
+            # A scrape of now or a peer's older one, trusted for stale_after or an idle pod's
+            # longer (or shorter) window.
+            taken = clock[0] - rng.choice([0.0, 0.0, rng.uniform(0.0, 6.0)])
+            store.record_success(
+                rng.choice(eps),
+                EngineMetrics(updated_at=taken, waiting=1.0),
+                trusted_for=rng.choice([None, None, 1.0, 12.0]),
+            )
         elif action < 0.8 and eps:
             store.record_failure(rng.choice(eps), "boom", unreachable=rng.random() < 0.5)
         elif action < 0.85:
