@@ -166,7 +166,7 @@ def _outcome(payload: bytes, decode: object) -> object:
     return ("ok", "nan" if math.isnan(ts) else ts, repr(events), rank, unknown)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(payload=_payload())
 @pytest.mark.slow
 def test_typed_decoding_equals_the_general_path(payload: bytes) -> None:
