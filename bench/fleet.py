@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.stats import percentile  # noqa: E402
+from extproc.config import MetricsConfig  # noqa: E402
 from extproc.metrics.parse import parse  # noqa: E402
 from extproc.stack.local import StackOptions  # noqa: E402
 from tests.e2e.fleet_stack import FleetShape, FleetStack, access_records  # noqa: E402
@@ -324,7 +325,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         nats_port=stack_base + 10,
         strategy=args.strategy,
         log_level="warning",
-        server_config=json.loads(args.server_config) if args.server_config else {},
+        # The product's idle pace (the local stack reads idle pods every 2 s, having no
+        # Kubernetes to remove dead ones); --server-config may still set another.
+        server_config={
+            "metrics": {"idle_poll_interval_s": MetricsConfig().idle_poll_interval_s},
+            **(json.loads(args.server_config) if args.server_config else {}),
+        },
     )
     pools = [shape.pool_name(j) for j in range(args.pools)]
     hot = pools[: args.hot]

@@ -66,6 +66,7 @@ STATE_FILE = "stack.json"  # children and pids, for `extproc pod`
 RESTART_DIR = "restart"  # one empty file per child that `extproc pod heal` wants back
 FAULTS_DIR = "faults"  # faults/<child>: the fraction of time `extproc pod slow` pauses it
 ADMIN_TOKEN_FILE = "admin.token"  # the admin port's token, new at every start (mode 0600)
+LOCAL_IDLE_POLL_S = 2.0  # metrics.idle_poll_interval_s of the local stack (see server_config)
 
 
 class StackError(RuntimeError):
@@ -228,7 +229,9 @@ class LocalStack:
             # One user on one machine, and tests that ask explain in loops: a wider gate
             # than the product's (1 at a time, 10 a second).
             "admin": {"explain_queue": 16, "explain_rate_per_s": 200.0},
-            "metrics": {"poll_interval_s": 0.5},
+            # No Kubernetes here to take a dead pod out of the endpoints: the scrape is the
+            # only sign of it, so an idle pod is read every 2 s at most (10 s by default).
+            "metrics": {"poll_interval_s": 0.5, "idle_poll_interval_s": LOCAL_IDLE_POLL_S},
             # Without Envoy's access log no record ends a lease: the routing stream is held.
             "accounting": {"access_log": o.response_accounting is ResponseAccounting.ACCESS_LOG},
             "flow_control": {"enabled": o.flow_control},

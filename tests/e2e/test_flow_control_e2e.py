@@ -101,9 +101,9 @@ def test_no_pod_within_the_ttl_is_503_with_the_reason(stack: LocalStack) -> None
     assert wait_for(lambda: _ready_pods(stack) == 1, timeout=15)
     stack.kill("sim-0")
     try:
-        # An idle pod is scraped every 10 s at most (idle_poll_interval_s): its death is seen
-        # at that scrape, which a refused connection ends at once.
-        assert wait_for(lambda: _ready_pods(stack) == 0, timeout=20)
+        # An idle pod is scraped every 2 s at most here (idle_poll_interval_s): its death is
+        # seen at that scrape, which a refused connection ends at once.
+        assert wait_for(lambda: _ready_pods(stack) == 0, timeout=10)
         started = time.monotonic()
         reply = _chat(stack, 4)
         waited = time.monotonic() - started

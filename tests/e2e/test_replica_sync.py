@@ -26,7 +26,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         sims=3,
         extproc_processes=2,
         kv_events=False,
-        # Idle pods are scraped every 2 s at most (10 s by default): a short test sees it.
+        # Idle pods are scraped every 2 s at most (the local stack's pace; 10 s by default).
         server_config={"metrics": {"idle_poll_interval_s": IDLE_POLL_S}},
     )
     with running_stack(opts) as s:

@@ -231,6 +231,13 @@ def test_slow_pauses_the_pod_part_of_the_time_until_heal(up: Up) -> None:
     assert httpx.get(f"http://{up.sim(0)}/health", timeout=5).status_code == 200
 
 
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_with_restart_a_killed_simulator_and_envoy_come_back_by_themselves(
     tmp_path: Path,
 ) -> None:
@@ -241,6 +248,9 @@ def test_with_restart_a_killed_simulator_and_envoy_come_back_by_themselves(
         assert wait_for(lambda: "sim-0 (" + address + ") exited" in u.stderr(), 10)
         assert "restarting in 1s" in u.stderr()
         assert wait_for(lambda: "sim-0 (" + address + ") started again" in u.stderr(), 15)
+        # Back at its address (an idle pod killed and restarted between two of its scrapes is
+        # never seen down: readiness alone does not say the new engine listens yet).
+        assert wait_for(lambda: answers(f"http://{address}/health"), 30)
         assert wait_for(lambda: u.ready_on_every_process(address) == {True}, 30)
         with httpx.Client(timeout=30) as client:
             for _ in range(30):
