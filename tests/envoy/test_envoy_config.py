@@ -15,6 +15,7 @@ import yaml
 
 from extproc.stack.envoy_config import (
     EXAMPLES,
+    MODELS_CLUSTER,
     ONE_MESSAGE_GATE_LUA,
     ROUTING_HEADERS,
     USAGE_LUA,
@@ -300,3 +301,17 @@ def test_host_port_parse(text: str, expected: HostPort) -> None:
 def test_host_port_parse_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         HostPort.parse(text)
+
+
+def test_the_models_cluster_lets_thousands_of_streams_through_at_once() -> None:
+    """The local shape's limits on the model cluster (tests/e2e/test_concurrent_streams.py runs
+    2,000 streams through the Envoy Gateway shape only): far above Envoy's default of 1,024 for
+    every kind of limit, and set as asked."""
+    for asked in (None, 5000):
+        opts = EnvoyOptions() if asked is None else EnvoyOptions(upstream_max_requests=asked)
+        cluster = _clusters(render_bootstrap(opts))[MODELS_CLUSTER]
+        [limits] = cluster["circuit_breakers"]["thresholds"]
+        want = opts.upstream_max_requests
+        assert want > 1024 * 4
+        for key in ("max_connections", "max_pending_requests", "max_requests", "max_retries"):
+            assert limits[key] == want, key
