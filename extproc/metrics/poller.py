@@ -49,7 +49,7 @@ import httpx
 
 from extproc.metrics.names import VLLM, MetricNames, extract
 from extproc.metrics.parse import parse_lines, wanted_lines
-from extproc.metrics.scrape import ScrapeError
+from extproc.metrics.scrape import ScrapeError, fetch_capped
 from extproc.metrics.store import EndpointStore
 from extproc.types import Endpoint, EngineMetrics
 
@@ -432,20 +432,7 @@ class MetricsPoller:
         return wanted
 
     async def _fetch_httpx(self, url: str) -> bytes:
-        async with self._client.stream("GET", url) as resp:
-            if resp.status_code != 200:
-                raise ScrapeError("http_error", f"HTTP {resp.status_code}")
-            declared = resp.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
-                raise ScrapeError("too_large", f"body of {declared} bytes")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > self._max_bytes:
-                    raise ScrapeError("too_large", f"body over {self._max_bytes} bytes")
-                chunks.append(chunk)
-        return b"".join(chunks)
+        return await fetch_capped(self._client, url, self._max_bytes)
 
     def _fail(self, url: str, result: str, detail: str) -> None:
         sched = self._schedules.get(url)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-__all__ = ["PageFetcher", "ScrapeError"]
+__all__ = ["PageFetcher", "ScrapeError", "fetch_capped"]
 
 _MAX_HEADER = 64 * 1024
 
@@ -186,20 +186,7 @@ class PageFetcher:
         raise _Unsupported  # read until close: rare; httpx does it
 
     async def _fetch_httpx(self, url: str) -> bytes:
-        async with self._fallback.stream("GET", url) as resp:
-            if resp.status_code != 200:
-                raise ScrapeError("http_error", f"HTTP {resp.status_code}")
-            declared = resp.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
-                raise ScrapeError("too_large", f"body of {declared} bytes")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > self._max_bytes:
-                    raise ScrapeError("too_large", f"body over {self._max_bytes} bytes")
-                chunks.append(chunk)
-        return b"".join(chunks)
+        return await fetch_capped(self._fallback, url, self._max_bytes)
 
     def forget(self, url: str) -> None:
         """Close the connection of a pod that left."""
@@ -218,3 +205,22 @@ class PageFetcher:
 def _close(conn: _Conn) -> None:
     with contextlib.suppress(Exception):
         conn.writer.close()
+
+
+async def fetch_capped(client: httpx.AsyncClient, url: str, max_bytes: int) -> bytes:
+    """GET `url` through httpx: the body, or a ScrapeError for a status other than 200 or a
+    body over `max_bytes` (declared or read)."""
+    async with client.stream("GET", url) as resp:
+        if resp.status_code != 200:
+            raise ScrapeError("http_error", f"HTTP {resp.status_code}")
+        declared = resp.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise ScrapeError("too_large", f"body of {declared} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ScrapeError("too_large", f"body over {max_bytes} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)
