@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -487,8 +487,12 @@ class LocalStack:
                 f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(o.extproc_processes)
             ]
         checks.append(f"http://{o.host}:{o.admin_port}/ready")
+        self.wait_urls(checks, deadline)
+
+    def wait_urls(self, urls: Iterable[str], deadline: float) -> None:
+        """Every URL answers 200, in turn, while every child lives (StackError at `deadline`)."""
         with httpx.Client(timeout=1.0) as client:
-            for url in checks:
+            for url in urls:
                 while True:
                     self._check_alive()
                     with contextlib.suppress(httpx.HTTPError):

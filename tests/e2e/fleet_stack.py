@@ -19,11 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from extproc.stack.envoy_config import ROUTING_FILTER, EnvoyOptions, HostPort
-from extproc.stack.local import LocalStack, StackError, StackOptions
+from extproc.stack.local import LocalStack, StackOptions
 
 __all__ = ["ACCESS_FIELDS", "FleetShape", "FleetStack", "access_records"]
 
@@ -192,18 +191,14 @@ class FleetStack(LocalStack):
 
     def wait_sims(self, shape: FleetShape, deadline: float) -> None:
         """Every simulator of `shape` answers /health (raises StackError at `deadline`)."""
-        with httpx.Client(timeout=1.0) as client:
-            for j in range(shape.pools):
-                for i in range(shape.pods):
-                    url = f"http://{shape.address(j, i)}/health"
-                    while True:
-                        self._check_alive()
-                        with contextlib.suppress(httpx.HTTPError):
-                            if client.get(url).status_code == 200:
-                                break
-                        if time.monotonic() > deadline:
-                            raise StackError(f"timed out waiting for simulator {url}")
-                        time.sleep(0.1)
+        self.wait_urls(
+            (
+                f"http://{shape.address(j, i)}/health"
+                for j in range(shape.pools)
+                for i in range(shape.pods)
+            ),
+            deadline,
+        )
 
     def add_sims(self, name: str, shape: FleetShape, timeout: float = 120.0) -> None:
         """Start one more simulator process serving `shape` (all of it) while running."""

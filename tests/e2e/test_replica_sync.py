@@ -132,8 +132,9 @@ def test_each_pod_is_scraped_by_one_process(stack: LocalStack) -> None:
 
     wait_for(lambda: False, timeout=1.0)  # let ownership settle after the membership did
     before = scrapes()
-    # Long enough for the owner to scrape even an idle pod (every IDLE_POLL_S at most).
-    wait_for(lambda: False, timeout=IDLE_POLL_S + 1.5)
+    # Long enough for the owner to scrape even an idle pod (every IDLE_POLL_S at most) twice
+    # over, on a machine busy with another stack.
+    wait_for(lambda: False, timeout=2 * IDLE_POLL_S + 1.5)
     after = scrapes()
     for address in {a for side in after for a in side}:
         grew = [after[i].get(address, 0) - before[i].get(address, 0) for i in (0, 1)]
