@@ -265,9 +265,8 @@ class MetricsPoller:
             return
         if self.owns is not None and not self.owns(url):
             wait = self._peer_copy_lasts(url, sched, now)
-            if wait > 0:  # another replica scrapes it: look again when the copy runs out
-                sched.interval = max(self._interval, wait)  # traffic here cuts it short
-                self._reschedule(url, sched, now + sched.interval)
+            if wait > 0:  # another replica scrapes it: look again in a poll (ownership moves)
+                self._reschedule(url, sched, now + self._interval)
                 return
         self.started += 1
         self._scrapes[url] = asyncio.create_task(self._scrape_guarded(url))
