@@ -101,8 +101,10 @@ class ServerConfig:
         2048  # requests between headers and decision; more are shed with 429
     )
     shutdown_grace_s: float = 10.0
-    # SIGTERM: report NOT_SERVING this long before refusing new streams, so Envoy's health
-    # check (every 0.5 s in our bootstraps) moves new streams and the access log elsewhere.
+    # SIGTERM: report NOT_SERVING, and refuse new streams once none has come for this long
+    # (shutdown_grace_s at most), so Envoy's health check (every 0.5 s in our bootstraps) has
+    # moved new streams and the access log elsewhere; Envoy's panic mode sends here while it
+    # sees no other healthy process.
     shutdown_announce_s: float = 1.0
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
     # The admin port's status page (`/`, `/status.json`): endpoints, recent decisions, config.

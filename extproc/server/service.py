@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,13 +48,16 @@ class ServerOptions:
 
 
 class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, handler: RequestHandler, ends: Counter[str]) -> None:
+    def __init__(self, handler: RequestHandler, ends: Counter[str], timers: Timers) -> None:
         self._handler = handler
         self._ends = ends
+        self._timers = timers
         self.open = 0  # streams in progress (a count: nothing per stream is kept)
+        self.last_opened = -math.inf  # when the newest stream began (the timers' clock)
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         self.open += 1
+        self.last_opened = self._timers.now()
         proc = StreamProcessor(self._handler)
         end = "error"
         try:
@@ -99,7 +103,7 @@ class ExtProcServer:
         self._options = options
         self._timers = timers or LoopTimers()
         self.stream_ends: Counter[str] = Counter()  # how streams ended: done|eof|cancelled|error
-        self._processor = _ExternalProcessor(handler, self.stream_ends)
+        self._processor = _ExternalProcessor(handler, self.stream_ends, self._timers)
         self._health = health.aio.HealthServicer()
         # Envoy's access log for accounting records, on the same port: whichever process
         # Envoy's access-log stream reaches can account any request.
@@ -177,13 +181,16 @@ class ExtProcServer:
         on_draining: Callable[[], None] | None = None,
         announce_s: float = 0.0,
     ) -> None:
-        """Drain decisions, not responses. Health goes NOT_SERVING; after `announce_s` (for
-        Envoy's health check to see it and send new streams elsewhere) new streams are
-        refused and the decisions in progress get `grace` (a routing stream lives only as long
-        as its decision; held streams, without an access log, as long as their request). Each
-        access-log stream ends right after its next batch, so Envoy sends the following one to
-        another process and none is lost. The responses this process routed go on: their
-        leases are the app's to hand to a peer (`App.stop`)."""
+        """Drain decisions, not responses. Health goes NOT_SERVING; once Envoy has sent no
+        new routing stream for `announce_s` (its health check saw NOT_SERVING and sends them
+        elsewhere), new streams are refused and the decisions in progress get `grace` (a
+        routing stream lives only as long as its decision; held streams, without an access
+        log, as long as their request). While no other process is healthy (a peer restarted a
+        moment ago and Envoy has not checked it yet), Envoy's panic mode goes on sending here:
+        those streams are served, and the announcement lasts until they stop, `grace` at most.
+        Each access-log stream ends right after its next batch, so Envoy sends the following
+        one to another process and none is lost. The responses this process routed go on:
+        their leases are the app's to hand to a peer (`App.stop`)."""
         server = self._server
         if server is None:
             return  # never started: nothing is bound, nothing to drain
@@ -192,10 +199,28 @@ class ExtProcServer:
             on_draining()
         log.info("draining %d ext_proc streams (grace %.1fs)", self.active_streams, grace)
         if announce_s > 0:
-            await self._timers.sleep(announce_s)
+            await self._announce(announce_s, grace)
         self.access_log.close_streams()
         await server.stop(grace)
         await self._health.enter_graceful_shutdown()
+
+    async def _announce(self, quiet_s: float, limit_s: float) -> None:
+        """Wait until no routing stream has begun for `quiet_s`, `limit_s` at most (and
+        `quiet_s` at least)."""
+        timers = self._timers
+        began = timers.now()
+        end = began + max(limit_s, quiet_s)
+        await timers.sleep(quiet_s)
+        while (now := timers.now()) < end:
+            quiet_until = self._processor.last_opened + quiet_s
+            if quiet_until <= now:
+                if self._processor.last_opened > began:
+                    log.info("routing streams came %.1fs into the drain; none since %.1fs",
+                             self._processor.last_opened - began, quiet_s)  # fmt: skip
+                return
+            await timers.sleep(min(quiet_until, end) - now)
+        log.warning("routing streams still came after %.1fs of NOT_SERVING (no other healthy "
+                    "process to take them?): refusing new ones now", limit_s)  # fmt: skip
 
     async def wait(self) -> None:
         if self._server is not None:

@@ -44,7 +44,7 @@ def chat(i: int) -> dict[str, object]:
 
 def post_streamed(client: httpx.Client, url: str, body: dict[str, object]) -> None:
     with client.stream("POST", url, json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, (r.status_code, r.read())
         for _ in r.iter_bytes():
             pass
 

@@ -107,20 +107,19 @@ def test_a_client_that_leaves_mid_stream_is_counted_once_and_its_lease_ends(
 
 
 def test_a_rolling_restart_fails_no_request_and_cuts_no_stream(buffered: LocalStack) -> None:
+    # The next process is stopped as soon as the last one answers /readyz: Envoy may not have
+    # checked the new one yet, so for a moment it sees no healthy process and (panic mode)
+    # still sends new streams to the one announcing NOT_SERVING. Issue 32 #4: that process
+    # closed its port after a fixed 1 s and each such stream was a 500 (0-7 per restart in
+    # this shape); it now keeps serving until the streams stop coming.
     fig = rolling_restart(
-        buffered, rate=8, streams=4, max_tokens=STREAM_TOKENS, warmup_s=3.0, pause_s=2.0,
+        buffered, rate=8, streams=4, max_tokens=STREAM_TOKENS, warmup_s=3.0, pause_s=0.0,
         after_s=1.0,
     )  # fmt: skip
     assert fig["sent"] > 30, fig
     assert fig["cut"] == 0, fig
     assert all(r["exited_s"] is not None and r["ready_s"] is not None for r in fig["restarts"])
-    if fig["lost"]:
-        # Issue 32 #4, open: Envoy may still open a routing stream to a process that announced
-        # NOT_SERVING and closed its port (fail-closed makes it a 500); one in about 200 in a
-        # CI run on 2026-12-03. Reported as an expected failure, visibly, until it is fixed;
-        # anything else lost still fails the test.
-        assert fig["lost"] <= 2 and set(fig["by_status"]) <= {"200", "500"}, fig
-        pytest.xfail(f"issue 32 #4: {fig['lost']} request(s) answered 500 mid-restart: {fig}")
+    assert fig["lost"] == 0, fig
 
 
 def test_sigkill_under_full_duplex_fail_open_cuts_no_stream(tmp_path: Path) -> None:

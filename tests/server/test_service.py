@@ -81,3 +81,55 @@ async def test_new_streams_are_served_while_not_serving_is_announced() -> None:
     await asyncio.wait_for(stopping, 5.0)
     with pytest.raises(grpc.aio.AioRpcError):
         await exchange(port, [headers_msg(), body_msg(b"{}")])
+
+
+async def _served_while_draining(port: int) -> bool:
+    got = await exchange(port, [headers_msg(), body_msg(b"{}")])
+    return got[-1].HasField("request_body")
+
+
+async def test_the_announcement_lasts_while_new_streams_still_come() -> None:
+    # Issue 32 #4: a peer restarted a moment ago is not healthy in Envoy's eyes yet, so Envoy's
+    # panic mode sends new streams to this NOT_SERVING process. Closing the port then (after a
+    # fixed announce_s) refused them: a 500 each, fail-closed. The port stays open, serving
+    # them, until none has come for announce_s.
+    clock = ManualClock()
+    server = ExtProcServer(FakeHandler(), ServerOptions(port=0), timers=clock)
+    await server.start()
+    await server.set_ready(True)
+    port = server.port
+    stopping = asyncio.create_task(server.stop(10.0, announce_s=1.5))
+    await clock.until_sleeping(1)
+    for _ in range(3):  # a stream every second: never 1.5 s of quiet
+        clock.advance(1.0)
+        await asyncio.sleep(0)
+        assert await _served_while_draining(port)
+        assert not stopping.done()
+    await clock.until_sleeping(1)
+    clock.advance(1.0)  # 1.0 s since the last stream: still announcing
+    await clock.until_sleeping(1)
+    assert not stopping.done()
+    assert await _served_while_draining(port)
+    clock.advance(1.5)  # 1.5 s of quiet: new streams are refused from now on
+    await asyncio.wait_for(stopping, 5.0)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await exchange(port, [headers_msg(), body_msg(b"{}")])
+
+
+async def test_streams_that_never_stop_coming_end_the_announcement_at_the_grace() -> None:
+    # A single process (or every process draining at once): Envoy has nowhere else to send.
+    # The announcement ends at the grace period all the same.
+    clock = ManualClock()
+    server = ExtProcServer(FakeHandler(), ServerOptions(port=0), timers=clock)
+    await server.start()
+    await server.set_ready(True)
+    port = server.port
+    stopping = asyncio.create_task(server.stop(4.0, announce_s=1.5))
+    await clock.until_sleeping(1)
+    for _ in range(4):
+        assert await _served_while_draining(port)
+        clock.advance(1.0)
+        await asyncio.sleep(0)
+    await asyncio.wait_for(stopping, 5.0)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await exchange(port, [headers_msg(), body_msg(b"{}")])
