@@ -16,8 +16,9 @@ engine version, a noisy neighbour); the ridge term keeps the solve well-posed wh
 never varies (a pod that never queued), and sums instead of a recursive-least-squares covariance
 cannot wind up. Robust: a record with a non-finite, negative or absurd value is ignored; once a
 model is warm, a residual far outside its recent scale is down-weighted (Huber), so one stalled
-request does not move the coefficients much; predictions are clamped to [0, a few times the
-largest seen] and never NaN.
+request does not move the coefficients much; predictions are clamped to [half the smallest
+sample seen, a few times the largest] and never NaN (a linear fit pushed outside what it saw can
+give a negative TTFT; clamped to 0, such a pod looked instantly fast and won every decision).
 
 The decision's features and prediction travel in the request's metadata as one compact string
 (`DecisionTag.encode`), so whichever process gets the record learns from it and measures the
@@ -129,13 +130,14 @@ class OnlineRidge:
 class _Target:
     """One learned quantity (TTFT or TPOT) of one pod: the regression and its residual scale."""
 
-    __slots__ = ("max_seen", "reg", "samples", "scale")
+    __slots__ = ("max_seen", "min_seen", "reg", "samples", "scale")
 
     def __init__(self, dim: int, forgetting: float, ridge: float) -> None:
         self.reg = OnlineRidge(dim, forgetting=forgetting, ridge=ridge)
         self.samples = 0
         self.scale = 0.0  # EW mean of |residual|
         self.max_seen = 0.0
+        self.min_seen = math.inf
 
     def observe(self, x: tuple[float, ...], y: float, min_samples: int, huber_k: float) -> None:
         weight = 1.0
@@ -150,30 +152,37 @@ class _Target:
         self.reg.observe(x, y, weight)
         self.samples += 1
         self.max_seen = max(self.max_seen * 0.999, y)
+        self.min_seen = min(self.min_seen * 1.001, y)
 
     @property
     def cap(self) -> float:
         """The largest prediction: a few times the largest sample seen (extrapolation bound)."""
         return 4.0 * self.max_seen + 1e-3
 
+    @property
+    def floor(self) -> float:
+        """The smallest prediction: half the smallest sample seen (extrapolation bound)."""
+        return 0.5 * self.min_seen if self.min_seen < math.inf else 0.0
+
     def predict(self, x: tuple[float, ...]) -> float:
-        return _clamped(self.reg.predict(x), self.cap)
+        return _clamped(self.reg.predict(x), self.floor, self.cap)
 
 
 def _ms3(seconds: float | None) -> Any:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
 
-def _clamped(value: float, cap: float) -> float:
-    """`value` within [0, cap]; NaN (cannot happen with finite inputs) becomes the cap."""
+def _clamped(value: float, floor: float, cap: float) -> float:
+    """`value` within [floor, cap]; NaN (cannot happen with finite inputs) becomes the cap."""
     if value != value:
         return cap
-    return 0.0 if value < 0.0 else cap if value > cap else value
+    return floor if value < floor else cap if value > cap else value
 
 
-# What a warm pod's prediction needs, refreshed after each sample: (TTFT coefficients, cap,
-# TPOT coefficients or None while TPOT is cold, cap, samples, TTFT mean absolute error).
-_Fit = tuple[tuple[float, ...], float, tuple[float, ...] | None, float, int, float]
+# What a warm pod's prediction needs, refreshed after each sample: (TTFT coefficients, floor,
+# cap, TPOT coefficients or None while TPOT is cold, floor, cap, samples, TTFT mean absolute
+# error).
+_Fit = tuple[tuple[float, ...], float, float, tuple[float, ...] | None, float, float, int, float]
 
 
 class PodLatencyModel:
@@ -206,19 +215,20 @@ class PodLatencyModel:
         ttft, tpot = self.ttft, self.tpot
         if ttft.samples >= self._min:
             tpot_coef = tuple(tpot.reg.coef) if tpot.samples >= self._min else None
-            fit = (tuple(ttft.reg.coef), ttft.cap, tpot_coef, tpot.cap, ttft.samples, ttft.scale)
+            fit = (tuple(ttft.reg.coef), ttft.floor, ttft.cap, tpot_coef, tpot.floor, tpot.cap,
+                   ttft.samples, ttft.scale)  # fmt: skip
             self.fit = fit
 
     def predict(self, x: tuple[float, ...], now: float) -> LatencyPrediction | None:
         fit = self.fit
         if fit is None:
             return None
-        ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
-        ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_cap)
+        ttft_coef, ttft_floor, ttft_cap, tpot_coef, tpot_floor, tpot_cap, samples, error = fit
+        ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_floor, ttft_cap)
         age, routed = now - self.updated_at, now - self.routed_at
         if tpot_coef is None:
             return LatencyPrediction(ttft, None, samples, age, error, routed)
-        tpot = _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_cap)
+        tpot = _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_floor, tpot_cap)
         return LatencyPrediction(ttft, tpot, samples, age, error, routed)
 
     def state(self) -> dict[str, Any]:
@@ -287,13 +297,13 @@ class CoefficientTable:
         if fit is None:
             return
         i = self.slot(address)
-        ttft_coef, ttft_cap, tpot_coef, tpot_cap, samples, error = fit
+        ttft_coef, ttft_floor, ttft_cap, tpot_coef, tpot_floor, tpot_cap, samples, error = fit
         self.ttft[:, i] = ttft_coef
         if tpot_coef is not None:
             self.tpot[:, i] = tpot_coef
         tpot_warm = 1.0 if tpot_coef is not None else 0.0
-        self.meta[:, i] = (1.0, ttft_cap, tpot_warm, tpot_cap, samples, error, pod.updated_at,
-                           pod.routed_at)  # fmt: skip
+        self.meta[:, i] = (1.0, ttft_floor, ttft_cap, tpot_warm, tpot_floor, tpot_cap, samples,
+                           error, pod.updated_at, pod.routed_at)  # fmt: skip
 
     def routed(self, address: str, at: float) -> None:
         i = self.index.get(address)
@@ -329,14 +339,19 @@ class CoefficientTable:
                     return np.array([np.nan])
                 coef = self.tpot[:, int(at[one])].tolist()
                 dot = sum(map(operator.mul, coef, x[:, one].tolist()))
-                return np.array([_clamped(dot, float(meta[_TPOT_CAP, one]))])
-            out = _clamped_columns(_dot(np.take(self.tpot, at, axis=1), x), meta[_TPOT_CAP])
+                floor, cap = float(meta[_TPOT_FLOOR, one]), float(meta[_TPOT_CAP, one])
+                return np.array([_clamped(dot, floor, cap)])
+            out = _clamped_columns(
+                _dot(np.take(self.tpot, at, axis=1), x), meta[_TPOT_FLOOR], meta[_TPOT_CAP]
+            )
             out[meta[_TPOT_WARM] == 0.0] = np.nan
             return out
 
         return PredictionColumns(
             warm=meta[_WARM] == 1.0,
-            ttft_s=_clamped_columns(_dot(np.take(self.ttft, at, axis=1), x), meta[_TTFT_CAP]),
+            ttft_s=_clamped_columns(
+                _dot(np.take(self.ttft, at, axis=1), x), meta[_TTFT_FLOOR], meta[_TTFT_CAP]
+            ),
             samples=meta[_SAMPLES],
             age_s=now - meta[_UPDATED_AT],
             error_s=meta[_ERROR],
@@ -346,9 +361,10 @@ class CoefficientTable:
 
 
 # The per-pod values of a `CoefficientTable` column besides its coefficients (`meta` rows).
-_META = ("warm", "ttft_cap", "tpot_warm", "tpot_cap", "samples", "error", "updated_at",
-         "routed_at")  # fmt: skip
-_WARM, _TTFT_CAP, _TPOT_WARM, _TPOT_CAP, _SAMPLES, _ERROR, _UPDATED_AT, _ROUTED_AT = range(8)
+_META = ("warm", "ttft_floor", "ttft_cap", "tpot_warm", "tpot_floor", "tpot_cap", "samples",
+         "error", "updated_at", "routed_at")  # fmt: skip
+(_WARM, _TTFT_FLOOR, _TTFT_CAP, _TPOT_WARM, _TPOT_FLOOR, _TPOT_CAP, _SAMPLES, _ERROR, _UPDATED_AT,
+ _ROUTED_AT) = range(10)  # fmt: skip
 
 
 def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
@@ -360,10 +376,10 @@ def _dot(coef: FloatArray, x: FloatArray) -> FloatArray:
     return out
 
 
-def _clamped_columns(value: FloatArray, cap: FloatArray) -> FloatArray:
+def _clamped_columns(value: FloatArray, floor: FloatArray, cap: FloatArray) -> FloatArray:
     """`_clamped` on arrays: NaN becomes the cap (`_dot` never gives -0.0, where `maximum`
     and `_clamped` could differ)."""
-    out: FloatArray = np.minimum(np.maximum(value, 0.0), cap)
+    out: FloatArray = np.minimum(np.maximum(value, floor), cap)
     nan = np.isnan(out)
     if nan.any():
         out[nan] = cap[nan]

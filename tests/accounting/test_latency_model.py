@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -179,6 +180,28 @@ def test_a_feature_that_never_varies_keeps_predictions_finite() -> None:
     pred = models.predict(MODEL, "a", wild)
     assert pred is not None
     assert math.isfinite(pred.ttft_s) and 0.0 <= pred.ttft_s <= 4 * 0.12 + 1e-3
+
+
+def test_a_fit_pushed_outside_what_it_saw_predicts_no_less_than_half_the_fastest_sample() -> None:
+    # Every sample at KV usage 0.6-1.0, TTFT steep in it: the line through them is negative at
+    # usage 0. Clamped to 0 (before), the pod looked instantly fast and won every decision
+    # (a CI run's predicted-latency test saw 0.0 ms for its fast pod).
+    models = LatencyModels(min_samples=4)
+    rng = random.Random(7)
+    fastest = math.inf
+    for _ in range(40):
+        kv = 0.6 + 0.4 * rng.random()
+        ttft = 0.05 + 1.0 * (kv - 0.6)
+        fastest = min(fastest, ttft)
+        models.observe(MODEL, "a", LatencyFeatures(1500, 0, 0, 0.0, 1.0, kv), ttft_s=ttft,
+                       tpot_s=0.01)  # fmt: skip
+    probe = LatencyFeatures(1500, 0, 0, 0.0, 1.0, 0.0)
+    pred = models.predict(MODEL, "a", probe)
+    assert pred is not None
+    assert pred.ttft_s >= 0.5 * fastest > 0
+    # The columns every decision reads give the same.
+    cols = models.predict_columns(MODEL, ["a"], np.array(probe.vector(), dtype=float)[:, None])
+    assert cols is not None and float(cols.ttft_s[0]) == pred.ttft_s
 
 
 def test_the_number_of_pods_is_bounded_dropping_the_least_recently_updated() -> None:
