@@ -512,19 +512,36 @@ class LocalStack:
         return {"url": self.nats.url, "user": NATS_USER, "password_file": str(password_file)}
 
     def stop(self) -> None:
-        for proc in reversed(list(self._procs.values())):
-            self._terminate(proc)
+        procs = list(reversed(self._procs.values()))
+        # Envoy first, so nothing new reaches the rest; then the rest at once, each draining
+        # by itself (one after another took a second per server process: its announcement).
+        for group in ([p for p in procs if p.name == "envoy"],
+                      [p for p in procs if p.name != "envoy"]):  # fmt: skip
+            for proc in group:
+                self._ask_to_stop(proc)
+            for proc in group:
+                self._reap(proc)
         self._procs.clear()
         with contextlib.suppress(FileNotFoundError):
             self.state_path.unlink()
         if self.nats is not None:
             self.nats.stop()
 
+    @classmethod
+    def _terminate(cls, proc: _Proc) -> None:
+        cls._ask_to_stop(proc)
+        cls._reap(proc)
+
     @staticmethod
-    def _terminate(proc: _Proc, timeout: float = 10.0) -> None:
+    def _ask_to_stop(proc: _Proc) -> None:
         if proc.popen is not None and proc.popen.poll() is None:
             proc.popen.send_signal(signal.SIGTERM)
             proc.popen.send_signal(signal.SIGCONT)  # a child paused by `pod slow` must run to exit
+
+    @staticmethod
+    def _reap(proc: _Proc, timeout: float = 10.0) -> None:
+        """Wait for a child asked to stop; killed after `timeout`."""
+        if proc.popen is not None:
             try:
                 proc.popen.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -315,3 +315,19 @@ def test_a_fresh_copy_encodes_the_same_and_shares_no_cache(qwen: HFTokenizer) ->
     assert fresh is not None
     assert (fresh.entries, fresh.hits) == (0, 0)  # nothing the original cached is there
     assert copy.encode_chat(messages) == ids
+
+
+@pytest.mark.parametrize(("scheme", "unsafe"), [("first", True), ("always", False)])
+def test_a_metaspace_first_pre_tokenizer_falls_back_to_full_encode(
+    tmp_path: Path, scheme: str, unsafe: bool
+) -> None:
+    # Read from the loaded tokenizer, not from a second parse of the file: still seen.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rust = Tokenizer(models.WordLevel({"[UNK]": 0, "▁hello": 1, "▁world": 2}, unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    rust.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok.incremental is not unsafe
+    if unsafe:
+        assert "Metaspace" in str(tok.incremental_disabled_reason)
