@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
 __all__ = ["Backoff", "ListWatcher", "ObjectKey", "Store"]
 
 _LOG = logging.getLogger(__name__)
@@ -170,6 +168,8 @@ class ListWatcher:
         self._emit()
 
     def _watch(self) -> None:
+        from kubernetes.client.exceptions import ApiException  # loaded by the caller's client
+
         timeout = self._watch_timeout_s
         try:
             resp = self._list_fn(
@@ -212,6 +212,8 @@ class ListWatcher:
         kind = event.get("type")
         obj = event.get("object") or {}
         if kind == "ERROR":
+            from kubernetes.client.exceptions import ApiException
+
             code = obj.get("code")
             if code == _GONE:
                 raise _Expired(obj.get("message", ""))
@@ -233,6 +235,8 @@ class ListWatcher:
 
 
 def _describe(exc: BaseException) -> str:
+    from kubernetes.client.exceptions import ApiException
+
     if isinstance(exc, ApiException):
         return f"HTTP {exc.status} {exc.reason}"
     return f"{type(exc).__name__}: {exc}"

@@ -19,11 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
-
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from extproc.config import (
     ConfigError,
@@ -33,6 +29,12 @@ from extproc.config import (
 )
 from extproc.discovery._listwatch import Backoff, ListWatcher, ObjectKey, Store
 from extproc.types import EMPTY_LABELS, Endpoint, EndpointRole
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s
+
+# The kubernetes library is imported where it is first used (0.4 s): a server without
+# Kubernetes discovery, a local stack's, never loads it.
 
 __all__ = [
     "DATA_PARALLEL_ANNOTATION",
@@ -74,6 +76,9 @@ def make_api_client(
 
     `in_cluster=None` decides from the environment: inside a pod KUBERNETES_SERVICE_HOST is set.
     """
+    from kubernetes import client as k8s
+    from kubernetes import config as k8s_config
+
     configuration = k8s.Configuration()
     if in_cluster is None:
         in_cluster = kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
@@ -252,6 +257,8 @@ class PodDiscovery:
     ) -> None:
         self._model = model
         self._source = source
+        from kubernetes import client as k8s
+
         self._core = k8s.CoreV1Api(api_client)
         self._custom = k8s.CustomObjectsApi(api_client)
         self._on_change = on_change
@@ -425,6 +432,8 @@ class HTTPRouteWatcher(Generic[S]):
         backoff_cap_s: float = 30.0,
         watch_timeout_s: int = 300,
     ) -> None:
+        from kubernetes import client as k8s
+
         self._core = k8s.CoreV1Api(api_client)
         custom = k8s.CustomObjectsApi(api_client)
         self._parse = parse
@@ -477,6 +486,9 @@ class HTTPRouteWatcher(Generic[S]):
             return
         namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
         digest = hashlib.sha256(f"{uid}\n{message}".encode()).hexdigest()[:16]
+        from kubernetes import client as k8s
+        from kubernetes.client.exceptions import ApiException
+
         now = dt.datetime.now(dt.UTC)
         event = k8s.CoreV1Event.from_dict(
             {
@@ -542,6 +554,8 @@ class CustomResourceWatcher(Generic[T]):
         backoff_cap_s: float = 30.0,
         watch_timeout_s: int = 300,
     ) -> None:
+        from kubernetes import client as k8s
+
         custom = k8s.CustomObjectsApi(api_client)
         self._parse = parse
         self._on_change = on_change

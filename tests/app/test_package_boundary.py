@@ -83,6 +83,13 @@ def test_the_binaries_of_the_local_stack_are_not_runtime_dependencies() -> None:
 
 
 @pytest.mark.slow  # >= 1 s in test-fast (issue 27 #12)
+def test_a_server_without_kubernetes_discovery_does_not_load_the_kubernetes_library() -> None:
+    # 0.4 s of every start (a local stack's, a test's): loaded where discovery first uses it.
+    code = "import sys, extproc.app, extproc.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'))"
+    out = subprocess.check_output([sys.executable, "-c", code], text=True)
+    assert out.strip() == "[]"
+
+
 def test_server_modules_import_only_runtime_dependencies() -> None:
     from importlib import metadata
 

@@ -16,9 +16,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-from kubernetes import client as k8s
+from typing import TYPE_CHECKING, Any
 
 from extproc.discovery._listwatch import Backoff, ListWatcher, Store
 from extproc.discovery.kubernetes import (
@@ -31,6 +29,9 @@ from extproc.discovery.kubernetes import (
 )
 from extproc.discovery.pools.fleet import FleetSnapshot, snapshot_of
 from extproc.discovery.pools.spec import PoolSelection, PoolSpec, parse_pool
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s
 
 __all__ = ["PoolWatcher"]
 
@@ -50,6 +51,8 @@ class PoolWatcher:
         backoff_cap_s: float = 30.0,
         watch_timeout_s: int = 300,
     ) -> None:
+        from kubernetes import client as k8s  # imported at first use: see discovery.kubernetes
+
         self._core = k8s.CoreV1Api(api_client)
         self._custom = k8s.CustomObjectsApi(api_client)
         self._selection = selection
