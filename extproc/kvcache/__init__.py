@@ -8,10 +8,33 @@ simulator) live in `vllm_hash`.
 
 from __future__ import annotations
 
-from extproc.kvcache.approx import ApproximateIndex, ApproximateIndexStats
-from extproc.kvcache.exact import ExactIndex, ExactIndexStats, StoreResult
-from extproc.kvcache.hashing import block_hashes, lora_extra_key
-from extproc.kvcache.prefix import IndexMode, PrefixIndex, PrefixMatch
+from typing import TYPE_CHECKING
+
+from extproc._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from extproc.kvcache.approx import ApproximateIndex, ApproximateIndexStats
+    from extproc.kvcache.exact import ExactIndex, ExactIndexStats, StoreResult
+    from extproc.kvcache.hashing import block_hashes, lora_extra_key
+    from extproc.kvcache.prefix import IndexMode, PrefixIndex, PrefixMatch
+
+# Each name is imported from its module when first used: the simulator's hashing (vllm_hash)
+# must not load numpy and every index with it (0.3 s of each simulator start).
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "ApproximateIndex": "extproc.kvcache.approx",
+        "ApproximateIndexStats": "extproc.kvcache.approx",
+        "ExactIndex": "extproc.kvcache.exact",
+        "ExactIndexStats": "extproc.kvcache.exact",
+        "IndexMode": "extproc.kvcache.prefix",
+        "PrefixIndex": "extproc.kvcache.prefix",
+        "PrefixMatch": "extproc.kvcache.prefix",
+        "StoreResult": "extproc.kvcache.exact",
+        "block_hashes": "extproc.kvcache.hashing",
+        "lora_extra_key": "extproc.kvcache.hashing",
+    },
+)
 
 __all__ = [
     "ApproximateIndex",

@@ -2,26 +2,58 @@
 
 from __future__ import annotations
 
-from extproc.kvevents.decode import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodeError,
-    EventBatch,
-    KVEvent,
-    decode_message,
-    decode_payload,
-)
-from extproc.kvevents.encode import EventEncoding, encode_message, encode_payload
-from extproc.kvevents.metrics import KVEventMetrics
-from extproc.kvevents.subscriber import (
-    ApplyCounts,
-    KVEventManager,
-    KVEventSubscriber,
-    StreamProbe,
-    SubscriberSettings,
-    SubscriberStats,
-    apply_events,
+from typing import TYPE_CHECKING
+
+from extproc._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from extproc.kvevents.decode import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        DecodeError,
+        EventBatch,
+        KVEvent,
+        decode_message,
+        decode_payload,
+    )
+    from extproc.kvevents.encode import EventEncoding, encode_message, encode_payload
+    from extproc.kvevents.metrics import KVEventMetrics
+    from extproc.kvevents.subscriber import (
+        ApplyCounts,
+        KVEventManager,
+        KVEventSubscriber,
+        StreamProbe,
+        SubscriberSettings,
+        SubscriberStats,
+        apply_events,
+    )
+
+# Each name is imported from its module when first used: the simulator's publisher needs
+# the codec, not the subscriber.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "AllBlocksCleared": "extproc.kvevents.decode",
+        "ApplyCounts": "extproc.kvevents.subscriber",
+        "BlockRemoved": "extproc.kvevents.decode",
+        "BlockStored": "extproc.kvevents.decode",
+        "DecodeError": "extproc.kvevents.decode",
+        "EventBatch": "extproc.kvevents.decode",
+        "EventEncoding": "extproc.kvevents.encode",
+        "KVEvent": "extproc.kvevents.decode",
+        "KVEventManager": "extproc.kvevents.subscriber",
+        "KVEventMetrics": "extproc.kvevents.metrics",
+        "KVEventSubscriber": "extproc.kvevents.subscriber",
+        "StreamProbe": "extproc.kvevents.subscriber",
+        "SubscriberSettings": "extproc.kvevents.subscriber",
+        "SubscriberStats": "extproc.kvevents.subscriber",
+        "apply_events": "extproc.kvevents.subscriber",
+        "decode_message": "extproc.kvevents.decode",
+        "decode_payload": "extproc.kvevents.decode",
+        "encode_message": "extproc.kvevents.encode",
+        "encode_payload": "extproc.kvevents.encode",
+    },
 )
 
 __all__ = [

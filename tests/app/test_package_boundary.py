@@ -90,6 +90,24 @@ def test_a_server_without_kubernetes_discovery_does_not_load_the_kubernetes_libr
     assert out.strip() == "[]"
 
 
+def test_the_simulator_loads_neither_numpy_nor_the_routers_indexes() -> None:
+    # 0.3 s of each simulator start (a test suite starts about a hundred).
+    heavy = ("numpy", "extproc.kvcache.approx", "extproc.kvevents.subscriber")
+    code = f"import sys, extproc.sim.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.check_output([sys.executable, "-c", code], text=True)
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("package", ["extproc.kvcache", "extproc.kvevents"])
+def test_every_name_a_package_exports_resolves(package: str) -> None:
+    code = (
+        f"import {package} as p; missing = [n for n in p.__all__ if getattr(p, n, None) is None]; "
+        "print(missing, hasattr(p, 'no_such_name'))"
+    )
+    out = subprocess.check_output([sys.executable, "-c", code], text=True)
+    assert out.strip() == "[] False"
+
+
 def test_server_modules_import_only_runtime_dependencies() -> None:
     from importlib import metadata
 

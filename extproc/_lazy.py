@@ -1,0 +1,24 @@
+"""Package names imported from their module when first used (PEP 562)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, where: Mapping[str, str]) -> Callable[[str], object]:
+    """A module `__getattr__` for `package`: each name of `where` (name -> module) is imported
+    from its module on first use, then kept in the package."""
+
+    def getattr_(name: str) -> object:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return getattr_
