@@ -50,8 +50,8 @@ run: install
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
 
 test: install
-	$(PYTEST) -q -n 2 --dist loadfile -m "not alone" $(PYTEST_ARGS)
-	$(PYTEST) -q -m alone $(PYTEST_ARGS)
+	$(PYTEST) -q -n 2 --dist loadfile -m "not alone" --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) -q -m alone --durations=10 $(PYTEST_ARGS)
 
 # The inner loop: no real-Envoy stacks, none of the tests that take a second or more (the
 # `slow` marker), one worker per core, a test file per worker (its module fixtures load once).

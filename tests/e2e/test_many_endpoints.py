@@ -89,14 +89,14 @@ def test_server_routes_over_256_endpoints(tmp_path: Path) -> None:
         # Load-based routing spreads over the pool (in-flight ties broken at random).
         rng = random.Random(5)
         bodies = [
-            [{"role": "user", "content": " ".join(rng.choices(WORDS, k=60))}] for _ in range(512)
+            [{"role": "user", "content": " ".join(rng.choices(WORDS, k=60))}] for _ in range(PODS)
         ]
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = list(pool.map(lambda m: _chat(stack.base_url, m), bodies))
         assert [r.status_code for r in answers] == [200] * len(answers)
         served = Counter(r.headers["x-inference-pod"] for r in answers)
         assert set(served) <= addresses
-        assert len(served) >= PODS // 2, len(served)  # 512 random picks hit ~220 of 256
+        assert len(served) >= PODS // 2, len(served)  # 256 random picks hit ~160 of 256
         assert max(served.values()) <= 12, served.most_common(3)
 
         # A conversation's next turn goes where its prefix is cached (KV events, exact index).
