@@ -63,29 +63,40 @@ async def _health(port: int) -> int:
         return int(resp.status)
 
 
-async def test_new_streams_are_served_while_not_serving_is_announced() -> None:
-    # For announce_s Envoy's health checks learn NOT_SERVING; streams that still arrive in that
-    # time are served, not refused.
-    clock = ManualClock()
+async def _draining(
+    clock: ManualClock, grace: float, announce_s: float
+) -> tuple[int, asyncio.Task[None]]:
+    """A ready server on the manual clock told to stop: its port and the stop in progress
+    (once its announcement has begun)."""
     server = ExtProcServer(FakeHandler(), ServerOptions(port=0), timers=clock)
     await server.start()
     await server.set_ready(True)
-    port = server.port
-    stopping = asyncio.create_task(server.stop(0.5, announce_s=1.5))
+    stopping = asyncio.create_task(server.stop(grace, announce_s=announce_s))
     await clock.until_sleeping(1)
-    assert await _health(port) == health_pb2.HealthCheckResponse.NOT_SERVING
-    got = await exchange(port, [headers_msg(), body_msg(b"{}")])
-    assert got[-1].HasField("request_body")  # routed
-    assert not stopping.done()
-    clock.advance(1.5)
-    await asyncio.wait_for(stopping, 5.0)
-    with pytest.raises(grpc.aio.AioRpcError):
-        await exchange(port, [headers_msg(), body_msg(b"{}")])
+    return server.port, stopping
 
 
 async def _served_while_draining(port: int) -> bool:
     got = await exchange(port, [headers_msg(), body_msg(b"{}")])
     return got[-1].HasField("request_body")
+
+
+async def _refused_once_stopped(port: int, stopping: asyncio.Task[None]) -> None:
+    await asyncio.wait_for(stopping, 5.0)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await exchange(port, [headers_msg(), body_msg(b"{}")])
+
+
+async def test_new_streams_are_served_while_not_serving_is_announced() -> None:
+    # For announce_s Envoy's health checks learn NOT_SERVING; streams that still arrive in that
+    # time are served, not refused.
+    clock = ManualClock()
+    port, stopping = await _draining(clock, 0.5, 1.5)
+    assert await _health(port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await _served_while_draining(port)  # routed
+    assert not stopping.done()
+    clock.advance(1.5)
+    await _refused_once_stopped(port, stopping)
 
 
 async def test_the_announcement_lasts_while_new_streams_still_come() -> None:
@@ -94,12 +105,7 @@ async def test_the_announcement_lasts_while_new_streams_still_come() -> None:
     # fixed announce_s) refused them: a 500 each, fail-closed. The port stays open, serving
     # them, until none has come for announce_s.
     clock = ManualClock()
-    server = ExtProcServer(FakeHandler(), ServerOptions(port=0), timers=clock)
-    await server.start()
-    await server.set_ready(True)
-    port = server.port
-    stopping = asyncio.create_task(server.stop(10.0, announce_s=1.5))
-    await clock.until_sleeping(1)
+    port, stopping = await _draining(clock, 10.0, 1.5)
     for _ in range(3):  # a stream every second: never 1.5 s of quiet
         clock.advance(1.0)
         await asyncio.sleep(0)
@@ -111,25 +117,16 @@ async def test_the_announcement_lasts_while_new_streams_still_come() -> None:
     assert not stopping.done()
     assert await _served_while_draining(port)
     clock.advance(1.5)  # 1.5 s of quiet: new streams are refused from now on
-    await asyncio.wait_for(stopping, 5.0)
-    with pytest.raises(grpc.aio.AioRpcError):
-        await exchange(port, [headers_msg(), body_msg(b"{}")])
+    await _refused_once_stopped(port, stopping)
 
 
 async def test_streams_that_never_stop_coming_end_the_announcement_at_the_grace() -> None:
     # A single process (or every process draining at once): Envoy has nowhere else to send.
     # The announcement ends at the grace period all the same.
     clock = ManualClock()
-    server = ExtProcServer(FakeHandler(), ServerOptions(port=0), timers=clock)
-    await server.start()
-    await server.set_ready(True)
-    port = server.port
-    stopping = asyncio.create_task(server.stop(4.0, announce_s=1.5))
-    await clock.until_sleeping(1)
+    port, stopping = await _draining(clock, 4.0, 1.5)
     for _ in range(4):
         assert await _served_while_draining(port)
         clock.advance(1.0)
         await asyncio.sleep(0)
-    await asyncio.wait_for(stopping, 5.0)
-    with pytest.raises(grpc.aio.AioRpcError):
-        await exchange(port, [headers_msg(), body_msg(b"{}")])
+    await _refused_once_stopped(port, stopping)
