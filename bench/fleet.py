@@ -56,6 +56,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report import pyplot  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from extproc.config import MetricsConfig  # noqa: E402
 from extproc.metrics.parse import parse  # noqa: E402
@@ -439,10 +440,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(rows_path: Path, out: Path) -> None:
     """Server CPU and RSS against endpoints, idle and loaded, for each label in the file."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never a display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
     runs = [r for r in rows if "idle" in r]

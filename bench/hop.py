@@ -48,6 +48,7 @@ import httpx
 import yaml
 
 from bench.loadgen import Arrival, ArrivalKind, LoadGenerator
+from bench.report import pyplot
 from bench.scenario import _steal, machine_info
 from bench.stats import summarize_records
 from bench.targets import HOST, Cluster, FrontDoor, cpu_seconds
@@ -583,10 +584,7 @@ def budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]
 def plot_budget(result: Mapping[str, Any], path: Path) -> None:
     """Per load: the default's items stacked, and the other totals (one message each way, the
     former default, the floor with one message, the peer) as bars beside it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by_load = budget(result["summary"])
     if not by_load:

@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 
 from bench.loadgen import Arrival, ArrivalKind, Conversation, LoadGenerator, RequestRecord, Turn
+from bench.report import pyplot
 from bench.stats import percentile
 from extproc.stack.local import LocalStack, StackOptions
 from tests.e2e.harness import stack_options
@@ -317,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(data: dict[str, Any], out: Path) -> None:
     """TTFT of every served request over the run, per flow, one panel per variant (rep 0)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never a display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     first = min(r["rep"] for r in data["runs"])
     runs = [r for r in data["runs"] if r["rep"] == first]

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown_table", "plot_scenario"]
+__all__ = ["markdown_table", "plot_scenario", "pyplot"]
 
 _ROUTING_COLS = (
     ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p90_ms", "TTFT p90 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
@@ -79,12 +79,19 @@ def _ceiling_lines(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
         ax.legend(fontsize=6, loc="lower right")
 
 
-def plot_scenario(result: Mapping[str, Any], path: Path) -> None:
-    import matplotlib  # here, as in the other plots: 1.4 s to import, for plots only
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only; never a display), imported when a
+    plot is drawn: it takes 1.4 s, which every test importing a bench module would pay."""
+    import matplotlib
 
-    matplotlib.use("Agg")  # files only; never a display
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_scenario(result: Mapping[str, Any], path: Path) -> None:
+    plt = pyplot()
     rows = result["summary"]
     loads = list(dict.fromkeys(r["load"] for r in rows))
     if result["kind"] == "overhead":
