@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
@@ -179,10 +179,17 @@ def _clamped(value: float, floor: float, cap: float) -> float:
     return floor if value < floor else cap if value > cap else value
 
 
-# What a warm pod's prediction needs, refreshed after each sample: (TTFT coefficients, floor,
-# cap, TPOT coefficients or None while TPOT is cold, floor, cap, samples, TTFT mean absolute
-# error).
-_Fit = tuple[tuple[float, ...], float, float, tuple[float, ...] | None, float, float, int, float]
+class _Fit(NamedTuple):
+    """What a warm pod's prediction needs, refreshed after each sample."""
+
+    ttft_coef: tuple[float, ...]
+    ttft_floor: float
+    ttft_cap: float
+    tpot_coef: tuple[float, ...] | None  # None while TPOT is cold
+    tpot_floor: float
+    tpot_cap: float
+    samples: int
+    error: float  # the TTFT's mean absolute error
 
 
 class PodLatencyModel:
@@ -215,21 +222,19 @@ class PodLatencyModel:
         ttft, tpot = self.ttft, self.tpot
         if ttft.samples >= self._min:
             tpot_coef = tuple(tpot.reg.coef) if tpot.samples >= self._min else None
-            fit = (tuple(ttft.reg.coef), ttft.floor, ttft.cap, tpot_coef, tpot.floor, tpot.cap,
-                   ttft.samples, ttft.scale)  # fmt: skip
-            self.fit = fit
+            self.fit = _Fit(tuple(ttft.reg.coef), ttft.floor, ttft.cap, tpot_coef, tpot.floor,
+                            tpot.cap, ttft.samples, ttft.scale)  # fmt: skip
 
     def predict(self, x: tuple[float, ...], now: float) -> LatencyPrediction | None:
         fit = self.fit
         if fit is None:
             return None
-        ttft_coef, ttft_floor, ttft_cap, tpot_coef, tpot_floor, tpot_cap, samples, error = fit
-        ttft = _clamped(sum(map(operator.mul, ttft_coef, x)), ttft_floor, ttft_cap)
+        ttft = _clamped(sum(map(operator.mul, fit.ttft_coef, x)), fit.ttft_floor, fit.ttft_cap)
         age, routed = now - self.updated_at, now - self.routed_at
-        if tpot_coef is None:
-            return LatencyPrediction(ttft, None, samples, age, error, routed)
-        tpot = _clamped(sum(map(operator.mul, tpot_coef, x)), tpot_floor, tpot_cap)
-        return LatencyPrediction(ttft, tpot, samples, age, error, routed)
+        if fit.tpot_coef is None:
+            return LatencyPrediction(ttft, None, fit.samples, age, fit.error, routed)
+        tpot = _clamped(sum(map(operator.mul, fit.tpot_coef, x)), fit.tpot_floor, fit.tpot_cap)
+        return LatencyPrediction(ttft, tpot, fit.samples, age, fit.error, routed)
 
     def state(self) -> dict[str, Any]:
         def target(t: _Target) -> dict[str, Any]:
@@ -297,13 +302,13 @@ class CoefficientTable:
         if fit is None:
             return
         i = self.slot(address)
-        ttft_coef, ttft_floor, ttft_cap, tpot_coef, tpot_floor, tpot_cap, samples, error = fit
-        self.ttft[:, i] = ttft_coef
-        if tpot_coef is not None:
-            self.tpot[:, i] = tpot_coef
-        tpot_warm = 1.0 if tpot_coef is not None else 0.0
-        self.meta[:, i] = (1.0, ttft_floor, ttft_cap, tpot_warm, tpot_floor, tpot_cap, samples,
-                           error, pod.updated_at, pod.routed_at)  # fmt: skip
+        self.ttft[:, i] = fit.ttft_coef
+        if fit.tpot_coef is not None:
+            self.tpot[:, i] = fit.tpot_coef
+        tpot_warm = 1.0 if fit.tpot_coef is not None else 0.0
+        self.meta[:, i] = (1.0, fit.ttft_floor, fit.ttft_cap, tpot_warm, fit.tpot_floor,
+                           fit.tpot_cap, fit.samples, fit.error, pod.updated_at,
+                           pod.routed_at)  # fmt: skip
 
     def routed(self, address: str, at: float) -> None:
         i = self.index.get(address)
