@@ -255,10 +255,10 @@ class PodDiscovery:
         backoff_cap_s: float = 30.0,
         watch_timeout_s: int = 300,
     ) -> None:
-        self._model = model
-        self._source = source
         from kubernetes import client as k8s
 
+        self._model = model
+        self._source = source
         self._core = k8s.CoreV1Api(api_client)
         self._custom = k8s.CustomObjectsApi(api_client)
         self._on_change = on_change
@@ -484,11 +484,11 @@ class HTTPRouteWatcher(Generic[S]):
         uid = str(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}")
         if (uid, message) in self._posted:
             return
-        namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
-        digest = hashlib.sha256(f"{uid}\n{message}".encode()).hexdigest()[:16]
         from kubernetes import client as k8s
         from kubernetes.client.exceptions import ApiException
 
+        namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+        digest = hashlib.sha256(f"{uid}\n{message}".encode()).hexdigest()[:16]
         now = dt.datetime.now(dt.UTC)
         event = k8s.CoreV1Event.from_dict(
             {
