@@ -97,7 +97,10 @@ def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path) -> No
             f"{admin[0]}/debug/explain", content=json.dumps(chat(999)).encode()
         ).json()
         predicted = {c["address"]: c["scores"]["pred_ttft_ms"] for c in explained["candidates"]}
-        assert predicted[slow] > 2 * predicted[fast] > 0, explained
+        # The order, not a ratio: on a quiet machine the slow pod is predicted ~4x the fast one
+        # (its prefill is 5x longer), but on a loaded one Envoy's and the servers' own time,
+        # the same on both pods, is most of each TTFT (1.8x seen in a CI run).
+        assert predicted[slow] > predicted[fast] > 0, explained
 
         before = served_counts(stack)
         for i in range(WARMUP, WARMUP + MEASURED):
