@@ -72,6 +72,11 @@ class Capacity:
     # default priority wait there rather than in the gateway (it starts at the next release on
     # that pod, without waiting for the gateway to hear of it).
     line: tuple[str, ...] = ()
+    # Free running slots (a request sent there starts at the next engine step, not when a
+    # running one ends) and the pods that have them; part of `free`. A pod whose limit is not
+    # learned yet counts all its room as running slots.
+    running: int = 0
+    running_pods: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -157,6 +162,8 @@ class PoolCapacity:
         total = 0.0
         pods: list[str] = []
         line: list[str] = []
+        running_free = 0
+        running_pods: list[str] = []
         # One pass, no allocation per pod: at hundreds of pods this runs for every request
         # admitted at once and at every dispatch.
         in_flight = self._in_flight
@@ -174,6 +181,8 @@ class PoolCapacity:
                 if room > 0:
                     free += room
                     pods.append(address)
+                    running_free += room
+                    running_pods.append(address)
                 continue
             if waiting is None:
                 waiting = 0.0  # the KV signal alone says when it is full
@@ -220,12 +229,16 @@ class PoolCapacity:
             if room > 0:
                 free += room
                 pods.append(address)
+                idle = room if limit is None else min(room, limit - load)
+                if idle > 0:
+                    running_free += idle
+                    running_pods.append(address)
         if len(views) > 2 * len(ready) + 16:  # forget pods gone away
             live = {ep.address for ep, _ in ready}
             self._pods[model] = {a: v for a, v in views.items() if a in live}
         return Capacity(
             endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods),
-            line=tuple(line),
+            line=tuple(line), running=running_free, running_pods=tuple(running_pods),
         )  # fmt: skip
 
     def slots(self, model: str, address: str) -> int | None:

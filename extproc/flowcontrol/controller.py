@@ -264,11 +264,12 @@ class FlowController:
         engine = self._engine_ttft(request)
         if not self._waiting_at_or_above(model, priority):
             cap, room = self._room_now(model)
-            line = priority > 0 and room + len(cap.line) > 0  # next in line in an engine
-            if room > 0 or line:
+            parts = [part for part in self.parts(cap, room, priority) if part[0] > 0]
+            if priority > 0 and room + len(cap.line) > 0:
+                parts.append((len(cap.line), cap.line))  # next in line in a full engine
+            if parts:
                 self._check_slo(request, engine, 0.0)
-                pods = cap.pods if room > 0 else cap.line
-                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, pods)
+                return self._grant(model, 0.0, FlowOutcome.DISPATCHED, priority, parts[0][1])
             if priority < 0 and cap.endpoints > 0:
                 raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                    "every endpoint is saturated; sheddable request dropped")  # fmt: skip
@@ -277,6 +278,27 @@ class FlowController:
                                "requests are queued; sheddable request dropped")  # fmt: skip
         self._check_slo(request, engine, self._expected_wait(request, band))
         return await self._wait(request, band, engine)
+
+    def parts(
+        self, cap: Capacity, room: int, priority: int
+    ) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """Where a band may go now, out of `room` (the pool's room net of grants in transit,
+        taken from its free running slots first): how many among which pods, best first.
+        Without `headroom`, any room. With it, a band above the default priority takes free
+        running slots first, then any room; the default band and below take the free running
+        slots beyond `headroom`, then places in the queues of engines whose slots are all
+        taken (a request waiting there starts when one ends, as it would have from the
+        gateway, and leaves the free slots alone)."""
+        keep = self.settings.headroom
+        if keep <= 0 or room <= 0:
+            return ((room, cap.pods),)
+        running = max(0, min(room, cap.running - (cap.free - room)))
+        if priority > 0:
+            return ((running, cap.running_pods), (room - running, cap.pods))
+        spare = max(0, running - keep)
+        queued = min(room - running, cap.free - cap.running)
+        full = tuple(p for p in cap.pods if p not in cap.running_pods)
+        return ((spare, cap.running_pods), (queued, full))
 
     def _room_now(self, model: str) -> tuple[Capacity, int]:
         """The pool's capacity and room (free slots net of grants in transit): the last read,
@@ -562,7 +584,9 @@ class FlowController:
                 # places next in line in full engines; every other band only free slots.
                 line = len(cap.line) if top and priority > 0 else 0
                 top = False
-                avail = room + line
+                # (room below 0: grants in transit beyond it, which take places in line too)
+                parts = [*self.parts(cap, max(0, room), priority), (line + min(0, room), cap.line)]
+                avail = sum(n for n, _ in parts)
                 if avail <= 0:
                     break
                 if mine + theirs <= avail:
@@ -570,9 +594,11 @@ class FlowController:
                 else:  # the band's share of what is left, in proportion to its depths
                     take, used = min(mine, math.ceil(avail * mine / (mine + theirs))), avail
                 if band is not None:
-                    in_room = min(take, max(0, room))
-                    sent += self._dispatch_band(band, in_room, cap.pods)
-                    sent += self._dispatch_band(band, take - in_room, cap.line)
+                    left = take
+                    for n, pods in parts:
+                        if left > 0 and n > 0:
+                            left -= self._dispatch_band(band, min(left, n), pods)
+                    sent += take - left
                 room -= min(used, max(0, room))
                 if room <= 0:
                     break

@@ -292,6 +292,19 @@ def test_slots_an_engine_queue_keeps_the_next_request_in_the_engine() -> None:
     assert pool("m").free == 0
 
 
+def test_slots_free_running_slots_are_told_apart_from_places_in_the_engine_queue() -> None:
+    w = World()
+    pool = capacity(w, "slots", engine_queue=1)
+    teach(w, pool, running=4, waiting=1)
+    w.scrape(B, 1.0, running=0, waiting=0)  # B's limit is not known: its room counts as slots
+    for flight, running, pods in [(2, 2, (A.address,)), (4, 0, ()), (5, 0, ())]:
+        w.flight[A.address] = flight
+        cap = pool("m")
+        room_a = 5 - flight  # 4 slots and 1 place in its queue
+        assert cap.free == room_a + 5  # B: under the queue threshold (5, nothing waiting)
+        assert (cap.running, cap.running_pods) == (running + 5, (*pods, B.address))
+
+
 @pytest.mark.parametrize("dispatch", ["queue", "slots"])
 def test_a_pod_without_any_metrics_is_not_held_back(dispatch: str) -> None:
     """No metrics URL: the store offers it with nothing known. Flow control cannot tell it is

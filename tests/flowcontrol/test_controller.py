@@ -37,7 +37,7 @@ class Pool:
         self.calls += 1
         pods = ("room:1",) if self.free > 0 else ()
         return Capacity(endpoints=self.endpoints, free=self.free, saturation=1.0, pods=pods,
-                        line=self.line)  # fmt: skip
+                        line=self.line, running=self.free, running_pods=pods)  # fmt: skip
 
 
 @dataclass
@@ -400,6 +400,46 @@ def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
         k.pool.free = 2  # room: the rest go to the pods with room
         assert k.flow.dispatch() == 2
         assert (await mid).pods == ("room:1",) and (await low).pods == ("room:1",)
+
+    run(main())
+
+
+# A pool of 3 free running slots on "run:1" and 2 places in the queues of "full:1" (its slots
+# all taken): where each band may go with `headroom` kept for the bands above the default.
+HEADROOM_CAP = Capacity(endpoints=2, free=5, saturation=0.9, pods=("run:1", "full:1"),
+                        running=3, running_pods=("run:1",))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("headroom", "room", "priority", "parts"),
+    [
+        (0, 5, 0, [(5, ("run:1", "full:1"))]),  # no headroom: any room, any pod
+        (2, 5, 0, [(1, ("run:1",)), (2, ("full:1",))]),  # 1 slot beyond the 2 kept, the queues
+        (3, 5, 0, [(0, ("run:1",)), (2, ("full:1",))]),  # every slot kept: only the queues
+        (2, 3, 0, [(0, ("run:1",)), (2, ("full:1",))]),  # 2 in transit took 2 of the slots
+        (2, 5, 1, [(3, ("run:1",)), (2, ("run:1", "full:1"))]),  # above: free slots first
+        (2, 2, 1, [(0, ("run:1",)), (2, ("run:1", "full:1"))]),  # 3 in transit: counted as
+        # having taken the free slots first
+    ],
+)
+def test_headroom_keeps_free_running_slots_for_the_bands_above_the_default(
+    headroom: int, room: int, priority: int, parts: list[tuple[int, tuple[str, ...]]]
+) -> None:
+    k = kit(headroom=headroom)
+    assert list(k.flow.parts(HEADROOM_CAP, room, priority)) == parts
+
+
+def test_with_headroom_the_default_band_waits_while_a_higher_one_is_dispatched_at_once() -> None:
+    async def main() -> None:
+        k = kit(headroom=1)
+        k.pool.free = 1  # one free running slot (the fake's room is all running slots)
+        [low] = await queued(k, req(priority=0))  # it is the one kept
+        high = await k.flow.admit(req(priority=1))
+        assert high.pods == ("room:1",)
+        high.release()
+        k.pool.free = 2
+        assert k.flow.dispatch() == 1  # one beyond the headroom now
+        assert (await low).pods == ("room:1",)
 
     run(main())
 
