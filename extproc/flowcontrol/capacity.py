@@ -77,6 +77,7 @@ class Capacity:
     # learned yet counts all its room as running slots.
     running: int = 0
     running_pods: tuple[str, ...] = ()
+    queued: int = 0  # the rest of `free` on the pods with no free running slot
 
 
 @dataclass(slots=True)
@@ -162,7 +163,7 @@ class PoolCapacity:
         total = 0.0
         pods: list[str] = []
         line: list[str] = []
-        running_free = 0
+        running_free = queued_room = 0
         running_pods: list[str] = []
         # One pass, no allocation per pod: at hundreds of pods this runs for every request
         # admitted at once and at every dispatch.
@@ -233,12 +234,15 @@ class PoolCapacity:
                 if idle > 0:
                     running_free += idle
                     running_pods.append(address)
+                else:
+                    queued_room += room
         if len(views) > 2 * len(ready) + 16:  # forget pods gone away
             live = {ep.address for ep, _ in ready}
             self._pods[model] = {a: v for a, v in views.items() if a in live}
         return Capacity(
             endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods),
             line=tuple(line), running=running_free, running_pods=tuple(running_pods),
+            queued=queued_room,
         )  # fmt: skip
 
     def slots(self, model: str, address: str) -> int | None:

@@ -296,8 +296,8 @@ class FlowController:
         if priority > 0:
             return ((running, cap.running_pods), (room - running, cap.pods))
         spare = max(0, running - keep)
-        queued = min(room - running, cap.free - cap.running)
-        full = tuple(p for p in cap.pods if p not in cap.running_pods)
+        queued = min(room - running, cap.queued)
+        full = tuple(p for p in cap.pods if p not in cap.running_pods) if queued > 0 else ()
         return ((spare, cap.running_pods), (queued, full))
 
     def _room_now(self, model: str) -> tuple[Capacity, int]:

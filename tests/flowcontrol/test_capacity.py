@@ -297,12 +297,15 @@ def test_slots_free_running_slots_are_told_apart_from_places_in_the_engine_queue
     pool = capacity(w, "slots", engine_queue=1)
     teach(w, pool, running=4, waiting=1)
     w.scrape(B, 1.0, running=0, waiting=0)  # B's limit is not known: its room counts as slots
-    for flight, running, pods in [(2, 2, (A.address,)), (4, 0, ()), (5, 0, ())]:
+    # (in flight on A, its free running slots, its places the queue holds beyond them)
+    for flight, running, queued in [(2, 2, 0), (4, 0, 1), (5, 0, 0)]:
         w.flight[A.address] = flight
         cap = pool("m")
         room_a = 5 - flight  # 4 slots and 1 place in its queue
         assert cap.free == room_a + 5  # B: under the queue threshold (5, nothing waiting)
+        pods = (A.address,) if running else ()
         assert (cap.running, cap.running_pods) == (running + 5, (*pods, B.address))
+        assert cap.queued == queued  # a place behind a free slot is not counted there
 
 
 @pytest.mark.parametrize("dispatch", ["queue", "slots"])

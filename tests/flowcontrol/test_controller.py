@@ -407,7 +407,11 @@ def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
 # A pool of 3 free running slots on "run:1" and 2 places in the queues of "full:1" (its slots
 # all taken): where each band may go with `headroom` kept for the bands above the default.
 HEADROOM_CAP = Capacity(endpoints=2, free=5, saturation=0.9, pods=("run:1", "full:1"),
-                        running=3, running_pods=("run:1",))  # fmt: skip
+                        running=3, running_pods=("run:1",), queued=2)  # fmt: skip
+# One free slot, and a place in the same engine's queue (behind that slot: not a place the
+# default band may take while the slot is kept).
+ONE_SLOT_CAP = Capacity(endpoints=1, free=2, saturation=0.9, pods=("run:1",), running=1,
+                        running_pods=("run:1",))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -427,6 +431,12 @@ def test_headroom_keeps_free_running_slots_for_the_bands_above_the_default(
 ) -> None:
     k = kit(headroom=headroom)
     assert list(k.flow.parts(HEADROOM_CAP, room, priority)) == parts
+
+
+def test_headroom_a_queue_place_behind_a_kept_slot_is_not_the_default_bands() -> None:
+    k = kit(headroom=1)
+    assert list(k.flow.parts(ONE_SLOT_CAP, 2, 0)) == [(0, ("run:1",)), (0, ())]
+    assert list(k.flow.parts(ONE_SLOT_CAP, 2, 1)) == [(1, ("run:1",)), (1, ("run:1",))]
 
 
 def test_with_headroom_the_default_band_waits_while_a_higher_one_is_dispatched_at_once() -> None:
