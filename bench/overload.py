@@ -18,8 +18,8 @@ Variants (`variant()`): `off` (flow control off), `fc-queue` (flow control, llm-
 up to 5 waiting per engine), `fc-slots` (flow control into free running slots); `+prio` runs
 the engines with vLLM's `--scheduling-policy priority` and declares it to the gateway, which
 then writes each request's band into its body; `+token`, `+global-strict`, `+round-robin`
-choose flow control's fairness; `+eqN` lets each engine hold N waiting under `slots`; `+hN`
-keeps N free running slots of the pool for the bands above the default (`headroom`);
+choose flow control's fairness; `+eqN` lets each engine hold N waiting under `slots`; `+resN`
+keeps N free running slots of the pool for the bands above the default (`reserved_slots`);
 `+flush1` has Envoy flush its access log every 1 s (Envoy Gateway's), not 0.1 s; `+sloN`
 has every request send `x-slo-ttft-ms: N` (flow control refuses what cannot meet it).
 """
@@ -103,8 +103,8 @@ def variant(name: str) -> Variant:
             slo = int(option[3:])
         elif option.startswith("eq") and option[2:].isdigit() and "flow_control" in server:
             server["flow_control"]["engine_queue"] = int(option[2:])
-        elif option.startswith("h") and option[1:].isdigit() and "flow_control" in server:
-            server["flow_control"]["headroom"] = int(option[1:])
+        elif option.startswith("res") and option[3:].isdigit() and "flow_control" in server:
+            server["flow_control"]["reserved_slots"] = int(option[3:])
         elif option in FAIRNESS and "flow_control" in server:
             server["flow_control"]["fairness"] = option
         else:

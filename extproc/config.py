@@ -259,7 +259,7 @@ class FlowControlConfig:
     # Free running slots each model's pool keeps for the bands above the default priority
     # (they start at the next engine step instead of when a running request ends): the
     # default band and below dispatch only into the room beyond them (docs/operations.md).
-    headroom: int = 0
+    reserved_slots: int = 0
     max_concurrency: int = 0
     # InferenceObjective names -> priority (higher first, < 0 sheddable), chosen per request by
     # `x-llm-d-inference-objective` (or `x-gateway-inference-objective`); resources watched
@@ -269,8 +269,8 @@ class FlowControlConfig:
     def __post_init__(self) -> None:
         if self.ttl_s <= 0 or self.max_requests_per_band <= 0 or self.max_bytes_per_band <= 0:
             raise ConfigError("needs ttl_s, max_requests_per_band and max_bytes_per_band > 0")
-        if self.max_concurrency < 0 or self.engine_queue < 0 or self.headroom < 0:
-            raise ConfigError("needs max_concurrency, engine_queue and headroom >= 0")
+        if self.max_concurrency < 0 or self.engine_queue < 0 or self.reserved_slots < 0:
+            raise ConfigError("needs max_concurrency, engine_queue and reserved_slots >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,7 @@ def test_good_config_decodes_every_section() -> None:
             "models: [{name: a, endpoints: [{address: '1.1.1.1:1'}]}, {name: a, endpoints: [{address: '1.1.1.1:2'}]}]",
             "declared twice",
         ),
+        ("flow_control: {reserved_slots: -1}", "reserved_slots >= 0"),
         ("server: [1, 2]", "server: expected a mapping"),
         ("server: {grpc_port: 1", "not valid YAML"),
     ],

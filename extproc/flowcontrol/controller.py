@@ -284,12 +284,12 @@ class FlowController:
     ) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """Where a band may go now, out of `room` (the pool's room net of grants in transit,
         taken from its free running slots first): how many among which pods, best first.
-        Without `headroom`, any room. With it, a band above the default priority takes free
+        Without `reserved_slots`, any room. With it, a band above the default priority takes free
         running slots first, then any room; the default band and below take the free running
-        slots beyond `headroom`, then places in the queues of engines whose slots are all
+        slots beyond `reserved_slots`, then places in the queues of engines whose slots are all
         taken (a request waiting there starts when one ends, as it would have from the
         gateway, and leaves the free slots alone)."""
-        keep = self.settings.headroom
+        keep = self.settings.reserved_slots
         if keep <= 0 or room <= 0:
             return ((room, cap.pods),)
         running = max(0, min(room, cap.running - (cap.free - room)))

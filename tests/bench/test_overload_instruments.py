@@ -9,10 +9,10 @@ from bench.overload import FLOWS, schedule, summarize, table, variant
 
 
 def test_variants_compose() -> None:
-    v = variant("fc-slots+prio+token+eq0+flush1")
+    v = variant("fc-slots+prio+token+eq0+res2+flush1")
     assert v.server == {
         "flow_control": {"enabled": True, "dispatch": "slots", "fairness": "token",
-                         "engine_queue": 0}
+                         "engine_queue": 0, "reserved_slots": 2}
     }  # fmt: skip
     assert v.engine_priority and v.flush_s == 1.0
     assert variant("off").server == {} and not variant("off").engine_priority
@@ -20,6 +20,8 @@ def test_variants_compose() -> None:
         variant("fc-lifo")
     with pytest.raises(SystemExit):
         variant("off+token")  # no flow control: no fairness to choose
+    with pytest.raises(SystemExit):
+        variant("off+res2")  # nor slots to reserve
 
 
 def test_the_schedule_mixes_the_flows_by_weight() -> None:

@@ -405,7 +405,7 @@ def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
 
 
 # A pool of 3 free running slots on "run:1" and 2 places in the queues of "full:1" (its slots
-# all taken): where each band may go with `headroom` kept for the bands above the default.
+# all taken): where each band may go with `reserved_slots` kept for the bands above the default.
 HEADROOM_CAP = Capacity(endpoints=2, free=5, saturation=0.9, pods=("run:1", "full:1"),
                         running=3, running_pods=("run:1",), queued=2)  # fmt: skip
 # One free slot, and a place in the same engine's queue (behind that slot: not a place the
@@ -415,9 +415,9 @@ ONE_SLOT_CAP = Capacity(endpoints=1, free=2, saturation=0.9, pods=("run:1",), ru
 
 
 @pytest.mark.parametrize(
-    ("headroom", "room", "priority", "parts"),
+    ("reserved", "room", "priority", "parts"),
     [
-        (0, 5, 0, [(5, ("run:1", "full:1"))]),  # no headroom: any room, any pod
+        (0, 5, 0, [(5, ("run:1", "full:1"))]),  # none reserved: any room, any pod
         (2, 5, 0, [(1, ("run:1",)), (2, ("full:1",))]),  # 1 slot beyond the 2 kept, the queues
         (3, 5, 0, [(0, ("run:1",)), (2, ("full:1",))]),  # every slot kept: only the queues
         (2, 3, 0, [(0, ("run:1",)), (2, ("full:1",))]),  # 2 in transit took 2 of the slots
@@ -426,29 +426,29 @@ ONE_SLOT_CAP = Capacity(endpoints=1, free=2, saturation=0.9, pods=("run:1",), ru
         # having taken the free slots first
     ],
 )
-def test_headroom_keeps_free_running_slots_for_the_bands_above_the_default(
-    headroom: int, room: int, priority: int, parts: list[tuple[int, tuple[str, ...]]]
+def test_reserved_slots_are_kept_free_for_the_bands_above_the_default(
+    reserved: int, room: int, priority: int, parts: list[tuple[int, tuple[str, ...]]]
 ) -> None:
-    k = kit(headroom=headroom)
+    k = kit(reserved_slots=reserved)
     assert list(k.flow.parts(HEADROOM_CAP, room, priority)) == parts
 
 
-def test_headroom_a_queue_place_behind_a_kept_slot_is_not_the_default_bands() -> None:
-    k = kit(headroom=1)
+def test_a_queue_place_behind_a_reserved_slot_is_not_the_default_bands() -> None:
+    k = kit(reserved_slots=1)
     assert list(k.flow.parts(ONE_SLOT_CAP, 2, 0)) == [(0, ("run:1",)), (0, ())]
     assert list(k.flow.parts(ONE_SLOT_CAP, 2, 1)) == [(1, ("run:1",)), (1, ("run:1",))]
 
 
-def test_with_headroom_the_default_band_waits_while_a_higher_one_is_dispatched_at_once() -> None:
+def test_a_reserved_slot_leaves_the_default_band_waiting_and_the_higher_one_served() -> None:
     async def main() -> None:
-        k = kit(headroom=1)
+        k = kit(reserved_slots=1)
         k.pool.free = 1  # one free running slot (the fake's room is all running slots)
         [low] = await queued(k, req(priority=0))  # it is the one kept
         high = await k.flow.admit(req(priority=1))
         assert high.pods == ("room:1",)
         high.release()
         k.pool.free = 2
-        assert k.flow.dispatch() == 1  # one beyond the headroom now
+        assert k.flow.dispatch() == 1  # one beyond the reserved one now
         assert (await low).pods == ("room:1",)
 
     run(main())
