@@ -28,13 +28,10 @@ and the ordering policy the request (`policies.py`). Every request ends one way,
     handed-off      the process is stopping: every waiting request is dispatched at once
                     (over capacity: the engines queue it) rather than cut
 
-Replicas: every replica publishes its depths per (model, band) on the replica bus, with its
-deepest flows' depths by a digest of the flow (`depths()`, applied with `set_remote`). A
-replica dispatches a band only after every higher band, its peers' included, has had its share
-of the free slots. A band's slots are split between replicas flow by flow under `round-robin`
-(evenly between the band's flows on every replica, each flow's share between replicas by its
-depth on each: a flow waiting on one replica gets the same turns as one queued on all of them),
-and in proportion to their depths under the other policies. The free slots themselves come from the
+Replicas: every replica publishes its depths per (model, band) on the replica bus
+(`depths()`, applied with `set_remote`). A replica dispatches a band only after every higher
+band, its peers' included, has had its share of the free slots; a band's slots are split
+between replicas in proportion to their depths there. The free slots themselves come from the
 shared in-flight view. What is approximate: a peer's depths and in-flight are one sync tick old
 (~10 ms), so replicas dispatching in the same tick fill the same room: together they send at
 most the room plus one per other replica in a pass (each rounds its share up;
@@ -48,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import heapq
 import itertools
 import logging
@@ -57,7 +53,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -81,9 +76,6 @@ __all__ = [
     "FlowRejected",
     "FlowRequest",
     "Grant",
-    "PeerBand",
-    "equal_shares",
-    "flow_key",
 ]
 
 log = logging.getLogger("extproc.flowcontrol")
@@ -95,9 +87,6 @@ RATE_SAMPLES = 32  # the rate requests leave the queue at: over this many of the
 # dispatch the loop runs again (the app's; 0 in tests): reading the room is a pass over the
 # model's pods (about 1 us each), not to be paid by every request of a large pool.
 ROOM_CACHE_S = 0.005
-# The flows of a band a replica names on the bus (the deepest; the rest count as one): what
-# lets every replica give each flow its turn across replicas under `round-robin`.
-SHARED_FLOWS = 64
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -156,31 +145,6 @@ class Grant:
         controller, self._controller = self._controller, None
         if controller is not None:
             controller._released(self._model)
-
-
-class PeerBand(NamedTuple):
-    """A peer's band as it last said: its waiting requests, their bytes, and its deepest
-    flows' waiting requests by the flow's key (`flow_key`)."""
-
-    live: int
-    bytes: int
-    flows: Mapping[str, int] = {}
-
-
-def flow_key(flow: str) -> str:
-    """A flow as the bus names it: a digest, not the client's words."""
-    return hashlib.blake2b(flow.encode(), digest_size=8).hexdigest()
-
-
-def equal_shares(avail: float, demands: Mapping[str, int]) -> dict[str, float]:
-    """`avail` split evenly between the flows, none given more than it waits for, what one
-    leaves going to the others (water-filling)."""
-    out: dict[str, float] = {}
-    left, n = float(avail), len(demands)
-    for i, (key, demand) in enumerate(sorted(demands.items(), key=lambda kv: kv[1])):
-        out[key] = give = min(float(demand), left / (n - i))
-        left -= give
-    return out
 
 
 @dataclass(eq=False, slots=True)
@@ -269,10 +233,6 @@ class FlowController:
             where="flow_control.fairness",
             params_where=f"flow_control.policy_params.{settings.fairness}",
         )  # fmt: skip
-        # A band shared with peers is split flow by flow (each flow its turn across replicas)
-        # under round-robin; by depth otherwise (token fairness orders by the shared counters,
-        # global-strict has one order over the band).
-        self._per_flow = settings.fairness == "round-robin"
         self.metrics = metrics
         self._clock = clock
         # The TTFT a request would see once dispatched into room (the best pod's prediction);
@@ -284,8 +244,7 @@ class FlowController:
         self._waiting: dict[Queued, _Waiting] = {}
         self._expiry: list[tuple[float, int, Queued]] = []  # a heap; done entries skipped
         self._transit: dict[str, int] = {}  # model -> grants not yet released
-        self._remote: dict[str, dict[str, dict[int, PeerBand]]] = {}  # replica -> model -> band
-        self._keys: dict[str, str] = {}  # flow -> flow_key(flow), for the flows waiting here
+        self._remote: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}  # replica->model->band
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -396,9 +355,9 @@ class FlowController:
         for peer in self._remote.values():
             for p, v in peer.get(model, {}).items():
                 if p > priority:
-                    ahead += v.live
+                    ahead += v[0]
                 elif p == priority:  # a peer's band: the same share of it goes first
-                    ahead += round(v.live * mine / band.live) if band.live else v.live
+                    ahead += round(v[0] * mine / band.live) if band.live else v[0]
         return (ahead + 1) / rate
 
     def wake(self) -> None:
@@ -408,37 +367,20 @@ class FlowController:
 
     # -- replicas ----------------------------------------------------------------------------
 
-    def depths(self) -> dict[str, dict[int, PeerBand]]:
-        """This replica's waiting requests, their bytes and its deepest flows per model and
-        band (what the replica bus carries)."""
+    def depths(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """This replica's waiting requests and their bytes per model and band (what the
+        replica bus carries)."""
         return {
-            model: {
-                p: PeerBand(b.live, b.bytes, self._flow_depths(b))
-                for p, b in bands.items()
-                if b.live
-            }
+            model: {p: (b.live, b.bytes) for p, b in bands.items() if b.live}
             for model, bands in self._bands.items()
             if any(b.live for b in bands.values())
         }
 
-    def _flow_depths(self, band: _Band) -> dict[str, int]:
-        deepest = heapq.nlargest(SHARED_FLOWS, ((len(f), n) for n, f in band.flows.items()))
-        return {self._key(name): depth for depth, name in deepest if depth}
-
-    def _key(self, flow: str) -> str:
-        key = self._keys.get(flow)
-        if key is None:
-            if len(self._keys) > 4 * SHARED_FLOWS + len(self._waiting):  # flows gone quiet
-                self._keys.clear()
-            key = self._keys[flow] = flow_key(flow)
-        return key
-
-    def set_remote(self, replica: str, depths: Mapping[str, Mapping[int, Sequence[Any]]]) -> None:
-        """A peer's `depths()` (an empty mapping once its queue is empty or it is gone). A
-        peer that names no flows (an older version) counts as one flow."""
-        clean: dict[str, dict[int, PeerBand]] = {}
+    def set_remote(self, replica: str, depths: Mapping[str, Mapping[int, Sequence[int]]]) -> None:
+        """A peer's `depths()` (an empty mapping once its queue is empty or it is gone)."""
+        clean: dict[str, dict[int, tuple[int, int]]] = {}
         for model, bands in depths.items():
-            rows = {int(p): _peer_band(v) for p, v in bands.items() if int(v[0]) > 0}
+            rows = {int(p): (int(v[0]), int(v[1])) for p, v in bands.items() if int(v[0]) > 0}
             if rows:
                 clean[str(model)] = rows
         if clean:
@@ -454,9 +396,7 @@ class FlowController:
     def queued_bytes(self, model: str) -> int:
         """Bytes waiting for `model` here and on the peers as last heard (demand)."""
         local = sum(b.bytes for b in self._bands.get(model, {}).values())
-        remote = sum(
-            v.bytes for peer in self._remote.values() for v in peer.get(model, {}).values()
-        )
+        remote = sum(v[1] for peer in self._remote.values() for v in peer.get(model, {}).values())
         return local + remote
 
     @property
@@ -496,7 +436,7 @@ class FlowController:
                 return True
         for peer in self._remote.values():
             for p, v in peer.get(model, {}).items():
-                if p >= priority and v.live:
+                if p >= priority and v[0]:
                     return True
         return False
 
@@ -632,7 +572,7 @@ class FlowController:
             remote: dict[int, int] = {}
             for peer in self._remote.values():
                 for p, v in peer.get(model, {}).items():
-                    remote[p] = remote.get(p, 0) + v.live
+                    remote[p] = remote.get(p, 0) + v[0]
             top = True
             for priority in sorted({*bands, *remote}, reverse=True):
                 band = bands.get(priority)
@@ -649,68 +589,22 @@ class FlowController:
                 avail = sum(n for n, _ in parts)
                 if avail <= 0:
                     break
-                quota: dict[str, int] | None = None
                 if mine + theirs <= avail:
                     take, used = mine, mine + theirs
-                elif band is not None and self._per_flow and theirs:
-                    take, quota = self._flow_shares(model, priority, band, avail)
-                    used = avail
                 else:  # the band's share of what is left, in proportion to its depths
                     take, used = min(mine, math.ceil(avail * mine / (mine + theirs))), avail
                 if band is not None:
                     left = take
                     for n, pods in parts:
                         if left > 0 and n > 0:
-                            left -= self._dispatch_band(band, min(left, n), pods, quota)
+                            left -= self._dispatch_band(band, min(left, n), pods)
                     sent += take - left
                 room -= min(used, max(0, room))
                 if room <= 0:
                     break
         return sent
 
-    def _flow_shares(
-        self, model: str, priority: int, band: _Band, avail: int
-    ) -> tuple[int, dict[str, int]]:
-        """This replica's part of a band shared with peers, flow by flow: `avail` split evenly
-        between the band's flows on every replica (a flow waiting on several counts once),
-        each flow's share between the replicas by its depth on each. Returns how many to send
-        and, per local flow, how many of them are its (what rounding leaves goes to the
-        largest fractions)."""
-        demand: dict[str, int] = {}
-        local: dict[str, tuple[str, int]] = {}  # key -> (flow, depth here)
-        for name, f in band.flows.items():
-            if len(f):
-                key = self._key(name)
-                local[key] = (name, len(f))
-                demand[key] = demand.get(key, 0) + len(f)
-        for replica, peer in self._remote.items():
-            v = peer.get(model, {}).get(priority)
-            if v is None:
-                continue
-            for key, depth in v.flows.items():
-                demand[key] = demand.get(key, 0) + depth
-            rest = v.live - sum(v.flows.values())  # flows it did not name: one more flow
-            if rest > 0:
-                demand[f"replica:{replica}"] = rest
-        shares = equal_shares(avail, demand)
-        mine = {name: shares[key] * depth / demand[key] for key, (name, depth) in local.items()}
-        take = min(band.live, math.ceil(sum(mine.values()) - 1e-9))
-        quota = {name: math.floor(share + 1e-9) for name, share in mine.items()}
-        # What rounding leaves: to the flows with the largest fractions of a turn (the earlier
-        # head first on a tie).
-        rest = take - sum(quota.values())
-        flows = band.flows
-        for name in sorted(mine, key=lambda n: (quota[n] - mine[n], flows[n].head().seq))[
-            : max(0, rest)
-        ]:
-            quota[name] += 1
-        return take, quota
-
-    def _dispatch_band(
-        self, band: _Band, take: int, pods: tuple[str, ...], quota: dict[str, int] | None = None
-    ) -> int:
-        """Send `take` of the band's requests to `pods`, flows as the fairness policy picks
-        them; with a `quota`, the flows with some of it left first (each send uses one)."""
+    def _dispatch_band(self, band: _Band, take: int, pods: tuple[str, ...]) -> int:
         sent = 0
         while sent < take and band.live:
             flows = []
@@ -721,15 +615,7 @@ class FlowController:
                     del band.flows[name]
             if not flows:
                 break
-            if quota:
-                owed = [f for f in flows if quota.get(f.name, 0) > 0]
-                if owed:
-                    flows = owed
-                else:
-                    quota = None
             flow = self._fairness.pick(flows)
-            if quota:
-                quota[flow.name] -= 1
             waiting = self._waiting.get(flow.pop())
             if waiting is None or waiting.done:
                 continue
@@ -780,14 +666,3 @@ class FlowController:
             self._observe(request.model, request.priority, outcome, waited)
             error = FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
             self._finish(waiting, outcome, error)
-
-
-def _peer_band(v: Sequence[Any]) -> PeerBand:
-    """One band of a peer's message: [live, bytes] or [live, bytes, {flow key: depth}]."""
-    flows: dict[str, int] = {}
-    named = v[2] if len(v) > 2 else None
-    if isinstance(named, Mapping):
-        for key, depth in list(named.items())[:SHARED_FLOWS]:
-            if int(depth) > 0:
-                flows[str(key)] = int(depth)
-    return PeerBand(int(v[0]), int(v[1]), flows)

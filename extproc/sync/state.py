@@ -28,9 +28,8 @@ decision path, and publishes one combined message per tick (~10 ms):
   releases of the last `RELEASE_REPLAY_S` are kept for this; one lost otherwise is caught by
   the lease's expiry;
 - flow control's waiting requests per (model, band), as absolute values like in-flight (sent
-  while any wait, and once more when the queue empties), with each band's deepest flows, so
-  every replica dispatches the highest band first and splits a band's free slots between its
-  flows on every replica;
+  while any wait, and once more when the queue empties), so every replica dispatches the
+  highest band first and splits free slots in proportion to the depths;
 - once, at shutdown, this replica's open leases, each addressed to one live peer (rendezvous
   hashing on the lease), which adopts it until its record arrives.
 A message goes out at least every heartbeat even when nothing changed, so peers know who is
@@ -53,7 +52,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,9 +88,8 @@ LatencySink = Callable[[str, str, str, float | None, float | None], object]
 ReleaseSink = Callable[[str, int], object]
 # Lease rows a replica that shut down handed to this one (director.leases.HandoffRow).
 AdoptSink = Callable[[list[Any]], object]
-# Flow control's waiting requests per model and band: {model: {band: (requests, bytes,
-# {flow key: requests})}} (the flows part may be absent: an older replica's).
-QueueDepths = Mapping[str, Mapping[int, Sequence[Any]]]
+# Flow control's waiting requests per model and band: {model: {band: (requests, bytes)}}.
+QueueDepths = dict[str, dict[int, tuple[int, int]]]
 # (replica, its depths): a peer's queue as it last said ({} once it is empty or gone).
 QueueSink = Callable[[str, QueueDepths], object]
 _METRIC_FIELDS = (

@@ -20,7 +20,6 @@ from extproc.flowcontrol import (
     FlowRequest,
     Grant,
 )
-from extproc.flowcontrol.controller import equal_shares, flow_key
 from tests._clock import ManualClock
 from tests._metrics import sample
 
@@ -343,51 +342,11 @@ def test_an_arrival_waits_while_a_peer_queues_its_band() -> None:
     run(main())
 
 
-def test_a_flow_on_one_replica_gets_its_turn_against_one_queued_on_every_replica() -> None:
-    async def main() -> None:
-        k = kit()  # round-robin
-        heavy = await queued(k, *(req(flow="heavy") for _ in range(10)))
-        [light] = await queued(k, req(flow="light"))  # after the heavy flow's
-        for peer in ("peer:1", "peer:2"):  # the heavy flow waits on two more replicas
-            k.flow.set_remote(peer, {"m": {0: (10, 1000, {flow_key("heavy"): 10})}})
-        k.pool.free = 1
-        # One slot, two flows: half a turn each, the light flow's all here, the heavy flow's a
-        # third here: the light flow goes (by depth, the heavy flow would: it came first).
-        assert k.flow.dispatch() == 1
-        await asyncio.sleep(0)
-        assert light.done() and not any(t.done() for t in heavy)
-        (await light).release()
-        k.flow.set_remote("peer:1", {"m": {0: (10, 1000)}})  # a peer naming no flows: one flow
-        k.pool.free = 3
-        assert k.flow.dispatch() == 1  # a third of three slots
-        for t in heavy:
-            if t.done():
-                t.result().release()
-
-    run(main())
-
-
-@pytest.mark.parametrize(
-    ("avail", "demands", "shares"),
-    [
-        (4, {"a": 10, "b": 10}, {"a": 2.0, "b": 2.0}),
-        (4, {"a": 1, "b": 10}, {"a": 1.0, "b": 3.0}),  # what a flow does not need, others get
-        (9, {"a": 1, "b": 2, "c": 3}, {"a": 1.0, "b": 2.0, "c": 3.0}),  # more room than demand
-        (1, {"a": 5, "b": 5, "c": 5, "d": 5}, {"a": 0.25, "b": 0.25, "c": 0.25, "d": 0.25}),
-    ],
-)
-def test_equal_shares_fill_the_smallest_demands_first(
-    avail: int, demands: dict[str, int], shares: dict[str, float]
-) -> None:
-    assert equal_shares(avail, demands) == pytest.approx(shares)
-
-
 def test_depths_are_what_waits() -> None:
     async def main() -> None:
         k = kit()
         await queued(k, req(size=10), req(size=20), req(priority=2, size=5))
-        everyone = flow_key("")  # the flow of requests without a fairness id or user
-        assert k.flow.depths() == {"m": {0: (2, 30, {everyone: 2}), 2: (1, 5, {everyone: 1})}}
+        assert k.flow.depths() == {"m": {0: (2, 30), 2: (1, 5)}}
         k.flow.set_remote("peer:1", {"m": {0: (1, 70)}})
         assert k.flow.queued_bytes("m") == 105
 

@@ -74,29 +74,3 @@ async def test_a_silent_peers_depths_expire() -> None:
     await tick([sa], clock)
     assert fa.queued_bytes("m") == 0  # its band no longer holds anyone here
     waiting.cancel()
-
-
-async def test_a_flow_waiting_on_one_replica_gets_its_turn_over_the_bus() -> None:
-    clock, net = Clock(), MemoryNetwork()
-    replicas = [make(name, net, clock) for name in ("a", "b", "c")]
-    syncs, flows = [s for s, _ in replicas], [f for _, f in replicas]
-    for s in syncs:
-        await s._bus.start(s.receive)
-    ROOM["free"] = 0
-    heavy = [
-        asyncio.create_task(f.admit(FlowRequest("m", 0, "heavy", 10)))
-        for f in flows
-        for _ in range(6)
-    ]
-    light = asyncio.create_task(flows[0].admit(FlowRequest("m", 0, "light", 10)))
-    await asyncio.sleep(0)
-    await tick(syncs, clock)  # every replica hears the others' flows
-    ROOM["free"] = 1
-    # One slot, two flows across the replicas: half a turn each; "a" holds all of the light
-    # flow's half and a third of the heavy flow's, so the light request is the one it sends.
-    assert flows[0].dispatch() == 1
-    await asyncio.sleep(0)
-    assert light.done() and not any(t.done() for t in heavy[:6])
-    (await light).release()
-    for t in heavy:
-        t.cancel()
