@@ -78,6 +78,7 @@ class Capacity:
     running: int = 0
     running_pods: tuple[str, ...] = ()
     queued: int = 0  # the rest of `free` on the pods with no free running slot
+    slots: int = 0  # running slots learned over the ready pods (`slots` only)
 
 
 @dataclass(slots=True)
@@ -163,7 +164,7 @@ class PoolCapacity:
         total = 0.0
         pods: list[str] = []
         line: list[str] = []
-        running_free = queued_room = 0
+        running_free = queued_room = learned = 0
         running_pods: list[str] = []
         # One pass, no allocation per pod: at hundreds of pods this runs for every request
         # admitted at once and at every dispatch.
@@ -212,8 +213,10 @@ class PoolCapacity:
             load = math.floor(max(flight - view.overcount, seen, 0.0) + 0.5)
             sat = max(_over(queued, qt), _over(kv, kvt))
             limit = view.slots if slots_rule else None
-            if limit is not None and load / limit > sat:
-                sat = load / limit
+            if limit is not None:
+                learned += limit
+                if load / limit > sat:
+                    sat = load / limit
             total += sat
             if kv_full or (cap > 0 and flight >= cap):
                 continue
@@ -242,7 +245,7 @@ class PoolCapacity:
         return Capacity(
             endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods),
             line=tuple(line), running=running_free, running_pods=tuple(running_pods),
-            queued=queued_room,
+            queued=queued_room, slots=learned,
         )  # fmt: skip
 
     def slots(self, model: str, address: str) -> int | None:

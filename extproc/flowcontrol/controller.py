@@ -288,8 +288,10 @@ class FlowController:
         running slots first, then any room; the default band and below take the free running
         slots beyond `reserved_slots`, then places in the queues of engines whose slots are all
         taken (a request waiting there starts when one ends, as it would have from the
-        gateway, and leaves the free slots alone)."""
-        keep = self.settings.reserved_slots
+        gateway, and leaves the free slots alone). At most half the pool's learned slots are
+        kept (none before any is learned): the default band always has the other half, an
+        idle pool included."""
+        keep = min(self.settings.reserved_slots, cap.slots // 2)
         if keep <= 0 or room <= 0:
             return ((room, cap.pods),)
         running = max(0, min(room, cap.running - (cap.free - room)))

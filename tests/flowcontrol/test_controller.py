@@ -32,12 +32,14 @@ class Pool:
     free: int = 0
     calls: int = 0
     line: tuple[str, ...] = ()  # full pods with an empty engine queue
+    slots: int = 4  # running slots learned over the pool
 
     def __call__(self, model: str) -> Capacity:
         self.calls += 1
         pods = ("room:1",) if self.free > 0 else ()
         return Capacity(endpoints=self.endpoints, free=self.free, saturation=1.0, pods=pods,
-                        line=self.line, running=self.free, running_pods=pods)  # fmt: skip
+                        line=self.line, running=self.free, running_pods=pods,
+                        slots=self.slots)  # fmt: skip
 
 
 @dataclass
@@ -407,11 +409,11 @@ def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
 # A pool of 3 free running slots on "run:1" and 2 places in the queues of "full:1" (its slots
 # all taken): where each band may go with `reserved_slots` kept for the bands above the default.
 HEADROOM_CAP = Capacity(endpoints=2, free=5, saturation=0.9, pods=("run:1", "full:1"),
-                        running=3, running_pods=("run:1",), queued=2)  # fmt: skip
+                        running=3, running_pods=("run:1",), queued=2, slots=8)  # fmt: skip
 # One free slot, and a place in the same engine's queue (behind that slot: not a place the
 # default band may take while the slot is kept).
 ONE_SLOT_CAP = Capacity(endpoints=1, free=2, saturation=0.9, pods=("run:1",), running=1,
-                        running_pods=("run:1",))  # fmt: skip
+                        running_pods=("run:1",), slots=4)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -437,6 +439,16 @@ def test_a_queue_place_behind_a_reserved_slot_is_not_the_default_bands() -> None
     k = kit(reserved_slots=1)
     assert list(k.flow.parts(ONE_SLOT_CAP, 2, 0)) == [(0, ("run:1",)), (0, ())]
     assert list(k.flow.parts(ONE_SLOT_CAP, 2, 1)) == [(1, ("run:1",)), (1, ("run:1",))]
+
+
+@pytest.mark.parametrize(("slots", "spare"), [(8, 0), (4, 1), (2, 2), (0, 3)])
+def test_at_most_half_the_learned_slots_are_reserved(slots: int, spare: int) -> None:
+    # 3 reserved asked, 3 free slots: the default band gets what is beyond half the pool's
+    # slots (none learned yet: nothing is kept), so it is never starved, idle pool or not.
+    k = kit(reserved_slots=3)
+    cap = Capacity(endpoints=2, free=3, saturation=0.5, pods=("run:1",), running=3,
+                   running_pods=("run:1",), slots=slots)  # fmt: skip
+    assert k.flow.parts(cap, 3, 0)[0][0] == spare
 
 
 def test_a_reserved_slot_leaves_the_default_band_waiting_and_the_higher_one_served() -> None:
