@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
+
+from bench.report import pyplot
 
 __all__ = ["plot"]
 
 
 def plot(out: Path, runs: list[tuple[str, Path]]) -> None:
-    import matplotlib  # here: 1.4 s to import, for the plot only
-
-    matplotlib.use("Agg")  # files only; never a display
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, path in runs:
         result = json.loads(path.read_text())
