@@ -77,7 +77,8 @@ class Capacity:
     # learned yet counts all its room as running slots.
     running: int = 0
     running_pods: tuple[str, ...] = ()
-    queued: int = 0  # the rest of `free` on the pods with no free running slot
+    queued: int = 0  # the rest of `free`: on the pods with no free running slot,
+    queued_pods: tuple[str, ...] = ()  # these (places in their engines' queues)
     slots: int = 0  # running slots learned over the ready pods (`slots` only)
 
 
@@ -166,6 +167,7 @@ class PoolCapacity:
         line: list[str] = []
         running_free = queued_room = learned = 0
         running_pods: list[str] = []
+        queued_pods: list[str] = []
         # One pass, no allocation per pod: at hundreds of pods this runs for every request
         # admitted at once and at every dispatch.
         in_flight = self._in_flight
@@ -239,13 +241,14 @@ class PoolCapacity:
                     running_pods.append(address)
                 else:
                     queued_room += room
+                    queued_pods.append(address)
         if len(views) > 2 * len(ready) + 16:  # forget pods gone away
             live = {ep.address for ep, _ in ready}
             self._pods[model] = {a: v for a, v in views.items() if a in live}
         return Capacity(
             endpoints=len(ready), free=free, saturation=total / len(ready), pods=tuple(pods),
             line=tuple(line), running=running_free, running_pods=tuple(running_pods),
-            queued=queued_room, slots=learned,
+            queued=queued_room, queued_pods=tuple(queued_pods), slots=learned,
         )  # fmt: skip
 
     def slots(self, model: str, address: str) -> int | None:

@@ -298,9 +298,7 @@ class FlowController:
         if priority > 0:
             return ((running, cap.running_pods), (room - running, cap.pods))
         spare = max(0, running - keep)
-        queued = min(room - running, cap.queued)
-        full = tuple(p for p in cap.pods if p not in cap.running_pods) if queued > 0 else ()
-        return ((spare, cap.running_pods), (queued, full))
+        return ((spare, cap.running_pods), (min(room - running, cap.queued), cap.queued_pods))
 
     def _room_now(self, model: str) -> tuple[Capacity, int]:
         """The pool's capacity and room (free slots net of grants in transit): the last read,

@@ -306,6 +306,7 @@ def test_slots_free_running_slots_are_told_apart_from_places_in_the_engine_queue
         pods = (A.address,) if running else ()
         assert (cap.running, cap.running_pods) == (running + 5, (*pods, B.address))
         assert cap.queued == queued  # a place behind a free slot is not counted there
+        assert cap.queued_pods == ((A.address,) if queued else ())
         assert cap.slots == 4  # learned on A only
 
 

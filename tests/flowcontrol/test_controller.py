@@ -409,7 +409,8 @@ def test_a_band_above_the_default_may_wait_next_in_line_in_an_engine() -> None:
 # A pool of 3 free running slots on "run:1" and 2 places in the queues of "full:1" (its slots
 # all taken): where each band may go with `reserved_slots` kept for the bands above the default.
 HEADROOM_CAP = Capacity(endpoints=2, free=5, saturation=0.9, pods=("run:1", "full:1"),
-                        running=3, running_pods=("run:1",), queued=2, slots=8)  # fmt: skip
+                        running=3, running_pods=("run:1",), queued=2, queued_pods=("full:1",),
+                        slots=8)  # fmt: skip
 # One free slot, and a place in the same engine's queue (behind that slot: not a place the
 # default band may take while the slot is kept).
 ONE_SLOT_CAP = Capacity(endpoints=1, free=2, saturation=0.9, pods=("run:1",), running=1,
