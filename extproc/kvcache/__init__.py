@@ -23,16 +23,10 @@ if TYPE_CHECKING:
 __getattr__ = lazy_exports(
     __name__,
     {
-        "ApproximateIndex": "extproc.kvcache.approx",
-        "ApproximateIndexStats": "extproc.kvcache.approx",
-        "ExactIndex": "extproc.kvcache.exact",
-        "ExactIndexStats": "extproc.kvcache.exact",
-        "IndexMode": "extproc.kvcache.prefix",
-        "PrefixIndex": "extproc.kvcache.prefix",
-        "PrefixMatch": "extproc.kvcache.prefix",
-        "StoreResult": "extproc.kvcache.exact",
-        "block_hashes": "extproc.kvcache.hashing",
-        "lora_extra_key": "extproc.kvcache.hashing",
+        "extproc.kvcache.approx": ("ApproximateIndex", "ApproximateIndexStats"),
+        "extproc.kvcache.exact": ("ExactIndex", "ExactIndexStats", "StoreResult"),
+        "extproc.kvcache.hashing": ("block_hashes", "lora_extra_key"),
+        "extproc.kvcache.prefix": ("IndexMode", "PrefixIndex", "PrefixMatch"),
     },
 )
 

@@ -34,27 +34,18 @@ if TYPE_CHECKING:
 __getattr__ = lazy_exports(
     __name__,
     {
-        "AllBlocksCleared": "extproc.kvevents.decode",
-        "ApplyCounts": "extproc.kvevents.subscriber",
-        "BlockRemoved": "extproc.kvevents.decode",
-        "BlockStored": "extproc.kvevents.decode",
-        "DecodeError": "extproc.kvevents.decode",
-        "EventBatch": "extproc.kvevents.decode",
-        "EventEncoding": "extproc.kvevents.encode",
-        "KVEvent": "extproc.kvevents.decode",
-        "KVEventManager": "extproc.kvevents.subscriber",
-        "KVEventMetrics": "extproc.kvevents.metrics",
-        "KVEventSubscriber": "extproc.kvevents.subscriber",
-        "StreamProbe": "extproc.kvevents.subscriber",
-        "SubscriberSettings": "extproc.kvevents.subscriber",
-        "SubscriberStats": "extproc.kvevents.subscriber",
-        "apply_events": "extproc.kvevents.subscriber",
-        "decode_message": "extproc.kvevents.decode",
-        "decode_payload": "extproc.kvevents.decode",
-        "encode_message": "extproc.kvevents.encode",
-        "encode_payload": "extproc.kvevents.encode",
+        "extproc.kvevents.decode": (
+            "AllBlocksCleared", "BlockRemoved", "BlockStored", "DecodeError", "EventBatch",
+            "KVEvent", "decode_message", "decode_payload",
+        ),
+        "extproc.kvevents.encode": ("EventEncoding", "encode_message", "encode_payload"),
+        "extproc.kvevents.metrics": ("KVEventMetrics",),
+        "extproc.kvevents.subscriber": (
+            "ApplyCounts", "KVEventManager", "KVEventSubscriber", "StreamProbe",
+            "SubscriberSettings", "SubscriberStats", "apply_events",
+        ),
     },
-)
+)  # fmt: skip
 
 __all__ = [
     "AllBlocksCleared",
