@@ -28,6 +28,14 @@ and the ordering policy the request (`policies.py`). Every request ends one way,
     handed-off      the process is stopping: every waiting request is dispatched at once
                     (over capacity: the engines queue it) rather than cut
 
+Bounds: what a client names (a fairness id of up to 128 characters, a priority clamped to
++-10) is kept only while one of its requests waits. A flow, band or model with nothing left
+waiting is forgotten when its last request leaves, however it leaves; the heap entries of
+requests that left before their turn are dropped lazily and rebuilt away once they outnumber
+the waiting ones. So memory is O(requests waiting) (each band capped by
+`max_requests_per_band`), and a dispatch's work is O(flows waiting in its band)
+(`footprint()`; tests/flowcontrol/test_flood.py).
+
 Replicas: every replica publishes its depths per (model, band) on the replica bus
 (`depths()`, applied with `set_remote`). A replica dispatches a band only after every higher
 band, its peers' included, has had its share of the free slots; a band's slots are split
@@ -163,6 +171,10 @@ class _Band:
     bytes: int = 0
 
 
+_NO_BAND = _Band()  # read only: a band nothing waits in
+_NO_BANDS: dict[int, _Band] = {}  # read only
+
+
 class FlowMetrics:
     def __init__(self, registry: CollectorRegistry, *, namespace: str = "extproc") -> None:
         p = f"{namespace}_flow_control"
@@ -256,7 +268,7 @@ class FlowController:
         model, priority = request.model, request.priority
         if self._stopping:
             return self._grant(model, 0.0, FlowOutcome.HANDED_OFF, priority)
-        band = self._band(model, priority)
+        band = self._bands.get(model, _NO_BANDS).get(priority, _NO_BAND)
         s = self.settings
         if band.live >= s.max_requests_per_band or band.bytes + request.size > s.max_bytes_per_band:
             raise self._reject(request, FlowOutcome.SATURATED, 0.0,
@@ -277,7 +289,7 @@ class FlowController:
             raise self._reject(request, FlowOutcome.SATURATED, 0.0,
                                "requests are queued; sheddable request dropped")  # fmt: skip
         self._check_slo(request, engine, self._expected_wait(request, band))
-        return await self._wait(request, band, engine)
+        return await self._wait(request, engine)
 
     def parts(
         self, cap: Capacity, room: int, priority: int
@@ -349,7 +361,7 @@ class FlowController:
         rate = (len(times) - 1) / (times[-1] - times[0])
         model, priority = request.model, request.priority
         ahead = sum(b.live for p, b in self._bands.get(model, {}).items() if p > priority)
-        flows = [f for f in band.flows.values() if len(f)]
+        flows = list(band.flows.values())
         mine = self._fairness.ahead(flows, request.flow) if flows else 0
         ahead += mine
         for peer in self._remote.values():
@@ -402,6 +414,20 @@ class FlowController:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    def footprint(self) -> dict[str, int]:
+        """What the registry holds, for tests and /debug: every count is bounded by the
+        requests waiting (`queued`), never by how many flows or requests came before."""
+        bands = [b for by in self._bands.values() for b in by.values()]
+        flows = [f for b in bands for f in b.flows.values()]
+        return {
+            "waiting": len(self._waiting),
+            "models": len(self._bands),
+            "bands": len(bands),
+            "flows": len(flows),
+            "flow_entries": sum(len(f.heap) for f in flows),
+            "expiry_entries": len(self._expiry),
+        }
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -472,7 +498,8 @@ class FlowController:
         self._observe(request.model, request.priority, outcome, waited)
         return FlowRejected(outcome, message, retry_after_s=self.settings.retry_after_s)
 
-    async def _wait(self, request: FlowRequest, band: _Band, engine: float) -> Grant:
+    async def _wait(self, request: FlowRequest, engine: float) -> Grant:
+        band = self._band(request.model, request.priority)
         now = self._clock()
         ttl = request.ttl_s if request.ttl_s is not None else self.settings.ttl_s
         expires = now + ttl
@@ -508,20 +535,38 @@ class FlowController:
         outcome: FlowOutcome,
         error: Exception | None = None,
         pods: tuple[str, ...] = (),
+        *,
+        popped: bool = False,
     ) -> None:
-        """Take one request out of its band and end its wait (grant, error or nothing)."""
+        """Take one request out of its flow (unless `popped` from it already) and its band, and
+        end its wait (grant, error or nothing). A flow, band or model left with nothing waiting
+        is forgotten at once: what clients name (fairness ids) never outlives their requests."""
         if waiting.done:
             return
         waiting.done = True
         item, request = waiting.item, waiting.request
         self._waiting.pop(item, None)
-        band = self._band(request.model, request.priority)
+        if not self._waiting:
+            self._expiry.clear()  # every entry left is of an ended request
+        elif len(self._expiry) > 2 * len(self._waiting) + 64:  # mostly ended ones: rebuild
+            self._expiry = [e for e in self._expiry if e[2] in self._waiting]
+            heapq.heapify(self._expiry)
+        model, priority = request.model, request.priority
+        bands = self._bands[model]
+        band = bands[priority]
         band.live -= 1
         band.bytes -= request.size
         flow = band.flows.get(item.flow)
-        if flow is not None and len(flow) == 0:
-            band.flows.pop(item.flow, None)
-        self._gauge(request.model, request.priority, band)
+        if flow is not None:
+            if not popped:
+                flow.remove(item)
+            if not len(flow):
+                del band.flows[item.flow]
+        if not band.live:
+            del bands[priority]
+            if not bands:
+                del self._bands[model]
+        self._gauge(model, priority, band)
         waited = self._clock() - item.enqueued
         if outcome is FlowOutcome.CANCELLED:  # its future is cancelled already
             self._observe(request.model, request.priority, outcome, waited)
@@ -563,9 +608,7 @@ class FlowController:
         now = self._clock()
         self._expire(now)
         sent = 0
-        for model, bands in self._bands.items():
-            if not any(b.live for b in bands.values()):
-                continue
+        for model, bands in list(self._bands.items()):  # (a band that empties is forgotten)
             cap, room = self._read_room(model, now)
             if room <= 0 and not cap.line:
                 continue
@@ -605,36 +648,19 @@ class FlowController:
         return sent
 
     def _dispatch_band(self, band: _Band, take: int, pods: tuple[str, ...]) -> int:
+        """Dispatch up to `take` of the band's requests, the fairness policy picking the flow
+        (every flow of a band has a request waiting at its head: `_finish` keeps it so)."""
         sent = 0
         while sent < take and band.live:
-            flows = []
-            for name, f in list(band.flows.items()):
-                if self._clean(f):
-                    flows.append(f)
-                else:
-                    del band.flows[name]
-            if not flows:
-                break
-            flow = self._fairness.pick(flows)
-            waiting = self._waiting.get(flow.pop())
-            if waiting is None or waiting.done:
-                continue
-            self._finish(waiting, FlowOutcome.DISPATCHED, pods=pods)
+            flow = self._fairness.pick(list(band.flows.values()))
+            waiting = self._waiting[flow.pop()]
+            self._finish(waiting, FlowOutcome.DISPATCHED, pods=pods, popped=True)
             sent += 1
             left = self._left.get(waiting.request.model)
             if left is None:
                 left = self._left[waiting.request.model] = deque(maxlen=RATE_SAMPLES)
             left.append(self._clock())
         return sent
-
-    def _clean(self, flow: Flow) -> bool:
-        """Drop finished requests from the flow's head; True if a waiting one is left."""
-        while len(flow):
-            w = self._waiting.get(flow.head())
-            if w is not None and not w.done:
-                return True
-            flow.pop()
-        return False
 
     def _expire(self, now: float) -> None:
         ready_by_model: dict[str, bool] = {}  # one capacity read per model, not per request

@@ -114,10 +114,16 @@ class Deadline:
 
 @dataclass(eq=False)
 class Flow:
-    """One flow's queue inside one band (a heap by the ordering policy's key)."""
+    """One flow's queue inside one band: a heap by the ordering policy's key. A request that
+    leaves before its turn (cancelled, expired) is taken out lazily: its entry stays until it
+    comes to the head or the removed outnumber the waiting, then the heap is rebuilt. So
+    `remove` is O(log n) amortized, the heap never holds more than about twice the requests
+    still waiting, and `head()` is always a waiting one."""
 
     name: str
     heap: list[tuple[tuple[float, int], Queued]] = field(default_factory=list)
+    # Arrival numbers of removed requests whose entries are still in the heap.
+    removed: set[int] = field(default_factory=set)
 
     def push(self, item: Queued, ordering: OrderingPolicy) -> None:
         heapq.heappush(self.heap, (ordering.key(item), item))
@@ -129,10 +135,28 @@ class Flow:
         return self.heap[0][0]
 
     def pop(self) -> Queued:
-        return heapq.heappop(self.heap)[1]
+        item = heapq.heappop(self.heap)[1]
+        self._drop_removed_heads()
+        return item
+
+    def remove(self, item: Queued) -> None:
+        """Take a request that is still waiting out of the queue."""
+        if self.heap and self.heap[0][1] is item:
+            self.pop()
+            return
+        self.removed.add(item.seq)
+        if len(self.removed) > len(self.heap) // 2 + 8:  # mostly removed: rebuild
+            self.heap = [e for e in self.heap if e[1].seq not in self.removed]
+            heapq.heapify(self.heap)
+            self.removed.clear()
+
+    def _drop_removed_heads(self) -> None:
+        while self.removed and self.heap and self.heap[0][1].seq in self.removed:
+            self.removed.discard(heapq.heappop(self.heap)[1].seq)
 
     def __len__(self) -> int:
-        return len(self.heap)
+        """The requests still waiting."""
+        return len(self.heap) - len(self.removed)
 
 
 class FairnessPolicy(Protocol):

@@ -22,6 +22,21 @@ from tests._clock import ManualClock
 CAP_REQUESTS = 6
 
 
+def flow_id(rng: random.Random) -> str:
+    """A fairness id: a few that come back, most of them never seen again (a client can send
+    any of 2^64)."""
+    return rng.choice("abc") if rng.random() < 0.3 else f"{rng.getrandbits(64):016x}"
+
+
+def bounded(flow: FlowController) -> None:
+    """The registry holds what waits, not what came: a flow per waiting flow, at most about
+    twice a flow's waiting requests in its heap, twice the waiting in the expiry heap."""
+    fp = flow.footprint()
+    assert fp["flows"] <= fp["waiting"] and fp["bands"] <= fp["waiting"], fp
+    assert fp["flow_entries"] <= 2 * fp["waiting"] + 8 * fp["flows"], fp
+    assert fp["expiry_entries"] <= 2 * fp["waiting"] + 64, fp
+
+
 @pytest.mark.parametrize("seed", range(25))
 @pytest.mark.parametrize("fairness", ["global-strict", "round-robin", "token"])
 def test_random_runs_keep_the_invariants(seed: int, fairness: str) -> None:
@@ -46,7 +61,7 @@ def test_random_runs_keep_the_invariants(seed: int, fairness: str) -> None:
         for _step in range(150):
             op = rng.random()
             if op < 0.45:
-                r = FlowRequest("m", rng.choice([-1, 0, 0, 1, 3]), rng.choice("abc"), 10,
+                r = FlowRequest("m", rng.choice([-1, 0, 0, 1, 3]), flow_id(rng), 10,
                                 slo_ttft_s=rng.choice([None, 0.5]))  # fmt: skip
                 tasks[asyncio.create_task(flow.admit(r))] = r
             elif op < 0.55 and tasks:
@@ -79,6 +94,7 @@ def test_random_runs_keep_the_invariants(seed: int, fairness: str) -> None:
             assert flow.queued == sum(n for n, _ in depths.values())
             assert all(n <= CAP_REQUESTS for n, _ in depths.values())
             assert flow.queued == sum(1 for t in tasks if not t.done())
+            bounded(flow)
         # The rest: time runs out for everyone still waiting.
         clock.advance(10.0)
         flow.dispatch()
@@ -88,6 +104,7 @@ def test_random_runs_keep_the_invariants(seed: int, fairness: str) -> None:
             if not t.cancelled() and t.exception() is None and t not in ended:
                 t.result().release()
         assert flow.queued == 0 and flow.depths() == {}
+        assert flow.footprint() == dict.fromkeys(flow.footprint(), 0)  # nothing remembered
         # Strict priority: nothing is dispatched while a higher band is left waiting.
         assert dispatched_bands
         for band, top in dispatched_bands:
