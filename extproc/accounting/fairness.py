@@ -5,12 +5,16 @@ generated token (1 and 2 by default, the paper's prices). When a user goes from 
 request in flight to one, its counter is lifted to the smallest counter among the other
 active users, so an idle user cannot bank credit and then monopolise the pods.
 
-The number of users kept is bounded: the least recently seen idle user is forgotten
-first. Forgetting is safe because a returning user is lifted to the active minimum anyway.
+The number of users kept is bounded: the idle user seen least recently is forgotten first.
+Forgetting is safe because a returning user is lifted to the active minimum anyway. What a new
+user costs does not grow with how many are known: idle users wait in their own LRU order (the
+oldest goes in O(1)), and the active minimum is the top of a heap (counters only grow, so an
+entry below its user's counter is refreshed when it comes to the top).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +39,11 @@ class FairnessCounters:
         self._w_in = input_weight
         self._w_out = output_weight
         self._max_users = max_users
-        self._users: OrderedDict[str, _User] = OrderedDict()
+        self._users: dict[str, _User] = {}  # every user known
+        self._idle: OrderedDict[str, None] = OrderedDict()  # idle users, least recently seen first
         self._active: dict[str, _User] = {}  # users with requests in flight
+        # (counter when pushed, user) for active users: the smallest valid one is the minimum.
+        self._heap: list[tuple[float, str]] = []
         # Called with every charge made here (user, weighted tokens): replica sync's outbox.
         self.on_charge: Callable[[str, float], None] | None = None
 
@@ -49,9 +56,17 @@ class FairnessCounters:
 
     def active_min(self) -> float:
         """Smallest counter among users with requests in flight (0 when none are)."""
-        if not self._active:
-            return 0.0
-        return min(u.tokens for u in self._active.values())
+        heap, active = self._heap, self._active
+        while heap:
+            tokens, name = heap[0]
+            u = active.get(name)
+            if u is None:  # idle now (or forgotten): its entry goes
+                heapq.heappop(heap)
+            elif u.tokens != tokens:  # charged since: its entry moves down to its counter
+                heapq.heapreplace(heap, (u.tokens, name))
+            else:
+                return tokens
+        return 0.0
 
     def is_active(self, user: str) -> bool:
         return user in self._active
@@ -62,12 +77,15 @@ class FairnessCounters:
         if u is None:
             self._make_room()
             u = self._users[user] = _User()
-        else:
-            self._users.move_to_end(user)
         if u.active == 0:
+            self._idle.pop(user, None)
             if self._active:  # counter lift for a returning user
                 u.tokens = max(u.tokens, self.active_min())
             self._active[user] = u
+            heapq.heappush(self._heap, (u.tokens, user))
+            if len(self._heap) > 2 * len(self._active) + 64:  # mostly stale: rebuild
+                self._heap = [(a.tokens, name) for name, a in self._active.items()]
+                heapq.heapify(self._heap)
         u.active += 1
         self._add(user, u, self._w_in * max(0, input_tokens))
 
@@ -86,6 +104,7 @@ class FairnessCounters:
             u.active -= 1
             if u.active == 0:
                 self._active.pop(user, None)
+                self._idle[user] = None  # (its heap entry goes when it comes to the top)
 
     def _add(self, user: str, u: _User, tokens: float) -> None:
         if tokens:
@@ -98,20 +117,20 @@ class FairnessCounters:
         self._known(user).tokens += max(0.0, tokens)
 
     def _known(self, user: str) -> _User:
-        """The user's counter; a new one starts at the active minimum (no banked credit)."""
+        """The user's counter, seen now; a new one starts at the active minimum (no banked
+        credit)."""
         u = self._users.get(user)
         if u is None:
             self._make_room()
             u = self._users[user] = _User(tokens=self.active_min())
+            self._idle[user] = None
+        elif u.active == 0:
+            self._idle.move_to_end(user)
         return u
 
     def _make_room(self) -> None:
-        """Forget least recently seen idle users until one more fits."""
-        if len(self._users) < self._max_users:
-            return
-        for name, u in list(self._users.items()):
-            if u.active == 0:
-                del self._users[name]
-                if len(self._users) < self._max_users:
-                    return
-        # Every remaining user is active: allow the overshoot rather than corrupt counts.
+        """Forget the idle user seen least recently, when full. With every user active the
+        count overshoots rather than a counter being lost."""
+        if len(self._users) >= self._max_users and self._idle:
+            name, _ = self._idle.popitem(last=False)
+            del self._users[name]

@@ -5,6 +5,7 @@ latency SLOs. Every step reads `Request.attributes`; nothing else parses these h
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -20,10 +21,12 @@ from extproc.types import BadRequest, InferenceRequest
 
 __all__ = [
     "FAIRNESS_HEADERS",
+    "MAX_ID",
     "OBJECTIVE_HEADERS",
     "PRIORITY_LIMIT",
     "AttributeReader",
     "RequestAttributes",
+    "bounded_id",
     "fairness_id",
 ]
 
@@ -33,7 +36,19 @@ PRIORITY_LIMIT = 10
 # llm-d's names first, then the inference extension's legacy ones.
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-MAX_FAIRNESS_ID = 128
+# A fairness id or user is a key of flow control's flows, the VTC counters and replica sync's
+# charges: one longer than this is kept as its head and a hash of the whole (a client cannot
+# make those keys large, and two long ids that share a head stay two).
+MAX_ID = 128
+_HEAD = MAX_ID - 17  # the head, "~" and 16 hex digits of the hash: MAX_ID characters
+
+
+def bounded_id(value: str) -> str:
+    """`value` when it is at most MAX_ID characters, else its head and a hash of it all."""
+    if len(value) <= MAX_ID:
+        return value
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return f"{value[:_HEAD]}~{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +57,9 @@ class RequestAttributes:
 
     priority: int = 0  # < 0: sheddable
     objective: str | None = None  # the InferenceObjective it names (header, else its route's)
-    fairness_id: str | None = None  # its fairness header, bounded
+    fairness_id: str | None = None  # its fairness header, bounded (`bounded_id`)
     user: str | None = None  # the user header, else the body's `user`, else the fairness id
+    # (bounded too)
     session: str | None = None  # its session header as sent (a token, or an id it made up)
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -58,7 +74,7 @@ def fairness_id(headers: Mapping[str, str]) -> str | None:
     for name in FAIRNESS_HEADERS:
         value = headers.get(name)
         if value and value.strip():
-            return value.strip()[:MAX_FAIRNESS_ID]
+            return bounded_id(value.strip())
     return None
 
 
@@ -85,7 +101,7 @@ class AttributeReader:
             objective=named or route.objective,
             fairness_id=fairness,
             # A request that names no user is its fairness id's (so the VTC counters know it).
-            user=headers.get(self._user_header) or req.user or fairness,
+            user=_user(headers.get(self._user_header) or req.user) or fairness,
             session=headers.get(self._session_header),
             slo_ttft_ms=slo_ms(headers, SLO_TTFT_HEADER, LLMD_SLO_TTFT_HEADER),
             slo_tpot_ms=slo_ms(headers, SLO_TPOT_HEADER, LLMD_SLO_TPOT_HEADER),
@@ -107,6 +123,10 @@ class AttributeReader:
         if route.objective is not None:
             return self._objectives(route.objective) or 0
         return 0
+
+
+def _user(value: str | None) -> str | None:
+    return bounded_id(value) if value else None
 
 
 def _named_objective(headers: Mapping[str, str]) -> str | None:

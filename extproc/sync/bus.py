@@ -38,13 +38,15 @@ class Bus(Protocol):
 class MemoryNetwork:
     """Several `MemoryBus`es joined into one subject, with faults to inject: `lag_s` delay,
     `loss` probability, `duplicate` probability, `reorder` (random extra delay up to lag_s),
-    and `down` (every publish dropped). Seeded, so a test run is reproducible."""
+    `down` (every publish dropped) and `max_bytes` (a larger message is refused, as NATS
+    refuses one over its max_payload). Seeded, so a test run is reproducible."""
 
     lag_s: float = 0.0
     loss: float = 0.0
     duplicate: float = 0.0
     reorder: bool = False
     down: bool = False
+    max_bytes: int | None = None
     seed: int = 0
     _handlers: list[Handler] = field(default_factory=list)
     _rng: random.Random = field(init=False)
@@ -58,7 +60,7 @@ class MemoryNetwork:
         return MemoryBus(self)
 
     def _send(self, data: bytes) -> bool:
-        if self.down:
+        if self.down or (self.max_bytes is not None and len(data) > self.max_bytes):
             return False
         copies = 2 if self._rng.random() < self.duplicate else 1
         loop = asyncio.get_running_loop()

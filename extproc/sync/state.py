@@ -109,7 +109,12 @@ log = logging.getLogger("extproc.sync")
 
 PROTOCOL_VERSION = 1
 _SEEN_WINDOW = 256  # recent sequence numbers remembered per peer, to drop duplicates
-MAX_PENDING_BLOCKS = 200_000  # outbox bound while the bus is down (blocks are re-learnt anyway)
+MAX_PENDING_BLOCKS = 60_000  # outbox bound (~540 kB; blocks are re-learnt anyway)
+MAX_PENDING_CHARGES = 50_000  # users with a fairness charge not yet sent; a new one past it waits
+MAX_CHARGES_PER_MESSAGE = 1_000  # ~140 kB with 128-character users (`bounded_id`)
+# A message past this goes without its blocks (NATS refuses over max_payload, 1 MiB by default,
+# and a message it refuses is refused again: nothing else in it may depend on the blocks).
+MAX_MESSAGE_BYTES = 768 * 1024
 MAX_PENDING_SAMPLES = 10_000  # latency samples kept for the peers; the oldest go first
 MAX_SAMPLES_PER_MESSAGE = 1_000  # ~80 kB: a replay after an outage stays far below max_payload
 MAX_PENDING_RELEASES = 100_000  # lease releases kept while the bus is down (then they expire)
@@ -186,6 +191,7 @@ class StateSync:
         self._approx = approx
         self._models = models
         self._snapshot_due = False  # a peer joined: send it our approximate index once
+        self._snapshot: deque[tuple[str, str, list[int]]] = deque()  # its rows still to send
         self._on_metrics = on_metrics
         self._on_latency = on_latency
         self._on_release = on_release
@@ -223,7 +229,13 @@ class StateSync:
             self._pending_blocks += len(block_hashes)
 
     def note_charge(self, user: str, tokens: float) -> None:
-        self._charges[user] = self._charges.get(user, 0.0) + tokens
+        charges = self._charges
+        if user in charges:
+            charges[user] += tokens
+        elif len(charges) < MAX_PENDING_CHARGES:
+            charges[user] = tokens
+        else:  # the bus has been down a while and users keep coming: this one goes unshared
+            self._count("dropped", "charges_full")
 
     def note_metrics(self, model: str, address: str, metrics: EngineMetrics) -> None:
         """A scrape this replica made, for the peers (the latest per pod goes out)."""
@@ -319,7 +331,7 @@ class StateSync:
         samples = bool(self._samples) and bool(self._peers)
         pending = (
             self._blocks or self._charges or self._scrapes or samples or self._snapshot_due
-            or self._releases
+            or self._snapshot or self._releases
         )  # fmt: skip
         if changed_inflight or changed_queues or pending or due:
             message = self._next_message(inflight)
@@ -332,10 +344,14 @@ class StateSync:
             if self._snapshot_due:
                 self._snapshot_due = False
                 self._add_snapshot()
-            if self._blocks:
-                message["b"] = self._blocks
-            if self._charges:
-                message["f"] = list(self._charges.items())
+            blocks = self._take_blocks()
+            if blocks:
+                message["b"] = blocks
+            charges = list(itertools.islice(self._charges.items(), MAX_CHARGES_PER_MESSAGE))
+            for user, _ in charges:
+                del self._charges[user]
+            if charges:
+                message["f"] = charges
             releases = list(itertools.islice(self._releases, MAX_RELEASES_PER_MESSAGE))
             if releases:
                 message["x"] = [list(key) for key in releases]
@@ -346,36 +362,59 @@ class StateSync:
                 take = min(len(self._samples), MAX_SAMPLES_PER_MESSAGE)
                 batch = [self._samples.popleft() for _ in range(take)]
                 message["l"] = batch
-            ok = await self._bus.publish(msgpack.packb(message))
+            data = msgpack.packb(message)
+            if len(data) > MAX_MESSAGE_BYTES and "b" in message:
+                del message["b"]
+                data = msgpack.packb(message)
+                self._count("dropped", "blocks_too_large")
+            ok = await self._bus.publish(data)
             if ok:
                 self._hello_due = False
                 self._keep_sent(releases, now)
                 self._last_inflight = inflight
                 self._last_queues = queues
                 self._last_sent = now
-                self._charges = {}
                 self._count("messages", "sent")
             else:
                 self._count("dropped", "bus_down")  # the releases stay for the next one
+                for user, tokens in charges:  # kept for the next publish
+                    self._charges[user] = self._charges.get(user, 0.0) + tokens
                 self._samples.extendleft(reversed(batch))  # kept for the next publish
                 while len(self._samples) > MAX_PENDING_SAMPLES:
                     self._samples.popleft()
             # Blocks and scrapes are not kept for a retry: newer ones replace them anyway.
-            self._blocks = []
-            self._pending_blocks = 0
             self._scrapes = {}
         self._expire(now)
 
     def _add_snapshot(self) -> None:
         """Our approximate index (the most recent blocks per pod) for a replica that just
-        joined, so it does not start cold; applying blocks twice is harmless."""
+        joined, so it does not start cold; applying blocks twice is harmless. It goes out over
+        the next messages, MAX_PENDING_BLOCKS a message (`_take_blocks`)."""
+        self._snapshot.clear()
         for model in self._models():
             index = self._approx(model)
             if index is None:
                 continue
             for pod, blocks in index.recent_blocks(SNAPSHOT_BLOCKS_PER_POD).items():
                 if blocks:
-                    self._blocks.append((model, pod, blocks))
+                    self._snapshot.append((model, pod, list(blocks)))
+
+    def _take_blocks(self) -> list[tuple[str, str, list[int]]]:
+        """The blocks for this message, taken out of the outbox now (what is noted while the
+        publish awaits goes in the next one): those noted since the last message, then as much
+        of a snapshot still to send as fits in MAX_PENDING_BLOCKS."""
+        blocks, self._blocks = self._blocks, []
+        room, self._pending_blocks = MAX_PENDING_BLOCKS - self._pending_blocks, 0
+        while self._snapshot and room > 0:
+            model, pod, hashes = self._snapshot[0]
+            if len(hashes) <= room:
+                self._snapshot.popleft()
+            else:
+                self._snapshot[0] = (model, pod, hashes[room:])
+                hashes = hashes[:room]
+            blocks.append((model, pod, hashes))
+            room -= len(hashes)
+        return blocks
 
     def _keep_sent(self, releases: list[tuple[str, int]], now: float) -> None:
         sent = self._sent_releases

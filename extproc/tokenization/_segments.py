@@ -9,6 +9,7 @@ everything around it. A multi-turn chat rendered by its template is mostly such 
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -95,8 +96,8 @@ class SegmentCache:
 
     @staticmethod
     def _cost(key: str, ids: array[int]) -> int:
-        # len(key) underestimates non-ASCII str storage; good enough for a budget.
-        return len(key) + 4 * len(ids) + _ENTRY_OVERHEAD
+        # getsizeof: the string's real size (1, 2 or 4 bytes a character), in O(1).
+        return sys.getsizeof(key) + 4 * len(ids) + _ENTRY_OVERHEAD
 
     def get(self, key: str) -> array[int] | None:
         with self._lock:

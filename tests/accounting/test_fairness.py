@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from extproc.accounting import FairnessCounters
@@ -99,3 +101,97 @@ def test_rejects_bad_params() -> None:
         FairnessCounters(max_users=0)
     with pytest.raises(ValueError):
         FairnessCounters(output_weight=-1)
+
+
+class Naive:
+    """The counters as their docstring defines them, with no structure to be fast."""
+
+    def __init__(self, max_users: int) -> None:
+        self.max_users = max_users
+        self.users: dict[str, list[float]] = {}  # name -> [tokens, active]
+        self.seen: list[str] = []  # idle order: least recently seen first
+
+    def active_min(self) -> float:
+        active = [u[0] for u in self.users.values() if u[1]]
+        return min(active) if active else 0.0
+
+    def see(self, name: str) -> None:
+        if name in self.seen:
+            self.seen.remove(name)
+        self.seen.append(name)
+
+    def room(self) -> None:
+        idle = [n for n in self.seen if not self.users[n][1]]
+        if len(self.users) >= self.max_users and idle:
+            del self.users[idle[0]]
+            self.seen.remove(idle[0])
+
+    def start(self, name: str, prompt: int) -> None:
+        if name not in self.users:
+            self.room()
+            self.users[name] = [0.0, 0]
+        u = self.users[name]
+        if not u[1] and any(v[1] for v in self.users.values()):
+            u[0] = max(u[0], self.active_min())
+        u[1] += 1
+        u[0] += prompt
+
+    def charge(self, name: str, output: int) -> None:
+        if name not in self.users:
+            self.room()
+            self.users[name] = [self.active_min(), 0]
+        if not self.users[name][1]:
+            self.see(name)
+        self.users[name][0] += 2 * output
+
+    def finish(self, name: str, output: int) -> None:
+        u = self.users.get(name)
+        if u is None:
+            return
+        u[0] += 2 * output
+        if u[1]:
+            u[1] -= 1
+            if not u[1]:
+                self.see(name)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_runs_agree_with_the_definition(seed: int) -> None:
+    """Many users (most of them seen once), starts, ends and charges in any order: every
+    counter, the active minimum and who is forgotten agree with the naive definition."""
+    rng = random.Random(seed)
+    c, naive = FairnessCounters(max_users=12), Naive(max_users=12)
+    for _ in range(600):
+        name = rng.choice("abcdef") if rng.random() < 0.5 else f"u{rng.getrandbits(32)}"
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(0, 50)
+            c.request_started(name, n)
+            naive.start(name, n)
+        elif op < 0.7:
+            busy = [k for k, v in naive.users.items() if v[1]]
+            name = rng.choice(busy) if busy else name
+            n = rng.randint(0, 50)
+            c.request_finished(name, n)
+            naive.finish(name, n)
+        else:
+            n = rng.randint(0, 50)
+            c.charge(name, output_tokens=n)
+            naive.charge(name, n)
+        assert c.active_min() == naive.active_min()
+        assert len(c) == len(naive.users)
+        for k, (tokens, active) in naive.users.items():
+            assert c.tokens(k) == tokens and c.is_active(k) == bool(active), k
+
+
+def test_a_flood_of_new_users_keeps_the_table_and_the_heap_at_their_bounds() -> None:
+    c = FairnessCounters(max_users=100)
+    for i in range(50):
+        c.request_started(f"steady{i}", 1)  # active throughout
+    for i in range(20_000):  # each seen once, started and finished
+        c.request_started(f"flood{i}", 1)
+        c.request_finished(f"flood{i}", 1)
+    assert len(c) == 100
+    assert len(c._heap) <= 2 * 50 + 64 + 1
+    assert len(c._idle) == 50
+    assert c.active_min() == 1.0

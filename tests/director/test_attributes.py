@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from extproc.config import RouteSettings, RoutingConfig
-from extproc.director.attributes import AttributeReader, RequestAttributes
+from extproc.director.attributes import MAX_ID, AttributeReader, RequestAttributes, bounded_id
 from extproc.protocol.openai import parse_request
 from extproc.routing.predicted import (
     LLMD_SLO_TPOT_HEADER,
@@ -76,6 +76,9 @@ def test_a_bad_priority_header_is_a_400() -> None:
     assert err.value.param == "priority"
 
 
+LONG_X, LONG_U, LONG_H = (bounded_id(c * n) for c, n in (("x", 500), ("u", 4000), ("h", 129)))
+
+
 @pytest.mark.parametrize(
     ("headers", "user", "want_user", "want_fairness", "want_flow"),
     [
@@ -86,8 +89,10 @@ def test_a_bad_priority_header_is_a_400() -> None:
         pytest.param({FAIR_LLMD: "a", FAIR_GAIE: "b"}, None, "a", "a", "a", id="llm-d-first"),
         pytest.param({FAIR_GAIE: " b "}, "bob", "bob", "b", "b", id="fairness-is-the-flow"),
         pytest.param(
-            {FAIR_LLMD: "x" * 500}, None, "x" * 128, "x" * 128, "x" * 128, id="fairness-id-bounded"
+            {FAIR_LLMD: "x" * 500}, None, LONG_X, LONG_X, LONG_X, id="fairness-id-bounded"
         ),
+        pytest.param({}, "u" * 4000, LONG_U, None, LONG_U, id="body-user-bounded"),
+        pytest.param({"x-user-id": "h" * 129}, None, LONG_H, None, LONG_H, id="header-user"),
     ],
 )
 def test_user_fairness_id_and_flow(
@@ -133,3 +138,18 @@ def test_a_bad_slo_header_is_a_400_naming_it(header: str, value: str) -> None:
     with pytest.raises(BadRequest) as err:
         read({header: value})
     assert err.value.param == header
+
+
+@pytest.mark.parametrize("n", [0, 1, MAX_ID - 1, MAX_ID])
+def test_an_id_up_to_the_bound_is_kept_as_sent(n: int) -> None:
+    assert bounded_id("é" * n) == "é" * n
+
+
+@pytest.mark.parametrize("n", [MAX_ID + 1, 1000, 4 << 20])
+def test_a_longer_id_is_its_head_and_a_hash_of_it_all(n: int) -> None:
+    long = "a" * n
+    kept = bounded_id(long)
+    assert len(kept) == MAX_ID and long.startswith(kept.split("~")[0])
+    assert bounded_id(long) == kept  # the same id every time (every replica)
+    assert bounded_id(long[:-1] + "b") != kept  # two that share a head stay two
+    assert bounded_id("\ud800" * n) != kept  # a lone surrogate does not raise

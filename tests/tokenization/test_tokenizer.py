@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,19 @@ def test_cache_respects_byte_budget() -> None:
     assert cache.get("segment 0 " * 10) is None  # oldest evicted
     cache.put("x" * 5000, range(10))  # larger than the whole budget: not stored
     assert cache.get("x" * 5000) is None
+
+
+@pytest.mark.parametrize("char", ["a", "é", "中", "😀"])
+def test_the_budget_counts_text_at_its_real_size(char: str) -> None:
+    """A client's text in any script costs what it takes in memory: the entries the budget
+    keeps take no more than the budget (measured, not estimated)."""
+    cache = SegmentCache(max_bytes=200_000)
+    for i in range(200):
+        cache.put(char * 1000 + str(i), range(4))
+    stats = cache.stats()
+    kept = [char * 1000 + str(i) for i in range(200) if cache.get(char * 1000 + str(i))]
+    assert len(kept) == stats.entries
+    assert sum(sys.getsizeof(k) for k in kept) <= stats.bytes_used <= 200_000
 
 
 def _copy_qwen(tmp_path: Path) -> Path:
