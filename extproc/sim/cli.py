@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve every endpoint of this layout from this process (extproc/sim/fleet.py); "
         "each gets its own ports, the other flags apply to all",
     )  # fmt: skip
+    for action in p._actions:  # --help shows every default an option has
+        if action.default in (None, "", [], argparse.SUPPRESS) or "(default" in (action.help or ""):
+            continue
+        action.help = (
+            f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        )
     return p
 
 
