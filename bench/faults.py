@@ -272,27 +272,37 @@ def pod_hang(
     concurrency: int = 6,
     rate: float | None = None,
     strategy: str | None = None,
+    body: dict[str, Any] | None = None,
+    busiest: bool = False,
 ) -> dict[str, Any]:
     """One simulator accepts requests and never answers (completions_hang), then recovers.
-    Closed loop with `concurrency` clients, or open loop at `rate` requests/s."""
+    Closed loop with `concurrency` clients, or open loop at `rate` requests/s. The simulator
+    is the second one, or with `busiest` the one that served most of the warm-up (where a
+    rule that follows the cache sends the traffic)."""
     headers = {"routing-strategy": strategy} if strategy else {}
     url = f"{stack.base_url}/v1/chat/completions"
-    address = stack.options.sim_address(1)
+    index = 1
     load_gen = (
-        OpenLoad(url, rate=rate, headers=headers, timeout_s=60)
+        OpenLoad(url, rate=rate, headers=headers, timeout_s=60, body=body)
         if rate is not None
-        else Load(url, concurrency=concurrency, headers=headers, timeout_s=60)
+        else Load(url, concurrency=concurrency, headers=headers, timeout_s=60, body=body)
     )
     with load_gen as load:
         time.sleep(warmup_s)
+        if busiest:
+            served = Counter(o.pod for o in load.since(0.0))
+            index = max(
+                range(stack.options.sims), key=lambda i: served[stack.options.sim_address(i)]
+            )
+        address = stack.options.sim_address(index)
         t0 = time.monotonic()
-        _fault(stack, 1, completions_hang=True)
+        _fault(stack, index, completions_hang=True)
         # routing.stall_after_s: the hung pod leaves the candidates once it holds a request that
         # long while answering nothing (None: never, e.g. with the detection off)
         stalled_s = _wait(lambda: _endpoint_field(stack, address, "stalled") is True, hang_s)
         time.sleep(max(0.0, hang_s - (time.monotonic() - t0)))
         during = load.since(t0)  # finished during the hang: served by the other pods
-        _fault(stack, 1, completions_hang=False)
+        _fault(stack, index, completions_hang=False)
         t1 = time.monotonic()
         back_s = _wait(lambda: _endpoint_field(stack, address, "stalled") is False, 5.0)
         time.sleep(max(0.0, 1.0 - (time.monotonic() - t1)))
@@ -1212,6 +1222,16 @@ def rolling_restart(
 
 
 STALL_1S = {"routing": {"stall_after_s": 1.0}}  # the default is 10 s; 1 s fits a 5 s hang
+# A chat with a system prompt every client shares (~25 blocks): what the default rule's prefix
+# scoring sees in a real deployment (every pod caches it after the warm-up).
+SHARED_PREFIX_CHAT = {
+    "model": "qwen3",
+    "messages": [
+        {"role": "system", "content": " ".join(f"rule {i}: answer briefly." for i in range(80))},
+        {"role": "user", "content": "Say something reliable."},
+    ],
+    "max_tokens": 8,
+}
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
     "pod_hang": (
@@ -1225,6 +1245,19 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
     "pod_hang_least_request": (
         {"server_config": STALL_1S},
         lambda s: pod_hang(s, warmup_s=2, hang_s=5, concurrency=8, strategy="least-request"),
+    ),
+    # The default rule and stall settings, clients that wait for each answer (issue 32 #5).
+    "pod_hang_default": (
+        {"strategy": "kv-aware"},
+        lambda s: pod_hang(
+            s, warmup_s=2, hang_s=15, concurrency=8, body=SHARED_PREFIX_CHAT, busiest=True
+        ),
+    ),
+    "pod_hang_default_open": (
+        {"strategy": "kv-aware"},
+        lambda s: pod_hang(
+            s, warmup_s=2, hang_s=15, rate=40, body=SHARED_PREFIX_CHAT, busiest=True
+        ),
     ),
     "ext_proc_fail_closed": (
         {"fail_open": False},

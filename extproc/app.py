@@ -250,7 +250,12 @@ class Core:
         self.metrics = GatewayMetrics(registry)
         self.store = EndpointStore(stale_after=config.metrics.stale_after_s, clock=clock)
         self.podstats = PodStatsTracker()
-        self.inflight = InflightTracker(stats=self.podstats, metrics=self.metrics, clock=clock)
+        # A pod whose engine shows no progress for two polls counts what it holds as waiting.
+        self.inflight = InflightTracker(
+            stats=self.podstats, metrics=self.metrics, clock=clock,
+            progress=self.store.progressed_at, hang_after_s=config.routing.hang_after_s,
+            quiet_after_s=2 * config.metrics.poll_interval_s,
+        )  # fmt: skip
         self.fairness = FairnessCounters()
         # Routed requests' leases, until their access-log records end them (any process's).
         acct = config.accounting
@@ -339,6 +344,7 @@ class Core:
         discovered ones."""
         self.config = rt.config
         self.tokenizers.set_inline_threshold(rt.config.server.tokenize_inline_bytes)
+        self.inflight.hang_after_s = rt.config.routing.hang_after_s
         self.routes = self.routes.with_local(rt.config.routes)
         self.static = rt.static
         self.set_rewrites(self.found_rewrites)

@@ -200,6 +200,10 @@ class RoutingConfig:
     # A pod holding a request unanswered this long, that has answered nothing for as long, is
     # hung: it leaves the candidates until it answers (needs response accounting; 0 = off).
     stall_after_s: float = 10.0
+    # The same, sooner, from the engine's own figures: a pod holding a request this long whose
+    # scrapes (token counters, running/waiting, KV usage) and answers have not moved for as
+    # long is hung (0 = off; engines that export none of them fall back to stall_after_s).
+    hang_after_s: float = 2.0
     priority_header: str = "x-request-priority"  # < 0 marks a request sheddable
     session_header: str = "x-session-id"
     # Key of the opaque session ids (docs/strategies.md, session-affinity). Every process and

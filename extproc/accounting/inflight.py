@@ -40,6 +40,10 @@ __all__ = [
 # A pod is not hung for holding a request as long as its answers take: a stall needs at least
 # this many times its mean response time (long streams of 800 tokens take 12 s on an A100).
 STALL_LATENCY_MULTIPLE = 3.0
+# A pod is quiet (what it holds counts as not yet started) no sooner than this after its last
+# sign of progress, however fast its answers usually come.
+QUIET_FLOOR_S = 0.1
+LAG_DECAY = 0.99  # per record: the record lag's maximum fades over a few hundred records
 # A pod whose picks failed this many times in a row (its answer was a 5xx, or Envoy had to retry
 # the request elsewhere) leaves the candidates for FAILING_COOLDOWN_S; one served pick clears it.
 FAILING_AFTER = 3
@@ -181,9 +185,20 @@ class InflightTracker:
         clock: Callable[[], float] = time.monotonic,
         stats: PodStatsTracker | None = None,
         metrics: GatewayMetrics | None = None,
+        progress: Callable[[str], float | None] | None = None,
+        hang_after_s: float = 0.0,
+        quiet_after_s: float = 1.0,
     ) -> None:
+        """`progress`: when an address's engine was last seen doing work (its scrapes:
+        `EndpointStore.progressed_at`; None: unknown). `hang_after_s` (0: off): a pod holding a
+        request that long, whose engine and answers have shown no progress for as long, is
+        stalled. `quiet_after_s`: a pod without progress for that long counts every request
+        routed there since as still before its first token (`recent_columns`)."""
         self._clock = clock
         self._stats = stats
+        self._progress = progress
+        self.hang_after_s = hang_after_s  # settable: a config reload changes it
+        self.quiet_after_s = quiet_after_s
         self._metrics = metrics
         self._requests: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
@@ -193,6 +208,7 @@ class InflightTracker:
         self._waiting: dict[str, dict[Lease, None]] = {}
         self._open: dict[Lease, None] = {}  # every watched lease, in start order (oldest first)
         self._answered_at: dict[str, float] = {}
+        self._record_lag = 0.0  # how late answers arrive (see `answered`)
         self._watching = False
         # Failing picks: consecutive failures per address and the last one's time.
         self._failures: dict[str, tuple[int, float]] = {}
@@ -244,6 +260,9 @@ class InflightTracker:
         self._watching = True
         if at > self._answered_at.get(address, float("-inf")):
             self._answered_at[address] = at
+        # How late records come (Envoy batches them: 0.1 s locally, 1 s on Envoy Gateway): a
+        # slowly decaying maximum, so a pause between batches is not taken for silence.
+        self._record_lag = max(self._clock() - at, self._record_lag * LAG_DECAY)
 
     def pick_failed(self, address: str, at: float) -> None:
         """A request routed to `address` failed there (a 5xx, or retried on a fallback)."""
@@ -286,35 +305,72 @@ class InflightTracker:
 
     def stalled_addresses(self, after_s: float) -> frozenset[str]:
         """Every address `stalled(address, after_s)` is true for. O(1) while no watched
-        request is older than `after_s` (the usual case: one look at the oldest); otherwise one
-        pass over the addresses holding watched requests, not over the pool."""
-        if not self._watching or after_s <= 0 or not self._open:
+        request is older than the shorter rule's limit (the usual case: one look at the
+        oldest); otherwise one pass over the addresses holding watched requests, not over the
+        pool."""
+        limit = self._first_limit(after_s)
+        if limit is None or not self._open:
             return frozenset()
-        now = self._clock()
-        if now - next(iter(self._open)).started_at <= after_s:
+        if self._clock() - next(iter(self._open)).started_at <= limit:
             return frozenset()
         return frozenset(a for a in self._waiting if self.stalled(a, after_s))
 
+    def _first_limit(self, after_s: float) -> float | None:
+        """The shortest time a request must be held before either rule can call its pod
+        stalled (None: both are off)."""
+        limits = []
+        if self._watching and after_s > 0:
+            limits.append(after_s)
+        if self._progress is not None and self.hang_after_s > 0:
+            limits.append(self.hang_after_s)
+        return min(limits) if limits else None
+
     def stalled(self, address: str, after_s: float) -> bool:
-        """True when `address` holds a request for `after_s` and has answered nothing for as
-        long: it accepts work and completes none (hung, not just busy: a busy pod keeps
-        completing requests). False until answers are seen at all. Where answers take long
-        (the pod's mean response time, else the pool's longest), the limit is at least
-        `STALL_LATENCY_MULTIPLE` times that: a pod streaming 12-s answers that all began
-        together has completed nothing for 12 s, and is busy, not hung."""
-        if not self._watching or after_s <= 0:
-            return False
+        """True when `address` accepts work and completes none: hung, not just busy. Two
+        rules, either suffices:
+
+        - its engine shows no progress (`hang_after_s`): it holds a request older than that,
+          and neither its scrapes (token counters, running and waiting, KV usage) nor an
+          answer have shown it doing anything for as long. A request the engine never got
+          (a hung server in front of it) or an engine that stopped moves none of them; a busy
+          engine moves them at every scrape (every `poll_interval_s` while busy).
+        - no answers (`after_s`, for engines whose scrapes say nothing): it holds a request for
+          `after_s` and has answered nothing for as long. Where answers take long (the pod's
+          mean response time, else the pool's longest), the limit is at least
+          `STALL_LATENCY_MULTIPLE` times that: a pod streaming 12-s answers that all began
+          together has completed nothing for 12 s, and is busy, not hung. False until answers
+          are seen at all."""
         waiting = self._waiting.get(address)
         if not waiting:
             return False
         now = self._clock()
         oldest = next(iter(waiting)).started_at
-        if now - oldest <= after_s:
+        if self._no_progress(address, now, oldest):
+            return True
+        if not self._watching or after_s <= 0 or now - oldest <= after_s:
             return False
         latency = self._stats.latency_of(address) if self._stats is not None else None
         limit = after_s if latency is None else max(after_s, STALL_LATENCY_MULTIPLE * latency)
         last = self._answered_at.get(address)
         return now - oldest > limit and (last is None or now - last > limit)
+
+    def _no_progress(self, address: str, now: float, oldest: float) -> bool:
+        hang = self.hang_after_s
+        if hang <= 0 or now - oldest <= hang:
+            return False
+        quiet = self._quiet_for(address, now)
+        return quiet is not None and quiet > hang
+
+    def _quiet_for(self, address: str, now: float) -> float | None:
+        """Seconds since `address` last showed progress (a scrape that moved, an answer);
+        None when its engine's scrapes cannot tell."""
+        if self._progress is None:
+            return None
+        seen = self._progress(address)
+        if seen is None:
+            return None
+        answered = self._answered_at.get(address)
+        return now - (seen if answered is None or answered < seen else answered)
 
     def _release(self, lease: Lease) -> None:
         addr = lease.endpoint.address
@@ -359,7 +415,26 @@ class InflightTracker:
         arrivals = self._arrivals.get(address)
         if not arrivals or not within_s > 0:
             return 0
-        return min(arrivals.since(self._clock() - within_s), self.load(address).tokens)
+        now = self._clock()
+        within_s = self._window(address, within_s, now)
+        return min(arrivals.since(now - within_s), self.load(address).tokens)
+
+    def _window(self, address: str, within_s: float, now: float) -> float:
+        """`within_s`, or longer for a pod that has shown no progress for a while: every
+        request routed there since its last progress (nothing shows that any of them got past
+        its first token: they are not counted as cheap decodes). A while is `quiet_after_s`
+        (two scrapes of a busy pod), or sooner where answers are seen here: three times the
+        pod's mean response time, but never less than twice how late records come."""
+        quiet = self._quiet_for(address, now)
+        if quiet is None or quiet <= within_s:
+            return within_s
+        limit = self.quiet_after_s
+        if self._watching and self._stats is not None:
+            latency = self._stats.latency_of(address)
+            if latency is not None:
+                floor = max(QUIET_FLOOR_S, 2 * self._record_lag)
+                limit = min(limit, max(floor, STALL_LATENCY_MULTIPLE * latency))
+        return quiet if quiet > limit else within_s
 
     def recent_columns(
         self, addresses: Sequence[str], within_s: Sequence[float] | npt.NDArray[np.float64]
@@ -382,7 +457,7 @@ class InflightTracker:
             i = index.get(address)
             if i is None or not windows[i] > 0:  # not a candidate, not measured, or no window
                 continue
-            recent[i] = arrivals.since(now - windows[i])
+            recent[i] = arrivals.since(now - self._window(address, windows[i], now))
         out = np.minimum(np.array(recent), self._loads.columns(addresses)[1])
         return np.where(measured, out, np.nan)
 

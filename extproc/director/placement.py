@@ -47,9 +47,9 @@ class Candidates:
             # A hung pod (accepts, never answers) and one whose picks keep failing (5xx, or
             # retried elsewhere by Envoy) still scrape fine; leave them out while any other pod
             # is fit. If every pod looks unfit, none is singled out.
-            unfit = self._inflight.failing_addresses()
-            if self._stall_after > 0:
-                unfit |= self._inflight.stalled_addresses(self._stall_after)
+            unfit = self._inflight.failing_addresses() | self._inflight.stalled_addresses(
+                self._stall_after
+            )
             if unfit:
                 ready = _keep(ready, [r[0].address not in unfit for r in ready])
         return ready

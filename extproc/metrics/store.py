@@ -66,6 +66,22 @@ class EndpointState:
         return None if self.metrics is None else now - self.metrics.updated_at
 
 
+_Progress = tuple[float | None, ...]
+
+
+def _progress_of(metrics: EngineMetrics) -> _Progress | None:
+    """The figures of a scrape that move only when its engine does work (None: it exports
+    none of them)."""
+    figures = (
+        metrics.prompt_tokens_total,
+        metrics.generation_tokens_total,
+        metrics.running,
+        metrics.waiting,
+        metrics.kv_cache_usage,
+    )
+    return None if all(f is None for f in figures) else figures
+
+
 def _lora_key(metrics: EngineMetrics | None) -> LoraKey:
     if metrics is None:
         return _NO_LORA
@@ -402,6 +418,9 @@ class EndpointStore:
         self._tables: dict[str, _ModelTable] = {}
         self._slots: dict[Endpoint, list[tuple[_ModelTable, int]]] = {}
         self._lora_sets = _AdapterSets()
+        # Per address: what its engine reported that moves only with work done, and when a
+        # scrape last saw it move (`progressed_at`).
+        self._progress: dict[str, tuple[_Progress, float]] = {}
 
     @property
     def stale_after(self) -> float:
@@ -441,6 +460,8 @@ class EndpointStore:
         self._by_address = {
             (model, ep.address): ep for model, eps in new_by_model.items() for ep in eps
         }
+        addresses = {ep.address for ep in new_states}
+        self._progress = {a: p for a, p in self._progress.items() if a in addresses}
         self._slots = {}
         for table in tables.values():
             for i, ep in enumerate(table.endpoints):
@@ -462,8 +483,28 @@ class EndpointStore:
     def _expires(self, metrics: EngineMetrics, trusted_for: float | None) -> float:
         return metrics.updated_at + (self._stale_after if trusted_for is None else trusted_for)
 
+    def progressed_at(self, address: str) -> float | None:
+        """When a scrape of `address` last showed its engine doing work: a token counter, the
+        running or waiting count or the KV-cache usage changed since the scrape before (the
+        first scrape counts as a change). None when its engine exports none of them, or it was
+        never scraped: nothing can be said. Requests the engine never got, or an engine that
+        stopped, change none of them; a prefill in chunks moves the KV usage, a decode the
+        generation counter."""
+        found = self._progress.get(address)
+        return None if found is None else found[1]
+
+    def _note_progress_of(self, address: str, metrics: EngineMetrics) -> None:
+        figures = _progress_of(metrics)
+        if figures is None:
+            return
+        old = self._progress.get(address)
+        if old is None or old[0] != figures:
+            self._progress[address] = (figures, metrics.updated_at)
+
     def _put(self, state: EndpointState) -> None:
         old = self._states[state.endpoint]
+        if state.metrics is not None and state.metrics is not old.metrics:
+            self._note_progress_of(state.endpoint.address, state.metrics)
         self._states[state.endpoint] = state
         entry = self._routable_entry(state)
         key = _lora_key(state.metrics)

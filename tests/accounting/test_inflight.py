@@ -216,9 +216,10 @@ def test_columns_are_load_of_every_address_with_peers() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_stalled_addresses_is_stalled_for_every_address(seed: int) -> None:
+    """Both rules (answers; the engine's progress, on for odd seeds)."""
     rng = random.Random(seed)
-    clock = FakeClock()
-    t = InflightTracker(clock=clock)
+    clock, progress = FakeClock(), Progress()
+    t = InflightTracker(clock=clock, progress=progress, hang_after_s=2.0 * (seed % 2))
     pods = [Endpoint(address=f"10.0.0.{i}:8000", model="m") for i in range(6)]
     leases = []
     for _ in range(200):
@@ -227,8 +228,10 @@ def test_stalled_addresses_is_stalled_for_every_address(seed: int) -> None:
             leases.append(t.start(rng.choice(pods), watched=rng.random() < 0.8))
         elif roll < 0.6 and leases:
             leases.pop(rng.randrange(len(leases))).finish()
-        elif roll < 0.75:
+        elif roll < 0.7:
             t.answered(rng.choice(pods).address, clock.now - rng.uniform(0, 3))
+        elif roll < 0.8:
+            progress.at[rng.choice(pods).address] = clock.now - rng.uniform(0, 3)
         else:
             clock.now += rng.uniform(0, 2)
         after = rng.choice([0.0, 1.0, 4.0, 10.0])
@@ -359,3 +362,123 @@ def test_arrivals_since_equals_a_plain_sum_through_forgetting_and_compaction(see
         for within in (0.0, 0.2, 5.0, 100.0):
             want = sum(n for t, n in kept if t > now - within)
             assert arrivals.since(now - within) == want
+
+
+class Progress:
+    """When each address's engine was last seen doing work (what `EndpointStore.progressed_at`
+    answers from its scrapes)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    def __call__(self, address: str) -> float | None:
+        return self.at.get(address)
+
+
+def hang_tracker(hang_after_s: float = 2.0) -> tuple[FakeClock, Progress, InflightTracker]:
+    clock, progress = FakeClock(), Progress()
+    tracker = InflightTracker(
+        clock=clock, progress=progress, hang_after_s=hang_after_s, quiet_after_s=1.0
+    )
+    return clock, progress, tracker
+
+
+def test_a_pod_whose_engine_shows_no_progress_is_stalled_within_the_hang_limit() -> None:
+    """No answer was ever seen here (the access records land on another process), so the
+    answer rule cannot act; the engine's scrapes can."""
+    clock, progress, t = hang_tracker()
+    progress.at[A.address] = progress.at[B.address] = clock.now
+    t.start(A), t.start(B)
+    clock.now += 1.5
+    progress.at[B.address] = clock.now  # B's counters moved at this scrape; A's did not
+    assert not t.stalled(A.address, 10.0)  # 1.5 s: not yet
+    clock.now += 1.0
+    assert t.stalled(A.address, 10.0)  # 2.5 s held, 2.5 s without progress: hung
+    assert not t.stalled(B.address, 10.0)  # progressed 1 s ago
+    assert t.stalled_addresses(10.0) == {A.address}
+    progress.at[A.address] = clock.now  # it moves again: back at once
+    assert not t.stalled(A.address, 10.0) and t.stalled_addresses(10.0) == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("progress_ago", "answered_ago", "held_for", "hang", "stalled"),
+    [
+        (3.0, None, 3.0, 2.0, True),  # held and quiet past the limit
+        (3.0, 0.5, 3.0, 2.0, False),  # an answer is progress too
+        (3.0, None, 1.0, 2.0, False),  # quiet, but its request is young
+        (0.2, None, 30.0, 2.0, False),  # an old request on a pod at work (a long stream)
+        (3.0, None, 3.0, 0.0, False),  # hang_after_s 0: off
+        (None, None, 30.0, 2.0, False),  # its engine exports nothing that moves: cannot tell
+    ],
+)
+def test_the_progress_rule(
+    progress_ago: float | None,
+    answered_ago: float | None,
+    held_for: float,
+    hang: float,
+    stalled: bool,
+) -> None:
+    clock, progress, t = hang_tracker(hang)
+    t.start(A)
+    clock.now += held_for
+    if progress_ago is not None:
+        progress.at[A.address] = clock.now - progress_ago
+    if answered_ago is not None:
+        t.answered(A.address, clock.now - answered_ago)
+        t.answered(B.address, clock.now)  # arms the answer rule, which must not fire here
+    assert t.stalled(A.address, 60.0) is stalled
+    assert (A.address in t.stalled_addresses(60.0)) is stalled
+
+
+def test_unwatched_requests_never_make_a_pod_hung() -> None:
+    clock, progress, t = hang_tracker()
+    progress.at[A.address] = clock.now
+    t.start(A, watched=False)
+    clock.now += 30
+    assert not t.stalled(A.address, 10.0)
+
+
+def test_a_quiet_pod_counts_what_it_holds_as_still_before_its_first_token() -> None:
+    """kv-aware counts a request past its pod's TTFT as a cheap decode; on a pod whose engine
+    has shown no progress since it was routed there, nothing says it got that far."""
+    clock, progress, t = hang_tracker()
+    progress.at[A.address] = progress.at[B.address] = clock.now - 0.01  # a scrape, then:
+    t.start(A, 400), t.start(B, 400)
+    clock.now += 0.5
+    t.start(A, 300), t.start(B, 300)
+    clock.now += 0.4
+    # Within 1 s of progress: the TTFT window (0.1 s) as before.
+    assert t.recent_tokens(A.address, 0.1) == 0
+    clock.now += 0.3
+    progress.at[B.address] = clock.now  # B's engine moved; A's has not for 1.21 s
+    assert t.recent_tokens(A.address, 0.1) == 700  # everything since A's last progress
+    assert t.recent_tokens(B.address, 0.1) == 0
+    cols = t.recent_columns([A.address, B.address], [0.1, 0.1])
+    assert cols.tolist() == [700.0, 0.0]
+    progress.at[A.address] = clock.now  # A's engine moves again: the TTFT window again
+    assert t.recent_tokens(A.address, 0.1) == 0 and t.recent_tokens(A.address, 0.8) == 300
+
+
+def test_where_answers_are_seen_a_fast_pod_is_quiet_sooner() -> None:
+    """Answers of 30 ms, records 0.05 s late: a pod that shows nothing for 0.1 s (three times
+    its mean response time, twice the records' lag, the floor) is quiet; where records come in
+    1-s batches (Envoy Gateway) it waits for the scrapes' second instead."""
+    for lag, quiet_after in ((0.05, 0.1), (1.0, 1.0)):
+        clock, progress, stats = FakeClock(), Progress(), PodStatsTracker()
+        t = InflightTracker(
+            clock=clock, stats=stats, progress=progress, hang_after_s=2.0, quiet_after_s=1.0
+        )
+        for address in (A.address, B.address):
+            stats.observe_response(
+                address, now=clock.now, latency_s=0.03, ttft_s=0.01, decode_s=0.02, tokens=20,
+                completion_tokens=4,
+            )  # fmt: skip
+            progress.at[address] = clock.now - 0.01
+            t.answered(address, clock.now - lag)
+        t.start(A, 500)
+        clock.now += quiet_after - 0.03  # 0.01 after the last scrape that moved: 0.02 short
+        assert t.recent_tokens(A.address, 0.01) == 0, lag  # not yet: a decode, cheap
+        clock.now += 0.04
+        assert t.recent_tokens(A.address, 0.01) == 500, lag  # nothing since: counted whole
+        t.answered(A.address, clock.now)
+        assert t.recent_tokens(A.address, 0.01) == 0, lag

@@ -139,3 +139,46 @@ def test_ready_is_an_immutable_snapshot(clock: FakeClock) -> None:
 def test_rejects_non_positive_stale_after() -> None:
     with pytest.raises(ValueError):
         EndpointStore(stale_after=0)
+
+
+def _scrape(at: float, **figures: float) -> EngineMetrics:
+    base = {"prompt_tokens_total": 100.0, "generation_tokens_total": 50.0, "running": 1.0}
+    return EngineMetrics(updated_at=at, **{**base, **figures})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "moved"),
+    [
+        ({}, False),  # the same figures, scraped again: no progress
+        ({"generation_tokens_total": 51.0}, True),  # a decode step
+        ({"prompt_tokens_total": 900.0}, True),  # a prefill finished
+        ({"running": 2.0}, True),  # a request got in
+        ({"waiting": 1.0}, True),
+        ({"kv_cache_usage": 0.3}, True),  # a prefill chunk took blocks
+        ({"ttft_avg_s": 0.5}, False),  # not a figure of work done
+    ],
+)
+def test_progressed_at_is_the_last_scrape_whose_work_figures_moved(
+    clock: FakeClock, change: dict[str, float], moved: bool
+) -> None:
+    a = ep(1)
+    store = EndpointStore(stale_after=3.0, clock=clock)
+    store.set_endpoints({"m": [a]})
+    assert store.progressed_at(a.address) is None  # never scraped: cannot tell
+    store.record_success(a, _scrape(10.0))
+    assert store.progressed_at(a.address) == 10.0  # the first scrape is a change
+    store.record_success(a, _scrape(11.0, **change))
+    assert store.progressed_at(a.address) == (11.0 if moved else 10.0)
+
+
+def test_progress_is_per_address_and_forgotten_with_the_endpoint(clock: FakeClock) -> None:
+    a, a_lora, b = ep(1), ep(1, model="lora"), ep(2)
+    store = EndpointStore(stale_after=3.0, clock=clock)
+    store.set_endpoints({"m": [a, b], "lora": [a_lora]})
+    store.record_success(a, _scrape(10.0))
+    store.record_success(a_lora, _scrape(12.0, running=3.0))  # one server, two models
+    assert store.progressed_at(a.address) == 12.0
+    store.record_success(b, EngineMetrics(updated_at=10.0))  # exports none of the figures
+    assert store.progressed_at(b.address) is None
+    store.set_endpoints({"m": [b]})
+    assert store.progressed_at(a.address) is None
