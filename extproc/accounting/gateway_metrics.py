@@ -128,8 +128,9 @@ class GatewayMetrics:
         )  # fmt: skip
         self.endpoint_stalled = Gauge(
             "endpoint_stalled",
-            "1 while the endpoint holds a request unanswered past routing.stall_after_s "
-            "and has answered nothing for as long (left out of the candidates)",
+            "1 while the endpoint holds a request past routing.hang_after_s with no progress "
+            "in its scrapes or answers for as long, or unanswered past routing.stall_after_s "
+            "with nothing answered for as long (left out of the candidates)",
             ["endpoint"], namespace=ns, registry=registry,
         )  # fmt: skip
         self.endpoint_ready = Gauge(
