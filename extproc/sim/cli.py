@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's: fcfs, or priority (the body's `priority`, lower first; preemption by it)",
     )  # fmt: skip
     p.add_argument("--output-len-mean", type=int, default=d.output_len_mean)
+    p.add_argument(
+        "--embedding-dim", type=int, default=d.embedding_dim,
+        help="vector size of /v1/embeddings; 0 does not serve it (as a generative vLLM model)",
+    )  # fmt: skip
     p.add_argument("--time-scale", type=float, default=s.time_scale)
     p.add_argument("--step-overhead-ms", type=float, default=s.overhead_s * 1e3)
     p.add_argument("--weights-read-ms", type=float, default=s.weights_read_s * 1e3)
@@ -88,6 +92,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     for name in ("cache_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.embedding_dim < 0:
+        raise SystemExit("--embedding-dim must be 0 or more")
     return SimConfig(
         tokenizer_dir=Path(tok),
         model=args.model,
@@ -108,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         block_size=args.block_size,
         num_gpu_blocks=args.cache_blocks,
         output_len_mean=args.output_len_mean,
+        embedding_dim=args.embedding_dim,
         step=StepTimeModel(
             overhead_s=args.step_overhead_ms / 1e3,
             weights_read_s=args.weights_read_ms / 1e3,

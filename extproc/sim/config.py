@@ -102,6 +102,9 @@ class SimConfig:
     # per prompt, uniform in [mean/2, 3*mean/2].
     output_len_mean: int = 128
     step: StepTimeModel = field(default_factory=StepTimeModel)
+    # /v1/embeddings: the vector size (4096, the hidden size of an 8B Qwen3 and the output of
+    # Qwen3-Embedding-8B); 0 serves no embeddings (404), as vLLM does for a generative model.
+    embedding_dim: int = 4096
     # KV events (disabled when kv_events_endpoint is None). "tcp://127.0.0.1:*" binds any port.
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None

@@ -9,7 +9,9 @@ A running request that cannot get a KV block preempts another (recompute): the n
 `fcfs`, the lowest priority (largest `priority`, then latest arrival) under `priority`; a step
 that preempted admits nothing from the waiting queue (vLLM's `if not preempted_reqs`). The
 waiting queue's order is the policy's (`queue.py`); a waiting request never preempts a running
-one, whatever its priority: it waits for a slot or for blocks, as in vLLM.
+one, whatever its priority: it waits for a slot or for blocks, as in vLLM. A pooling request (an
+embedding) is scheduled the same way and finishes with the step that computes its last prompt
+token, sampling nothing.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class SimRequest:
     output_vocab: Sequence[int]
     rng: random.Random
     external_prefill: bool = False  # P/D decode: the prompt's KV arrives from a prefill pod
+    pooling: bool = False  # an embedding: done when its prompt is computed, no token sampled
     priority: int = 0  # the body's `priority` (used under the `priority` policy: lower first)
     num_preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -115,7 +118,8 @@ class SimRequest:
 FinishHook = Callable[[SimRequest, RequestStats], None]
 # Called once per step with that step's events (before any request is told it finished).
 EventSink = Callable[[list[KVEvent]], None]
-# Called for every output token: (request, wall seconds since its previous token or None).
+# Called for every output token: (request, wall seconds since its previous token or None);
+# for a pooling request once, with None, when its prompt is computed (vLLM's first output).
 TokenHook = Callable[[SimRequest, float | None], None]
 
 
@@ -191,8 +195,10 @@ class Engine:
         request_id: str | None = None,
         received_wall: float | None = None,
         priority: int = 0,
+        pooling: bool = False,
     ) -> SimRequest:
-        """Build a request with a deterministic output (same prompt -> same tokens)."""
+        """Build a request with a deterministic output (same prompt -> same tokens); a
+        `pooling` one (an embedding) only prefills its prompt."""
         digest = hashlib.sha256(repr((lora_name, prompt_ids)).encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "big") ^ self.config.seed)
         limit = self.config.max_model_len - len(prompt_ids)
@@ -217,6 +223,7 @@ class Engine:
             rng=rng,
             external_prefill=external_prefill,
             priority=priority,
+            pooling=pooling,
         )
 
     async def submit(self, req: SimRequest) -> None:
@@ -416,6 +423,13 @@ class Engine:
             self._commit_full_blocks(req)
             if req.num_computed < req.num_tokens:
                 continue  # still prefilling (chunked)
+            if req.pooling:  # vLLM's pooler output: one per request, after its last prefill step
+                req.first_token_wall = req.last_token_wall = now
+                req.first_token_sim = self.stats.sim_time_s
+                if self._on_token is not None:
+                    self._on_token(req, None)
+                done.append((req, "stop"))
+                continue
             tok = req.output_vocab[req.rng.randrange(len(req.output_vocab))]
             req.output_ids.append(tok)
             self.stats.generation_tokens += 1

@@ -189,7 +189,8 @@ class SimMetrics:
         self._prompt.observe(prompt)
         self._generation.observe(output)
         self._max_generation.observe(output)
-        self._max_tokens.observe(max(1, self._max_model_len - prompt))
+        if not req.pooling:  # vLLM observes max_tokens of sampling requests only
+            self._max_tokens.observe(max(1, self._max_model_len - prompt))
         self._kv_computed.observe(stats.prefill_computed_tokens)
         self._params_n.observe(1)
         self._iteration.observe(max(1, stats.prefill_computed_tokens))

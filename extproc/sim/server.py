@@ -33,6 +33,13 @@ from extproc.sim.agents import (
     responses_usage,
 )
 from extproc.sim.config import SchedulingPolicy, SimConfig, SimRole
+from extproc.sim.embeddings import (
+    embedding_body,
+    embedding_inputs,
+    embedding_options,
+    embedding_vector,
+    usable_prompt,
+)
 from extproc.sim.engine import Engine, Finished, RequestStats, SimRequest
 from extproc.sim.kvevents import KVEvent, KVEventPublisher
 from extproc.sim.metrics import SimMetrics
@@ -357,6 +364,8 @@ class SimServer:
         r.add_get("/v1/responses/{rid}", self._get_response)
         r.add_post("/v1/responses/{rid}/cancel", self._cancel_response)
         r.add_post("/v1/messages", self._messages)
+        if self.config.embedding_dim > 0:  # otherwise 404, as vLLM's for a generative model
+            r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/v1/chat/completions/render", self._render_chat)
         r.add_post("/v1/completions/render", self._render_completion)
         r.add_post("/tokenize", self._tokenize)
@@ -715,6 +724,61 @@ class SimServer:
             # the caller's `finally` aborts the request and frees its blocks
             log.debug("stream %s: client disconnected", rid)
         return resp
+
+    # -- embeddings ------------------------------------------------------------------------
+    @_guard
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """One pooling request per prompt (vLLM's `{id}-{i}`): each prefills its prompt through
+        the engine (prefix cache, token budget, prompt-token counters) and samples nothing."""
+        await self._inject_faults(request)
+        received = self._eng().now()
+        body = await self._body(request)
+        model, lora = self._resolve_model(body)
+        options = embedding_options(body)
+        priority = _priority(body, self.config.scheduling_policy)
+        inputs = embedding_inputs(body)
+        cfg, vocab = self.config, self.tokenizer.vocab_size
+
+        def prompts_of() -> list[list[int]]:  # tokenizing is CPU work: off the event loop
+            return [
+                usable_prompt(
+                    self.tokenizer.encode_text(x) if isinstance(x, str) else x,
+                    options,
+                    max_model_len=cfg.max_model_len,
+                    vocab_size=vocab,
+                )
+                for x in inputs
+            ]
+
+        prompts = await asyncio.get_running_loop().run_in_executor(None, prompts_of)
+        engine = self._eng()
+        rid = "embd-" + uuid.uuid4().hex
+        reqs = []
+        for i, ids in enumerate(prompts):
+            reqs.append(engine.new_request(
+                ids, request_id=f"{rid}-{i}", received_wall=received, output_vocab=self._vocab_ids,
+                lora_name=lora, priority=priority, pooling=True,
+            ))  # fmt: skip
+        try:
+            for req in reqs:
+                await engine.submit(req)
+            for req in reqs:
+                end = await req.queue.get()  # a pooling request queues its Finished only
+                reason = end.reason if isinstance(end, Finished) else "a sampled token"
+                if reason == "error":
+                    raise InternalError("the prompt does not fit in the simulated KV cache")
+                if reason != "stop":
+                    raise InternalError(f"the embedding request ended with {reason}")
+        finally:
+            for req in reqs:
+                engine.abort(req)  # no-op when finished; frees blocks when the client went away
+        vectors = [
+            embedding_vector(ids, lora, dim=cfg.embedding_dim, seed=cfg.seed, options=options)
+            for ids in prompts
+        ]
+        out = embedding_body(rid=rid, created=int(time.time()), model=model, vectors=vectors,
+                             prompt_tokens=sum(len(ids) for ids in prompts))  # fmt: skip
+        return web.json_response(out)
 
     # -- Responses API and Anthropic Messages -------------------------------------------------
     _STORE_LIMIT = 10_000  # stored responses kept; the oldest go first

@@ -50,7 +50,7 @@ def test_one_model_by_id(http: httpx.Client) -> None:
     ("method", "path", "body", "status"),
     [
         ("GET", "/no/such/path", None, 404),
-        ("POST", "/v1/embeddings", {"model": "qwen3", "input": "hi"}, 404),
+        ("POST", "/v1/audio/transcriptions", {"model": "qwen3"}, 404),  # not a speech model
         ("GET", "/v1/chat/completions", None, 405),
     ],
 )

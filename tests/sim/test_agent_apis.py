@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -21,24 +22,42 @@ MODEL = "Qwen/Qwen3-8B"
 LONG = "Explain, step by step and with care, how a gateway spreads requests over engines. " * 6
 
 
-def _openai(url: str) -> openai.AsyncOpenAI:
-    import openai
+class _Clients:
+    """The SDK clients a test opens, closed when it ends: an unclosed one is closed by its
+    finalizer on whichever test's loop runs then, which logs an error in that test."""
 
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0)
+    def __init__(self) -> None:
+        self.opened: list[openai.AsyncOpenAI | anthropic.AsyncAnthropic] = []
+
+    def openai(self, url: str) -> openai.AsyncOpenAI:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0)
+        self.opened.append(client)
+        return client
+
+    def anthropic(self, url: str) -> anthropic.AsyncAnthropic:
+        import anthropic
+
+        client = anthropic.AsyncAnthropic(base_url=url, api_key="sk-test", max_retries=0)
+        self.opened.append(client)
+        return client
 
 
-def _anthropic(url: str) -> anthropic.AsyncAnthropic:
-    import anthropic
-
-    return anthropic.AsyncAnthropic(base_url=url, api_key="sk-test", max_retries=0)
+@pytest.fixture
+async def sdk() -> AsyncIterator[_Clients]:
+    clients = _Clients()
+    yield clients
+    for client in clients.opened:
+        await client.close()
 
 
 async def test_responses_create_non_stream_counts_the_rendered_prompt(
-    make_sim: MakeSim, qwen: HFTokenizer
+    make_sim: MakeSim, sdk: _Clients, qwen: HFTokenizer
 ) -> None:
     sim = await make_sim()
     req = {"instructions": "Be brief.", "input": "Name one load balancer."}
-    resp = await _openai(sim.url).responses.create(
+    resp = await sdk.openai(sim.url).responses.create(
         model=MODEL, max_output_tokens=6, extra_body={"ignore_eos": True}, **req
     )
     messages, tools = responses_chat(req)
@@ -50,9 +69,9 @@ async def test_responses_create_non_stream_counts_the_rendered_prompt(
     assert resp.output_text and len(qwen.encode_text(resp.output_text)) == 6
 
 
-async def test_responses_stream_ends_with_completed_usage(make_sim: MakeSim) -> None:
+async def test_responses_stream_ends_with_completed_usage(make_sim: MakeSim, sdk: _Clients) -> None:
     sim = await make_sim()
-    client = _openai(sim.url)
+    client = sdk.openai(sim.url)
     stream = await client.responses.create(
         model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": LONG}]}],
         max_output_tokens=5, stream=True, extra_body={"ignore_eos": True},
@@ -83,11 +102,11 @@ async def test_responses_stream_ends_with_completed_usage(make_sim: MakeSim) -> 
     assert nxt.usage.input_tokens_details.cached_tokens > 0
 
 
-async def test_unknown_and_uncancellable_responses(make_sim: MakeSim) -> None:
+async def test_unknown_and_uncancellable_responses(make_sim: MakeSim, sdk: _Clients) -> None:
     import openai
 
     sim = await make_sim()
-    client = _openai(sim.url)
+    client = sdk.openai(sim.url)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve("resp_nope")
     with pytest.raises(openai.NotFoundError):
@@ -97,9 +116,11 @@ async def test_unknown_and_uncancellable_responses(make_sim: MakeSim) -> None:
         await client.responses.cancel(done.id)
 
 
-async def test_messages_create_non_stream_and_stream(make_sim: MakeSim, qwen: HFTokenizer) -> None:
+async def test_messages_create_non_stream_and_stream(
+    make_sim: MakeSim, sdk: _Clients, qwen: HFTokenizer
+) -> None:
     sim = await make_sim()
-    client = _anthropic(sim.url)
+    client = sdk.anthropic(sim.url)
     req = {
         "system": [{"type": "text", "text": "You are terse."}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": LONG}]}],
@@ -128,11 +149,11 @@ async def test_messages_create_non_stream_and_stream(make_sim: MakeSim, qwen: HF
     assert (final.usage.cache_read_input_tokens or 0) > 0  # same prompt again: a prefix hit
 
 
-async def test_messages_errors_are_anthropic_shaped(make_sim: MakeSim) -> None:
+async def test_messages_errors_are_anthropic_shaped(make_sim: MakeSim, sdk: _Clients) -> None:
     import anthropic
 
     sim = await make_sim()
-    client = _anthropic(sim.url)
+    client = sdk.anthropic(sim.url)
     with pytest.raises(anthropic.NotFoundError) as err:
         await client.messages.create(
             model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}]
