@@ -4,18 +4,27 @@
                            [-o table|json]
     kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME]
     kubectl extproc config [--pod NAME] [-o yaml|json]
-    (every command: [--admin-secret NAME], the Secret that holds the admin token)
+    (every command: [--admin-secret NAME], the Secret that holds the admin token;
+    [--via port-forward|proxy], how the admin port is reached)
 
 Installed with the package as the `kubectl-extproc` script, which kubectl finds on PATH.
 The router replicas are the pods matching `--selector` in `--namespace`; each one's admin
-port (the container port named `metrics`, or `--port`) is reached through the API server's
-pod proxy (`/api/v1/namespaces/NS/pods/NAME:PORT/proxy/...`) with the kubeconfig's
-credentials: the caller needs `get` and `create` on `pods/proxy` in that namespace, nothing
-is exposed further. The admin port's private paths want the admin token: the plugin reads it
-from the Secret `extproc-admin` (key `token`; `get` on that one Secret) and sends it as
+port (the container port named `metrics`, or `--port`) is reached with the kubeconfig's
+credentials, nothing is exposed further, in one of two ways:
+
+- `--via port-forward` (the default): a port-forward of the pod (`pods/NAME/portforward`, a
+  websocket), as `kubectl port-forward` does. The kubelet connects inside the pod, so the
+  router's NetworkPolicy, which admits only Prometheus to the admin port, does not stand in
+  the way. The caller needs `get` and `create` on `pods/portforward`.
+- `--via proxy`: the API server's pod proxy (`/api/v1/namespaces/NS/pods/NAME:PORT/proxy/...`):
+  the API server connects to the pod over the pod network, so a NetworkPolicy must admit it
+  (docs/operations.md, "NetworkPolicy"). The caller needs `get` and `create` on `pods/proxy`.
+
+The admin port's private paths want the admin token: the plugin reads it from the Secret
+`extproc-admin` (key `token`; `get` on that one Secret) and sends it as
 `X-Extproc-Admin-Token`, since the API server removes the `Authorization` header it
-authenticated the caller with before it proxies. Every string that came from the cluster is stripped of control
-characters before it reaches the terminal.
+authenticated the caller with before it proxies. Every string that came from the cluster is
+stripped of control characters before it reaches the terminal.
 """
 
 from __future__ import annotations
@@ -23,17 +32,19 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
+import http.client
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+from kubernetes.stream import portforward
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from extproc.admin.guard import ADMIN_TOKEN_HEADER
@@ -55,6 +66,7 @@ DEFAULT_ADMIN_PORT = 9090
 ADMIN_SECRET = "extproc-admin"  # deploy/base: the admin token, key `token`
 ADMIN_SECRET_KEY = "token"
 TIMEOUT_S = 10.0
+VIAS = ("port-forward", "proxy")  # how the admin port is reached (the module's docstring)
 
 
 class KubectlError(RuntimeError):
@@ -83,17 +95,35 @@ class Reply:
         return json.loads(self.body)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Call:
+    """One request to an admin port, whichever way it goes."""
+
+    method: str
+    path: str
+    query: Mapping[str, str]
+    body: Any  # JSON, or None
+    headers: Mapping[str, str]
+
+
 class Cluster:
     """The calls the plugin makes, on one configured `ApiClient`."""
 
     def __init__(
-        self, api: k8s.ApiClient, namespace: str, admin_secret: str = ADMIN_SECRET
+        self,
+        api: k8s.ApiClient,
+        namespace: str,
+        admin_secret: str = ADMIN_SECRET,
+        via: str = "port-forward",
     ) -> None:
+        if via not in VIAS:
+            raise ValueError(f"via: one of {VIAS}, not {via!r}")
         self.api = api
         self.namespace = namespace
         self.core = k8s.CoreV1Api(api)
         self.custom = k8s.CustomObjectsApi(api)
         self.admin_secret = admin_secret
+        self.via = via
         self._token: str | bool | None = False  # False: not read yet
 
     def admin_token(self) -> str | None:
@@ -107,7 +137,7 @@ class Cluster:
                     raise KubectlError(
                         f"cannot read the admin token (Secret {self.namespace}/"
                         f"{self.admin_secret}): HTTP {exc.status} {exc.reason}; the caller needs "
-                        f"`get` on secrets/{self.admin_secret} (deploy/overlays/observability)"
+                        f"`get` on secrets/{self.admin_secret} (deploy/base/kubectl-extproc-rbac.yaml)"
                     ) from exc
                 self._token = None
             else:
@@ -124,7 +154,7 @@ class Cluster:
             out.append(Replica(str(pod["metadata"]["name"]), admin, pod_is_routable(pod)))
         return out
 
-    def proxy(
+    def call(
         self,
         replica: Replica,
         path: str,
@@ -134,17 +164,64 @@ class Cluster:
         body: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> Reply:
-        """One request to the replica's admin port through the API server's pod proxy."""
+        """One request to the replica's admin port (`body`: JSON), the way `via` says."""
+        call = _Call(
+            method,
+            path,
+            dict(query or {}),
+            body,
+            {"Accept": "application/json", **self._admin_header(), **(headers or {})},
+        )
+        if self.via == "port-forward":
+            return self._forwarded(replica, call)
+        return self._proxied(replica, call)
+
+    def _forwarded(self, replica: Replica, call: _Call) -> Reply:
+        """Through a port-forward of the pod: plain HTTP on the forwarded socket."""
+        target = call.path + (f"?{urlencode(call.query)}" if call.query else "")
+        payload = None if call.body is None else json.dumps(call.body).encode()
+        try:
+            forward = portforward(
+                self.core.connect_get_namespaced_pod_portforward,
+                replica.name,
+                self.namespace,
+                ports=str(replica.port),
+            )
+        except ApiException as exc:
+            raise KubectlError(
+                f"{replica.name}: cannot port-forward: {exc.reason or exc} (the caller needs "
+                "`get` and `create` on pods/portforward: deploy/base/kubectl-extproc-rbac.yaml)"
+            ) from exc
+        sock = forward.socket(replica.port)
+        sock.settimeout(TIMEOUT_S)
+        conn = http.client.HTTPConnection("localhost", replica.port, timeout=TIMEOUT_S)
+        conn.sock = sock  # type: ignore[assignment]
+        try:
+            conn.request(call.method, target, body=payload, headers=call.headers)
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            why = forward.error(replica.port) or str(exc) or type(exc).__name__
+            raise KubectlError(
+                f"{replica.name}: port-forward to port {replica.port} failed: {why}"
+            ) from exc
+        finally:
+            conn.close()
+            forward.close()
+        return Reply(response.status, data)
+
+    def _proxied(self, replica: Replica, call: _Call) -> Reply:
+        """Through the API server's pod proxy."""
         resource = (
             f"/api/v1/namespaces/{quote(self.namespace, safe='')}/pods/"
-            f"{quote(replica.name, safe='')}:{replica.port}/proxy{path}"
+            f"{quote(replica.name, safe='')}:{replica.port}/proxy{call.path}"
         )
         request = self.api.param_serialize(
-            method,
+            call.method,
             resource,
-            query_params=list((query or {}).items()),
-            header_params={"Accept": "application/json", **self._admin_header(), **(headers or {})},
-            body=body,
+            query_params=list(call.query.items()),
+            header_params=dict(call.headers),
+            body=call.body,
             auth_settings=["BearerToken"],
         )
         try:
@@ -152,6 +229,13 @@ class Cluster:
             data = response.read()  # type: ignore[no-untyped-call]
         except (ApiException, Urllib3Error, OSError) as exc:
             raise KubectlError(f"{replica.name}: the API server did not answer: {exc}") from exc
+        # A NetworkPolicy that drops the API server's packets: its dial times out.
+        if response.status == 503 and b"i/o timeout" in (data or b""):
+            raise KubectlError(
+                f"{replica.name}: the API server cannot reach the pod's port {replica.port} "
+                f"({_status_message(data)}): a NetworkPolicy that does not admit it? "
+                "--via port-forward goes through the kubelet instead"
+            )
         return Reply(response.status, bytes(data or b""))
 
     def _admin_header(self) -> dict[str, str]:
@@ -191,6 +275,15 @@ class Cluster:
         spec = self.core.read_namespaced_pod(pod, self.namespace).spec
         volumes = (spec.volumes if spec is not None else None) or []
         return [str(v.config_map.name) for v in volumes if v.config_map is not None]
+
+
+def _status_message(data: bytes) -> str:
+    """The message of a Kubernetes `Status` body, else the body's start."""
+    try:
+        message = json.loads(data).get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return _printable(message or data[:200].decode(errors="replace"))
 
 
 def _named_port(pod: Mapping[str, Any]) -> int | None:
@@ -275,7 +368,7 @@ def cmd_pools(cluster: Cluster, chosen: list[Replica], args: argparse.Namespace)
     rows: list[dict[str, Any]] = []
     for replica in chosen:
         try:
-            reply = cluster.proxy(replica, "/debug/pools")
+            reply = cluster.call(replica, "/debug/pools")
             pools = reply.json() if reply.status == 200 else None
         except (KubectlError, ValueError) as exc:
             notes.append(str(exc))
@@ -320,7 +413,7 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
             notes.append(f"{replica.name}: not ready, skipped")
     for replica in chosen:
         try:
-            reply = cluster.proxy(replica, "/debug/endpoints", query=query)
+            reply = cluster.call(replica, "/debug/endpoints", query=query)
         except KubectlError as exc:
             notes.append(str(exc))
             failed += 1
@@ -389,7 +482,7 @@ def _error_message(reply: Reply) -> str | None:
 def _sync_state(cluster: Cluster, replica: Replica) -> dict[str, Any] | None:
     """The replica's `/debug/sync` (None if it does not answer it: an older router)."""
     try:
-        reply = cluster.proxy(replica, "/debug/sync")
+        reply = cluster.call(replica, "/debug/sync")
         state = reply.json() if reply.status == 200 else None
     except (KubectlError, ValueError):
         return None
@@ -429,7 +522,7 @@ def cmd_explain(cluster: Cluster, replicas: list[Replica], args: argparse.Namesp
     headers = {"Content-Type": "application/json"}
     if args.strategy:
         headers["routing-strategy"] = args.strategy
-    reply = cluster.proxy(
+    reply = cluster.call(
         replica, "/debug/explain", method="POST", query=query, body=body, headers=headers
     )
     try:
@@ -445,7 +538,7 @@ def cmd_explain(cluster: Cluster, replicas: list[Replica], args: argparse.Namesp
 
 def _in_force(cluster: Cluster, replica: Replica) -> tuple[dict[str, Any] | None, str]:
     """(the config the replica runs with and its reload state, where it came from)."""
-    reply = cluster.proxy(replica, "/status.json")
+    reply = cluster.call(replica, "/status.json")
     if reply.status == 200:
         config = reply.json().get("config")
         if isinstance(config, dict):
@@ -547,7 +640,7 @@ def cmd_config(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kubectl extproc", description="The extproc router's view, through the API server"
+        prog="kubectl extproc", description="The extproc router's view, through the Kubernetes API"
     )
     p.add_argument("-n", "--namespace", default=None, help="the router's namespace")
     p.add_argument("--context", default=None)
@@ -559,6 +652,11 @@ def _parser() -> argparse.ArgumentParser:
         default=ADMIN_SECRET,
         help="the Secret holding the admin token (key 'token')",
     )
+    p.add_argument(
+        "--via", choices=VIAS, default="port-forward",
+        help="reach the admin port through a port-forward of the pod (default: no "
+        "NetworkPolicy in the way) or the API server's pod proxy",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="endpoints and their state, from every ready replica")
     s.add_argument("--pod", default=None, help="one replica only")
@@ -615,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         with api:
-            cluster = Cluster(api, namespace, args.admin_secret)
+            cluster = Cluster(api, namespace, args.admin_secret, args.via)
             replicas = cluster.replicas(args.selector, args.port)
             if not replicas:
                 raise KubectlError(f"no pod matches {args.selector!r} in namespace {namespace!r}")

@@ -92,7 +92,9 @@ def authorized(
     what = "a wrong admin token" if presented is not None else "no admin token"
     return AdminUnauthorized(
         f"{path} needs the admin token ({what} was presented): send it as "
-        f"'{ADMIN_TOKEN_HEADER}: <token>' or 'Authorization: Bearer <token>'"
+        f"'{ADMIN_TOKEN_HEADER}: <token>' or 'Authorization: Bearer <token>', or, in a "
+        "browser, log in with any user name and the token as the password "
+        "(http://me:<token>@host:port/ logs in at once)"
     )
 
 

@@ -30,9 +30,11 @@ __all__ = [
     "DecisionLog",
     "DecisionRecord",
     "ReloadStatus",
+    "all_pools_totals",
     "chosen_models",
     "endpoint_rows",
     "pool_rows",
+    "pool_totals",
     "redacted",
     "status_json",
 ]
@@ -190,11 +192,15 @@ def pool_rows(
     store: EndpointStore, inflight: InflightTracker, stall_after_s: float, now: float
 ) -> list[dict[str, Any]]:
     """One summary row per pool (model), the ones that need attention first: most endpoints
-    not ready, then most requests in flight, then by name."""
+    not ready, then most requests in flight, then by name. The engine figures are those of
+    the ready endpoints: KV-cache usage their mean, the prefix hit rate the pool's (hits over
+    queries, summed)."""
     out: list[dict[str, Any]] = []
     for model in store.models():
         eps = store.endpoints(model)
-        ready = in_flight = running = waiting = unreachable = stalled = 0
+        ready = in_flight = in_flight_tokens = running = waiting = unreachable = stalled = 0
+        kv: list[float] = []
+        hits = queries = 0.0
         oldest: float | None = None
         for ep in eps:
             state = store.state(ep)
@@ -204,12 +210,19 @@ def pool_rows(
                 if m is not None:
                     running += int(m.running or 0)
                     waiting += int(m.waiting or 0)
+                    if m.kv_cache_usage is not None:
+                        kv.append(m.kv_cache_usage)
+                    if m.prefix_cache_queries:
+                        hits += m.prefix_cache_hits or 0.0
+                        queries += m.prefix_cache_queries
             if state is not None and state.unreachable:
                 unreachable += 1
             age = state.age(now) if state is not None else None
             if age is not None and (oldest is None or age > oldest):
                 oldest = age
-            in_flight += inflight.load(ep.address).requests
+            load = inflight.load(ep.address)
+            in_flight += load.requests
+            in_flight_tokens += load.tokens
             stalled += inflight.stalled(ep.address, stall_after_s)
         out.append(
             {
@@ -219,12 +232,51 @@ def pool_rows(
                 "unreachable": unreachable,
                 "stalled": stalled,
                 "in_flight": in_flight,
+                "in_flight_tokens": in_flight_tokens,
                 "running": running,
                 "waiting": waiting,
+                "kv_cache_usage": sum(kv) / len(kv) if kv else None,
+                "prefix_hit_rate": hits / queries if queries else None,
                 "oldest_metrics_age_s": oldest,
             }
         )
     out.sort(key=lambda r: (-(r["endpoints"] - r["ready"]), -r["in_flight"], r["model"]))
+    return out
+
+
+# The figures of a pool's summary row that add up across pools.
+_SUMMED = (
+    "endpoints", "ready", "unreachable", "stalled", "in_flight", "in_flight_tokens", "running",
+    "waiting",
+)  # fmt: skip
+
+
+def all_pools_totals(pools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every pool's summary row added up (the status page's last pools row)."""
+    out: dict[str, Any] = {key: sum(int(p[key]) for p in pools) for key in _SUMMED}
+    out["pools"] = len(pools)
+    return out
+
+
+def pool_totals(pool: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A pool's totals row under its endpoints: its summary row (`pool_rows`) and, over the
+    page's rows of its endpoints, the cached blocks, the healthy KV-event streams and the
+    newest served and failed rates (None where no endpoint has the figure)."""
+    out = dict(pool)
+
+    def total(values: Iterable[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    def newest(row: Mapping[str, Any], key: str) -> float | None:
+        series = row.get("series") or {}
+        return next((v for v in reversed(series.get(key) or []) if v is not None), None)
+
+    out["cached_blocks_exact"] = total(r["cached_blocks_exact"] for r in rows)
+    out["cached_blocks_approx"] = total(r["cached_blocks_approx"] for r in rows)
+    out["kv_events_healthy"] = sum(bool(r["kv_events_healthy"]) for r in rows)
+    out["requests_per_s"] = total(newest(r, "requests_per_s") for r in rows)
+    out["errors_per_s"] = total(newest(r, "errors_per_s") for r in rows)
     return out
 
 
@@ -277,6 +329,7 @@ def status_json(
     strategies = {m.name: m.strategy or cfg.routing.default_strategy for m in cfg.models}
     for pool in pools:
         pool["strategy"] = strategies.get(pool["model"], cfg.routing.default_strategy)
+    pool_of = {p["model"]: p for p in pools}
     sync = src.sync
     shown_set = set(shown)
     recent = [
@@ -294,9 +347,15 @@ def status_json(
             "members": sync.members() if sync is not None else [src.replica],
         },
         "pools": pools,
+        "totals": all_pools_totals(pools),
         "shown": {"models": shown, "all": everything, "filtered": bool(models)},
         "models": [
-            {"name": name, "strategy": strategies.get(name, ""), "endpoints": rows}
+            {
+                "name": name,
+                "strategy": strategies.get(name, ""),
+                "endpoints": rows,
+                "totals": pool_totals(pool_of[name], rows),
+            }
             for name, rows in by_model.items()
         ],
         "decisions": {"total": src.decisions.total, "kept": src.decisions.size, "recent": recent},

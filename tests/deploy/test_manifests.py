@@ -44,6 +44,7 @@ OVERLAYS = [
     "envoy-gateway-one-message",
     "envoy-gateway-fleet",
     "envoy-gateway-token-limits",
+    "envoy-gateway-tracing",
     "inferencepool",
     "keda",
     "nats",
@@ -218,7 +219,13 @@ def test_rbac_is_read_only_except_creating_events() -> None:
     }
     expected |= {("", "events", "create")}
     assert granted == expected
-    assert not any(d["kind"].startswith("Cluster") for d in render("envoy-gateway"))
+    # Namespaced: the one cluster-wide object is the operators' read-only ClusterRole for
+    # `kubectl extproc config` (HTTPRoutes live anywhere), bound to no one.
+    cluster_wide = [d for d in render("envoy-gateway") if d["kind"].startswith("Cluster")]
+    assert [(d["kind"], d["metadata"]["name"]) for d in cluster_wide] == [
+        ("ClusterRole", "extproc-operator-routes")
+    ]
+    assert {v for rule in cluster_wide[0]["rules"] for v in rule["verbs"]} <= {"get", "list"}
 
 
 def grpc_service(docs: tuple[dict[str, Any], ...]) -> tuple[str, str, int]:

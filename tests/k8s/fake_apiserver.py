@@ -8,7 +8,10 @@ answer an expired resourceVersion with an ERROR event carrying a 410 Status; POS
 Events (409 on a duplicate name); GET of one object by name; and the pod proxy
 (`/api/v1/namespaces/{ns}/pods/{name}[:{port}]/proxy/{path}`), which forwards the request to
 the pod's IP and port over real HTTP, as the API server does (503 when the pod does not
-answer). It runs aiohttp on its own thread and loop, so tests can drive blocking client
+answer; `block_pod_network()` makes it time out, as a NetworkPolicy that drops the API
+server's connections does), and the pod port-forward (`.../pods/{name}/portforward?ports=P`,
+a `v4.channel.k8s.io` websocket, one port), which relays to the pod's IP and port as the
+kubelet does from inside the pod (a NetworkPolicy does not apply there). It runs aiohttp on its own thread and loop, so tests can drive blocking client
 code; `go_down()`/`come_back()` simulate an outage on the same port.
 """
 
@@ -24,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, WSMsgType, web
 
 __all__ = ["CONFIGMAPS", "EVENTS", "PODS", "POOLS", "ROUTES", "SECRETS", "FakeApiServer"]
 
@@ -105,6 +108,7 @@ class FakeApiServer:
         self._up = False
         self._watch_transports: set[asyncio.Transport] = set()
         self._pending_bookmarks: dict[int, bool] = {}
+        self._pod_network_blocked = False
         self.requests: list[tuple[str, str, Mapping[str, str]]] = []  # (method, path, query)
         self.events: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []  # request headers, in arrival order
@@ -252,12 +256,25 @@ class FakeApiServer:
             return None
         return (group, version, rest[0]), namespace, rest[1] if len(rest) == 2 else None
 
+    def block_pod_network(self, blocked: bool = True) -> None:
+        """The pod proxy's connections to pods are dropped (a NetworkPolicy that does not admit
+        the API server): a proxied request fails as the API server's does, after a timeout."""
+        self._pod_network_blocked = blocked
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path, dict(request.query)))
         self.headers.append(dict(request.headers))
         proxied = self._parse_proxy_path(request.path)
         if proxied is not None:
             return await self._proxy(request, *proxied)
+        parts = request.path.split("/")
+        # "", "api", "v1", "namespaces", ns, "pods", name, "portforward"
+        if (
+            parts[1:4] == ["api", "v1", "namespaces"]
+            and parts[5:6] == ["pods"]
+            and parts[7:] == ["portforward"]
+        ):
+            return await self._port_forward(request, parts[4], parts[6])
         parsed = self._parse_path(request.path)
         if parsed is None or parsed[0] not in _KINDS:
             return self._status(404, "NotFound", f"the server could not find {request.path}")
@@ -310,6 +327,12 @@ class FakeApiServer:
             port = ((containers[0].get("ports") or [{}])[0]).get("containerPort", 80)
         if not ip:
             return self._status(503, "ServiceUnavailable", f"pod {name} has no IP yet")
+        if self._pod_network_blocked:
+            return self._status(
+                503,
+                "ServiceUnavailable",
+                f"error trying to reach service: dial tcp {ip}:{port}: i/o timeout",
+            )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers.pop("Authorization", None)  # the API server's credentials stay with it
         url = f"http://{ip}:{port}{path}"
@@ -328,6 +351,52 @@ class FakeApiServer:
                 )
         except (ClientError, OSError) as exc:
             return self._status(503, "ServiceUnavailable", f"error trying to reach service: {exc}")
+
+    async def _port_forward(
+        self, request: web.Request, namespace: str, name: str
+    ) -> web.StreamResponse:
+        """One port of the pod over a websocket, as the API server upgrades
+        `pods/NAME/portforward` (`v4.channel.k8s.io`): channel 0 carries the data both ways and
+        channel 1 the errors, each opened by a frame with the port number (little-endian);
+        every frame starts with its channel byte."""
+        with self._lock:
+            pod = copy.deepcopy(self._objects.get(PODS, {}).get((namespace, name)))
+        if pod is None:
+            return self._status(404, "NotFound", f'pods "{name}" not found')
+        ip = (pod.get("status") or {}).get("podIP")
+        ports = request.query.get("ports", "")
+        if not ip or not ports.isdigit():
+            return self._status(400, "BadRequest", "one port, on a pod with an IP")
+        port = int(ports)
+        ws = web.WebSocketResponse(protocols=("v4.channel.k8s.io",))
+        await ws.prepare(request)
+        opening = port.to_bytes(2, "little")
+        await ws.send_bytes(b"\x00" + opening)
+        await ws.send_bytes(b"\x01" + opening)
+        try:
+            reader, writer = await asyncio.open_connection(ip, port)
+        except OSError as exc:
+            await ws.send_bytes(b"\x01" + f"error forwarding port {port}: {exc}".encode())
+            await ws.close()
+            return ws
+
+        async def from_pod() -> None:
+            while data := await reader.read(65536):
+                await ws.send_bytes(b"\x00" + data)
+            await ws.close()
+
+        relay = asyncio.create_task(from_pod())
+        try:
+            async for msg in ws:
+                if msg.type is WSMsgType.BINARY and msg.data[:1] == b"\x00":
+                    writer.write(msg.data[1:])
+                    await writer.drain()
+        finally:
+            writer.close()
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await relay
+        return ws
 
     def _status(self, code: int, reason: str, message: str) -> web.Response:
         return web.json_response(self._status_body(code, reason, message), status=code)

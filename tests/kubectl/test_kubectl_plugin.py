@@ -1,6 +1,7 @@
-"""`kubectl extproc` against the fake API server, whose pod proxy forwards to the real router
-(a local stack with two server processes): the real `kubernetes` client library, the real
-proxy path and the real admin endpoints; one test runs it through kubectl itself."""
+"""`kubectl extproc` against the fake API server, whose pod port-forward (the plugin's default)
+and pod proxy (`--via proxy`) reach the real router (a local stack with two server processes):
+the real `kubernetes` client library, the real port-forward websocket and proxy paths and the
+real admin endpoints; one test runs it through kubectl itself."""
 
 from __future__ import annotations
 
@@ -91,6 +92,14 @@ class Env:
     def proxied(self) -> list[str]:
         return [path for _, path, _ in self.api.requests if "/proxy/" in path]
 
+    def forwarded(self) -> list[tuple[str, str]]:
+        """(pod path, ports) of every port-forward the plugin opened."""
+        return [
+            (path, query.get("ports", ""))
+            for _, path, query in self.api.requests
+            if path.endswith("/portforward")
+        ]
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
@@ -156,7 +165,7 @@ def test_status_shows_every_ready_replica_through_the_pod_proxy(
     # A stack that just started: its processes hear each other within ~1 s, and on a busy
     # machine a process may take a few scrapes to see every pod ready.
     for _ in range(40):
-        code, out, err = env.run("status", capsys=capsys)
+        code, out, err = env.run("--via", "proxy", "status", capsys=capsys)
         rows = [r for r in map(str.split, out.splitlines()) if r and r[0].startswith("extproc-")
                 and not r[0].endswith(":")]  # fmt: skip
         if want_sync in out and rows and all(len(r) > 4 and r[4] == "yes" for r in rows):
@@ -187,6 +196,41 @@ def test_status_shows_every_ready_replica_through_the_pod_proxy(
     token = env.stack.options.admin_token()
     assert any(h.get("X-Extproc-Admin-Token") == token for h in env.api.headers)
     assert f"/api/v1/namespaces/{NS}/secrets/extproc-admin" in [p for _, p, _ in env.api.requests]
+
+
+def test_the_default_port_forward_reaches_replicas_the_api_server_cannot(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39 #3: deploy/'s NetworkPolicy admits only Prometheus to the admin port, so the
+    API server's pod proxy cannot reach it; a port-forward goes through the kubelet, inside
+    the pod, and `kubectl extproc status` (install step 6) works as it is."""
+    o = env.stack.options
+    env.api.block_pod_network()
+    try:
+        before = len(env.forwarded())
+        code, out, err = env.run("status", "-o", "json", capsys=capsys)
+        assert code == 0, err
+        report = json.loads(out)
+        assert set(report["replicas"]) == {"extproc-0", "extproc-1"}
+        for replica in report["replicas"].values():
+            assert {e["address"] for e in replica} == {o.sim_address(i) for i in range(o.sims)}
+        # One forward per call (endpoints, sync) and replica, each to its admin port.
+        opened = env.forwarded()[before:]
+        assert (f"/api/v1/namespaces/{NS}/pods/extproc-0/portforward", str(o.metrics_port)) in (
+            opened
+        )
+        assert (
+            f"/api/v1/namespaces/{NS}/pods/extproc-1/portforward",
+            str(o.metrics_port + 1),
+        ) in opened
+
+        # Through the pod proxy the same replicas are out of reach, and the plugin says why.
+        code, out, err = env.run("--via", "proxy", "status", capsys=capsys)
+        assert code == 1
+        assert "extproc-0: the API server cannot reach the pod's port" in err, err
+        assert "NetworkPolicy" in err and "--via port-forward" in err
+    finally:
+        env.api.block_pod_network(False)
 
 
 def test_without_the_admin_token_the_router_refuses_the_plugin(
@@ -225,7 +269,9 @@ def test_status_narrowed_to_pools_and_summarised_per_pool(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     o = env.stack.options
-    code, out, _ = env.run("status", "--pod", "extproc-0", "--model", "qwen3", capsys=capsys)
+    code, out, _ = env.run(
+        "--via", "proxy", "status", "--pod", "extproc-0", "--model", "qwen3", capsys=capsys
+    )  # through the proxy: the query shows in the API server's log
     assert code == 0 and all(o.sim_address(i) in out for i in range(o.sims))
     assert any(
         path.endswith("/proxy/debug/endpoints") and query.get("model") == "qwen3"
@@ -263,6 +309,10 @@ def test_explain_asks_a_replica_why(
     sims = {o.sim_address(i) for i in range(o.sims)}
     assert explained["model"] == "qwen3" and explained["pick"] in sims
     assert {c["address"] for c in explained["candidates"]} == sims
+    assert env.forwarded()  # by a port-forward, the default
+    code, out, err = env.run("--via", "proxy", "explain", str(body), capsys=capsys)
+    assert code == 0, out + err
+    assert json.loads(out.partition("\n")[2])["pick"] in sims
     assert any(p.endswith("/proxy/debug/explain") for p in env.proxied())
 
 
@@ -342,6 +392,10 @@ def test_a_replica_that_does_not_answer_is_reported_and_the_others_shown(
     code, out, err = env.run("-n", "split", "status", capsys=capsys)
     assert code == 1
     assert "a-0" in out and "a-1" not in out and "a-2" not in out
+    assert "a-1: port-forward to port 1 failed: error forwarding port 1" in err, err
+    assert "a-2: HTTP 404" in err
+    code, out, err = env.run("--via", "proxy", "-n", "split", "status", capsys=capsys)
+    assert code == 1 and "a-0" in out
     assert "a-1: HTTP 503" in err and "a-2: HTTP 404" in err
 
 
@@ -415,12 +469,15 @@ def test_the_operator_roles_grant_every_call_the_plugin_made(
 
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"model": "qwen3", "messages": []}))
-    for argv in (["status"], ["explain", str(body)], ["config"], ["-n", "old", "config"]):
-        env.run(*argv, capsys=capsys)
+    for via in ("port-forward", "proxy"):
+        for argv in (["status"], ["explain", str(body)], ["config"], ["-n", "old", "config"]):
+            env.run("--via", via, *argv, capsys=capsys)
 
+    # Granted by what the install guide applies (deploy/base, through its envoy-gateway step).
     granted = {
         (verb, group, resource)
-        for doc in render("observability")
+        for doc in render("envoy-gateway")
+        if doc["metadata"]["name"].startswith("extproc-operator")
         if doc["kind"] in ("Role", "ClusterRole")
         for rule in doc["rules"]
         for group in rule["apiGroups"]
@@ -429,5 +486,8 @@ def test_the_operator_roles_grant_every_call_the_plugin_made(
     }
     made = {_verb_and_resource(m, p, q) for m, p, q in env.api.requests}
     assert ("create", "", "pods/proxy") in made and ("list", "", "events") in made
+    assert ("get", "", "pods/portforward") in made
     assert made <= granted, f"not granted: {sorted(made - granted)}"
-    assert not {g for g in granted if g[0] not in ("get", "list")} - {("create", "", "pods/proxy")}
+    assert ("create", "", "pods/portforward") in granted  # what API servers may also check
+    writes = {g for g in granted if g[0] not in ("get", "list")}
+    assert writes == {("create", "", "pods/proxy"), ("create", "", "pods/portforward")}
