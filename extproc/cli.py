@@ -8,6 +8,10 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["main"]
 
@@ -103,7 +107,7 @@ def _explain(args: argparse.Namespace) -> int:
     headers = {"content-type": "application/json"}
     if args.strategy:
         headers["routing-strategy"] = args.strategy
-    token = _admin_token(args.token_file)
+    token, token_source = _admin_token(args.token_file)
     if token is not None:
         headers["x-extproc-admin-token"] = token
     url = f"{args.server.rstrip('/')}/debug/explain"
@@ -122,24 +126,68 @@ def _explain(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print(resp.text)
-    return 0 if resp.status_code == 200 else 1
+    if resp.status_code != 200:
+        if args.json:
+            print(resp.text)
+        else:
+            print(
+                f"extproc explain: HTTP {resp.status_code}: {_error_message(resp)}", file=sys.stderr
+            )
+        if resp.status_code in (401, 403):
+            print(
+                f"extproc explain: {token_source}. Give the server's admin token with "
+                "--token-file FILE or the EXTPROC_ADMIN_TOKEN environment variable (a local "
+                "stack's is in .run/admin.token where `extproc up` ran; in a cluster, the "
+                "Secret behind admin.token_file, or `kubectl extproc explain`)",
+                file=sys.stderr,
+            )
+        return 1
+    if args.json:
+        print(resp.text)
+        return 0
+    from extproc.director.explain import explain_text
+
+    try:
+        answer = resp.json()
+    except ValueError:
+        answer = None
+    print(explain_text(answer) if isinstance(answer, dict) else resp.text)
+    return 0
 
 
-def _admin_token(path: str | None) -> str | None:
-    """The admin token: `--token-file`, else $EXTPROC_ADMIN_TOKEN, else the one a local stack
-    (`extproc up`, `make run`) generated in ./.run."""
+def _error_message(resp: httpx.Response) -> str:
+    """The message of an OpenAI-style error body, else the body itself."""
+    try:
+        error = resp.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message) if message else resp.text.strip()
+
+
+def _admin_token(path: str | None) -> tuple[str | None, str]:
+    """The admin token and where it came from: `--token-file`, else $EXTPROC_ADMIN_TOKEN, else
+    the one a local stack (`extproc up`, `make run`) generated in ./.run."""
     import os
 
     if path is None and os.environ.get("EXTPROC_ADMIN_TOKEN"):
-        return os.environ["EXTPROC_ADMIN_TOKEN"].strip()
+        return os.environ[
+            "EXTPROC_ADMIN_TOKEN"
+        ].strip(), "the token in $EXTPROC_ADMIN_TOKEN was sent"
     from extproc.stack.local import ADMIN_TOKEN_FILE
 
     candidate = Path(path) if path is not None else Path(".run") / ADMIN_TOKEN_FILE
     try:
-        return candidate.read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+        token = candidate.read_text(encoding="utf-8").strip() or None
+    except OSError as exc:
+        if path is not None:
+            return None, f"cannot read --token-file {path}: {exc.strerror}; no token was sent"
+        return None, (
+            f"no token was sent (no --token-file, no $EXTPROC_ADMIN_TOKEN, no {candidate} here)"
+        )
+    if token is None:
+        return None, f"{candidate} is empty; no token was sent"
+    return token, f"the token in {candidate} was sent"
 
 
 def _sim(argv: Sequence[str]) -> int:
@@ -212,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the admin token (default: $EXTPROC_ADMIN_TOKEN, else .run/admin.token of a local "
         "stack started here)",
+    )
+    e.add_argument(
+        "--json", action="store_true", help="print the server's JSON answer as it is (scripts)"
     )
     e.set_defaults(func=_explain)
     args = parser.parse_args(argv)

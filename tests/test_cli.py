@@ -17,6 +17,7 @@ from extproc.stack.cli import (
     DefaultsHelpFormatter,
     add_up_arguments,
     options_from_args,
+    ready_text,
     user_config,
 )
 from extproc.stack.local import LocalStack, StackError, StackOptions
@@ -81,6 +82,54 @@ def test_config_check_names_strategy_problems_and_passes_a_good_file(
     path.write_text(good)
     assert main(["config", "check", str(path)]) == 0
     assert capsys.readouterr().out == f"{path}: ok\n"
+
+
+MIXED = """\
+server:
+  grpc_port: 70000
+  metricz_port: 1
+routing:
+  default_strategy: kv-awre
+  max_fallbacks: -1
+models:
+  - name: m
+    strategy: least-reqest
+    block_size: 0
+    endpoints:
+      - address: 127.0.0.1:99999
+      - address: 127.0.0.1:8000
+        adress: x
+routes:
+  chat: {strategy: prefx-cache}
+"""
+
+
+def test_config_check_reports_schema_and_semantic_problems_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Unknown keys, unknown strategy names, negative counts and out-of-range ports: every
+    one in the first run, each with its line and key path, whatever else is wrong."""
+    path = tmp_path / "c.yaml"
+    path.write_text(MIXED)
+    assert main(["config", "check", str(path)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    found = [line.removeprefix(f"{path}:").split(": ", 2)[:2] for line in lines[:-1]]
+    assert found == [
+        ["2", "server.grpc_port"],
+        ["3", "server.metricz_port"],
+        ["5", "routing.default_strategy"],
+        ["6", "routing.max_fallbacks"],
+        ["9", "models[0].strategy"],
+        ["10", "models[0].block_size"],
+        ["12", "models[0].endpoints[0].address"],
+        ["14", "models[0].endpoints[1].adress"],
+        ["16", "routes.chat.strategy"],
+    ]
+    assert "70000 must be in 1..65535" in lines[0]
+    assert "'kv-awre': did you mean 'kv-aware'?" in lines[2]
+    assert "-1 must be >= 0" in lines[3]
+    assert "port must be in 1..65535" in lines[6]
+    assert lines[-1] == f"{path}: 9 problems"
 
 
 @pytest.mark.parametrize("text", ["a: [1\n", b"\xff\xfe"])
@@ -181,6 +230,32 @@ def test_up_flow_control_switch_and_envoys_wait(
     config = load_config_text(__import__("yaml").safe_dump(stack.server_config()))
     assert config.flow_control.enabled is enabled
     assert stack.envoy_options().message_timeout_s == timeout_s
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        ([], "flow control on, 1 ext_proc process)"),
+        (["--flow-control", "off"], "flow control off, 1 ext_proc process)"),
+        (["--processes", "3"], "flow control on, 3 ext_proc processes sharing state over NATS)"),
+    ],
+)
+def test_up_ready_line_says_flow_control_and_processes_and_every_admin_url(
+    argv: list[str], shown: str
+) -> None:
+    args = _up_parser().parse_args([*argv, "--metrics-port", "9190"])
+    stack = LocalStack(options_from_args(args, {}))
+    lines = ready_text(stack, ".run").splitlines()
+    assert lines[0].startswith("READY: gateway on http://127.0.0.1:8080/v1 (model 'qwen3', ")
+    assert shown in lines[0]
+    n = stack.options.extproc_processes
+    for i in range(n):  # every process's metrics and status page, not only the first's
+        url = f"http://127.0.0.1:{9190 + i}"
+        assert sum(f"{url}/metrics" in line for line in lines) == 1
+        assert sum(f"{url}/ " in line or line.endswith(f"{url}/") for line in lines) == 1
+    if n > 1:  # where the totals are: the access records reach one process
+        assert any("sum the processes for totals" in line for line in lines)
+    assert f"http://127.0.0.1:{9190 + n}" not in "\n".join(lines)
 
 
 def test_up_names_a_port_another_program_holds(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def test_good_config_decodes_every_section() -> None:
         ),
         (
             "models: [{name: a, endpoints: [{address: nope}]}]",
-            "models[0].endpoints[0]: address 'nope'",
+            "models[0].endpoints[0].address: 'nope' must be ip:port",
         ),
         (
             "models: [{name: a, endpoints: [{address: '1.2.3.4:5', role: boss}]}]",
@@ -61,7 +61,22 @@ def test_good_config_decodes_every_section() -> None:
             "models: [{name: a, endpoints: [{address: '1.1.1.1:1'}]}, {name: a, endpoints: [{address: '1.1.1.1:2'}]}]",
             "declared twice",
         ),
-        ("flow_control: {reserved_slots: -1}", "reserved_slots >= 0"),
+        ("flow_control: {reserved_slots: -1}", "flow_control.reserved_slots: -1 must be >= 0"),
+        ("routing: {max_fallbacks: -1}", "routing.max_fallbacks: -1 must be >= 0"),
+        ("server: {metrics_port: 70000}", "server.metrics_port: 70000 must be in 1..65535"),
+        (
+            "models: [{name: a, endpoints: [{address: '127.0.0.1:99999'}]}]",
+            "models[0].endpoints[0].address: '127.0.0.1:99999': port must be in 1..65535",
+        ),
+        (
+            "models: [{name: a, block_size: 0, endpoints: [{address: '1.1.1.1:1'}]}]",
+            "models[0].block_size: 0 must be >= 1",
+        ),
+        (
+            "models: [{name: a, kubernetes: {target_port: 0}}]",
+            "models[0].kubernetes.target_port: 0 must be in 1..65535",
+        ),
+        ("metrics: {timeout_s: 0}", "metrics.timeout_s: 0.0 must be > 0"),
         ("server: [1, 2]", "server: expected a mapping"),
         ("server: {grpc_port: 1", "not valid YAML"),
     ],
@@ -70,6 +85,27 @@ def test_bad_config_names_the_key(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config_text(text)
     assert message in str(err.value)
+
+
+def test_checks_of_a_section_run_past_schema_errors_elsewhere() -> None:
+    """An unknown key does not hide the range and cross-field checks: one error carries all."""
+    text = (
+        "server: {grpc_prot: 1, metrics_port: 0}\n"
+        "routing: {max_fallbacks: -2, seed: x}\n"
+        "models:\n"
+        "  - {name: a}\n"
+        "  - {name: a, endpoints: [{address: '1.1.1.1:1'}]}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config_text(text)
+    assert [str(e).split(": ")[0] for e in err.value.errors] == [
+        "server.grpc_prot",
+        "server.metrics_port",
+        "routing.seed",
+        "routing.max_fallbacks",
+        "models[0] (a)",
+        "models[1]",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -154,7 +190,8 @@ MODEL = "models: [{name: m, endpoints: [{address: '127.0.0.1:9'}]}]\n"
         ),
         (
             "routing: {default_strategy: least-requests}",
-            "routing.default_strategy: incorrect routing strategy 'least-requests' (known: gaie,",
+            "routing.default_strategy: incorrect routing strategy 'least-requests': "
+            "did you mean 'least-request'? (known: gaie,",
         ),
         (
             "routing: {default_strategy: 'prefix-cache:3,least-reqest:1'}",

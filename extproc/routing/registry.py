@@ -7,6 +7,7 @@ specs raise `BadRequest` with param "routing-strategy" (AIBrix answers 400 too).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 
 from extproc.routing.base import Strategy
@@ -117,8 +118,10 @@ class StrategyRegistry:
 
     def _parse(self, value: str) -> Strategy:
         if "," not in value and ":" not in value:
+            near = difflib.get_close_matches(value[:64], self.names(), n=1)
+            hint = f": did you mean {near[0]!r}?" if near else ""
             raise PluginConfigError(
-                f"incorrect routing strategy {value!r} (known: {', '.join(self.names())})"
+                f"incorrect routing strategy {value!r}{hint} (known: {', '.join(self.names())})"
             )
         for part in value.split(","):
             # AIBrix multi-strategy: a spec naming a P/D strategy routes by that strategy alone.

@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-from extproc.config import Config, ConfigError, RouteSettings, check_config_text, load_config_text
+import yaml
+
+from extproc.config import Config, ConfigError, RouteSettings, check_config_text
 from extproc.routing.builtin import BUILTIN_PROFILES, default_plugins
 from extproc.routing.framework import PluginConfigError, PluginRegistry
 from extproc.routing.registry import StrategyRegistry
@@ -27,10 +30,12 @@ __all__ = [
 ]
 
 
+_ROUTE_NAME_KEYS = ("strategy", "profile", "scorers")  # route settings that name a strategy
+
+
 def _strategy_names(settings: RouteSettings) -> list[tuple[str, str]]:
     """(key, value) of the route settings that name a strategy, a profile or a spec."""
-    named = [("strategy", settings.strategy), ("profile", settings.profile)]
-    named.append(("scorers", settings.scorers))
+    named = [(key, getattr(settings, key)) for key in _ROUTE_NAME_KEYS]
     return [(key, value) for key, value in named if value is not None]
 
 
@@ -64,26 +69,50 @@ def strategy_problems(config: Config, plugins: PluginRegistry | None = None) -> 
 def _build(
     config: Config, plugins: PluginRegistry | None
 ) -> tuple[StrategyRegistry | None, list[str]]:
-    routing = config.routing
+    return _build_from_data(dataclasses.asdict(config), plugins)
+
+
+def _build_from_data(
+    data: Mapping[str, Any], plugins: PluginRegistry | None
+) -> tuple[StrategyRegistry | None, list[str]]:
+    """`_build` over a config as plain data: a decoded `Config` (as a dict), or a file's YAML
+    that has schema errors elsewhere (`config check` reports both in one run). A value of the
+    wrong shape is skipped here: the schema check names it."""
+    routing = _mapping(data.get("routing"))
     try:
         registry = StrategyRegistry(
             plugins or default_plugins(),
-            strategy_params=routing.strategy_params,
-            profiles=routing.profiles,
+            strategy_params=_sections(routing.get("strategy_params")),
+            profiles=_sections(routing.get("profiles")),
             builtin=BUILTIN_PROFILES,
         )
     except PluginConfigError as exc:
         return None, [str(exc)]
-    names: list[tuple[str, str | None]] = [("routing.default_strategy", routing.default_strategy)]
-    names += [(f"models[{i}].strategy", m.strategy) for i, m in enumerate(config.models)]
-    for route, settings in config.routes.items():
-        names += [(f"routes.{route}.{k}", v) for k, v in _strategy_names(settings)]
+    names: list[tuple[str, object]] = [
+        ("routing.default_strategy", routing.get("default_strategy"))
+    ]
+    models = data.get("models")
+    for i, model in enumerate(models if isinstance(models, list) else []):
+        names.append((f"models[{i}].strategy", _mapping(model).get("strategy")))
+    for route, settings in _mapping(data.get("routes")).items():
+        names += [(f"routes.{route}.{k}", _mapping(settings).get(k)) for k in _ROUTE_NAME_KEYS]
     problems = []
     for where, value in names:
-        problem = registry.check(value) if value is not None else None
+        problem = registry.check(value) if isinstance(value, str) else None
         if problem is not None:
             problems.append(f"{where}: {problem}")
     return registry, problems
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _sections(value: object) -> dict[str, Mapping[str, object]]:
+    """`routing.profiles` / `strategy_params`: the name -> mapping entries."""
+    return {
+        k: v for k, v in _mapping(value).items() if isinstance(k, str) and isinstance(v, Mapping)
+    }
 
 
 def check_route(registry: StrategyRegistry, settings: RouteSettings) -> list[tuple[str, str]]:
@@ -123,7 +152,10 @@ def config_file_problems(path: str | Path) -> list[str]:
         return [f"{path}: cannot read the file: {exc.strerror}"]
     except UnicodeDecodeError as exc:
         return [f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]
-    problems = check_config_text(text)
-    if not problems:
-        problems = check_config_text(text, strategy_problems(load_config_text(text)))
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None  # check_config_text says where
+    names = _build_from_data(data, None)[1] if isinstance(data, Mapping) else []
+    problems = check_config_text(text, names)
     return [f"{path}:{p.line}: {p.message}" if p.line else f"{path}: {p.message}" for p in problems]

@@ -106,6 +106,9 @@ async def test_without_the_token_every_private_path_is_refused_and_the_open_ones
         for method, path in PRIVATE:
             error = _refused(await client.request(method, path, content=CHAT))
             assert "no admin token" in error["message"] and path in error["message"]
+            # The three forms, the browser's login too (what the README tells people to use).
+            assert ADMIN_TOKEN_HEADER in error["message"] and "Bearer" in error["message"]
+            assert "any user name and the token as the password" in error["message"]
             for wrong in (
                 {ADMIN_TOKEN_HEADER: TOKEN[:-1]},
                 {"Authorization": f"Bearer {TOKEN}x"},
@@ -187,7 +190,7 @@ async def test_extproc_explain_finds_the_local_token(
 ) -> None:
     body = tmp_path / "body.json"
     body.write_bytes(CHAT)
-    argv = ["explain", str(body), "--server", running.url]
+    argv = ["explain", str(body), "--server", running.url, "--json"]
     monkeypatch.delenv("EXTPROC_ADMIN_TOKEN", raising=False)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -294,7 +297,7 @@ async def test_without_a_token_a_client_from_the_network_is_refused(
 @pytest.mark.parametrize(
     ("admin", "message"),
     [
-        ("{token: short}", "admin: token: must be at least 16 characters"),
+        ("{token: short}", "admin.token: must be at least 16 characters"),
         ("{token: 0123456789abcdef0, token_file: /x}", "admin.token_file: set it or admin.token"),
         ("{explain_concurrency: 0}", "explain_concurrency >= 1"),
     ],
