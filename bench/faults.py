@@ -35,6 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stats import percentile
+from extproc.stack.envoy_config import EXTPROC_STATUS_ON_ERROR
 from extproc.stack.local import LocalStack, StackOptions
 from tests.e2e.harness import metric_samples, metric_sum
 from tests.e2e.harness import stack_options as harness_options
@@ -698,13 +699,19 @@ def _accounting_sink_fault(
         "victim_routing_streams_at_signal": routing_at_signal,
         "in_flight_at_signal": len(in_flight_at_kill),
         "failed_in_flight_at_signal": sum(1 for x in in_flight_at_kill if x.status != 200),
-        # Cut: answered, then broken (a 500 is a request that reached the victim as it went)
-        "cut_in_flight_at_signal": sum(1 for x in in_flight_at_kill if x.status not in (200, 500)),
+        # Cut: answered, then broken (the fail-closed answer is a request that reached the
+        # victim as it went)
+        "cut_in_flight_at_signal": sum(
+            1 for x in in_flight_at_kill if x.status not in (200, EXTPROC_STATUS_ON_ERROR)
+        ),
         "started": started,  # by phase: requests sent and failed
-        # A fail-closed gateway answers 500 when it cannot route; anything else (a timeout, a
-        # cut stream) for a request sent after the signal would be worse.
-        "failed_not_500_after_signal": sum(
-            1 for x in report.outcomes if x.started >= killed_at and x.status not in (200, 500)
+        # A fail-closed gateway answers 503 when it cannot route (the routing filter's
+        # status_on_error); anything else (a timeout, a cut stream) for a request sent after
+        # the signal would be worse.
+        "failed_not_fail_closed_after_signal": sum(
+            1
+            for x in report.outcomes
+            if x.started >= killed_at and x.status not in (200, EXTPROC_STATUS_ON_ERROR)
         ),
         "exited_after_s": rel(exited_at),
         # SIGTERM: the victim's records are counted up to this scrape (it stops answering

@@ -373,6 +373,29 @@ def _endpoint_override_policy(lb: Mapping[str, Any], where: str) -> dict[str, An
 # -- routes -----------------------------------------------------------------------------------
 
 
+def _service_retry_policy(retry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """oidc.go buildNonRouteRetryPolicy (an ext_proc or ext_authz service's retries): the
+    default triggers, the number, the back-off; no host predicate, no status codes."""
+    spec = _only(retry, {"numRetries", "retryOn", "perRetry"}, where)
+    policy: dict[str, Any] = {"retry_on": EG_DEFAULTS["retry_on"]}
+    per_retry = _only(spec.get("perRetry"), {"backOff"}, f"{where}.perRetry")
+    if "backOff" in per_retry:
+        back_off = _only(
+            per_retry["backOff"], {"baseInterval", "maxInterval"}, f"{where}.perRetry.backOff"
+        )
+        policy["retry_back_off"] = {
+            "base_interval": _envoy_duration(back_off["baseInterval"]),
+            "max_interval": _envoy_duration(back_off["maxInterval"]),
+        }
+    if "numRetries" in spec:
+        policy["num_retries"] = int(spec["numRetries"])
+    if "retryOn" in spec:
+        on = _only(spec["retryOn"], {"triggers"}, f"{where}.retryOn")
+        if on.get("triggers"):
+            policy["retry_on"] = ",".join(on["triggers"])
+    return policy
+
+
 def _retry_policy(retry: Mapping[str, Any], where: str) -> dict[str, Any]:
     """route.go buildRetryPolicy."""
     spec = _only(retry, {"numRetries", "retryOn"}, where)
@@ -497,6 +520,7 @@ def _extension_filters(
                 "failOpen",
                 "processingMode",
                 "metadata",
+                "statusOnError",
             },
             w,
         )
@@ -542,6 +566,8 @@ def _extension_filters(
         }
         if "failOpen" in ep:
             config["failure_mode_allow"] = bool(ep["failOpen"])
+        if "statusOnError" in ep:  # extproc.go: StatusOnError
+            config["status_on_error"] = {"code": int(ep["statusOnError"])}
         if "messageTimeout" in ep:
             config["message_timeout"] = _envoy_duration(ep["messageTimeout"])
         if request.get("attributes"):
@@ -569,8 +595,14 @@ def _extension_filters(
             }
         )
         traffic = _only(
-            ep.get("backendSettings"), {"healthCheck", "circuitBreaker"}, f"{w}.backendSettings"
+            ep.get("backendSettings"),
+            {"healthCheck", "circuitBreaker", "retry"},
+            f"{w}.backendSettings",
         )
+        if "retry" in traffic:
+            config["grpc_service"]["retry_policy"] = _service_retry_policy(
+                traffic["retry"], f"{w}.backendSettings.retry"
+            )
         parts.clusters.append(
             _cluster(cluster_name, opts.extproc, traffic=traffic, where=w, grpc=True)
         )

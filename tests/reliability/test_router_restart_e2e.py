@@ -4,7 +4,7 @@ The routing stream ends once its answer is delivered, so a server process that i
 (SIGTERM: a rolling update, a scale-down) or killed (SIGKILL: a crash) cuts none of the
 responses it routed; their leases end with their access-log records on whatever process gets
 them. Only a request caught in the middle of its decision depends on the process: it gets
-the fail-closed 500, or, fail-open, goes on without a routing answer (never retried by Envoy:
+the fail-closed 503, or, fail-open, goes on without a routing answer (never retried by Envoy:
 the ext_proc filter runs before the router). bench/faults.py has the longer runs
 (`router_sigterm`, `router_sigkill`, `rolling_restart`).
 """
@@ -171,4 +171,5 @@ def test_a_request_caught_mid_decision_fails_closed_or_goes_on_open(
     if fail_open:
         assert resp.status_code == 200  # no routing answer: Envoy's fallback picked a pod
     else:
-        assert resp.status_code == 500  # Envoy's fail-closed answer; not retried
+        # The fail-closed answer (status_on_error); a reset is not retried.
+        assert resp.status_code == 503
