@@ -41,6 +41,7 @@ _TOP_KEYS = {
 }  # fmt: skip
 _VARIANT_KEYS = {
     "name", "kind", "body_mode", "accounting", "processes", "strategy", "policy", "held",
+    "tracing",
 }  # fmt: skip
 
 
@@ -56,6 +57,8 @@ class Variant:
     # The routing stream held for the whole request (the server without the lease book's
     # record release); always so without the access log, whose leases no record would end.
     held: bool = False
+    # Tracing on at this sample ratio (a server process of its own exporting to a span sink).
+    tracing: float | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Variant:
@@ -80,6 +83,7 @@ class Variant:
             strategy=raw.get("strategy"),
             policy=raw.get("policy"),
             held=held and kind == "extproc",
+            tracing=float(raw["tracing"]) if raw.get("tracing") is not None else None,
         )
 
 
@@ -197,7 +201,11 @@ def _door(cluster: Cluster, v: Variant) -> FrontDoor:
         return cluster.envoy("baseline", baseline=True)
     # One Envoy per (body mode, accounting, processes); strategies share it via the header.
     key = f"{v.body_mode.value}-{v.accounting.value}-{v.processes}p"
-    if v.held:
+    if v.tracing is not None:
+        door = cluster.traced_door(
+            f"{key}-trace{v.tracing:g}", v.tracing, body_mode=v.body_mode, accounting=v.accounting
+        )
+    elif v.held:
         door = cluster.held_door(key, body_mode=v.body_mode, accounting=v.accounting)
     else:
         door = cluster.envoy(

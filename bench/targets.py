@@ -177,6 +177,7 @@ class Cluster:
         self._children: list[_Child] = []
         self._doors: dict[str, FrontDoor] = {}
         self._held: tuple[int, int, int] | None = None  # the held server: grpc, metrics, pid
+        self._otlp: int | None = None  # the span sink's port (traced doors)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -377,25 +378,71 @@ class Cluster:
         if key in self._doors:
             return self._doors[key]
         if self._held is None:
-            grpc_port, metrics_port = self._ports(2)
-            cfg = self.stack.server_config()
-            cfg.pop("sync", None)
-            cfg["server"] = {**cfg["server"], "grpc_port": grpc_port, "metrics_port": metrics_port}
-            cfg["accounting"] = {**cfg.get("accounting", {}), "access_log": False}
-            path = self.workdir / "held-config.yaml"
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            pid = self.spawn(
-                "extproc-held",
-                [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
-                ready_url=f"http://{HOST}:{metrics_port}/readyz",
+            accounting_cfg = {**self.stack.server_config().get("accounting", {})}
+            self._held = self._server(
+                "held", {"accounting": {**accounting_cfg, "access_log": False}}
             )
-            self._held = (grpc_port, metrics_port, pid)
-        grpc_port, metrics_port, pid = self._held
+        door = self._door_to(name, self._held, body_mode=body_mode, accounting=accounting)
+        self._doors[key] = door
+        return door
+
+    def _server(self, name: str, changes: dict[str, Any]) -> tuple[int, int, int]:
+        """One more server process, alone (no sync), with `changes` over the stack's config:
+        its gRPC port, metrics port and pid."""
+        grpc_port, metrics_port = self._ports(2)
+        cfg = self.stack.server_config()
+        cfg.pop("sync", None)
+        cfg["server"] = {**cfg["server"], "grpc_port": grpc_port, "metrics_port": metrics_port}
+        cfg.update(changes)
+        path = self.workdir / f"{name}-config.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        pid = self.spawn(
+            f"extproc-{name}",
+            [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
+            ready_url=f"http://{HOST}:{metrics_port}/readyz",
+        )
+        return grpc_port, metrics_port, pid
+
+    def _door_to(
+        self,
+        name: str,
+        server: tuple[int, int, int],
+        *,
+        body_mode: RequestBodyMode,
+        accounting: ResponseAccounting,
+    ) -> FrontDoor:
+        grpc_port, metrics_port, pid = server
         listen, admin = self._ports(2)
-        door = self.envoy_for(
+        return self.envoy_for(
             name, [grpc_port], listen=listen, admin=admin, server_pids=(pid,),
             metrics_ports=[metrics_port], body_mode=body_mode, accounting=accounting,
         )  # fmt: skip
+
+    def traced_door(
+        self,
+        name: str,
+        sample_ratio: float,
+        *,
+        body_mode: RequestBodyMode = RequestBodyMode.BUFFERED,
+        accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
+    ) -> FrontDoor:
+        """An Envoy in front of one more server process with tracing on at `sample_ratio`,
+        exporting to a span sink (an OTLP receiver process of its own, started once). The
+        requests come without a trace context: our ratio alone decides; Envoy does not trace,
+        so its CPU compares with the other doors'."""
+        key = f"traced|{name}"
+        if key in self._doors:
+            return self._doors[key]
+        if self._otlp is None:
+            (self._otlp,) = self._ports(1)
+            sink = [sys.executable, "-m", "extproc.stack.otlp", "--port", str(self._otlp)]
+            self._children.append(_Child("otlp", sink, self.workdir / "otlp.log"))
+        tracing = {
+            "enabled": True, "endpoint": f"http://{HOST}:{self._otlp}",
+            "sample_ratio": sample_ratio,
+        }  # fmt: skip
+        server = self._server(name, {"tracing": tracing})
+        door = self._door_to(name, server, body_mode=body_mode, accounting=accounting)
         self._doors[key] = door
         return door
 

@@ -117,6 +117,7 @@ from extproc.tokenization import (
     load_tokenizer,
 )
 from extproc.tokenization.base import Tokenizer
+from extproc.tracing import NO_TRACER, Tracer, open_tracer
 from extproc.types import Endpoint, EndpointRole, EngineMetrics, GatewayError
 
 __all__ = [
@@ -296,6 +297,8 @@ class Core:
         self.share_blocks: Callable[[str, str, Sequence[int]], None] | None = None
         self.share_latency: LatencyShare | None = None
         self.prefill: PrefillClient | None = None
+        # Spans of routing decisions (tracing.enabled; settings apply at start-up).
+        self.tracer: Tracer = NO_TRACER
 
     def _build_flow(self, config: Config) -> FlowController | None:
         """The queue for demand above the pool, when `flow_control.enabled` (settings apply at
@@ -499,6 +502,7 @@ def build_director(
             max_pending=config.server.max_pending_requests,
             max_fallbacks=cfg.max_fallbacks,
         ),
+        tracer=core.tracer,
     )  # fmt: skip
 
 
@@ -626,6 +630,8 @@ class App:
         self._scrape_http = httpx.AsyncClient(transport=PerHostTransport())
         core.prefill = PrefillClient(self._http)
         core.on_routed = self._note_traffic
+        # Not started here: `start()` starts its exporter (OpenTelemetry only when enabled).
+        core.tracer = open_tracer(config.tracing, instance=core.replica)
         self._discoveries: list[PodDiscovery] = []
         self._route_watcher: HTTPRouteWatcher[RouteSettings] | None = None
         self._rewrite_watcher: ModelRewriteWatcher | None = None
@@ -670,6 +676,7 @@ class App:
                 tls_reload_interval_s=config.server.tls.reload_interval_s
                 if config.server.tls
                 else 30.0,
+                trace_context=config.tracing.enabled,
             ),
         )
         self.registry.register(
@@ -990,6 +997,7 @@ class App:
         # a server it cannot reach, not one that answers).
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.poller.poll_once(), self.config.metrics.timeout_s + 0.5)
+        self.core.tracer.start()
         await self.server.start()
         if self.sync is not None:
             await self.sync.start()
@@ -1038,6 +1046,7 @@ class App:
         await self._pages.aclose()
         await self._scrape_http.aclose()
         await asyncio.to_thread(self.tokenizers.close)
+        await asyncio.to_thread(self.core.tracer.shutdown)  # the last spans go out
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

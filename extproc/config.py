@@ -51,6 +51,7 @@ __all__ = [
     "SyncConfig",
     "SyncTLSConfig",
     "TLSConfig",
+    "TracingConfig",
     "check_config_text",
     "load_config",
     "load_config_text",
@@ -80,6 +81,39 @@ def _gathered(errors: list[ConfigError]) -> ConfigError:
 
 def _collect(errors: list[ConfigError], exc: ConfigError) -> None:
     errors.extend(exc.errors)
+
+
+_PORT = (1, 65535)
+_AT_LEAST_0 = (0, None)
+_AT_LEAST_1 = (1, None)
+
+
+def _check_ranges(obj: object, **bounds: tuple[float, float | None]) -> list[ConfigError]:
+    """A problem for each named field of `obj` outside its inclusive (low, high) bounds (high
+    None: no upper bound; a field that is None is not checked), named by the field."""
+    errors = []
+    for name, (low, high) in bounds.items():
+        value = getattr(obj, name)
+        if value is None or (low <= value and (high is None or value <= high)):
+            continue
+        wanted = f"in {low}..{high}" if high is not None else f">= {low}"
+        errors.append(ConfigError(f"{name}: {value!r} must be {wanted}"))
+    return errors
+
+
+def _check_positive(obj: object, *names: str) -> list[ConfigError]:
+    """A problem for each named field of `obj` that is not above 0 (None is not checked)."""
+    values = {name: getattr(obj, name) for name in names}
+    return [
+        ConfigError(f"{name}: {value!r} must be > 0")
+        for name, value in values.items()
+        if value is not None and value <= 0
+    ]
+
+
+def _raise_all(errors: list[ConfigError]) -> None:
+    if errors:
+        raise _gathered(errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +157,23 @@ class ServerConfig:
     tokenizer_root: str | None = None
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        _raise_all(
+            _check_ranges(
+                self,
+                grpc_port=_PORT,
+                metrics_port=_PORT,
+                max_body_bytes=_AT_LEAST_1,
+                max_concurrent_streams=_AT_LEAST_1,
+                max_pending_requests=_AT_LEAST_1,
+                shutdown_grace_s=_AT_LEAST_0,
+                shutdown_announce_s=_AT_LEAST_0,
+                tokenize_inline_bytes=_AT_LEAST_0,
+                tokenizer_threads=_AT_LEAST_1,
+                max_tokenizers=_AT_LEAST_1,
+            )
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
@@ -164,8 +215,11 @@ class MetricsConfig:
     max_response_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        errors = _check_positive(self, "poll_interval_s", "timeout_s", "stale_after_s")
+        errors += _check_ranges(self, max_response_bytes=_AT_LEAST_1)
         if self.idle_poll_interval_s < self.poll_interval_s:
-            raise ConfigError("idle_poll_interval_s: must be at least poll_interval_s")
+            errors.append(ConfigError("idle_poll_interval_s: must be at least poll_interval_s"))
+        _raise_all(errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +266,13 @@ class RoutingConfig:
     session_secret_file: str | None = None  # read by load_config (a mounted Secret)
     user_header: str = "x-user-id"
     seed: int | None = None  # fixed seed for reproducible tie-breaks (tests, benchmarks)
+
+    def __post_init__(self) -> None:
+        _raise_all(
+            _check_ranges(
+                self, max_fallbacks=_AT_LEAST_0, stall_after_s=_AT_LEAST_0, hang_after_s=_AT_LEAST_0
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,10 +332,15 @@ class FlowControlConfig:
     objectives: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0 or self.max_requests_per_band <= 0 or self.max_bytes_per_band <= 0:
-            raise ConfigError("needs ttl_s, max_requests_per_band and max_bytes_per_band > 0")
-        if self.max_concurrency < 0 or self.engine_queue < 0 or self.reserved_slots < 0:
-            raise ConfigError("needs max_concurrency, engine_queue and reserved_slots >= 0")
+        errors = _check_positive(self, "ttl_s", "max_requests_per_band", "max_bytes_per_band")
+        errors += _check_ranges(
+            self,
+            retry_after_s=_AT_LEAST_0,
+            engine_queue=_AT_LEAST_0,
+            reserved_slots=_AT_LEAST_0,
+            max_concurrency=_AT_LEAST_0,
+        )
+        _raise_all(errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +358,17 @@ class KVEventsConfig:
     # request shares can starve pods that got no traffic yet (AIBrix's own immediate insert
     # does the same): set 0 there (docs/strategies.md, prefix-cache).
     pending_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        errors = _check_positive(self, "approx_ttl_s", "replay_timeout_s")
+        errors += _check_ranges(
+            self,
+            approx_capacity_blocks=_AT_LEAST_1,
+            exact_capacity_blocks=_AT_LEAST_1,
+            stall_after_s=_AT_LEAST_0,
+            pending_s=_AT_LEAST_0,
+        )
+        _raise_all(errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +399,31 @@ class SyncConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry traces of routing decisions (docs/operations.md, "Traces"). Off by default;
+    read at start-up (a reload does not change them). A request's spans continue the trace
+    Envoy started (W3C `traceparent`) and go in batches, off the request path, over OTLP/gRPC."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4317"  # the OTLP/gRPC collector: http:// plain, https:// TLS
+    # Head sampling: a request whose parent was not sampled never is; the others are, at this
+    # ratio of trace ids (deterministic per trace id, so every process agrees).
+    sample_ratio: float = 1.0
+    service_name: str = "extproc"
+    flush_interval_s: float = 1.0  # spans are exported at least this often
+    max_queue_spans: int = 8192  # beyond it new spans are dropped, never the request delayed
+
+    def __post_init__(self) -> None:
+        errors = _check_ranges(self, sample_ratio=(0, 1), max_queue_spans=_AT_LEAST_1)
+        errors += _check_positive(self, "flush_interval_s")
+        if not self.endpoint.startswith(("http://", "https://")):
+            errors.append(
+                ConfigError(f"endpoint: expected http(s)://host:port, got {self.endpoint!r}")
+            )
+        _raise_all(errors)
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointConfig:
     address: str
     metrics_url: str | None = None
@@ -331,10 +433,14 @@ class EndpointConfig:
     data_parallel_size: int = 1  # vLLM --data-parallel-size: rank r on kv_events/kv_replay port + r
 
     def __post_init__(self) -> None:
+        errors = _check_ranges(self, data_parallel_size=(1, 1024))
         if not _ADDRESS_RE.match(self.address):
-            raise ConfigError(f"address {self.address!r} must be ip:port (IPv6 in brackets)")
-        if not 1 <= self.data_parallel_size <= 1024:
-            raise ConfigError(f"data_parallel_size: {self.data_parallel_size} is not in 1..1024")
+            errors.insert(
+                0, ConfigError(f"address: {self.address!r} must be ip:port (IPv6 in brackets)")
+            )
+        elif not 1 <= int(self.address.rpartition(":")[2]) <= 65535:
+            errors.insert(0, ConfigError(f"address: {self.address!r}: port must be in 1..65535"))
+        _raise_all(errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +456,18 @@ class KubernetesDiscoveryConfig:
     # vLLM --data-parallel-size of every pod; a pod's `lb.extproc.io/data-parallel-size`
     # annotation overrides it.
     data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _raise_all(
+            _check_ranges(
+                self,
+                target_port=_PORT,
+                metrics_port=_PORT,
+                kv_events_port=_PORT,
+                kv_replay_port=_PORT,
+                data_parallel_size=(1, 1024),
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +487,9 @@ class ModelConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     endpoints: list[EndpointConfig] = field(default_factory=list)
     kubernetes: KubernetesDiscoveryConfig | None = None
+
+    def __post_init__(self) -> None:
+        _raise_all(_check_ranges(self, block_size=_AT_LEAST_1))
 
 
 # -- model rewrites (llm-d's InferenceModelRewrite, llm-d.ai/v1alpha2) -------------------------
@@ -531,6 +652,7 @@ class Config:
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     models: list[ModelConfig] = field(default_factory=list)
     model_rewrites: list[ModelRewriteConfig] = field(default_factory=list)  # aliases, canaries
     routes: dict[str, RouteSettings] = field(
@@ -657,14 +779,29 @@ def _decode_dataclass(cls: type[Any], value: Any, path: str) -> Any:
                 _collect(errors, exc)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             errors.append(ConfigError(f"{prefix}{name}: required key is missing"))
+    required = (
+        n
+        for n, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    if any(n not in kwargs for n in required):  # nothing to stand in for it
+        raise _gathered(errors)
+    # The section's own checks run past schema errors too, so one run reports them all; with
+    # a field that did not decode (its default stands in), only checks naming a decoded field.
+    failed = any(name in value and name not in kwargs for name in fields)
+    try:
+        result = cls(**kwargs)
+    except ConfigError as exc:
+        for e in exc.errors:
+            named = re.split(r"[:.\[ ]", str(e), maxsplit=1)[0]  # `models[0] (m): ...`: models
+            if failed and named not in kwargs:
+                continue
+            # `field: ...` becomes `path.field: ...`, so the problem has that key's line.
+            where = f"{path}.{e}" if named in fields else f"{path}: {e}"
+            errors.append(e if not path else ConfigError(where))
     if errors:
         raise _gathered(errors)
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        if not path:
-            raise
-        raise _gathered([ConfigError(f"{path}: {e}") for e in exc.errors]) from None
+    return result
 
 
 def load_config_text(text: str) -> Config:

@@ -26,6 +26,7 @@ from extproc.flowcontrol import FlowController
 from extproc.metrics.store import EndpointStore
 from extproc.routing.base import Decision
 from extproc.tokenization.base import Tokenizer
+from extproc.tracing import Tracer
 from tests._metrics import sample
 from tests._tokenizers import fresh_tokenizer
 
@@ -117,13 +118,16 @@ def build_director(
     tokenizer: Tokenizer | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
+    tracer: Tracer | None = None,
 ) -> DirectorKit:
     """The director `App` would build from `text`, every model on the Qwen3 tokenizer in
-    `tokenizer_dir` (or on `tokenizer`)."""
+    `tokenizer_dir` (or on `tokenizer`); with `tracer` (started), its requests are traced."""
     config = load_config_text(text)
     core = Core(
         config, replica="test:1", registry=CollectorRegistry(), clock=clock, wall_clock=wall_clock
     )
+    if tracer is not None:
+        core.tracer = tracer  # as App sets it
     runtime = build_runtime(
         config,
         core,

@@ -49,6 +49,9 @@ class RequestHead:
     route_name: str | None = None  # xds.route_name attribute, when Envoy sends it
     subset: tuple[str, ...] | None = None  # envoy.lb.subset_hint: pick only among these
     has_body: bool = True
+    # The caller's W3C trace context (Envoy's ext_proc span, else the request's header), read
+    # only when tracing is on: our routing span continues that trace.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,9 @@ class RoutedRequest:
     replica: str = ""  # the process that routed it (host:pid)
     # The pick's latency features and prediction (accounting.latency_model.DecisionTag), or "".
     latency: str = ""
+    # The routing span as a `traceparent` (sampled requests only, else ""): the access record
+    # brings it back, so the response joins the request's trace on whatever process gets it.
+    trace: str = ""
 
     def metadata(self) -> dict[str, MetadataValue]:
         out: dict[str, MetadataValue] = {
@@ -115,7 +121,7 @@ class RoutedRequest:
             "estimated": self.estimated,
             "stream": self.stream,
         }
-        for key in ("route", "user", "replica", "latency"):
+        for key in ("route", "user", "replica", "latency", "trace"):
             value = getattr(self, key)
             if value:
                 out[key] = value

@@ -10,6 +10,7 @@ Everything that becomes an HTTP error is a GatewayError mapped to a reply in `er
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,12 +33,34 @@ from extproc.director.lifecycle import (
     Steps,
 )
 from extproc.director.response import RecordAccounting
+from extproc.director.tracing import (
+    decision_attributes,
+    rejection_reason,
+    request_attributes,
+    response_span,
+)
 from extproc.protocol.errors import error_json
+from extproc.tracing import NO_TRACER, RequestTrace, Tracer
 from extproc.types import GatewayError, TooManyRequests
 
-__all__ = ["Deciding", "Director", "Limits", "redact"]
+__all__ = [
+    "ADMIT_SPAN",
+    "DECIDE_SPAN",
+    "PREPARE_SPAN",
+    "PRE_REQUEST_SPAN",
+    "Deciding",
+    "Director",
+    "Limits",
+    "redact",
+]
 
 log = logging.getLogger("extproc.director")
+
+# The routing span's children: one per phase of the lifecycle.
+PREPARE_SPAN = "extproc.prepare"
+ADMIT_SPAN = "extproc.admit"
+DECIDE_SPAN = "extproc.decide"
+PRE_REQUEST_SPAN = "extproc.pre_request"
 
 SENSITIVE_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"}
@@ -80,6 +103,7 @@ class Director:
         deciding: Deciding,
         metrics: GatewayMetrics,
         limits: Limits,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.steps = steps
         self._bodyless = bodyless
@@ -88,6 +112,7 @@ class Director:
         self._deciding = deciding
         self._metrics = metrics
         self._limits = limits
+        self._tracer = tracer
         self._records = RecordAccounting(steps.complete, metrics=metrics)
 
     # -- RequestHandler ---------------------------------------------------------------------
@@ -110,6 +135,10 @@ class Director:
             if record.lease is not None:
                 self._leases.settle(record.lease)  # the request is over: its lease ends
             self._records.account(record)
+            if record.routed is not None and record.routed.trace:
+                span = response_span(record)  # the response joins the request's trace
+                if span is not None:
+                    self._tracer.record_response(span)
         except Exception:  # a bug must never end Envoy's access-log stream
             log.exception("cannot account the record of request %s", record.request_id)
             self._metrics.access_records.labels("error").inc()
@@ -128,11 +157,18 @@ class Director:
             err = TooManyRequests(
                 f"the gateway is overloaded ({limit} requests awaiting a routing decision)"
             )
+            shed = self._tracer.begin(head.traceparent)
+            shed.fail(err.status, "overloaded")
+            shed.end()
             return self.error_reply(err, head.path)
+        # The routing span, a child of the caller's (NO_TRACE when tracing is off or the
+        # request is not sampled: then nothing below costs anything).
+        trace = self._tracer.begin(head.traceparent)
         self._deciding.count += 1
         try:
-            return await self._route(head, body, started)
+            return await self._route(head, body, started, trace)
         except GatewayError as err:
+            trace.fail(err.status, rejection_reason(err))
             self._metrics.observe_request("", err.status, "")
             log.info(
                 "request %s %s rejected with %d: %s",
@@ -141,25 +177,33 @@ class Director:
             return self.error_reply(err, head.path)
         except Exception:  # a bug must never crash the stream: answer 500 and log it
             log.exception("unexpected error routing request %s", head.request_id)
+            trace.fail(500, "internal_error")
             self._metrics.observe_request("", 500, "")
             return self.error_reply(
                 GatewayError("internal error while routing the request"), head.path
             )
         finally:
             self._deciding.count -= 1
+            trace.end()
 
     # -- the lifecycle ------------------------------------------------------------------------
 
     async def _route(
-        self, head: RequestHead, body: bytes | None, started: float
+        self, head: RequestHead, body: bytes | None, started: float, trace: RequestTrace
     ) -> RouteResult | ImmediateReply:
+        """The steps in order, each phase a child span of the request's trace (the one place
+        spans are made: no step knows of tracing)."""
         if body is None or not head.has_body:
             return self._bodyless.route(head)
-        req = await self._prepare(head, body, self._state, dry_run=False)
-        grants, waited = await self._admit(req)
+        with trace.phase(PREPARE_SPAN):  # parse, resolve, tokenize
+            req = await self._prepare(head, body, self._state, dry_run=False)
+        if trace.recording:
+            trace.annotate(request_attributes(req))
+        with trace.phase(ADMIT_SPAN):  # the flow-control wait
+            grants, waited = await self._admit(req)
         try:
             room = tuple(pod for grant in grants for pod in grant.pods)
-            return await self._routed(req, started + waited, room)
+            return await self._routed(req, started + waited, room, trace, waited)
         finally:
             for grant in grants:  # the claim holds the request's place now
                 grant.release()
@@ -196,18 +240,33 @@ class Director:
             self._deciding.count += 1
         return grants, waited
 
-    async def _routed(self, req: Request, started: float, room: tuple[str, ...]) -> RouteResult:
+    async def _routed(
+        self,
+        req: Request,
+        started: float,
+        room: tuple[str, ...],
+        trace: RequestTrace,
+        waited: float,
+    ) -> RouteResult:
         """Place, decide, the pre-request steps, then the claim. The claim comes last, after
         the last await and anything that can raise, so a cancelled stream cannot leave one
         behind: the ticket reaches the stream, which closes it when the request ends."""
         steps = self.steps
-        place = steps.place.place(req, room)  # among the pods admitted into, if named
-        decision = steps.decide.decide(req, place, self._state)
+        with trace.phase(DECIDE_SPAN):
+            place = steps.place.place(req, room)  # among the pods admitted into, if named
+            decision = steps.decide.decide(req, place, self._state)
         out = Outgoing()
-        for step in steps.pre_request:
-            await step.pre_request(req, place, decision, out)
+        with trace.phase(PRE_REQUEST_SPAN):
+            for step in steps.pre_request:
+                await step.pre_request(req, place, decision, out)
         body_out = out.body(req.parsed.body)
         to = destinations(decision, self._limits.max_fallbacks)
+        if trace.recording:
+            trace.annotate(
+                decision_attributes(req, place, decision, fallbacks=len(to) - 1, waited_s=waited)
+            )
+            if out.routed is not None:  # the access record brings the routing span back
+                out.routed = dataclasses.replace(out.routed, trace=trace.traceparent)
         ticket = steps.claim.claim(req, place, decision)
         log.debug(
             "routed %s model=%s strategy=%s -> %s (prompt %d tokens%s)",

@@ -108,6 +108,7 @@ def _routed(fields: Any) -> RoutedRequest | None:
         stream=_flag(fields, "stream"),
         replica=_str(fields, "replica"),
         latency=_str(fields, "latency"),
+        trace=_str(fields, "trace"),
     )
 
 

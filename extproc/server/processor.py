@@ -126,7 +126,7 @@ def _attribute_text(value: Any) -> str | None:
     return None
 
 
-def _attributes_head(msg: ep.ProcessingRequest) -> RequestHead:
+def _attributes_head(msg: ep.ProcessingRequest, traceparent: str | None) -> RequestHead:
     """The request as a one-message stream tells it: the body message's request attributes
     (`request.id`, `request.method`, `request.path`, one `request.headers['name']` per header
     the server reads; Envoy leaves out headers the request lacks)."""
@@ -155,6 +155,7 @@ def _attributes_head(msg: ep.ProcessingRequest) -> RequestHead:
         route_name=named.get("xds.route_name"),
         subset=_subset_hint(msg),
         has_body=True,
+        traceparent=traceparent,
     )
 
 
@@ -239,10 +240,18 @@ def _modes(request: int, response: int, no_wait: bool, observability: bool) -> S
 
 
 class StreamProcessor:
-    """State of one ext_proc gRPC stream. Feed messages with `on_message`; write what it returns."""
+    """State of one ext_proc gRPC stream. Feed messages with `on_message`; write what it returns.
 
-    def __init__(self, handler: RequestHandler) -> None:
+    `traced`: tracing is on, so the request carries its trace context on to the director: the
+    stream's own (`traceparent`, from the gRPC metadata of Envoy's ext_proc call: Envoy's span),
+    else the request's `traceparent` header (the client's)."""
+
+    def __init__(
+        self, handler: RequestHandler, *, traced: bool = False, traceparent: str | None = None
+    ) -> None:
         self._handler = handler
+        self._traced = traced
+        self._traceparent = traceparent
         self.phase = Phase.HEADERS
         self._modes: StreamModes | None = None  # set from the first message
         self._head: RequestHead | None = None
@@ -318,6 +327,7 @@ class StreamProcessor:
             route_name=_attribute(msg, "xds.route_name"),
             subset=_subset_hint(msg),
             has_body=not hdrs.end_of_stream,
+            traceparent=(self._traceparent or headers.get("traceparent")) if self._traced else None,
         )
         mode = self.modes.request_body
         if hdrs.end_of_stream or mode == BodyMode.NONE:
@@ -338,7 +348,7 @@ class StreamProcessor:
         way). Only a buffered body can still route: in the other modes Envoy passed the
         headers on, and the upstream was chosen, before the body came."""
         self._one_message = True
-        self._head = _attributes_head(msg)
+        self._head = _attributes_head(msg, self._traceparent)
         if self.modes.request_body != BodyMode.BUFFERED:
             return self._reject(
                 self._handler.reject(

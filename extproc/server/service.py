@@ -45,20 +45,37 @@ class ServerOptions:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     tls_reload_interval_s: float = 30.0
+    # Tracing is on: each stream's trace context (gRPC metadata, else the request's header)
+    # goes on to the director. Off: not even looked at.
+    trace_context: bool = False
+
+
+def _traceparent(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    """The W3C trace context Envoy's ext_proc call carries (its span, when Envoy traces)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else None
+    return None
 
 
 class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, handler: RequestHandler, ends: Counter[str], timers: Timers) -> None:
+    def __init__(
+        self, handler: RequestHandler, ends: Counter[str], timers: Timers, *, traced: bool = False
+    ) -> None:
         self._handler = handler
         self._ends = ends
         self._timers = timers
+        self._traced = traced
         self.open = 0  # streams in progress (a count: nothing per stream is kept)
         self.last_opened = -math.inf  # when the newest stream began (the timers' clock)
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         self.open += 1
         self.last_opened = self._timers.now()
-        proc = StreamProcessor(self._handler)
+        if self._traced:
+            proc = StreamProcessor(self._handler, traced=True, traceparent=_traceparent(context))
+        else:
+            proc = StreamProcessor(self._handler)
         end = "error"
         try:
             while not proc.done:
@@ -103,7 +120,9 @@ class ExtProcServer:
         self._options = options
         self._timers = timers or LoopTimers()
         self.stream_ends: Counter[str] = Counter()  # how streams ended: done|eof|cancelled|error
-        self._processor = _ExternalProcessor(handler, self.stream_ends, self._timers)
+        self._processor = _ExternalProcessor(
+            handler, self.stream_ends, self._timers, traced=options.trace_context
+        )
         self._health = health.aio.HealthServicer()
         # Envoy's access log for accounting records, on the same port: whichever process
         # Envoy's access-log stream reaches can account any request.

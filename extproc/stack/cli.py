@@ -16,10 +16,12 @@ from extproc.config import FlowControlConfig
 from extproc.routing.settings import config_file_problems
 from extproc.stack.envoy_config import HostPort, RequestBodyMode, ResponseAccounting
 from extproc.stack.envoy_gateway import GatewayShape
-from extproc.stack.local import LocalStack, StackError, StackOptions
+from extproc.stack.local import ADMIN_TOKEN_FILE, LocalStack, StackError, StackOptions
 from extproc.stack.supervise import Event, EventKind, Supervisor, Throttle
 
-__all__ = ["DefaultsHelpFormatter", "add_up_arguments", "run_stack"]
+LOCAL_RECEIVER = "127.0.0.1:4317"  # `--trace` alone: the stack's own OTLP receiver
+
+__all__ = ["DefaultsHelpFormatter", "add_up_arguments", "ready_text", "run_stack"]
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -158,6 +160,16 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nats-port", type=int, default=d.nats_port, help="replica-sync bus port")
     p.add_argument(
+        "--trace",
+        nargs="?",
+        const=LOCAL_RECEIVER,
+        default=None,
+        metavar="HOST:PORT",
+        help="traces: Envoy's OpenTelemetry tracer and the servers export spans to this OTLP/gRPC "
+        f"collector; alone, to the stack's own receiver on {LOCAL_RECEIVER} (a line per span "
+        "in WORKDIR/otlp.log)",
+    )
+    p.add_argument(
         "--restart",
         action="store_true",
         help="start children that die again (with backoff); without it they stay down",
@@ -204,8 +216,15 @@ def shape_problems(args: argparse.Namespace, parser_defaults: dict[str, Any]) ->
         for dest, what in _OVERLAY_OWNS.items():
             if getattr(args, dest) != parser_defaults[dest]:
                 problems.append(f"{what} is set by the overlay in the envoy-gateway shape")
+        if args.trace is not None:
+            problems.append("--trace needs the local shape (Envoy Gateway: EnvoyProxy telemetry)")
     elif args.rate_limit_service is not None or args.rate_limit_timeout is not None:
         problems.append("--rate-limit-service needs --gateway-shape envoy-gateway")
+    if args.trace is not None:
+        try:
+            HostPort.parse(args.trace)
+        except ValueError as exc:
+            problems.append(f"--trace: {exc}")
     if args.rate_limit_service is not None:
         try:
             HostPort.parse(args.rate_limit_service)
@@ -255,6 +274,8 @@ def options_from_args(args: argparse.Namespace, server_config: dict[str, Any]) -
         rate_limit_timeout_s=args.rate_limit_timeout,
         workdir=Path(args.workdir),
         log_level=args.log_level,
+        tracing=args.trace,
+        trace_receiver=args.trace == LOCAL_RECEIVER,
     )
 
 
@@ -298,24 +319,7 @@ def run_stack(args: argparse.Namespace) -> int:
     except StackError as exc:
         print(f"extproc up: {exc}", file=sys.stderr)
         return 1
-    base = stack.base_url
-    strategy = f"strategy {opts.strategy}"
-    translation = stack.envoy_gateway_translation()
-    for route, settings in (translation.server_routes if translation else {}).items():
-        picked = settings.get("scorers") or settings.get("profile") or settings.get("strategy")
-        strategy += f"; HTTPRoute {route}: {picked or opts.strategy}"
-    print(
-        f"READY: gateway on {base}/v1 (model {opts.model!r}, {strategy}); "
-        f"metrics http://127.0.0.1:{opts.metrics_port}/metrics; Ctrl-C stops everything.\n"
-        f"  status page http://127.0.0.1:{opts.metrics_port}/ (any user name, the password is "
-        f"the admin token in {stack.workdir}/admin.token; `extproc explain` finds it)\n"
-        f"  faults for demos: extproc pod kill|hang|slow|errors|heal {opts.sim_address(0)} "
-        f"--workdir {args.workdir}\n"
-        f"  try: curl -s {base}/v1/chat/completions -H 'content-type: application/json' "
-        f'-d \'{{"model":"{opts.model}","messages":[{{"role":"user","content":"Hello!"}}],'
-        f'"max_tokens":16}}\'',
-        flush=True,
-    )
+    print(ready_text(stack, args.workdir), flush=True)
     supervisor = Supervisor(stack, restart=args.restart, clock=time.monotonic)
     throttle = Throttle(stack, sleep=time.sleep)
     throttling = threading.Thread(
@@ -336,6 +340,63 @@ def run_stack(args: argparse.Namespace) -> int:
         throttle.release()
         stack.stop()
     return 0
+
+
+def ready_text(stack: LocalStack, workdir: str) -> str:
+    """What `extproc up` prints once everything answers: the gateway, what decides there (strategy,
+    flow control, how many server processes), and each process's metrics and status page."""
+    opts = stack.options
+    base = stack.base_url
+    strategy = f"strategy {opts.strategy}"
+    translation = stack.envoy_gateway_translation()
+    for route, settings in (translation.server_routes if translation else {}).items():
+        picked = settings.get("scorers") or settings.get("profile") or settings.get("strategy")
+        strategy += f"; HTTPRoute {route}: {picked or opts.strategy}"
+    flow = stack.server_config().get("flow_control") or {}
+    flow_control = "on" if flow.get("enabled", FlowControlConfig().enabled) else "off"
+    n = opts.extproc_processes
+    processes = f"{n} ext_proc process{'es' if n > 1 else ''}"
+    if stack.sync_enabled:
+        processes += " sharing state over NATS"
+    admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in range(n)]
+    token = (
+        f"any user name, the password is the admin token in {stack.workdir}/{ADMIN_TOKEN_FILE}; "
+        "`extproc explain` finds it"
+    )
+    if n == 1:
+        lines = [
+            f"READY: gateway on {base}/v1 (model {opts.model!r}, {strategy}, flow control "
+            f"{flow_control}, {processes}); metrics {admin[0]}/metrics; Ctrl-C stops everything.",
+            f"  status page {admin[0]}/ ({token})",
+        ]
+    else:
+        lines = [
+            f"READY: gateway on {base}/v1 (model {opts.model!r}, {strategy}, flow control "
+            f"{flow_control}, {processes}); Ctrl-C stops everything.",
+            "  each process has its own metrics and status page: a process counts the requests "
+            "it routed, and Envoy sends the access records (so the token counts) to one of "
+            "them; sum the processes for totals",
+            *(
+                f"  extproc-{i}: metrics {url}/metrics, status page {url}/"
+                for i, url in enumerate(admin)
+            ),
+            f"  status pages: {token}",
+        ]
+    if opts.tracing:
+        where = (
+            f"the stack's receiver, a line per span in {stack.workdir}/otlp.log"
+            if opts.trace_receiver
+            else opts.tracing
+        )
+        lines.append(f"  traces: Envoy and the servers export spans over OTLP/gRPC to {where}")
+    lines += [
+        f"  faults for demos: extproc pod kill|hang|slow|errors|heal {opts.sim_address(0)} "
+        f"--workdir {workdir}",
+        f"  try: curl -s {base}/v1/chat/completions -H 'content-type: application/json' "
+        f'-d \'{{"model":"{opts.model}","messages":[{{"role":"user","content":"Hello!"}}],'
+        f'"max_tokens":16}}\'',
+    ]
+    return "\n".join(lines)
 
 
 def _throttle_until(stop: threading.Event, throttle: Throttle) -> None:

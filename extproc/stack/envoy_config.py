@@ -65,6 +65,7 @@ LISTENER_NAME = "gateway"
 ROUTE_NAME = "llm"
 MODELS_CLUSTER = "models"
 EXTPROC_CLUSTER = "extproc"
+OTLP_CLUSTER = "otlp"  # the OpenTelemetry collector, when Envoy traces
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 USAGE_FILTER = "envoy.filters.http.lua"
 GATE_FILTER = "extproc.one_message_gate"
@@ -184,6 +185,10 @@ class EnvoyOptions:
     # first byte), so the next fallback serves it instead.
     retry_on: str = "connect-failure,refused-stream,reset,retriable-status-codes"
     retriable_status_codes: tuple[int, ...] = (500, 502, 503, 504)
+    # A routing stream whose connection is refused (a process that has just closed its port or
+    # not yet opened it, while Envoy still counts it: panic mode, or before its next health
+    # check) goes to another process: nothing of it reached the refused one. 0: none.
+    extproc_retries: int = 2
     extproc_max_requests: int = 100_000
     upstream_max_requests: int = 100_000
     # gRPC health check of each ext_proc process (its readiness).
@@ -214,6 +219,10 @@ class EnvoyOptions:
     rate_limit_timeout_s: float | None = None
     # Envoy alone: no ext_proc, no override_host, plain round robin (benchmarks' reference).
     baseline: bool = False
+    # An OTLP/gRPC collector: Envoy traces every request (OpenTelemetry tracer) and exports its
+    # spans there; its ext_proc calls carry the trace context, so the server's spans join.
+    tracing: HostPort | None = None
+    tracing_sample_percent: float = 100.0
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -322,6 +331,34 @@ def _extproc_cluster(name: str, opts: EnvoyOptions) -> dict[str, Any]:
     return cluster
 
 
+def _otlp_cluster(addr: HostPort, opts: EnvoyOptions) -> dict[str, Any]:
+    cluster = _static_cluster(OTLP_CLUSTER, (addr,), opts)
+    cluster["typed_extension_protocol_options"] = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            explicit_http_config={"http2_protocol_options": {}},
+        )
+    }
+    return cluster
+
+
+def _tracing(opts: EnvoyOptions) -> dict[str, Any]:
+    """The HTTP connection manager's OpenTelemetry tracer: a span per request, whose context
+    Envoy's gRPC client injects into each ext_proc call (the server continues it)."""
+    return {
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": _typed(
+                "envoy.config.trace.v3.OpenTelemetryConfig",
+                grpc_service={"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
+                service_name="envoy",
+            ),
+        },
+        "random_sampling": {"value": opts.tracing_sample_percent},
+        "spawn_upstream_span": True,  # the upstream (engine) call is a span of its own
+    }
+
+
 def _models_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     cluster = _static_cluster(MODELS_CLUSTER, opts.endpoints, opts)
     cluster["circuit_breakers"] = _circuit_breakers(opts.upstream_max_requests)
@@ -369,8 +406,10 @@ def _routing_filter(opts: EnvoyOptions) -> dict[str, Any]:
     }
     config = _typed(
         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        grpc_service={"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+        grpc_service=_extproc_service(opts),
         failure_mode_allow=opts.failure_mode_allow,
+        # No process reachable (all starting, or all gone): 503, which clients retry, not 500.
+        status_on_error={"code": EXTPROC_STATUS_ON_ERROR},
         message_timeout=_duration(opts.message_timeout_s),
         processing_mode=mode,
         request_attributes=routing_attributes(opts),
@@ -520,6 +559,41 @@ def _openai_error(error_type: str) -> dict[str, Any]:
     }
 
 
+# What a routing stream is retried on: the connection refused (connect-failure), a stream
+# the server refused before reading it (refused-stream: HTTP/2 GOAWAY while it stops), or
+# ended with UNAVAILABLE or CANCELLED (gRPC's answer to a call that arrives as the server
+# stops: no handler ran; our handlers never end a stream with either). Never a reset: a
+# stream cut mid-decision may have taken a lease. The same triggers as deploy/'s
+# EnvoyExtensionPolicy `retry`.
+EXTPROC_RETRY_ON = "connect-failure,refused-stream,unavailable,cancelled"
+EXTPROC_STATUS_ON_ERROR = 503
+
+
+def _extproc_service(opts: EnvoyOptions) -> dict[str, Any]:
+    """The routing filter's gRPC service: retried on another process when the chosen one
+    refused the stream before reading anything (`EXTPROC_RETRY_ON`)."""
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}
+    if opts.extproc_retries > 0:
+        service["retry_policy"] = {
+            "retry_on": EXTPROC_RETRY_ON,
+            "num_retries": opts.extproc_retries,
+            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+            # Not the refused process again. LEAST_REQUEST prefers it (a process that has just
+            # started or stopped has no requests): with two processes a pick is the other one
+            # 1 time in 4, so up to 20 picks (0.3 % left on the refused one) rather than 5.
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": _typed(
+                        "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                    ),
+                }
+            ],
+            "host_selection_retry_max_attempts": 20,
+        }
+    return service
+
+
 def _local_reply_config() -> dict[str, Any]:
     """Envoy's own answers (a timeout, no healthy upstream, a request it cannot parse) in the
     OpenAI error shape our server uses (`extproc/protocol/errors.py`), so a client meets one
@@ -569,6 +643,8 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
         stream_error_on_invalid_http_message=True,
         local_reply_config=_local_reply_config(),
     )
+    if opts.tracing is not None:
+        hcm["tracing"] = _tracing(opts)
     logs: list[dict[str, Any]] = []
     accounting = opts.response_accounting is ResponseAccounting.ACCESS_LOG
     if opts.extproc and not opts.baseline and accounting:
@@ -604,10 +680,25 @@ def render_bootstrap(opts: EnvoyOptions) -> dict[str, Any]:
     clusters = [_models_cluster(opts)]
     if opts.extproc and not opts.baseline:
         clusters.append(_extproc_cluster(EXTPROC_CLUSTER, opts))
-    return {
+    bootstrap: dict[str, Any] = {
         "admin": {"address": _socket_address(opts.admin)},
         "static_resources": {"listeners": [_listener(opts)], "clusters": clusters},
     }
+    if opts.tracing is not None:
+        clusters.append(_otlp_cluster(opts.tracing, opts))
+        # Locally, spans go out within half a second (Envoy's default: every 5 s or 5 spans).
+        bootstrap["layered_runtime"] = {
+            "layers": [
+                {
+                    "name": "tracing",
+                    "static_layer": {
+                        "tracing.opentelemetry.flush_interval_ms": 500,
+                        "tracing.opentelemetry.min_flush_spans": 1,
+                    },
+                }
+            ]
+        }
+    return bootstrap
 
 
 def render_yaml(opts: EnvoyOptions, header: str = "") -> str:

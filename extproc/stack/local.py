@@ -46,6 +46,7 @@ from extproc.stack.envoy_gateway import (
 )
 from extproc.stack.envoy_gateway import render_yaml as render_envoy_gateway_yaml
 from extproc.stack.nats_server import NatsServer, write_password_file
+from extproc.stack.otlp import SpanReceiver
 from extproc.wire import ACCESS_LOG_NAME
 
 __all__ = [
@@ -84,6 +85,7 @@ class StackOptions:
     grpc_port: int = 9002
     metrics_port: int = 9090
     extproc_processes: int = 1  # > 1: separate ports behind Envoy's LEAST_REQUEST cluster
+    extproc_retries: int = 2  # a refused routing stream tried on another process (0: never)
     # Replica state sync over an embedded NATS server: None = on when extproc_processes > 1.
     sync: bool | None = None
     nats_port: int = 4222
@@ -124,6 +126,11 @@ class StackOptions:
     server_env: tuple[tuple[str, str], ...] = ()  # extra environment for the ext_proc processes
     # interpreter arguments before `-m extproc serve`, e.g. ("-m", "memray", "run", "-o", "x.bin")
     server_launcher: tuple[str, ...] = ()
+    # host:port of an OTLP/gRPC collector: Envoy traces every request and the servers export
+    # their spans there (docs/operations.md, "Traces"); None: no tracing.
+    tracing: str | None = None
+    # The stack runs its own receiver there (extproc/stack/otlp.py): a line per span in otlp.log.
+    trace_receiver: bool = False
 
     def sim_port(self, i: int) -> int:
         return self.sim_base_port + i
@@ -183,6 +190,7 @@ class LocalStack:
         self.workdir = options.workdir.resolve()
         self._procs: dict[str, _Proc] = {}
         self.nats: NatsServer | None = None
+        self.receiver: SpanReceiver | None = None
 
     @property
     def sync_enabled(self) -> bool:
@@ -237,6 +245,11 @@ class LocalStack:
             "flow_control": {"enabled": o.flow_control},
             "models": [model, *o.extra_models],
         }
+        if o.tracing:
+            # Locally, spans go out within half a second (1 s by default).
+            cfg["tracing"] = {
+                "enabled": True, "endpoint": f"http://{o.tracing}", "flush_interval_s": 0.5,
+            }  # fmt: skip
         translation = self.envoy_gateway_translation()
         if translation is not None:
             # What the cluster would give the server: the HTTPRoutes' annotations (the
@@ -272,6 +285,7 @@ class LocalStack:
             routing_headers=self.routing_headers(),
             response_accounting=o.response_accounting,
             failure_mode_allow=o.fail_open,
+            extproc_retries=o.extproc_retries,
             access_log_flush_interval_s=o.access_log_flush_s,
             baseline=o.baseline,
             access_log=o.access_log,
@@ -289,6 +303,7 @@ class LocalStack:
                 HostPort.parse(o.rate_limit_service) if o.rate_limit_service else None
             ),
             rate_limit_timeout_s=o.rate_limit_timeout_s,
+            tracing=HostPort.parse(o.tracing) if o.tracing else None,
         )
 
     def envoy_gateway_translation(self) -> EnvoyGatewayTranslation | None:
@@ -332,6 +347,8 @@ class LocalStack:
                 out[o.metrics_port + i] = f"ext_proc extproc-{i} metrics (--metrics-port)"
             if self.sync_enabled:
                 out[o.nats_port] = "NATS (--nats-port)"
+        if o.tracing and o.trace_receiver:
+            out[HostPort.parse(o.tracing).port] = "OTLP trace receiver (--trace)"
         out[o.listen_port] = "Envoy listener (--listen-port)"
         out[o.admin_port] = "Envoy admin (--admin-port)"
         return out
@@ -361,6 +378,10 @@ class LocalStack:
         for leftover in (FAULTS_DIR, RESTART_DIR):  # requests to a previous stack
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
         try:
+            if o.tracing and o.trace_receiver:
+                addr = HostPort.parse(o.tracing)
+                self.receiver = SpanReceiver(addr.host, addr.port, log=self.workdir / "otlp.log")
+                self.receiver.start()
             for i in range(o.sims):
                 self._spawn(f"sim-{i}", self._sim_args(i))
             if not o.baseline:
@@ -526,6 +547,9 @@ class LocalStack:
             self.state_path.unlink()
         if self.nats is not None:
             self.nats.stop()
+        if self.receiver is not None:
+            self.receiver.stop()
+            self.receiver = None
 
     @classmethod
     def _terminate(cls, proc: _Proc) -> None:

@@ -22,6 +22,13 @@ def test_a_run_can_keep_named_variants_only() -> None:
         load_scenario(SCENARIOS / "higress.yaml", only_variants=["nope"])
 
 
+def test_the_overhead_scenario_measures_tracing_at_1_and_100_percent() -> None:
+    sc = load_scenario(SCENARIOS / "overhead.yaml")
+    traced = {v.name: v.tracing for v in sc.variants if v.tracing is not None}
+    assert sorted(traced.values()) == [0.01, 1.0]
+    assert all(v.tracing is None for v in sc.variants if v.name == "buffered+als")
+
+
 def _stats(*reqs: tuple[str, float]) -> dict[str, Any]:
     return {"recent": [{"request_id": i, "sim_ttft_s": t} for i, t in reqs]}
 

@@ -50,6 +50,9 @@ VARIANTS: dict[str, EnvoyOptions] = {
     "single-endpoint-ipv6-admin": EnvoyOptions(
         endpoints=(HostPort("127.0.0.1", 8001),), admin=HostPort("::1", 9901)
     ),
+    "opentelemetry-tracing": EnvoyOptions(
+        tracing=HostPort("127.0.0.1", 4317), tracing_sample_percent=10.0
+    ),
 }
 
 

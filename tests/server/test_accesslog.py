@@ -88,6 +88,13 @@ def test_a_complete_streamed_answer() -> None:
     assert rec.upstream_done_s == pytest.approx(2.0)
 
 
+def test_the_routing_span_comes_back_with_the_record() -> None:
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    routed = RoutedRequest(**{**ROUTED, "trace": trace})
+    rec = record_from_entry(entry(routed=routed.metadata()))
+    assert rec.routed == routed and rec.routed.trace == trace
+
+
 @pytest.mark.parametrize(
     ("status", "flags", "outcome"),
     [
