@@ -1228,6 +1228,161 @@ def rolling_restart(
     }
 
 
+@dataclass
+class _Turn:
+    conversation: int
+    turn: int
+    started: float
+    status: int | str
+    pod: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _conversation(
+    url: str,
+    index: int,
+    stop: threading.Event,
+    turns: list[_Turn],
+    lock: threading.Lock,
+    *,
+    max_tokens: int,
+    think_s: float,
+) -> None:
+    """One multi-turn chat: its own system prompt (so turn 1 caches nothing), each turn the
+    whole history plus a new question, the answer appended; until `stop`."""
+    system = f"Conversation {index}. " + " ".join(
+        f"Rule {index}.{i}: keep answers short and exact." for i in range(40)
+    )
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    session: str | None = None
+    with httpx.Client(timeout=60) as client:
+        turn = 0
+        while not stop.is_set():
+            turn += 1
+            messages.append(
+                {"role": "user", "content": f"Question {turn} of conversation {index}: go on."}
+            )
+            headers = {"x-session-id": session} if session else {}
+            body = {"model": "qwen3", "messages": messages, "max_tokens": max_tokens}
+            record = _Turn(index, turn, time.monotonic(), "pending")
+            try:
+                r = client.post(url, json=body, headers=headers)
+                record.status = r.status_code
+                record.pod = r.headers.get("x-inference-pod")
+                if r.status_code == 200:
+                    data = r.json()
+                    usage = data.get("usage") or {}
+                    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = int(details.get("cached_tokens") or 0)
+                    answer = data["choices"][0]["message"]["content"] or ""
+                    messages.append({"role": "assistant", "content": answer})
+                    session = r.headers.get("x-session-id") or session
+                else:
+                    messages.pop()  # the question is asked again
+            except httpx.HTTPError as exc:
+                record.status = type(exc).__name__
+                messages.pop()
+            with lock:
+                turns.append(record)
+            stop.wait(think_s)
+
+
+def rolling_restart_sessions(
+    stack: LocalStack,
+    *,
+    restart: bool = True,
+    conversations: int = 24,
+    max_tokens: int = 24,
+    think_s: float = 0.3,
+    warmup_s: float = 8.0,
+    pause_s: float = 2.0,
+    after_s: float = 8.0,
+) -> dict[str, Any]:
+    """Multi-turn conversations (a session header sent back, the history growing every turn)
+    while every ext_proc process is restarted in turn (SIGTERM, wait for its exit, start,
+    wait until ready, `pause_s`), or, `restart=False`, the same time without restarts (the
+    reference). Figures: requests lost, the prefix hit rate of turns 2 and later (cached /
+    prompt tokens, from each answer's usage) before, during and after the restarts, and the
+    share of those turns served by the pod that served the conversation's previous turn."""
+    n = stack.options.extproc_processes
+    o = stack.options
+    url = f"{stack.base_url}/v1/chat/completions"
+    stop = threading.Event()
+    turns: list[_Turn] = []
+    lock = threading.Lock()
+    threads = [
+        threading.Thread(
+            target=_conversation,
+            args=(url, i, stop, turns, lock),
+            kwargs={"max_tokens": max_tokens, "think_s": think_s},
+            daemon=True,
+        )
+        for i in range(conversations)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(warmup_s)
+    began = time.monotonic()
+    restarts = []
+    for i in range(n):
+        name = f"extproc-{i}"
+        t_sig = time.monotonic()
+        if restart:
+            stack.signal(name, signal.SIGTERM)
+            exited = _wait(lambda name=name: not stack.alive(name), 30.0, 0.005)
+            stack.restart(name)
+            ready = _wait(lambda i=i: _get_ok(f"http://{o.host}:{o.metrics_port + i}/readyz"), 30)
+            took = round(time.monotonic() - t_sig, 2)
+            restarts.append({"process": name, "exited_s": exited, "ready_s": ready, "took_s": took})
+        else:
+            time.sleep(5.0)  # about what a restart takes, so both runs last as long
+        time.sleep(pause_s)
+    ended = time.monotonic()
+    time.sleep(after_s)
+    stop.set()
+    for t in threads:
+        t.join(90)
+    turns.sort(key=lambda r: (r.conversation, r.turn))
+    previous_pod: dict[int, str | None] = {}
+    phases: dict[str, dict[str, int]] = {
+        p: {"turns": 0, "prompt": 0, "cached": 0, "same_pod": 0}
+        for p in ("before", "during", "after")
+    }
+    for r in turns:
+        if r.status != 200:
+            continue
+        phase = "before" if r.started < began else "during" if r.started < ended else "after"
+        if r.turn > 1 and r.conversation in previous_pod:
+            ph = phases[phase]
+            ph["turns"] += 1
+            ph["prompt"] += r.prompt_tokens
+            ph["cached"] += r.cached_tokens
+            ph["same_pod"] += int(previous_pod[r.conversation] == r.pod)
+        previous_pod[r.conversation] = r.pod
+    figures = {
+        p: {
+            "turns": ph["turns"],
+            "hit_rate": round(ph["cached"] / ph["prompt"], 4) if ph["prompt"] else None,
+            "same_pod": round(ph["same_pod"] / ph["turns"], 4) if ph["turns"] else None,
+        }
+        for p, ph in phases.items()
+    }
+    statuses = Counter(str(r.status) for r in turns)
+    return {
+        "restart": restart,
+        "processes": n,
+        "conversations": conversations,
+        "sent": len(turns),
+        "lost": sum(1 for r in turns if r.status != 200),
+        "by_status": dict(statuses),
+        "restarts": restarts,
+        "window_s": round(ended - began, 2),
+        "phases": figures,
+    }
+
+
 STALL_1S = {"routing": {"stall_after_s": 1.0}}  # the default is 10 s; 1 s fits a 5 s hang
 # A chat with a system prompt every client shares (~25 blocks): what the default rule's prefix
 # scoring sees in a real deployment (every pod caches it after the warm-up).
@@ -1324,6 +1479,16 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
             "sim_args": REAL_TIME_SIM,
         },
         lambda s: rolling_restart(s, rate=10, streams=10, max_tokens=2000),
+    ),
+    # Issue 32 #4: the defaults (kv-aware, KV events), 2 processes, 24 conversations; the
+    # same run without restarts is the reference for the hit rate and the pods kept.
+    "rolling_restart_sessions": (
+        {"extproc_processes": 2, "strategy": "kv-aware", "sims": 4},
+        lambda s: rolling_restart_sessions(s, restart=True),
+    ),
+    "sessions_no_restart": (
+        {"extproc_processes": 2, "strategy": "kv-aware", "sims": 4},
+        lambda s: rolling_restart_sessions(s, restart=False),
     ),
 }
 
