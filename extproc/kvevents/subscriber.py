@@ -80,6 +80,14 @@ class StreamProbe(Enum):
     FAILED = "failed"  # no reply within replay_timeout_s
 
 
+# A join replay (nothing held yet: a process that has just started asks for the engine's whole
+# buffer) waits this many times `replay_timeout_s` for each reply. It is what a restarted
+# process knows of the cache its peers saw built; given up, the pod's older blocks stay unknown
+# to it until they are stored again. A busy engine answers slowly (a simulator on a loaded
+# machine took over 1 s), and nothing waits on a join but the pod's own live batches.
+JOIN_REPLAY_TIMEOUT_MULTIPLE = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class SubscriberSettings:
     replay_timeout_s: float = 1.0  # wait for each replay reply before giving up
@@ -478,6 +486,9 @@ class KVEventSubscriber:
         outcome "complete" / "partial" (reset: they did not connect) / "failed")."""
         if self.replay_endpoint is None:
             return 0, "failed"
+        timeout = self._settings.replay_timeout_s
+        if self._stats.last_seq is None:
+            timeout *= JOIN_REPLAY_TIMEOUT_MULTIPLE
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # A fresh socket per replay, so late replies to an abandoned one cannot leak in.
@@ -488,7 +499,7 @@ class KVEventSubscriber:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
-                async with asyncio.timeout(self._settings.replay_timeout_s):
+                async with asyncio.timeout(timeout):
                     frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]  # the DEALER keeps the ROUTER's empty delimiter

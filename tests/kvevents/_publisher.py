@@ -38,6 +38,7 @@ class TestPublisher:
         self.topic = topic
         self.legacy_replay = legacy_replay
         self.replay_silent = False
+        self.replay_delay_s = 0.0  # a busy engine: each replay answered this late
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.pub = ctx.socket(zmq.XPUB)
@@ -105,6 +106,8 @@ class TestPublisher:
             self.replay_requests.append(start)
             if self.replay_silent:
                 continue
+            if self.replay_delay_s:
+                await asyncio.sleep(self.replay_delay_s)
             for seq, payload in list(self.buffer):
                 if seq >= start:
                     body = [seq.to_bytes(8, "big"), payload]

@@ -216,6 +216,25 @@ async def test_joining_mid_stream_replays_from_zero(ctx: zmq.asyncio.Context) ->
         assert r.agrees() and r.sub.stats.resets == 0 and r.sub.stats.gaps == 0
 
 
+async def test_a_join_replay_waits_for_a_slow_engine_a_gap_replay_does_not(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # A restarted process learns the cache its peers saw built from the join replay: a busy
+    # engine answering it later than replay_timeout_s must not leave it knowing nothing older
+    # than its first live batch. A gap repair still gives up at replay_timeout_s (0.3 s here).
+    async with TestPublisher(ctx) as pub, rig(ctx, pub, SHORT_REPLAY) as r:
+        pub.replay_delay_s = 0.6
+        await r.serve(r.doc(3), drop=True)  # before this process was there
+        await r.serve(r.doc(1))
+        await r.synced()
+        assert pub.replay_requests == [0]
+        assert r.agrees() and r.sub.stats.resets == 0 and r.sub.stats.replay_failures == 0
+        await r.serve(r.doc(2), drop=True)  # lost on the live socket
+        await r.serve(r.doc(1))
+        await until(lambda: r.sub.stats.replay_failures == 1)
+        assert pub.replay_requests[-1] > 0
+
+
 async def test_malformed_messages_are_counted_and_skipped(ctx: zmq.asyncio.Context) -> None:
     async with TestPublisher(ctx) as pub, rig(ctx, pub) as r:
         await r.serve(r.doc(2))
