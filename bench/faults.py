@@ -322,6 +322,84 @@ def pod_hang(
     }
 
 
+def pod_fault_default(
+    stack: LocalStack,
+    fault: str,
+    *,
+    warmup_s: float = 3.0,
+    fault_s: float = 8.0,
+    after_s: float = 3.0,
+    concurrency: int = 8,
+    rate: float | None = None,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One fault on the pod that served most of the warm-up (where the default rule sends a
+    shared prefix), under clients that wait for each answer (or an open loop at `rate`):
+    `kill` (SIGKILL, restarted after `fault_s`), `slow` (every engine step 10 times as long),
+    `errors` (every completion answered 503). Figures: requests lost, the pod's share of the
+    requests before and during, latency p50/p90 before and during."""
+    url = f"{stack.base_url}/v1/chat/completions"
+    load_gen = (
+        OpenLoad(url, rate=rate, timeout_s=60, body=body)
+        if rate is not None
+        else Load(url, concurrency=concurrency, timeout_s=60, body=body)
+    )
+    o = stack.options
+    with load_gen as load:
+        time.sleep(warmup_s)
+        served = Counter(x.pod for x in load.since(0.0))
+        index = max(range(o.sims), key=lambda i: served[o.sim_address(i)])
+        address, name = o.sim_address(index), f"sim-{index}"
+        t0 = time.monotonic()
+        excluded_s = None
+        if fault == "kill":
+            stack.kill(name, signal.SIGKILL)
+            excluded_s = _wait(lambda: _endpoint_ready(stack, address) is False, fault_s)
+        elif fault == "slow":
+            _fault(stack, index, slow=10.0)
+        elif fault == "errors":
+            _fault(stack, index, error_rate=1.0)
+        else:
+            raise ValueError(f"unknown fault {fault!r}")
+        time.sleep(max(0.0, fault_s - (time.monotonic() - t0)))
+        t1 = time.monotonic()
+        if fault == "kill":
+            stack.restart(name)
+            _wait(lambda: _endpoint_ready(stack, address) is True, 30)
+        elif fault == "slow":
+            _fault(stack, index, slow=1.0)
+        else:
+            _fault(stack, index, error_rate=0.0)
+        time.sleep(after_s)
+        report = load.stop()
+
+    def phase(a: float, b: float) -> dict[str, Any]:
+        xs = [x for x in report.outcomes if a <= x.started < b]
+        ok = [x.ended - x.started for x in xs if x.status == 200]
+        return {
+            "sent": len(xs),
+            "lost": sum(1 for x in xs if x.status != 200),
+            "faulted_pod_share": round(sum(1 for x in xs if x.pod == address) / len(xs), 3)
+            if xs
+            else None,
+            "p50_ms": round(percentile(ok, 50) * 1000, 1) if ok else None,
+            "p90_ms": round(percentile(ok, 90) * 1000, 1) if ok else None,
+        }
+
+    first = report.outcomes[0].started if report.outcomes else t0
+    return {
+        **report.summary(),
+        "fault": fault,
+        "load": f"open loop {rate}/s" if rate is not None else f"closed loop x{concurrency}",
+        "pod": address,
+        "fault_s": fault_s,
+        "excluded_after_s": excluded_s,
+        "before": phase(first, t0),
+        "during": phase(t0, t1),
+        "after": phase(t1, float("inf")),
+    }
+
+
 def ext_proc_restart(
     stack: LocalStack,
     *,
@@ -1480,6 +1558,18 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
         },
         lambda s: rolling_restart(s, rate=10, streams=10, max_tokens=2000),
     ),
+    # Issue 32 #5: the fault matrix under the default rule (kv-aware), a shared system prompt,
+    # the fault on the pod holding it (where every request goes), 2 processes.
+    **{
+        f"pod_{fault}_default{suffix}": (
+            {"strategy": "kv-aware", "extproc_processes": 2},
+            lambda s, fault=fault, rate=rate: pod_fault_default(
+                s, fault, rate=rate, body=SHARED_PREFIX_CHAT
+            ),
+        )
+        for fault in ("kill", "slow", "errors")
+        for suffix, rate in (("", None), ("_open", 40.0))
+    },
     # Issue 32 #4: the defaults (kv-aware, KV events), 2 processes, 24 conversations; the
     # same run without restarts is the reference for the hit rate and the pods kept.
     "rolling_restart_sessions": (

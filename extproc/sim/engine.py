@@ -145,6 +145,9 @@ class Engine:
         self.waiting: RequestQueue = request_queue(self.policy)
         self.running: list[SimRequest] = []
         self._transferring = 0
+        # A fault (POST /admin/faults {"slow": x}): every step takes x times as long, in
+        # simulated and wall time (a degraded GPU, a noisy neighbour); 1: healthy.
+        self.slowdown = 1.0
         self._event_sink = event_sink
         self._on_finish = on_finish
         self._on_token = on_token
@@ -279,7 +282,7 @@ class Engine:
                 for r, n in scheduled
             )
             context = sum(r.num_computed + n for r, n in scheduled)
-            dt = self.step_model.step_seconds(prefill, context)
+            dt = self.step_model.step_seconds(prefill, context) * self.slowdown
             await asyncio.sleep(self._pace(dt * self.step_model.time_scale))
             self._last_wake = self._clock()
             self.stats.steps += 1

@@ -170,6 +170,7 @@ class Faults:
     completions_hang: bool = False
     healthy: bool = True
     error_rate: float = 0.0
+    slow: float = 1.0  # every engine step takes this many times as long (>= 1)
 
 
 class _HTTPStatusError(GatewayError):
@@ -1197,6 +1198,13 @@ class SimServer:
             if not isinstance(rate, int | float) or not 0 <= rate <= 1:
                 raise BadRequest("error_rate must be within [0, 1]", param="error_rate")
             f.error_rate = float(rate)
+        if "slow" in body:
+            slow = body["slow"]
+            if not isinstance(slow, int | float) or isinstance(slow, bool) or slow < 1:
+                raise BadRequest("slow must be a number >= 1", param="slow")
+            f.slow = float(slow)
+            if self.engine is not None:
+                self.engine.slowdown = f.slow
         if f.metrics != "hang" and not f.completions_hang:
             # Wake everything parked on a hang, then re-arm for the next one.
             self._unhang.set()

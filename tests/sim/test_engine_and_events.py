@@ -60,6 +60,22 @@ async def test_cache_hit_skips_prefill_and_shortens_ttft(
     assert a["handler_s"] >= 0 and b["handler_s"] >= 0
 
 
+async def test_a_slow_fault_stretches_every_step(
+    make_sim: MakeSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await make_sim()
+    body = {"max_tokens": 8, "ignore_eos": True}
+    await _complete(http, sim.url, "one prompt for a healthy engine", **body)
+    status, faults = await _post(http, f"{sim.url}/admin/faults", {"slow": 4})
+    assert status == 200 and faults["slow"] == 4.0
+    await _complete(http, sim.url, "one prompt for a slowed engine", **body)
+    healthy, slowed = (await _stats(http, sim.url))["recent"]
+    assert slowed["sim_e2e_s"] > 3 * healthy["sim_e2e_s"]
+    for bad in (0.5, "fast", True):
+        status, err = await _post(http, f"{sim.url}/admin/faults", {"slow": bad})
+        assert status == 400 and err["error"]["param"] == "slow"
+
+
 def test_block_pool_evicts_lru_unreferenced_blocks() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
     h = VllmBlockHasher(block_size=2, env={})
