@@ -32,6 +32,7 @@ from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.latency_model import LatencyMetrics, LatencyModels
 from extproc.accounting.podstats import PodStatsTracker
 from extproc.admin import AdminServer, DecisionLog, ReloadStatus
+from extproc.capture import CaptureStore
 from extproc.config import (
     Config,
     ConfigError,
@@ -45,6 +46,7 @@ from extproc.config import (
 from extproc.director.api import AccessRecord, RequestHead
 from extproc.director.attributes import AttributeReader
 from extproc.director.bodyless import Bodyless
+from extproc.director.capture import CaptureDecision, CaptureOutcome
 from extproc.director.director import Deciding, Director, Limits
 from extproc.director.engine_priority import EnginePriority, priority_models
 from extproc.director.flow import FlowControl
@@ -299,6 +301,12 @@ class Core:
         self.prefill: PrefillClient | None = None
         # Spans of routing decisions (tracing.enabled; settings apply at start-up).
         self.tracer: Tracer = NO_TRACER
+        # The traffic capture's rings (capture.enabled; settings apply at start-up).
+        self.capture: CaptureStore | None = None
+        if config.capture.enabled:
+            self.capture = CaptureStore(
+                config.capture, replica=replica, clock=clock, wall_clock=wall_clock
+            )
 
     def _build_flow(self, config: Config) -> FlowController | None:
         """The queue for demand above the pool, when `flow_control.enabled` (settings apply at
@@ -571,6 +579,11 @@ def build_steps(
             MarkRouted(models=core.latency),
             TagLatency(models=core.latency),
             *((core.decisions,) if config.server.status_page else ()),
+            *(
+                (CaptureDecision(core.capture, replica=core.replica, wall_clock=core.wall_clock),)
+                if core.capture is not None
+                else ()
+            ),
         ),
         claim=ClaimEndpoint(leases=core.leases),
         complete=(
@@ -586,6 +599,7 @@ def build_steps(
             LearnLatency(
                 models=core.latency, metrics=core.latency_metrics, share=core.shared_latency
             ),
+            *((CaptureOutcome(core.capture),) if core.capture is not None else ()),
         ),
     )
 
@@ -612,6 +626,7 @@ class App:
         self.latency_metrics = core.latency_metrics
         self.decisions = core.decisions
         self.flow = core.flow
+        self.capture = core.capture
         # How the config got in force (the status page).
         self.reload_status = ReloadStatus(
             path=str(config_path) if config_path else None, loaded_at=time.time()

@@ -29,6 +29,7 @@ __all__ = [
     "ANNOTATION_PREFIX",
     "AccountingConfig",
     "AdminConfig",
+    "CaptureConfig",
     "Config",
     "ConfigError",
     "ConfigProblem",
@@ -58,6 +59,7 @@ __all__ = [
     "parse_model_rewrite",
     "parse_route_annotations",
     "read_admin_token",
+    "read_capture_key",
     "read_session_secret",
 ]
 
@@ -424,6 +426,32 @@ class TracingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CaptureConfig:
+    """A capture of the traffic for a replay (docs/operations.md, "Capture your traffic"): per
+    process, the facts of each routed request (no text, ids as keyed hashes), in two bounded
+    rings, fetched with `extproc capture`. Off by default; read at start-up."""
+
+    enabled: bool = False
+    max_records: int = 20000  # per ring (decisions, outcomes) and process; the oldest go first
+    max_age_s: float = 3600.0  # older records are dropped
+    # Key of the ids' keyed hashes (HMAC-SHA256): every process and replica must share it, or
+    # one user's requests no longer look alike. Required when enabled.
+    key: str | None = field(default=None, repr=False)
+    key_file: str | None = None  # read by load_config (a mounted Secret)
+
+    def __post_init__(self) -> None:
+        errors = _check_ranges(self, max_records=_AT_LEAST_1)
+        errors += _check_positive(self, "max_age_s")
+        if self.key is not None and self.key_file is not None:
+            errors.append(ConfigError("key_file: set it or key, not both"))
+        elif self.enabled and self.key is None and self.key_file is None:
+            errors.append(ConfigError("key_file: required when enabled (the ids' hash key)"))
+        elif self.key is not None and len(self.key.strip()) < 16:
+            errors.append(ConfigError("key: at least 16 characters"))
+        _raise_all(errors)
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointConfig:
     address: str
     metrics_url: str | None = None
@@ -653,6 +681,7 @@ class Config:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     models: list[ModelConfig] = field(default_factory=list)
     model_rewrites: list[ModelRewriteConfig] = field(default_factory=list)  # aliases, canaries
     routes: dict[str, RouteSettings] = field(
@@ -831,14 +860,33 @@ def read_session_secret(cfg: Config) -> Config:
     path = routing.session_secret_file
     if path is None:
         return cfg
+    secret = _secret_file(path, "routing.session_secret_file")
+    return dataclasses.replace(cfg, routing=dataclasses.replace(routing, session_secret=secret))
+
+
+def _secret_file(path: str, key: str, *, min_chars: int = 1) -> str:
+    """The secret in the file at `path` (a mounted Secret, named by the config's `key`),
+    stripped; a ConfigError naming `key` when it cannot be read or is too short."""
     try:
         secret = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"routing.session_secret_file: cannot read {path}: {reason}") from None
-    if not secret:
-        raise ConfigError(f"routing.session_secret_file: {path} is empty")
-    return dataclasses.replace(cfg, routing=dataclasses.replace(routing, session_secret=secret))
+        raise ConfigError(f"{key}: cannot read {path}: {reason}") from None
+    if len(secret) < min_chars:
+        short = "is empty" if min_chars == 1 else f"holds fewer than {min_chars} characters"
+        raise ConfigError(f"{key}: {path} {short}")
+    return secret
+
+
+def read_capture_key(cfg: Config) -> Config:
+    """`capture.key_file` read into `capture.key` (`load_config` does it; `load_config_text`
+    reads no file)."""
+    path = cfg.capture.key_file
+    if path is None:
+        return cfg
+    key = _secret_file(path, "capture.key_file", min_chars=16)
+    capture = dataclasses.replace(cfg.capture, key=key, key_file=None)
+    return dataclasses.replace(cfg, capture=capture)
 
 
 def read_admin_token(cfg: Config) -> Config:
@@ -847,13 +895,7 @@ def read_admin_token(cfg: Config) -> Config:
     path = cfg.admin.token_file
     if path is None:
         return cfg
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"admin.token_file: cannot read {path}: {reason}") from None
-    if len(token) < 16:
-        raise ConfigError(f"admin.token_file: {path} holds fewer than 16 characters")
+    token = _secret_file(path, "admin.token_file", min_chars=16)
     return dataclasses.replace(cfg, admin=dataclasses.replace(cfg.admin, token=token))
 
 
@@ -926,7 +968,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(
             f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
         ) from None
-    return read_admin_token(read_session_secret(load_config_text(text)))
+    return read_capture_key(read_admin_token(read_session_secret(load_config_text(text))))
 
 
 # ---------------------------------------------------------------------------------------------

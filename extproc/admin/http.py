@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,12 @@ class _StatusPageOff(GatewayError):
     status = 404
     error_type = "not_found_error"
     code = "status_page_disabled"
+
+
+class _CaptureOff(GatewayError):
+    status = 404
+    error_type = "not_found_error"
+    code = "capture_disabled"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -128,6 +135,7 @@ class AdminServer:
         app.router.add_get("/debug/kv", self._h_kv)
         app.router.add_get("/debug/memory", self._h_memory)
         app.router.add_get("/debug/latency-model", self._h_latency_model)
+        app.router.add_get("/debug/capture", self._h_capture)
         app.router.add_get("/", self._h_status_page)
         app.router.add_get("/status.json", self._h_status_json)
         self._runner = web.AppRunner(app, access_log=None)
@@ -280,6 +288,26 @@ class AdminServer:
         """predicted-latency's per-pod models as this process learned them."""
         body = orjson.dumps(self._src.latency.state())
         return web.Response(body=body, content_type="application/json")
+
+    async def _h_capture(self, request: web.Request) -> web.Response:
+        """This process's traffic capture (`extproc capture` joins every process's);
+        `?since=T`: requests that arrived at T (Unix seconds) or later."""
+        capture = self._src.capture
+        if capture is None:
+            return _error_response(
+                _CaptureOff("the traffic capture is off (capture.enabled: false)")
+            )
+        since_text = request.query.get("since")
+        try:
+            since = None if since_text is None else float(since_text)
+        except ValueError:
+            since = math.nan
+        if since is not None and not math.isfinite(since):
+            return web.json_response({"error": "since must be a Unix time in seconds"}, status=400)
+        body = orjson.dumps(await capture.export(since))
+        return web.Response(
+            body=body, content_type="application/json", headers={"Cache-Control": "no-store"}
+        )
 
     async def _h_explain(self, request: web.Request) -> web.Response:
         gate = self._explain_gate()

@@ -9,6 +9,7 @@ from extproc.accounting.gateway_metrics import GatewayMetrics
 from extproc.accounting.inflight import InflightTracker
 from extproc.accounting.latency_model import LatencyModels
 from extproc.admin.status import DecisionLog, ReloadStatus
+from extproc.capture import CaptureStore
 from extproc.config import Config
 from extproc.director.director import Director
 from extproc.kvcache.approx import ApproximateIndex
@@ -33,6 +34,7 @@ class AdminSource(Protocol):
     decisions: DecisionLog  # this process's recent decisions (the status page)
     reload_status: ReloadStatus
     latency: LatencyModels  # predicted-latency's per-pod models (/debug/latency-model)
+    capture: CaptureStore | None  # the traffic capture's rings (/debug/capture), when enabled
 
     @property
     def config(self) -> Config: ...

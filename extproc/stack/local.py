@@ -189,6 +189,8 @@ class LocalStack:
         self.options = options
         self.workdir = options.workdir.resolve()
         self._procs: dict[str, _Proc] = {}
+        self._retired: list[_Proc] = []  # Envoys of earlier hot-restart epochs, still draining
+        self._envoy_epoch = 0
         self.nats: NatsServer | None = None
         self.receiver: SpanReceiver | None = None
 
@@ -392,6 +394,16 @@ class LocalStack:
                     secret_file = self.workdir / "session.secret"
                     write_password_file(secret_file)
                     cfg = _merge(cfg, {"routing": {"session_secret_file": str(secret_file)}})
+                capture = cfg.get("capture") or {}
+                if (
+                    capture.get("enabled")
+                    and not capture.get("key")
+                    and not capture.get("key_file")
+                ):
+                    # One key for every process: one user's requests hash alike on each.
+                    key_file = self.workdir / "capture.key"
+                    write_password_file(key_file)
+                    cfg = _merge(cfg, {"capture": {"key_file": str(key_file)}})
                 admin = cfg["admin"]
                 if not admin.get("token") and not admin.get("token_file"):
                     # /debug/* and the status page want it; `extproc explain` finds it here.
@@ -533,7 +545,8 @@ class LocalStack:
         return {"url": self.nats.url, "user": NATS_USER, "password_file": str(password_file)}
 
     def stop(self) -> None:
-        procs = list(reversed(self._procs.values()))
+        procs = list(reversed(self._procs.values())) + self._retired
+        self._retired = []
         # Envoy first, so nothing new reaches the rest; then the rest at once, each draining
         # by itself (one after another took a second per server process: its announcement).
         for group in ([p for p in procs if p.name == "envoy"],
@@ -605,6 +618,30 @@ class LocalStack:
         proc = self._procs.pop(name)
         self._terminate(proc)
         self._spawn(name, proc.args, proc.env)
+
+    def hot_restart_envoy(self, parent_shutdown_s: float = 20.0) -> None:
+        """Envoy's hot restart: a new Envoy of the next epoch (same base id) takes over the
+        listeners and the admin port; the old one drains its connections (`--drain-time-s`)
+        and is stopped `parent_shutdown_s` after the new one started (responses in flight on
+        it go on until then)."""
+        old = self._procs.pop("envoy")
+        self._retired = [p for p in self._retired if p.popen is not None and p.popen.poll() is None]
+        self._retired.append(old)
+        self._envoy_epoch += 1
+        args = list(old.args)
+        for flag in ("--restart-epoch", "--parent-shutdown-time-s"):
+            if flag in args:
+                del args[args.index(flag) : args.index(flag) + 2]
+        args += [
+            "--restart-epoch", str(self._envoy_epoch),
+            "--parent-shutdown-time-s", str(max(2, round(parent_shutdown_s))),
+        ]  # fmt: skip
+        self._spawn("envoy", args, old.env)
+        self.write_state()
+
+    def envoy_draining(self) -> bool:
+        """An Envoy of an earlier hot-restart epoch still runs (draining its connections)."""
+        return any(p.popen is not None and p.popen.poll() is None for p in self._retired)
 
     def log_tail(self, name: str, size: int = 4000) -> str:
         return self._procs[name].log_path.read_text(errors="replace")[-size:]
