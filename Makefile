@@ -38,8 +38,10 @@ promtool: install
 	  dpkg-deb -x prometheus_*.deb . && install -m 755 usr/bin/promtool $(CURDIR)/$(BIN)/promtool && \
 	  rm -rf $$d)
 
+# `make run ARGS='--processes 2 --trace'`: any `extproc up` option (`extproc up --help`).
+ARGS ?=
 run: install
-	$(BIN)/extproc up
+	$(BIN)/extproc up $(ARGS)
 
 # Two workers, a test file each (module fixtures: one stack per file): 8:43 against 14:41
 # serial for the whole suite on 2 shared cores (stacks mostly wait on simulated engines).

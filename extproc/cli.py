@@ -1,4 +1,5 @@
-"""Command line: `extproc serve | config check | sim | up | pod | explain | envoy-config`."""
+"""Command line: `extproc serve | config check | sim | up | pod | explain | capture | traces |
+envoy-config`."""
 
 from __future__ import annotations
 
@@ -96,6 +97,30 @@ def _pod(args: argparse.Namespace) -> int:
     return run_pod(args)
 
 
+def _traces(args: argparse.Namespace) -> int:
+    from extproc.stack.otlp import newest_traces, read_spans, span_tree
+
+    path = Path(args.workdir) / "otlp.log"
+    try:
+        spans = read_spans(path)
+    except OSError as exc:
+        print(
+            f"extproc traces: cannot read {path}: {exc.strerror} (the spans of a stack started "
+            "here with `extproc up --trace`; --workdir for another)",
+            file=sys.stderr,
+        )
+        return 1
+    ids = args.trace or newest_traces(spans, args.last)
+    trees = {t: span_tree(spans, t) for t in ids}
+    shown = [tree for tree in trees.values() if tree]
+    if shown:
+        print("\n\n".join(shown))
+    missing = [t for t, tree in trees.items() if not tree] if ids else ["any"]
+    for t in missing:
+        print(f"extproc traces: no span of {t} trace in {path} yet", file=sys.stderr)
+    return 1 if missing else 0
+
+
 def _explain(args: argparse.Namespace) -> int:
     import httpx
 
@@ -153,6 +178,69 @@ def _explain(args: argparse.Namespace) -> int:
         answer = None
     print(explain_text(answer) if isinstance(answer, dict) else resp.text)
     return 0
+
+
+def _capture(args: argparse.Namespace) -> int:
+    """Every server process's traffic capture, joined: a local stack's (its workdir's
+    stack.json names them) or those of `--server`."""
+    import os
+    import time
+
+    import httpx
+
+    from extproc.capture import CaptureFormatError, merge, parse_since, write_capture
+    from extproc.stack.local import ADMIN_TOKEN_FILE
+    from extproc.stack.pods import PodError, read_children
+
+    try:
+        since = None if args.since is None else time.time() - parse_since(args.since)
+    except ValueError as exc:
+        print(f"extproc capture: {exc}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir)
+    servers = [s.rstrip("/") for s in args.server or ()]
+    if not servers:
+        try:
+            children = read_children(workdir)
+        except PodError as exc:
+            print(f"extproc capture: {exc}; or name the servers with --server URL", file=sys.stderr)
+            return 1
+        servers = [f"http://{c.address}" for c in children if c.name.startswith("extproc-")]
+    token_file = args.token_file
+    local = workdir / ADMIN_TOKEN_FILE
+    if token_file is None and not os.environ.get("EXTPROC_ADMIN_TOKEN") and local.is_file():
+        token_file = str(local)
+    token, token_source = _admin_token(token_file)
+    headers = {"x-extproc-admin-token": token} if token is not None else {}
+    exports, failed = [], 0
+    for url in servers:
+        try:
+            resp = httpx.get(
+                f"{url}/debug/capture",
+                params={} if since is None else {"since": f"{since:.3f}"},
+                headers=headers,
+                timeout=30,
+            )
+        except httpx.HTTPError as exc:
+            print(f"extproc capture: {url}: {exc or type(exc).__name__}", file=sys.stderr)
+            failed += 1
+            continue
+        if resp.status_code != 200:
+            hint = f" ({token_source})" if resp.status_code in (401, 403) else ""
+            print(
+                f"extproc capture: {url}: HTTP {resp.status_code}: {_error_message(resp)}{hint}",
+                file=sys.stderr,
+            )
+            failed += 1
+            continue
+        exports.append(resp.json())
+    try:
+        capture = merge(exports, since=since)
+    except CaptureFormatError as exc:
+        print(f"extproc capture: {exc}", file=sys.stderr)
+        return 1
+    print(f"extproc capture: {write_capture(capture, args.output)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -265,6 +353,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--json", action="store_true", help="print the server's JSON answer as it is (scripts)"
     )
     e.set_defaults(func=_explain)
+    t = sub.add_parser("traces", help="the local stack's traces (`extproc up --trace`) as trees")
+    t.add_argument("trace", nargs="*", help="trace ids (default: the newest --last ones)")
+    t.add_argument("--last", type=int, default=1, help="how many of the newest (default: 1)")
+    t.add_argument("--workdir", default=".run", help="the stack's workdir (default: .run)")
+    t.set_defaults(func=_traces)
+    c = sub.add_parser(
+        "capture",
+        help="the traffic capture of every server process, joined: a Mooncake-format trace",
+    )
+    c.add_argument(
+        "--since", default=None, metavar="DURATION",
+        help="only requests of the last DURATION (90s, 10m, 2h, 1d); default: all held",
+    )  # fmt: skip
+    c.add_argument("-o", "--output", default=None, metavar="FILE", help="default: stdout")
+    c.add_argument(
+        "--server", action="append", default=None, metavar="URL",
+        help="a server's metrics/admin URL (repeat); default: every process of the local "
+        "stack in --workdir",
+    )  # fmt: skip
+    c.add_argument("--workdir", default=".run", help="the local stack's (`extproc up`)")
+    c.add_argument(
+        "--token-file", default=None,
+        help="the admin token (default: $EXTPROC_ADMIN_TOKEN, else the local stack's)",
+    )  # fmt: skip
+    c.set_defaults(func=_capture)
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be handled
+    except BrokenPipeError:
+        # The reader left (`| head`): stop as `cat` would, without a traceback; stdout goes
+        # to /dev/null so that the interpreter's last flush does not fail again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return result

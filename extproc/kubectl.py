@@ -2,8 +2,9 @@
 
     kubectl extproc status [--pod NAME] [--model NAME[,NAME]] [--pools [--top N]] [--all]
                            [-o table|json]
-    kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME]
+    kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME] [--json]
     kubectl extproc config [--pod NAME] [-o yaml|json]
+    kubectl extproc capture [--since DURATION] [-o FILE] [--pod NAME]
     (every command: [--admin-secret NAME], the Secret that holds the admin token;
     [--via port-forward|proxy], how the admin port is reached)
 
@@ -35,6 +36,7 @@ import dataclasses
 import http.client
 import json
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -48,7 +50,9 @@ from kubernetes.stream import portforward
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from extproc.admin.guard import ADMIN_TOKEN_HEADER
+from extproc.capture import CaptureFormatError, merge, parse_since, write_capture
 from extproc.config import ANNOTATION_PREFIX, parse_route_annotations
+from extproc.director.explain import explain_text
 from extproc.discovery.kubernetes import (
     ROUTE_GROUP,
     ROUTE_PLURAL,
@@ -424,12 +428,7 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
             endpoints = None
         if not isinstance(endpoints, list):
             text = _error_message(reply) or reply.body[:200].decode(errors="replace")
-            hint = (
-                f" (the admin token: Secret {cluster.namespace}/{cluster.admin_secret}, key "
-                f"{ADMIN_SECRET_KEY}; --admin-secret)"
-                if reply.status == 401
-                else ""
-            )
+            hint = _token_hint(cluster, reply.status)
             notes.append(f"{replica.name}: HTTP {reply.status}: {_printable(text)}{hint}")
             failed += 1
             continue
@@ -470,6 +469,16 @@ def cmd_status(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
     return 1 if failed else 0
 
 
+def _token_hint(cluster: Cluster, status: int) -> str:
+    """Where the admin token a replica refused came from (nothing for other statuses)."""
+    if status != 401:
+        return ""
+    return (
+        f" (the admin token: Secret {cluster.namespace}/{cluster.admin_secret}, key "
+        f"{ADMIN_SECRET_KEY}; --admin-secret)"
+    )
+
+
 def _error_message(reply: Reply) -> str | None:
     """The message of an OpenAI-style error body (the router's), else None."""
     try:
@@ -507,16 +516,27 @@ def _error_json(message: str, param: str | None = None) -> str:
     return json.dumps(body)
 
 
+def _refuse_body(args: argparse.Namespace, message: str) -> int:
+    """A BODY the plugin cannot send: OpenAI-style JSON with --json, else one line."""
+    if args.json:
+        sys.stdout.write(_error_json(message, "body") + "\n")
+    else:
+        print(f"kubectl extproc explain: {message}", file=sys.stderr)
+    return 2
+
+
 def cmd_explain(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
-    raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    """The readable decision `extproc explain` prints (`--json`: the router's JSON as it is)."""
+    try:
+        raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    except OSError as exc:
+        return _refuse_body(args, f"cannot read BODY {args.body}: {exc.strerror}")
     try:
         body = json.loads(raw)
     except ValueError as exc:
-        sys.stdout.write(_error_json(f"BODY is not valid JSON: {exc}", "body") + "\n")
-        return 2
+        return _refuse_body(args, f"BODY is not valid JSON: {exc}")
     if not isinstance(body, dict):
-        sys.stdout.write(_error_json("BODY must be a JSON object", "body") + "\n")
-        return 2
+        return _refuse_body(args, "BODY must be a JSON object")
     replica = _pick(replicas, args.pod)[0]
     query = {"path": args.path, **({"route": args.route} if args.route else {})}
     headers = {"Content-Type": "application/json"}
@@ -526,10 +546,25 @@ def cmd_explain(cluster: Cluster, replicas: list[Replica], args: argparse.Namesp
         replica, "/debug/explain", method="POST", query=query, body=body, headers=headers
     )
     try:
-        shown = json.dumps(reply.json(), indent=2)
+        answer = reply.json()
     except ValueError:
-        shown = _printable(reply.body.decode(errors="replace"))
-    sys.stdout.write(f"# {replica.name}\n{shown}\n")
+        answer = None
+    if args.json:
+        shown = (
+            _printable(reply.body.decode(errors="replace"))
+            if answer is None
+            else json.dumps(answer, indent=2)  # ASCII: escapes every control character
+        )
+        sys.stdout.write(shown + "\n")
+    elif reply.status == 200 and isinstance(answer, dict):
+        sys.stdout.write(f"# {_printable(replica.name)}\n{explain_text(answer)}\n")
+    else:
+        message = _error_message(reply) or reply.body[:200].decode(errors="replace")
+        print(
+            f"kubectl extproc explain: {_printable(replica.name)}: HTTP {reply.status}: "
+            f"{_printable(message)}{_token_hint(cluster, reply.status)}",
+            file=sys.stderr,
+        )
     return 0 if reply.status == 200 else 1
 
 
@@ -635,6 +670,44 @@ def cmd_config(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
     return 1 if bad else 0
 
 
+# -- capture -----------------------------------------------------------------------------
+
+
+def cmd_capture(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
+    """Every ready replica's traffic capture (`/debug/capture`), joined into one trace."""
+    try:
+        since = None if args.since is None else time.time() - parse_since(args.since)
+    except ValueError as exc:
+        raise KubectlError(str(exc)) from None
+    query = {} if since is None else {"since": f"{since:.3f}"}
+    exports, failed = [], 0
+    for replica in _pick(replicas, args.pod):
+        try:
+            reply = cluster.call(replica, "/debug/capture", query=query)
+            export = reply.json() if reply.status == 200 else None
+        except (KubectlError, ValueError) as exc:
+            print(f"kubectl extproc: {_printable(exc)}", file=sys.stderr)
+            failed += 1
+            continue
+        if not isinstance(export, dict):
+            text = _error_message(reply) or reply.body[:200].decode(errors="replace")
+            hint = _token_hint(cluster, reply.status)
+            print(
+                f"kubectl extproc: {_printable(replica.name)}: HTTP {reply.status}: "
+                f"{_printable(text)}{hint}",
+                file=sys.stderr,
+            )
+            failed += 1
+            continue
+        exports.append(export)
+    try:
+        capture = merge(exports, since=since)
+    except CaptureFormatError as exc:
+        raise KubectlError(f"capture: {exc}") from None
+    print(f"kubectl extproc capture: {write_capture(capture, args.output)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 # -- entry point -------------------------------------------------------------------------
 
 
@@ -683,11 +756,24 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--strategy", default=None)
     e.add_argument("--route", default=None, help="an xDS route name, for that route's settings")
     e.add_argument("--pod", default=None)
+    e.add_argument(
+        "--json", action="store_true", help="print the router's JSON answer as it is (scripts)"
+    )
     e.set_defaults(func=cmd_explain)
     c = sub.add_parser("config", help="the config in force and HTTPRoute annotation errors")
     c.add_argument("--pod", default=None)
     c.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     c.set_defaults(func=cmd_config)
+    cap = sub.add_parser(
+        "capture", help="every replica's traffic capture, joined: a Mooncake-format trace"
+    )
+    cap.add_argument(
+        "--since", default=None, metavar="DURATION",
+        help="only requests of the last DURATION (90s, 10m, 2h, 1d); default: all held",
+    )  # fmt: skip
+    cap.add_argument("-o", "--output", default=None, metavar="FILE", help="default: stdout")
+    cap.add_argument("--pod", default=None, help="one replica only")
+    cap.set_defaults(func=cmd_capture)
     return p
 
 

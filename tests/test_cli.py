@@ -4,7 +4,10 @@ options, ports already taken."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from extproc.stack.cli import (
     add_up_arguments,
     options_from_args,
     ready_text,
+    starting_text,
     user_config,
 )
 from extproc.stack.local import LocalStack, StackError, StackOptions
@@ -166,6 +170,35 @@ def test_explain_on_an_unreachable_server(
     assert f"cannot reach the server at {server}" in capsys.readouterr().err
 
 
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`extproc config check FILE | head -0`: the reader is gone before the command writes;
+    the command ends without a traceback, as `cat` would."""
+    path = tmp_path / "c.yaml"
+    path.write_text("models: []\n")
+    read, write = os.pipe()
+    os.close(read)  # the reader left
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "extproc", "config", "check", str(path)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 1
+
+
+def test_pod_help_says_each_fault_and_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["pod", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for said in ("hang: completions hang", "heal: clear", "(default: 0.5)", "(default: 0.8)"):
+        assert said in shown
+
+
 def _up_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     add_up_arguments(parser)
@@ -256,6 +289,28 @@ def test_up_ready_line_says_flow_control_and_processes_and_every_admin_url(
     if n > 1:  # where the totals are: the access records reach one process
         assert any("sum the processes for totals" in line for line in lines)
     assert f"http://127.0.0.1:{9190 + n}" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([], "starting 4 simulated engines, the ext_proc server and Envoy (logs in "),
+        (["--processes", "2", "--sims", "2"], "2 simulated engines, 2 ext_proc server processes, NATS and Envoy"),
+    ],
+)  # fmt: skip
+def test_up_says_what_it_starts(argv: list[str], said: str) -> None:
+    stack = LocalStack(options_from_args(_up_parser().parse_args(argv), {}))
+    assert said in starting_text(stack)
+
+
+def test_up_ready_text_in_the_envoy_gateway_shape_says_how_to_explain_as_the_route() -> None:
+    args = _up_parser().parse_args(["--gateway-shape", "envoy-gateway"])
+    lines = ready_text(LocalStack(options_from_args(args, {})), ".run").splitlines()
+    assert "HTTPRoute extproc/llm-route: prefix-cache" in lines[0]  # deploy/'s annotation
+    assert (
+        "  explain as HTTPRoute extproc/llm-route decides: "
+        "extproc explain body.json --route extproc/llm-route"
+    ) in lines
 
 
 def test_up_names_a_port_another_program_holds(tmp_path: Path) -> None:

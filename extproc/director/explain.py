@@ -98,7 +98,7 @@ def explain_text(answer: Mapping[str, Any]) -> str:
             if answer.get("tokens_estimated")
             else f"tokenized in {_number(answer.get('tokenize_ms'))} ms"
         )
-        lines.append(f"  prompt: {tokens} tokens ({how})")
+        lines.append(f"  prompt: {tokens} token{'' if tokens == 1 else 's'} ({how})")
     profiles = answer.get("profiles")
     if isinstance(profiles, Mapping) and len(profiles) > 1:
         for name, ranked in profiles.items():

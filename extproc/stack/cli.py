@@ -306,14 +306,7 @@ def run_stack(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    shape = (
-        ""
-        if opts.gateway_shape is GatewayShape.LOCAL
-        else f" as Envoy Gateway renders {opts.gateway_overlay}"
-    )
-    print(
-        f"starting {opts.sims} simulated engines, the ext_proc server and Envoy{shape} (logs in {stack.workdir}) ..."
-    )
+    print(starting_text(stack), flush=True)
     try:
         stack.start()
     except StackError as exc:
@@ -340,6 +333,24 @@ def run_stack(args: argparse.Namespace) -> int:
         throttle.release()
         stack.stop()
     return 0
+
+
+def starting_text(stack: LocalStack) -> str:
+    """What `extproc up` prints before it starts anything: every kind of child it will run."""
+    opts = stack.options
+    n = opts.extproc_processes
+    servers = "the ext_proc server" if n == 1 else f"{n} ext_proc server processes"
+    if stack.sync_enabled:
+        servers += ", NATS"
+    shape = (
+        ""
+        if opts.gateway_shape is GatewayShape.LOCAL
+        else f" as Envoy Gateway renders {opts.gateway_overlay}"
+    )
+    return (
+        f"starting {opts.sims} simulated engines, {servers} and Envoy{shape} "
+        f"(logs in {stack.workdir}) ..."
+    )
 
 
 def ready_text(stack: LocalStack, workdir: str) -> str:
@@ -384,7 +395,8 @@ def ready_text(stack: LocalStack, workdir: str) -> str:
         ]
     if opts.tracing:
         where = (
-            f"the stack's receiver, a line per span in {stack.workdir}/otlp.log"
+            f"the stack's receiver, a line per span in {stack.workdir}/otlp.log "
+            "(`extproc traces` prints the newest as a tree)"
             if opts.trace_receiver
             else opts.tracing
         )
@@ -395,6 +407,10 @@ def ready_text(stack: LocalStack, workdir: str) -> str:
         f"  try: curl -s {base}/v1/chat/completions -H 'content-type: application/json' "
         f'-d \'{{"model":"{opts.model}","messages":[{{"role":"user","content":"Hello!"}}],'
         f'"max_tokens":16}}\'',
+    ]
+    lines += [  # explain without --route decides as the default, not as the route does
+        f"  explain as HTTPRoute {route} decides: extproc explain body.json --route {route}"
+        for route in (translation.server_routes if translation else {})
     ]
     return "\n".join(lines)
 

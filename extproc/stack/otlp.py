@@ -3,11 +3,13 @@
 export, and the span tree of a trace as text (docs/operations.md, "Traces").
 
 Not a collector: it keeps the last spans in memory (bounded) and, given a file, writes one line
-per span as it arrives.
+of JSON per span as it arrives, which `extproc traces` reads back as span trees.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 from collections import deque
@@ -22,7 +24,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
-__all__ = ["ReceivedSpan", "SpanReceiver", "span_tree"]
+__all__ = ["ReceivedSpan", "SpanReceiver", "newest_traces", "read_spans", "span_line", "span_tree"]
 
 MAX_SPANS = 50_000
 
@@ -96,7 +98,8 @@ class _TraceService(ts_grpc.TraceServiceServicer):  # type: ignore[misc]
 
 class SpanReceiver:
     """Receives OTLP/gRPC trace exports on `host:port` (0: any free port) from `start()` to
-    `stop()`; `spans()` is what arrived (the last `MAX_SPANS`), `log` gets a line per span."""
+    `stop()`; `spans()` is what arrived (the last `MAX_SPANS`), `log` gets a JSON line per
+    span (`span_line`)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, log: Path | None = None) -> None:
         self.host = host
@@ -147,11 +150,7 @@ class SpanReceiver:
         with self._lock:
             self._spans.extend(spans)
             if self._log is not None:
-                for s in spans:
-                    self._log.write(
-                        f"trace={s.trace_id} span={s.span_id} parent={s.parent_span_id or '-'} "
-                        f"{s.service} {s.name} {s.duration_ms:.3f}ms {dict(s.attributes)}\n"
-                    )
+                self._log.writelines(span_line(s) + "\n" for s in spans)
                 self._log.flush()
             self._lock.notify_all()
 
@@ -171,6 +170,35 @@ class SpanReceiver:
                     break
                 self._lock.wait(left)
             return list(self._spans)
+
+
+def span_line(span: ReceivedSpan) -> str:
+    """One span as a line of JSON: what the receiver's `log` gets and `read_spans` reads."""
+    fields = dataclasses.asdict(span)
+    return json.dumps(fields, default=str, separators=(",", ":"))
+
+
+def read_spans(path: Path) -> list[ReceivedSpan]:
+    """The spans a receiver logged to `path`, in order (a line that does not parse, such as
+    one cut by a crash, is skipped). OSError if the file cannot be read."""
+    spans = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                d = json.loads(line)
+                d["events"] = tuple((n, t, a) for n, t, a in d["events"])
+                spans.append(ReceivedSpan(**d))
+            except (ValueError, TypeError, KeyError):
+                continue
+    return spans
+
+
+def newest_traces(spans: Iterable[ReceivedSpan], n: int) -> list[str]:
+    """The ids of the `n` traces whose last span started last, oldest first."""
+    last: dict[str, int] = {}
+    for s in spans:
+        last[s.trace_id] = max(last.get(s.trace_id, 0), s.start_ns)
+    return sorted(last, key=last.__getitem__)[-n:] if n > 0 else []
 
 
 _SHOWN = (
@@ -218,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m extproc.stack.otlp", description=main.__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=4317)
-    p.add_argument("--log", type=Path, default=None, help="a line per span received")
+    p.add_argument("--log", type=Path, default=None, help="a JSON line per span received")
     args = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -153,11 +153,22 @@ ACTIONS = ("kill", "hang", "slow", "errors", "heal")
 
 
 def add_pod_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=ACTIONS)
+    p.add_argument(
+        "action", choices=ACTIONS,
+        help="kill: SIGKILL; hang: completions hang; slow: paused --duty of the time "
+        "(SIGSTOP/SIGCONT); errors: --rate of completions answer 503; heal: clear the faults, "
+        "or start a dead one again",
+    )  # fmt: skip
     p.add_argument("pod", help="the pod's address (127.0.0.1:8001) or child name (sim-1)")
-    p.add_argument("--workdir", default=".run", help="the stack's workdir (`extproc up --workdir`)")
-    p.add_argument("--rate", type=float, default=0.5, help="errors: fraction answered 503")
-    p.add_argument("--duty", type=float, default=0.8, help="slow: fraction of time paused")
+    p.add_argument(
+        "--workdir", default=".run", help="the stack's workdir (`extproc up --workdir`; default: .run)"
+    )  # fmt: skip
+    p.add_argument(
+        "--rate", type=float, default=0.5, help="errors: fraction answered 503 (default: 0.5)"
+    )
+    p.add_argument(
+        "--duty", type=float, default=0.8, help="slow: fraction of time paused (default: 0.8)"
+    )
 
 
 def run_pod(args: argparse.Namespace) -> int:

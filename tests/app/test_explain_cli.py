@@ -107,7 +107,7 @@ async def test_explain_prints_the_decision_and_a_table_of_the_candidates(
     assert lines[0] == f"model m: route to {pick} (strategy least-kv-cache)"
     assert f"  fallbacks (Envoy's retries, in order): {other}" in lines
     assert any(line.startswith("  why: ") for line in lines)
-    assert any(line.startswith("  prompt: ") and " tokens " in line for line in lines)
+    assert any(line.startswith("  prompt: ") and " token" in line for line in lines)
     header = next(i for i, line in enumerate(lines) if line.startswith("rank "))
     assert lines[header].split()[:8] == [
         "rank",

@@ -91,6 +91,9 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
             "[...document.querySelectorAll('tr.endpoint .badge')].map(b => b.textContent)"
         )
         assert states == ["ready"] * 4
+        # One pool: said in the singular.
+        count = await page.evaluate("document.getElementById('pools-count').textContent")
+        assert count == "(1 pool, 4 endpoints)"
         assert await page.evaluate("document.getElementById('conn').textContent") == "live"
         assert await page.evaluate("document.querySelectorAll('tr.decision').length") == 0
         count_before = await page.evaluate("document.getElementById('decisions-count').textContent")

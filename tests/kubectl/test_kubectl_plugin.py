@@ -300,34 +300,50 @@ def test_explain_asks_a_replica_why(
 ) -> None:
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}))
-    code, out, err = env.run("explain", str(body), capsys=capsys)
-    assert code == 0, out + err
-    header, _, shown = out.partition("\n")
-    assert header.startswith("# extproc-")
-    explained = json.loads(shown)
     o = env.stack.options
     sims = {o.sim_address(i) for i in range(o.sims)}
+    # As `extproc explain` prints it: the replica, then the readable decision and its table.
+    code, out, err = env.run("explain", str(body), capsys=capsys)
+    assert code == 0, out + err
+    replica, decision, *rest = out.splitlines()
+    assert replica.startswith("# extproc-")
+    assert decision.startswith("model qwen3: route to ") and "(strategy " in decision
+    assert decision.split()[4] in sims
+    table = rest[rest.index("") + 1 :]
+    assert table[0].split()[:2] == ["rank", "endpoint"]
+    assert {row.split()[1] for row in table[1 : 1 + len(sims)]} == sims
+    assert env.forwarded()  # by a port-forward, the default
+    # --json: the router's JSON as it is, for scripts.
+    code, out, err = env.run("--via", "proxy", "explain", str(body), "--json", capsys=capsys)
+    assert code == 0, out + err
+    explained = json.loads(out)
     assert explained["model"] == "qwen3" and explained["pick"] in sims
     assert {c["address"] for c in explained["candidates"]} == sims
-    assert env.forwarded()  # by a port-forward, the default
-    code, out, err = env.run("--via", "proxy", "explain", str(body), capsys=capsys)
-    assert code == 0, out + err
-    assert json.loads(out.partition("\n")[2])["pick"] in sims
     assert any(p.endswith("/proxy/debug/explain") for p in env.proxied())
 
 
-def test_explain_reports_bad_input_as_openai_errors(
+def test_explain_reports_bad_input_in_a_line_or_as_openai_errors(
     env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     body = tmp_path / "bad.json"
     body.write_text("{not json")
-    code, out, _ = env.run("explain", str(body), capsys=capsys)
+    code, out, err = env.run("explain", str(body), capsys=capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith("kubectl extproc explain: BODY is not valid JSON")
+    code, out, _ = env.run("explain", str(body), "--json", capsys=capsys)
     assert code == 2
     assert json.loads(out)["error"]["type"] == "invalid_request_error"
-    body.write_text(json.dumps({"model": "qwen3", "messages": []}))
-    code, out, _ = env.run("explain", str(body), "--strategy", "no-such-strategy", capsys=capsys)
+    code, out, err = env.run("explain", str(tmp_path / "missing.json"), capsys=capsys)
+    assert code == 2 and "cannot read BODY" in err and "No such file" in err
+    body.write_text(json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "x"}]}))
+    code, out, err = env.run("explain", str(body), "--strategy", "no-such-strategy", capsys=capsys)
+    assert (code, out) == (1, "")
+    assert "HTTP 400" in err and "no-such-strategy" in err  # the router's own message
+    code, out, _ = env.run(
+        "explain", str(body), "--strategy", "no-such-strategy", "--json", capsys=capsys
+    )
     assert code == 1
-    assert "error" in json.loads(out.partition("\n")[2])  # the router's own error, as JSON
+    assert "error" in json.loads(out)  # the router's own error, as JSON
 
 
 def test_config_shows_what_is_in_force_and_annotation_errors_per_route(

@@ -5,11 +5,13 @@ span tree shows them nested."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from extproc.cli import main
 from extproc.config import TracingConfig
-from extproc.stack.otlp import SpanReceiver, span_tree
+from extproc.stack.otlp import SpanReceiver, read_spans, span_tree
 from extproc.tracing import open_tracer
 
 TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
@@ -62,3 +64,36 @@ def test_shutdown_sends_what_is_still_queued(receiver: SpanReceiver) -> None:
     tracer.begin(PARENT).end()
     tracer.shutdown()  # long before the minute's flush
     assert [s.name for s in receiver.spans()] == ["extproc.route"]
+
+
+def test_the_receivers_log_reads_back_as_the_trees_extproc_traces_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "otlp.log"
+    older = 0x1  # a trace of an earlier run, in the same (appended) log
+    with SpanReceiver(log=log) as receiver:
+        tracer = open_tracer(
+            TracingConfig(enabled=True, endpoint=f"http://{receiver.address}", service_name="gw")
+        )
+        tracer.start()
+        try:
+            for trace_id in (older, TRACE):
+                trace = tracer.begin(f"00-{trace_id:032x}-00f067aa0ba902b7-01")
+                with trace.phase("extproc.prepare"):
+                    pass
+                trace.annotate({"gen_ai.request.model": "qwen3"})
+                trace.end()
+        finally:
+            tracer.shutdown()
+        received = receiver.wait_for(lambda got: len(got) == 4)
+    assert read_spans(log) == received  # every field, attributes and events too
+    assert main(["traces", "--workdir", str(tmp_path)]) == 0  # the newest trace
+    out = capsys.readouterr().out
+    assert out.strip() == span_tree(received, f"{TRACE:032x}")
+    assert "extproc.prepare" in out and "gen_ai.request.model=qwen3" in out
+    assert main(["traces", "--workdir", str(tmp_path), "--last", "2"]) == 0
+    assert capsys.readouterr().out.count("trace ") == 2
+    assert main(["traces", "--workdir", str(tmp_path), "f" * 32]) == 1
+    assert f"no span of {'f' * 32} trace" in capsys.readouterr().err
+    assert main(["traces", "--workdir", str(tmp_path / "none")]) == 1
+    assert "extproc up --trace" in capsys.readouterr().err
