@@ -203,11 +203,14 @@ class OpenLoad(Load):
         return self.report
 
 
-def _endpoint_field(stack: LocalStack, address: str, field: str) -> bool | None:
+def _endpoint_field(
+    stack: LocalStack, address: str, field: str, *, process: int = 0
+) -> bool | None:
+    """`field` of `address` in server process `process`'s /debug/endpoints (None: unknown)."""
     o = stack.options
     try:
         eps = httpx.get(
-            f"http://{o.host}:{o.metrics_port}/debug/endpoints",
+            f"http://{o.host}:{o.metrics_port + process}/debug/endpoints",
             headers=o.admin_headers(),
             timeout=2,
         ).json()

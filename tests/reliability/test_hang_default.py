@@ -14,10 +14,16 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from bench.faults import SHARED_PREFIX_CHAT, Load, _fault, running, stack_options
+from bench.faults import (
+    SHARED_PREFIX_CHAT,
+    Load,
+    _endpoint_field,
+    _fault,
+    running,
+    stack_options,
+)
 from extproc.stack.local import LocalStack
 from tests.e2e.harness import wait_for
 
@@ -36,16 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def _stalled(stack: LocalStack, process: int, address: str) -> bool | None:
-    o = stack.options
-    try:
-        eps = httpx.get(
-            f"http://{o.host}:{o.metrics_port + process}/debug/endpoints",
-            headers=o.admin_headers(),
-            timeout=2,
-        ).json()
-    except httpx.HTTPError:
-        return None
-    return next((bool(e["stalled"]) for e in eps if e["address"] == address), None)
+    return _endpoint_field(stack, address, "stalled", process=process)
 
 
 def test_every_process_leaves_a_hung_pod_within_seconds_and_takes_it_back(
