@@ -203,6 +203,21 @@ class OpenLoad(Load):
         return self.report
 
 
+def _load(
+    url: str,
+    *,
+    rate: float | None,
+    concurrency: int,
+    body: dict[str, Any] | None,
+    headers: dict[str, str] | None = None,
+) -> Load:
+    """An open loop at `rate` requests/s, or (None) `concurrency` clients that wait for each
+    answer; a minute's patience per request (a hung pod holds them)."""
+    if rate is not None:
+        return OpenLoad(url, rate=rate, headers=headers, timeout_s=60, body=body)
+    return Load(url, concurrency=concurrency, headers=headers, timeout_s=60, body=body)
+
+
 def _endpoint_field(
     stack: LocalStack, address: str, field: str, *, process: int = 0
 ) -> bool | None:
@@ -286,12 +301,7 @@ def pod_hang(
     headers = {"routing-strategy": strategy} if strategy else {}
     url = f"{stack.base_url}/v1/chat/completions"
     index = 1
-    load_gen = (
-        OpenLoad(url, rate=rate, headers=headers, timeout_s=60, body=body)
-        if rate is not None
-        else Load(url, concurrency=concurrency, headers=headers, timeout_s=60, body=body)
-    )
-    with load_gen as load:
+    with _load(url, rate=rate, concurrency=concurrency, body=body, headers=headers) as load:
         time.sleep(warmup_s)
         if busiest:
             served = Counter(o.pod for o in load.since(0.0))
@@ -342,13 +352,8 @@ def pod_fault_default(
     `errors` (every completion answered 503). Figures: requests lost, the pod's share of the
     requests before and during, latency p50/p90 before and during."""
     url = f"{stack.base_url}/v1/chat/completions"
-    load_gen = (
-        OpenLoad(url, rate=rate, timeout_s=60, body=body)
-        if rate is not None
-        else Load(url, concurrency=concurrency, timeout_s=60, body=body)
-    )
     o = stack.options
-    with load_gen as load:
+    with _load(url, rate=rate, concurrency=concurrency, body=body) as load:
         time.sleep(warmup_s)
         served = Counter(x.pod for x in load.since(0.0))
         index = max(range(o.sims), key=lambda i: served[o.sim_address(i)])

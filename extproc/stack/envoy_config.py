@@ -43,6 +43,8 @@ from extproc.wire import (
 __all__ = [
     "EXAMPLES",
     "EXTPROC_MESSAGE_TIMEOUT_S",
+    "EXTPROC_RETRY_ON",
+    "EXTPROC_STATUS_ON_ERROR",
     "ONE_MESSAGE_GATE_LUA",
     "ROUTING_HEADERS",
     "USAGE_LUA",
@@ -54,6 +56,7 @@ __all__ = [
     "example_text",
     "render_bootstrap",
     "render_yaml",
+    "retry_elsewhere",
     "write_examples",
 ]
 
@@ -502,15 +505,7 @@ def _route(opts: EnvoyOptions) -> dict[str, Any]:
             "retriable_status_codes": list(opts.retriable_status_codes),
             "num_retries": opts.num_retries,
             # Never retry on a host that already failed this request.
-            "retry_host_predicate": [
-                {
-                    "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": _typed(
-                        "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                    ),
-                }
-            ],
-            "host_selection_retry_max_attempts": 5,
+            **retry_elsewhere(max_attempts=5),
         }
     route: dict[str, Any] = {"name": ROUTE_NAME, "match": {"prefix": "/"}, "route": action}
     if opts.echo_headers and not opts.baseline:
@@ -569,6 +564,22 @@ EXTPROC_RETRY_ON = "connect-failure,refused-stream,unavailable,cancelled"
 EXTPROC_STATUS_ON_ERROR = 503
 
 
+def retry_elsewhere(*, max_attempts: int) -> dict[str, Any]:
+    """A retry policy's host selection: never a host that already failed this request
+    (Envoy's previous-hosts predicate), picking up to `max_attempts` times to find one."""
+    return {
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": _typed(
+                    "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                ),
+            }
+        ],
+        "host_selection_retry_max_attempts": max_attempts,
+    }
+
+
 def _extproc_service(opts: EnvoyOptions) -> dict[str, Any]:
     """The routing filter's gRPC service: retried on another process when the chosen one
     refused the stream before reading anything (`EXTPROC_RETRY_ON`)."""
@@ -581,15 +592,7 @@ def _extproc_service(opts: EnvoyOptions) -> dict[str, Any]:
             # Not the refused process again. LEAST_REQUEST prefers it (a process that has just
             # started or stopped has no requests): with two processes a pick is the other one
             # 1 time in 4, so up to 20 picks (0.3 % left on the refused one) rather than 5.
-            "retry_host_predicate": [
-                {
-                    "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": _typed(
-                        "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                    ),
-                }
-            ],
-            "host_selection_retry_max_attempts": 20,
+            **retry_elsewhere(max_attempts=20),
         }
     return service
 

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from extproc.config import RouteSettings, parse_route_annotations
-from extproc.stack.envoy_config import EnvoyOptions, HostPort
+from extproc.stack.envoy_config import EnvoyOptions, HostPort, retry_elsewhere
 from extproc.stack.overlay import Overlay, OverlayError, load_overlay
 
 __all__ = [
@@ -390,10 +390,14 @@ def _service_retry_policy(retry: Mapping[str, Any], where: str) -> dict[str, Any
     if "numRetries" in spec:
         policy["num_retries"] = int(spec["numRetries"])
     if "retryOn" in spec:
-        on = _only(spec["retryOn"], {"triggers"}, f"{where}.retryOn")
-        if on.get("triggers"):
-            policy["retry_on"] = ",".join(on["triggers"])
+        _set_triggers(policy, _only(spec["retryOn"], {"triggers"}, f"{where}.retryOn"))
     return policy
+
+
+def _set_triggers(policy: dict[str, Any], retry_on: Mapping[str, Any]) -> None:
+    """route.go buildRetryOn: the triggers, when given, replace the default ones."""
+    if retry_on.get("triggers"):
+        policy["retry_on"] = ",".join(retry_on["triggers"])
 
 
 def _retry_policy(retry: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -403,20 +407,11 @@ def _retry_policy(retry: Mapping[str, Any], where: str) -> dict[str, Any]:
         "retry_on": EG_DEFAULTS["retry_on"],
         "retriable_status_codes": list(EG_DEFAULTS["retriable_status_codes"]),
         "num_retries": int(spec.get("numRetries", EG_DEFAULTS["num_retries"])),
-        "retry_host_predicate": [
-            {
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": _typed(
-                    "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                ),
-            }
-        ],
-        "host_selection_retry_max_attempts": EG_DEFAULTS["host_selection_retry_max_attempts"],
+        **retry_elsewhere(max_attempts=EG_DEFAULTS["host_selection_retry_max_attempts"]),
     }
     if "retryOn" in spec:
         on = _only(spec["retryOn"], {"triggers", "httpStatusCodes"}, f"{where}.retryOn")
-        if on.get("triggers"):
-            policy["retry_on"] = ",".join(on["triggers"])
+        _set_triggers(policy, on)
         policy["retriable_status_codes"] = [int(c) for c in on.get("httpStatusCodes", [])]
     return policy
 
