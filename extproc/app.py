@@ -276,6 +276,7 @@ class Core:
         self.flow = self._build_flow(config)
         if self.flow is not None:
             self.leases.on_end = self.flow.wake  # a lease's room may let a waiting request go
+            self.fairness.on_forget = self.flow.fairness_changed  # a forgotten count reads 0
         # Live inputs: config-file routes + HTTPRoute annotations; the config's model rewrites
         # + discovered InferenceModelRewrites (one object, rebuilt whole on either change);
         # watched InferenceObjectives' priorities; discovered endpoints.

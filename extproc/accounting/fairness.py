@@ -46,6 +46,9 @@ class FairnessCounters:
         self._heap: list[tuple[float, str]] = []
         # Called with every charge made here (user, weighted tokens): replica sync's outbox.
         self.on_charge: Callable[[str, float], None] | None = None
+        # Called with each user forgotten (its counter reads 0 from now on, the one way a
+        # counter shrinks): flow control's token fairness re-reads that user's flows.
+        self.on_forget: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._users)
@@ -134,3 +137,5 @@ class FairnessCounters:
         if len(self._users) >= self._max_users and self._idle:
             name, _ = self._idle.popitem(last=False)
             del self._users[name]
+            if self.on_forget is not None:
+                self.on_forget(name)

@@ -33,8 +33,9 @@ Bounds: what a client names (a fairness id of up to 128 characters, a priority c
 waiting is forgotten when its last request leaves, however it leaves; the heap entries of
 requests that left before their turn are dropped lazily and rebuilt away once they outnumber
 the waiting ones. So memory is O(requests waiting) (each band capped by
-`max_requests_per_band`), and a dispatch's work is O(flows waiting in its band)
-(`footprint()`; tests/flowcontrol/test_flood.py).
+`max_requests_per_band`; `footprint()`; tests/flowcontrol/test_flood.py), and a dispatch's work
+is O(log flows waiting in its band) amortized: the fairness policy's index per band is told
+when a flow's head changes and keeps the flows in its order (`policies.FlowHeap`).
 
 Replicas: every replica publishes its depths per (model, band) on the replica bus
 (`depths()`, applied with `set_remote`). A replica dispatches a band only after every higher
@@ -67,8 +68,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from extproc.config import FlowControlConfig
 from extproc.flowcontrol.capacity import Capacity
 from extproc.flowcontrol.policies import (
+    FairnessIndex,
     FairnessPolicy,
     Flow,
+    FlowHeap,
     OrderingPolicy,
     PolicyRegistry,
     Queued,
@@ -166,12 +169,13 @@ class _Waiting:
 
 @dataclass(eq=False)
 class _Band:
+    index: FairnessIndex  # its flows in the fairness policy's order
     flows: dict[str, Flow] = field(default_factory=dict)
     live: int = 0
     bytes: int = 0
 
 
-_NO_BAND = _Band()  # read only: a band nothing waits in
+_NO_BAND = _Band(FlowHeap(Flow.head_key))  # read only: a band nothing waits in
 _NO_BANDS: dict[int, _Band] = {}  # read only
 
 
@@ -372,6 +376,15 @@ class FlowController:
                     ahead += round(v[0] * mine / band.live) if band.live else v[0]
         return (ahead + 1) / rate
 
+    def fairness_changed(self, flow: str) -> None:
+        """What the fairness policy reads of `flow` may have shrunk (the VTC counters forgot
+        it): every band where it waits reads it again. (What only grows needs no call.)"""
+        for bands in self._bands.values():
+            for band in bands.values():
+                waiting = band.flows.get(flow)
+                if waiting is not None:
+                    band.index.update(waiting)
+
     def wake(self) -> None:
         """Something freed room (a lease ended, a pod appeared): look again now."""
         if self._waiting:
@@ -453,7 +466,7 @@ class FlowController:
         bands = self._bands.setdefault(model, {})
         band = bands.get(priority)
         if band is None:
-            band = bands[priority] = _Band()
+            band = bands[priority] = _Band(self._fairness.index())
         return band
 
     def _waiting_at_or_above(self, model: str, priority: int) -> bool:
@@ -513,7 +526,10 @@ class FlowController:
         flow = band.flows.get(request.flow)
         if flow is None:
             flow = band.flows[request.flow] = Flow(request.flow)
+        head = flow.head() if len(flow) else None
         flow.push(item, self._ordering)
+        if flow.head() is not head:  # new to the band, or it goes first in its flow
+            band.index.update(flow)
         band.live += 1
         band.bytes += request.size
         self._waiting[item] = waiting
@@ -558,10 +574,14 @@ class FlowController:
         band.bytes -= request.size
         flow = band.flows.get(item.flow)
         if flow is not None:
+            head = item if popped else flow.head()
             if not popped:
                 flow.remove(item)
             if not len(flow):
                 del band.flows[item.flow]
+                band.index.remove(flow)
+            elif flow.head() is not head:
+                band.index.update(flow)
         if not band.live:
             del bands[priority]
             if not bands:
@@ -652,7 +672,7 @@ class FlowController:
         (every flow of a band has a request waiting at its head: `_finish` keeps it so)."""
         sent = 0
         while sent < take and band.live:
-            flow = self._fairness.pick(list(band.flows.values()))
+            flow = band.index.pick()
             waiting = self._waiting[flow.pop()]
             self._finish(waiting, FlowOutcome.DISPATCHED, pods=pods, popped=True)
             sent += 1

@@ -4,7 +4,10 @@ constructor `(name, params)`, registered explicitly in a `PolicyRegistry` (the c
 builds it with `builtin_policies`; a policy that needs more than its params, as `token` needs
 the VTC counters, is registered with a factory closing over it).
 
-    fairness (inside a band):   FairnessPolicy.pick(flows)        -> the flow that dispatches next
+    fairness (inside a band):   FairnessPolicy.index()            -> one per band: told when a
+                                                                     flow's head changes, it
+                                                                     picks the flow that
+                                                                     dispatches next
                                 FairnessPolicy.ahead(flows, flow) -> how many go before a new
                                                                      request of `flow` (for
                                                                      deadlines: an estimate)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, ClassVar, Literal, Protocol
@@ -28,9 +32,11 @@ from extproc.routing.framework import EmptyParams, PluginConfigError, decode_par
 __all__ = [
     "Deadline",
     "DeadlineParams",
+    "FairnessIndex",
     "FairnessPolicy",
     "Fcfs",
     "Flow",
+    "FlowHeap",
     "GlobalStrict",
     "OrderingPolicy",
     "PolicyKind",
@@ -159,19 +165,104 @@ class Flow:
         return len(self.heap) - len(self.removed)
 
 
+class FairnessIndex(Protocol):
+    """One band's flows with a request waiting, in the order a fairness policy serves them.
+    The controller keeps one per band and tells it whenever a flow's head request changes, so
+    `pick` does not walk the band's flows."""
+
+    def update(self, flow: Flow) -> None:
+        """`flow` has a request waiting (it may be new to the band) and its head, or anything
+        else its place reads, may have changed: read it again."""
+        ...
+
+    def remove(self, flow: Flow) -> None:
+        """`flow` has nothing left waiting in the band."""
+        ...
+
+    def pick(self) -> Flow:
+        """The flow whose head dispatches next (the band has one waiting, at least)."""
+        ...
+
+
 class FairnessPolicy(Protocol):
-    """Inside one band: which flow dispatches next (every flow given has a request waiting)."""
+    """Inside one band: which flow dispatches next, as an index per band (`FlowHeap` keyed by
+    the policy's `key` is the one the built-in policies use)."""
 
     type_name: ClassVar[str]
     Params: ClassVar[type]
     name: str
 
-    def pick(self, flows: Sequence[Flow]) -> Flow: ...
+    def index(self) -> FairnessIndex:
+        """A new, empty index for one band."""
+        ...
 
     def ahead(self, flows: Sequence[Flow], flow: str) -> int:
         """Of the requests waiting in `flows`, about how many dispatch before one `flow`
         adds now (its own flow's included)."""
         ...
+
+
+FlowKey = Callable[[Flow], tuple[float, int]]
+
+
+class FlowHeap:
+    """Implements `FairnessIndex` for a policy that serves the flow with the smallest key
+    (`key(flow)`, unique per flow: it ends with the head's arrival number). A heap of (key when
+    read, push number, flow); a flow's entry is its last push, older ones are skipped when they
+    come to the top and rebuilt away once they outnumber the flows. A key may grow between
+    `update`s (tokens used, a turn taken): the entry at the top is read again and moves down
+    when its key grew, so what `pick` returns is the smallest key over the band as long as no
+    key shrinks without an `update` of its flow. `pick` is O(log F) amortized for F flows, plus
+    one move per key that grew since it was read."""
+
+    def __init__(self, key: FlowKey) -> None:
+        self._key = key
+        self._heap: list[tuple[tuple[float, int], int, Flow]] = []
+        self._entries: dict[str, tuple[tuple[float, int], int, Flow]] = {}  # each flow's last
+        self._pushes = itertools.count()
+
+    def update(self, flow: Flow) -> None:
+        self._push(flow, self._key(flow))
+        self._compact()
+
+    def remove(self, flow: Flow) -> None:
+        self._entries.pop(flow.name, None)
+        self._compact()
+
+    def pick(self) -> Flow:
+        heap = self._heap
+        while True:
+            entry = heap[0]
+            key, _, flow = entry
+            if self._entries.get(flow.name) is not entry:  # a flow's older entry, or gone
+                heapq.heappop(heap)
+                continue
+            now = self._key(flow)
+            if not now > key:  # as read (smaller: the smallest still; `not`: ends on a NaN)
+                return flow
+            heapq.heappop(heap)  # its key grew since it was read: back in at the new one
+            self._push(flow, now)
+
+    def get(self, name: str) -> Flow | None:
+        entry = self._entries.get(name)
+        return entry[2] if entry is not None else None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        """The flows with a request waiting."""
+        return len(self._entries)
+
+    def _push(self, flow: Flow, key: tuple[float, int]) -> None:
+        entry = (key, next(self._pushes), flow)
+        self._entries[flow.name] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self._entries) + 64:  # mostly skipped entries: rebuild
+            self._heap = list(self._entries.values())
+            heapq.heapify(self._heap)
 
 
 def _depth(flows: Sequence[Flow], flow: str) -> int:
@@ -188,15 +279,17 @@ class GlobalStrict:
     def __init__(self, name: str, params: object = None) -> None:
         self.name = name
 
-    def pick(self, flows: Sequence[Flow]) -> Flow:
-        return min(flows, key=Flow.head_key)
+    def index(self) -> FlowHeap:
+        return FlowHeap(Flow.head_key)
 
     def ahead(self, flows: Sequence[Flow], flow: str) -> int:
         return sum(len(f) for f in flows)  # one order over the band: everyone already there
 
 
 class RoundRobin:
-    """Each flow with a request waiting takes a turn, in the order the flows first came."""
+    """Each flow with a request waiting takes a turn: the flow served longest ago goes next
+    (never served: first), ties by the arrival of its head. The turns are the policy's, over
+    every band: a flow's turn in one band counts in the others."""
 
     type_name: ClassVar[str] = "round-robin"
     Params: ClassVar[type] = EmptyParams
@@ -205,15 +298,31 @@ class RoundRobin:
         self.name = name
         self._turn = itertools.count()
         self._last: dict[str, int] = {}
+        # Every band's index, to re-read the flows whose turns are forgotten (a band's index
+        # goes with its band).
+        self._indexes: weakref.WeakSet[_TurnHeap] = weakref.WeakSet()
 
-    def pick(self, flows: Sequence[Flow]) -> Flow:
-        # The flow served longest ago (never served: first); ties by arrival of its head.
-        flow = min(flows, key=lambda f: (self._last.get(f.name, -1), f.head().seq))
+    def key(self, flow: Flow) -> tuple[float, int]:
+        return (self._last.get(flow.name, -1), flow.head().seq)
+
+    def index(self) -> FlowHeap:
+        index = _TurnHeap(self)
+        self._indexes.add(index)
+        return index
+
+    def served(self, flow: Flow, index: FlowHeap) -> None:
+        """`flow` of the band `index` takes its turn (its key grows: the heaps read it again)."""
         self._last[flow.name] = next(self._turn)
-        if len(self._last) > 4 * max(16, len(flows)):  # forget flows gone quiet
-            live = {f.name for f in flows}
-            self._last = {k: v for k, v in self._last.items() if k in live}
-        return flow
+        if len(self._last) > 4 * max(16, len(index)):  # forget flows gone quiet
+            forgotten = [k for k in self._last if k not in index]
+            self._last = {k: v for k, v in self._last.items() if k in index}
+            # A flow waiting in another band whose turn was forgotten goes sooner there now.
+            for other in self._indexes:
+                if other is not index:
+                    for k in forgotten:
+                        waiting = other.get(k)
+                        if waiting is not None:
+                            other.update(waiting)
 
     def ahead(self, flows: Sequence[Flow], flow: str) -> int:
         # Its own flow's queue, and as many turns of every other flow (those it holds).
@@ -221,10 +330,25 @@ class RoundRobin:
         return own + sum(min(len(f), own + 1) for f in flows if f.name != flow)
 
 
+class _TurnHeap(FlowHeap):
+    """A band's index under `RoundRobin`: the flow it picks takes its turn."""
+
+    def __init__(self, policy: RoundRobin) -> None:
+        super().__init__(policy.key)
+        self._policy = policy
+
+    def pick(self) -> Flow:
+        flow = super().pick()
+        self._policy.served(flow, self)
+        return flow
+
+
 class TokenFair:
     """The flow whose tokens used so far are fewest goes next: the VTC counters (Sheng et al.)
     the response accounting keeps per user and shares between replicas, so a tenant sending
-    5x more does not get 5x the pool."""
+    5x more does not get 5x the pool. The counters only grow, but for a user they forget (the
+    idle one seen least recently, past their bound): its flows must then be `update`d (the
+    controller's `fairness_changed`), else they keep the place of their old count."""
 
     type_name: ClassVar[str] = "token"
     Params: ClassVar[type] = EmptyParams
@@ -233,8 +357,11 @@ class TokenFair:
         self.name = name
         self._tokens = tokens
 
-    def pick(self, flows: Sequence[Flow]) -> Flow:
-        return min(flows, key=lambda f: (self._tokens(f.name), f.head().seq))
+    def key(self, flow: Flow) -> tuple[float, int]:
+        return (self._tokens(flow.name), flow.head().seq)
+
+    def index(self) -> FlowHeap:
+        return FlowHeap(self.key)
 
     def ahead(self, flows: Sequence[Flow], flow: str) -> int:
         # Every flow that used fewer tokens goes first, then its own queue.

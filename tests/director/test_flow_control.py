@@ -197,3 +197,40 @@ def test_a_dispatched_request_goes_to_a_pod_with_room(kit: Kit) -> None:
             kit.scrape(POOL[2], waiting=4)  # still room for one (a fresh scrape)
 
     asyncio.run(main())
+
+
+def test_token_fairness_rereads_a_tenant_the_counters_forget(qwen_tokenizer_dir: Path) -> None:
+    """The VTC counters forget the idle user seen least recently past their bound (its count
+    reads 0 from then on): flow control's index, told by the core's wiring, serves its waiting
+    request first, as a scan of the counts would."""
+
+    async def main() -> None:
+        k = Kit(qwen_tokenizer_dir, fairness="token")
+        try:
+            counters = k.kit.core.fairness
+            counters.charge("old", input_tokens=100)  # idle, and the least recently seen
+            counters.charge("new", input_tokens=50)
+            for address in POOL:
+                k.scrape(address, waiting=5)
+            tasks = [
+                asyncio.create_task(
+                    k.kit.director.route(head(i, {"x-llm-d-inference-fairness-id": t}), BODY)
+                )
+                for i, t in enumerate(["old", "new"])
+            ]
+            await settle()
+            assert k.flow.queued == 2
+            while counters.tokens("old"):  # new users, in flight: past the bound "old" goes
+                counters.request_started(f"u{len(counters)}")
+            assert counters.tokens("new") == 50
+            k.scrape(POOL[2], waiting=4)  # room for one
+            assert k.flow.dispatch() == 1
+            await settle()
+            assert tasks[0].done() and not tasks[1].done()
+            k.scrape(POOL[2], waiting=4)
+            assert k.flow.dispatch() == 1
+            await asyncio.gather(*tasks)
+        finally:
+            k.kit.close()
+
+    asyncio.run(main())

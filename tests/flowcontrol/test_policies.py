@@ -10,6 +10,8 @@ from extproc.flowcontrol import Capacity, FlowController
 from extproc.flowcontrol.policies import (
     Deadline,
     DeadlineParams,
+    FairnessIndex,
+    FairnessPolicy,
     Fcfs,
     Flow,
     GlobalStrict,
@@ -105,13 +107,38 @@ def _flows(*heads: tuple[str, int]) -> list[Flow]:
     return out
 
 
+def _index(policy: FairnessPolicy, flows: list[Flow]) -> FairnessIndex:
+    index = policy.index()
+    for f in flows:
+        index.update(f)
+    return index
+
+
 def test_fairness_picks() -> None:
     flows = _flows(("a", 3), ("b", 1), ("c", 2))
-    assert GlobalStrict("gs").pick(flows).name == "b"  # the best head overall
+    assert _index(GlobalStrict("gs"), flows).pick().name == "b"  # the best head overall
     used = {"a": 10.0, "b": 50.0, "c": 5.0}
-    assert TokenFair("t", tokens=used.__getitem__).pick(flows).name == "c"  # fewest tokens
-    rr = RoundRobin("rr")
-    assert [rr.pick(flows).name for _ in range(4)] == ["b", "c", "a", "b"]
+    tokens = _index(TokenFair("t", tokens=used.__getitem__), flows)
+    assert tokens.pick().name == "c"  # fewest tokens
+    used["c"] = 20.0  # counts grow between picks: read again when at the top
+    assert tokens.pick().name == "a"
+    rr = _index(RoundRobin("rr"), flows)
+    assert [rr.pick().name for _ in range(4)] == ["b", "c", "a", "b"]
+    rr.remove(flows[1])  # b has nothing left waiting
+    assert [rr.pick().name for _ in range(3)] == ["c", "a", "c"]
+
+
+def test_a_flow_whose_head_changes_takes_its_new_place() -> None:
+    flows = _flows(("a", 3), ("b", 1), ("c", 2))
+    index = _index(GlobalStrict("gs"), flows)
+    b = flows[1]
+    b.pop()
+    b.push(item(9, flow="b", at=9.0), Fcfs("fcfs"))
+    index.update(b)
+    assert [index.pick().name for _ in range(2)] == ["c", "c"]  # c's head is now the oldest
+    flows[2].pop()
+    index.remove(flows[2])
+    assert index.pick().name == "a"
 
 
 def _deep(**depths: int) -> list[Flow]:
