@@ -1,5 +1,5 @@
-"""Command line: `extproc serve | config check | sim | up | pod | explain | capture | traces |
-envoy-config`."""
+"""Command line: `extproc serve | config check | sim | up | pod | explain | capture | tune |
+traces | envoy-config`."""
 
 from __future__ import annotations
 
@@ -180,38 +180,75 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    """Replay a capture under every rule in the twin; print the table and the verdict."""
+    import json
+
+    import yaml
+
+    from extproc.twin import Candidate, CaptureError, load_requests, tune
+
+    try:
+        requests = load_requests(Path(args.capture))
+    except (OSError, CaptureError) as exc:
+        print(f"extproc tune: {exc}", file=sys.stderr)
+        return 1
+    base: dict[str, object] = {}
+    if args.config:
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            print(f"extproc tune: {args.config}: {exc}", file=sys.stderr)
+            return 1
+        base = loaded if isinstance(loaded, dict) else {}
+    rules = None
+    if args.rules:
+        rules = [Candidate(n.strip(), n.strip()) for n in args.rules.split(",") if n.strip()]
+    print(
+        f"extproc tune: {len(requests)} requests; fitting the pods, then "
+        f"{'the' if rules is None else len(rules)} rules x {args.seeds} seeds "
+        f"on {args.workers} processes ...",
+        file=sys.stderr,
+    )
+    try:
+        report = tune(
+            requests, base_config=base, rules=rules, seeds=max(1, args.seeds),
+            workers=max(1, args.workers), slo_ttft_s=args.slo_ttft_ms / 1e3,
+            slo_tpot_s=args.slo_tpot_ms / 1e3,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"extproc tune: {exc}", file=sys.stderr)
+        return 1
+    print(report.text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.plot:
+        from extproc.twin.plot import plot_report
+
+        plot_report(report, Path(args.plot))
+    if args.publish or args.server:
+        return _publish_tuning(args, report.to_json())
+    return 0
+
+
 def _capture(args: argparse.Namespace) -> int:
     """Every server process's traffic capture, joined: a local stack's (its workdir's
     stack.json names them) or those of `--server`."""
-    import os
     import time
 
     import httpx
 
     from extproc.capture import CaptureFormatError, merge, parse_since, write_capture
-    from extproc.stack.local import ADMIN_TOKEN_FILE
-    from extproc.stack.pods import PodError, read_children
 
     try:
         since = None if args.since is None else time.time() - parse_since(args.since)
     except ValueError as exc:
         print(f"extproc capture: {exc}", file=sys.stderr)
         return 2
-    workdir = Path(args.workdir)
-    servers = [s.rstrip("/") for s in args.server or ()]
-    if not servers:
-        try:
-            children = read_children(workdir)
-        except PodError as exc:
-            print(f"extproc capture: {exc}; or name the servers with --server URL", file=sys.stderr)
-            return 1
-        servers = [f"http://{c.address}" for c in children if c.name.startswith("extproc-")]
-    token_file = args.token_file
-    local = workdir / ADMIN_TOKEN_FILE
-    if token_file is None and not os.environ.get("EXTPROC_ADMIN_TOKEN") and local.is_file():
-        token_file = str(local)
-    token, token_source = _admin_token(token_file)
-    headers = {"x-extproc-admin-token": token} if token is not None else {}
+    targets = _admin_targets("extproc capture", args)
+    if targets is None:
+        return 1
+    servers, headers, token_source = targets
     exports, failed = [], 0
     for url in servers:
         try:
@@ -240,6 +277,76 @@ def _capture(args: argparse.Namespace) -> int:
         print(f"extproc capture: {exc}", file=sys.stderr)
         return 1
     print(f"extproc capture: {write_capture(capture, args.output)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _admin_targets(
+    prog: str, args: argparse.Namespace
+) -> tuple[list[str], dict[str, str], str] | None:
+    """The admin URLs of `--server` or of every server process of the local stack in
+    `--workdir` (its stack.json names them), the admin token's header for them (`--token-file`,
+    $EXTPROC_ADMIN_TOKEN, or the stack's) and where the token came from; None (said on stderr)
+    when there is neither."""
+    import os
+
+    from extproc.stack.local import ADMIN_TOKEN_FILE
+    from extproc.stack.pods import PodError, read_children
+
+    workdir = Path(args.workdir)
+    servers = [s.rstrip("/") for s in args.server or ()]
+    if not servers:
+        try:
+            children = read_children(workdir)
+        except PodError as exc:
+            print(f"{prog}: {exc}; or name the servers with --server URL", file=sys.stderr)
+            return None
+        servers = [f"http://{c.address}" for c in children if c.name.startswith("extproc-")]
+    token_file = args.token_file
+    local = workdir / ADMIN_TOKEN_FILE
+    if token_file is None and not os.environ.get("EXTPROC_ADMIN_TOKEN") and local.is_file():
+        token_file = str(local)
+    token, token_source = _admin_token(token_file)
+    headers = {"x-extproc-admin-token": token} if token is not None else {}
+    return servers, headers, token_source
+
+
+def _publish_tuning(args: argparse.Namespace, report: dict[str, object]) -> int:
+    """Send a tuning report to every server process (their status pages show it); say which
+    took it. 1 when one did not."""
+    import httpx
+
+    from extproc.admin.tuning import finite
+
+    targets = _admin_targets("extproc tune --publish", args)
+    if targets is None:
+        return 1
+    servers, headers, token_source = targets
+    if not servers:
+        print("extproc tune --publish: no server process to publish to", file=sys.stderr)
+        return 1
+    failed = 0
+    for url in servers:
+        try:
+            resp = httpx.post(
+                f"{url}/debug/tuning", json=finite(report), headers=headers, timeout=10
+            )
+        except httpx.HTTPError as exc:
+            print(f"extproc tune --publish: {url}: {exc or type(exc).__name__}", file=sys.stderr)
+            failed += 1
+            continue
+        if resp.status_code != 200:
+            hint = f" ({token_source})" if resp.status_code in (401, 403) else ""
+            print(
+                f"extproc tune --publish: {url}: HTTP {resp.status_code}: "
+                f"{_error_message(resp)}{hint}",
+                file=sys.stderr,
+            )
+            failed += 1
+            continue
+        print(
+            f"extproc tune --publish: {url} (process {resp.json().get('replica')}) took it",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
@@ -378,6 +485,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the admin token (default: $EXTPROC_ADMIN_TOKEN, else the local stack's)",
     )  # fmt: skip
     c.set_defaults(func=_capture)
+    u = sub.add_parser(
+        "tune",
+        help="replay a capture in a twin under every rule and say which to run",
+        description="Fit a simulated engine per pod to the capture, replay it in virtual time "
+        "under every rule (and a few kv-aware weights) with several seeds, and print which "
+        "rule serves it best, by how much, and the config to apply (docs/operations.md, "
+        '"Tune on your own traffic").',
+    )
+    u.add_argument("capture", help="a capture (`extproc capture -o FILE`) or Mooncake trace")
+    u.add_argument("--config", default=None, help="the gateway's config (flow control, ...)")
+    u.add_argument(
+        "--rules", default=None,
+        help="comma-separated strategy names to compare (default: the built-in candidates)",
+    )  # fmt: skip
+    u.add_argument("--seeds", type=int, default=3, help="replays per rule (default: 3)")
+    u.add_argument("--workers", type=int, default=2, help="processes (default: 2)")
+    u.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    u.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the results")
+    u.add_argument(
+        "--slo-ttft-ms", type=float, default=500.0, help="goodput's TTFT bound (default: 500)"
+    )
+    u.add_argument(
+        "--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT bound (default: 100)"
+    )
+    u.add_argument(
+        "--publish", action="store_true",
+        help="send the report to every server process of the local stack in --workdir (or "
+        "--server): their status pages show the last tuning",
+    )  # fmt: skip
+    u.add_argument(
+        "--server", action="append", default=None, metavar="URL",
+        help="with --publish: a server's metrics/admin URL (repeat; implies --publish)",
+    )  # fmt: skip
+    u.add_argument("--workdir", default=".run", help="the local stack's (`extproc up`)")
+    u.add_argument(
+        "--token-file", default=None,
+        help="the admin token (default: $EXTPROC_ADMIN_TOKEN, else the local stack's)",
+    )  # fmt: skip
+    u.set_defaults(func=_tune)
     args = parser.parse_args(argv)
     try:
         result: int = args.func(args)

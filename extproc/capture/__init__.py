@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from extproc.capture.join import Capture, CaptureFormatError, merge, parse_since, write_capture
 from extproc.capture.records import (
+    FINE_TOKENS,
     NO_BLOCK,
     WINDOW_TOKENS,
     DecisionHalf,
@@ -25,6 +26,7 @@ from extproc.capture.store import CAPTURE_FORMAT, CaptureStore
 
 __all__ = [
     "CAPTURE_FORMAT",
+    "FINE_TOKENS",
     "NO_BLOCK",
     "WINDOW_TOKENS",
     "Capture",

@@ -13,8 +13,11 @@ without a decision (that process was not reached, or its half aged out) has no b
 leading ids meaning a shared prefix. A block's id comes from the prompt's chained hash, so two
 requests share an id exactly when their prompts agree up to that block's last full routing
 block (a partial block of fewer tokens than the routing's block size is not hashed: it gets an
-id of its own). Where the routing rule computed no hashes (`"blocks": "none"`), every block
-gets an id of its own: the replay then shares nothing it cannot prove.
+id of its own). `fine_ids` say the same per `fine_tokens` (64) tokens, in an id space of their
+own: what `extproc tune` replays (a conversation's next turn shares its previous prompt up to
+the last 64-token boundary, where `hash_ids` would show only whole 512-token windows). Where
+the routing rule computed no hashes (`"blocks": "none"`), every block gets an id of its own:
+the replay then shares nothing it cannot prove.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from extproc.capture.records import WINDOW_TOKENS
+from extproc.capture.records import FINE_TOKENS, WINDOW_TOKENS
 
 __all__ = ["Capture", "CaptureFormatError", "merge", "parse_since", "write_capture"]
 
@@ -151,7 +154,7 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
             continue
         pairs.append((arrival, d, o))
     pairs.sort(key=lambda p: p[0])
-    ids = _Ids()
+    ids, fine = _Ids(), _Ids()
     for arrival, d, o in pairs:
         if d is not None and o is not None:
             out.joined += 1
@@ -159,7 +162,7 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
             out.decision_only += 1
         else:
             out.outcome_only += 1
-        out.lines.append(_line(arrival, arrival - pairs[0][0], d, o, ids))
+        out.lines.append(_line(arrival, arrival - pairs[0][0], d, o, ids, fine))
     return out
 
 
@@ -169,18 +172,28 @@ def _line(
     d: Mapping[str, Any] | None,
     o: Mapping[str, Any] | None,
     ids: _Ids,
+    fine: _Ids,
 ) -> dict[str, Any]:
     first = d if d is not None else o
     assert first is not None
     prompt = int(_num(first, "prompt_tokens") or 0)
     input_length = max(1, prompt)  # the format has no empty prompt
     windows = math.ceil(input_length / WINDOW_TOKENS)
+    per = WINDOW_TOKENS // FINE_TOKENS
     blocks = d.get("blocks") if d is not None else None
-    if isinstance(blocks, list) and len(blocks) == windows:
-        hash_ids = [ids.of(b if isinstance(b, str) else None) for b in blocks]
+    if isinstance(blocks, list) and len(blocks) == math.ceil(input_length / FINE_TOKENS):
+        keys = [b if isinstance(b, str) else None for b in blocks]
+        fine_ids = [fine.of(k) for k in keys]
+        # A 512-token window's hash: the last block hash inside it (its last fine window's
+        # that has one).
+        hash_ids = []
+        for w in range(windows):
+            inside = [k for k in keys[w * per : (w + 1) * per] if k is not None]
+            hash_ids.append(ids.of(inside[-1] if inside else None))
         known = "hashed"
     else:
         hash_ids = [ids.fresh() for _ in range(windows)]
+        fine_ids = [fine.fresh() for _ in range(math.ceil(input_length / FINE_TOKENS))]
         known = "none"
     output = _num(o, "output_tokens")
     output_tokens = None if output is None else int(output)
@@ -191,6 +204,8 @@ def _line(
         # client that left) is replayed as one token; `output_tokens` says what really came.
         "output_length": max(1, output_tokens or 0),
         "hash_ids": hash_ids,
+        "fine_ids": fine_ids,
+        "fine_tokens": FINE_TOKENS,
         "start_time": round(arrival, 6),
         "model": first.get("model"),
         "route": first.get("route") or None,

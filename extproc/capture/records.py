@@ -7,9 +7,13 @@
 
 Both are keyed by the request id's keyed hash; `join.py` puts them together. Nothing here
 holds text: no prompt, no header value, no id in the clear (`KeyedHash`). The prompt's blocks
-are kept as one chained hash per `WINDOW_TOKENS` tokens (the Mooncake trace's block size), the
-chain's hash at the last full routing block inside each window, so equal leading windows mean
-an equal prompt prefix; they are keyed only when exported, off the request path.
+are kept as one chained hash per `FINE_TOKENS` tokens, the chain's hash at the last full
+routing block inside each window, so equal leading windows mean an equal prompt prefix; they
+are keyed only when exported, off the request path. The export's Mooncake `hash_ids` (one per
+`WINDOW_TOKENS`) are derived from them; the finer windows let a replay see that a
+conversation's next turn shares its last turn's prompt up to the last `FINE_TOKENS` boundary,
+not only up to the last whole 512-token window (a turn adds ~200 tokens: at 512 most of the
+reuse of a multi-turn conversation would be invisible).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "NO_BLOCK",
+    "FINE_TOKENS",
     "WINDOW_TOKENS",
     "DecisionHalf",
     "KeyedHash",
@@ -32,6 +37,8 @@ __all__ = [
 
 # The Mooncake trace format's block size (bench/traces.py reads `hash_ids` at this size).
 WINDOW_TOKENS = 512
+# The capture's own window: a divisor of WINDOW_TOKENS, a multiple of the usual block sizes.
+FINE_TOKENS = 64
 # A window in which no full routing block ends (a short tail, or a block larger than a window).
 NO_BLOCK = 2**64 - 1
 
@@ -63,8 +70,10 @@ class KeyedHash:
         return self._hash(b"block\x00" + (chained & (2**64 - 1)).to_bytes(8, "big"))
 
 
-def prefix_windows(hashes: Sequence[int], block_size: int, tokens: int) -> tuple[int, ...]:
-    """One chained hash per `WINDOW_TOKENS` tokens of a `tokens`-token prompt whose full
+def prefix_windows(
+    hashes: Sequence[int], block_size: int, tokens: int, window: int = WINDOW_TOKENS
+) -> tuple[int, ...]:
+    """One chained hash per `window` tokens of a `tokens`-token prompt whose full
     `block_size` blocks have the chained `hashes` (the routing's, already computed): the hash
     of the last block that ends inside the window, else NO_BLOCK. Empty when no hash was
     computed (the rule reads no prefix)."""
@@ -72,8 +81,8 @@ def prefix_windows(hashes: Sequence[int], block_size: int, tokens: int) -> tuple
         return ()
     out = []
     n = len(hashes)
-    for start in range(0, tokens, WINDOW_TOKENS):
-        end = min(start + WINDOW_TOKENS, tokens)
+    for start in range(0, tokens, window):
+        end = min(start + window, tokens)
         k = min(end // block_size, n) - 1  # the last full block ending at or before `end`
         out.append(hashes[k] if k >= 0 and (k + 1) * block_size > start else NO_BLOCK)
     return tuple(out)
@@ -103,7 +112,7 @@ class DecisionHalf:
     stream: bool
     endpoint: str  # the pick
     strategy: str
-    windows: bytes  # `pack_windows(prefix_windows(...))`; empty: none computed
+    windows: bytes  # `pack_windows(prefix_windows(..., FINE_TOKENS))`; empty: none computed
     replica: str  # the process that routed it
 
     def export(self, keyed: KeyedHash, memo: dict[int, str]) -> dict[str, Any]:

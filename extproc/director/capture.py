@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from extproc.capture import CaptureStore, DecisionHalf, OutcomeHalf, pack_windows, prefix_windows
+from extproc.capture import (
+    FINE_TOKENS,
+    CaptureStore,
+    DecisionHalf,
+    OutcomeHalf,
+    pack_windows,
+    prefix_windows,
+)
 from extproc.director.api import AccessRecord
 from extproc.director.lifecycle import Completed, Outgoing, Placement, Request
 from extproc.routing.base import Decision
@@ -59,7 +66,9 @@ class CaptureDecision:
                 endpoint=decision.endpoint.address,
                 strategy=decision.strategy,
                 windows=pack_windows(
-                    prefix_windows(prompt.hashes, req.runtime.block_size, prompt.tokens)
+                    prefix_windows(
+                        prompt.hashes, req.runtime.block_size, prompt.tokens, FINE_TOKENS
+                    )
                 ),
                 replica=self._replica,
             )

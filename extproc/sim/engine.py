@@ -113,6 +113,14 @@ class SimRequest:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens `start` to `end` (exclusive) of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        head = self.prompt_ids[start:] if start < n else []
+        return head + self.output_ids[max(0, start - n) : end - n]
+
 
 # Called with (request, reason) when a request leaves the engine; used for metrics.
 FinishHook = Callable[[SimRequest, RequestStats], None]
@@ -313,7 +321,7 @@ class Engine:
         if want <= have:
             return
         bs = self.block_size
-        tokens = [req.token(i) for i in range(have * bs, want * bs)]
+        tokens = req.tokens(have * bs, want * bs)
         parent = req.token_hashes[-1] if have else None
         extra = block_extra_keys(req.lora_name, self.config.lora_path(req.lora_name))
         for k in range(want - have):
@@ -460,7 +468,7 @@ class Engine:
             return
         bs = self.block_size
         blocks = [
-            (req.token_hashes[k], tuple(req.token(i) for i in range(k * bs, (k + 1) * bs)))
+            (req.token_hashes[k], tuple(req.tokens(k * bs, (k + 1) * bs)))
             for k in range(first, last)
         ]
         parent = req.held_hashes[-1] if first else None

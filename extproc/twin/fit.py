@@ -1,0 +1,189 @@
+"""Fit each pod's simulated engine to what the capture measured of it.
+
+The simulator's step model (`extproc.sim.config.StepTimeModel`) prices a step as a fixed part
+(scheduling, reading the weights), a part per prefill token and a part per context token
+read. A pod of another GPU, model or load differs from the default by how much each costs.
+The fit replays the capture *pinned* (every request on the pod that served it: no routing,
+so only the engines are tested) and moves each pod's model until its answers match the
+capture's, a few rounds:
+
+- the decode speed: the median time per output token (TPOT) of the pod's requests, twin
+  against capture, scales the fixed and per-context parts (a decode step is mostly those);
+- the prefill speed and the path's fixed cost: the pod's TTFTs, twin against capture, matched
+  at their quartiles: the spread between the first and third quartile scales the per-token
+  prefill cost (a longer uncached prompt, a longer queue), what is left at the median is the
+  time the path adds to every first token (the gateway, Envoy, the engine's HTTP handler).
+
+The cache size and scheduler limits are the simulator's defaults unless the caller knows the
+pods' (`PodProfile`). Fitting needs the capture's outcomes: a pod with fewer than
+`MIN_SAMPLES` timed requests keeps the default model, and `FitReport` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
+from extproc.twin.trace import PromptIds, TwinRequest
+
+__all__ = ["MIN_SAMPLES", "FitReport", "fit_pods", "pods_of"]
+
+MIN_SAMPLES = 8
+# Each round measures how a pod's answers move when its prefill or decode cost is nudged by
+# this factor, then solves for both; a correction is bounded (a factor of e^_MAX_LOG_STEP) so
+# one noisy round cannot throw a pod's model far off; rounds repeat until every correction is
+# small (in log terms).
+_NUDGE = 1.25
+_MAX_LOG_STEP = math.log(3.0)
+_CONVERGED = 0.03
+
+
+@dataclass
+class FitReport:
+    pods: tuple[PodProfile, ...]
+    rounds: int = 0
+    unfitted: list[str] = field(default_factory=list)  # pods with too few timed requests
+    # Per pod: capture's and twin's TTFT p50 / TPOT p50 (ms) after the last round.
+    check: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def pods_of(requests: Sequence[TwinRequest], default_model: str) -> tuple[PodProfile, ...]:
+    """A default profile for every pod the capture names, with the model it served most."""
+    models: dict[str, Counter[str]] = {}
+    for r in requests:
+        if r.pod is not None:
+            models.setdefault(r.pod, Counter())[r.model or default_model] += 1
+    return tuple(
+        PodProfile(address=pod, model=count.most_common(1)[0][0])
+        for pod, count in sorted(models.items())
+    )
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _scaled(pod: PodProfile, decode: float, prefill: float, overhead_s: float) -> PodProfile:
+    s = pod.step
+    step = dataclasses.replace(
+        s,
+        overhead_s=s.overhead_s * decode,
+        weights_read_s=s.weights_read_s * decode,
+        kv_read_per_token_s=s.kv_read_per_token_s * decode,
+        prefill_per_token_s=s.prefill_per_token_s * prefill,
+    )
+    return dataclasses.replace(pod, step=step, overhead_s=overhead_s)
+
+
+def _targets(
+    rows: Sequence[TwinRequest], served: Mapping[int, Served], overhead_s: float
+) -> tuple[float, float, float] | None:
+    """(TPOT p50, TTFT interquartile range, TTFT p50) of the twin's answers to `rows`, the TTFT
+    without the path's cost; None when too few were timed."""
+    tpot = [t for r in rows if (t := served[r.index].tpot_s) is not None and t > 0]
+    ttft = [t - overhead_s for r in rows if (t := served[r.index].ttft_s) is not None]
+    if len(tpot) < MIN_SAMPLES or len(ttft) < MIN_SAMPLES:
+        return None
+    iqr = _quantile(ttft, 0.75) - _quantile(ttft, 0.25)
+    return statistics.median(tpot), max(iqr, 1e-5), statistics.median(ttft)
+
+
+def _solve(jac: list[list[float]], r: Sequence[float]) -> tuple[float, float]:
+    """(prefill, decode) steps x with jac @ x = r; for a near-singular system, the TPOT by the
+    decode knob and the TTFT spread by the prefill knob, each alone."""
+    (a, b), (c, d) = jac
+    det = a * d - b * c
+    if abs(det) > 0.05 * max(abs(a * d), abs(b * c), 1e-9):
+        return (d * r[0] - b * r[1]) / det, (a * r[1] - c * r[0]) / det
+    return (r[1] / c if abs(c) > 1e-3 else 0.0), (r[0] / b if abs(b) > 1e-3 else 0.0)
+
+
+def fit_pods(
+    requests: Sequence[TwinRequest],
+    setup: TwinSetup,
+    *,
+    max_rounds: int = 5,
+    window_s: float | None = 600.0,
+    prompts: PromptIds | None = None,
+) -> FitReport:
+    """`setup`'s pods fitted to the capture's timed requests (see the module docstring); with
+    `window_s`, to the first `window_s` seconds of the capture only (each round replays them
+    three times)."""
+    prompts = prompts or PromptIds()
+    if window_s is not None:
+        requests = [r for r in requests if r.at_s <= window_s]
+    pods = {p.address: p for p in setup.pods}
+    timed: dict[str, list[TwinRequest]] = {}
+    for r in requests:
+        if r.measured and r.pod in pods:
+            timed.setdefault(r.pod, []).append(r)
+    report = FitReport(pods=setup.pods)
+    report.unfitted = sorted(a for a in pods if len(timed.get(a, ())) < MIN_SAMPLES)
+    want: dict[str, tuple[float, float, float]] = {}
+    for address, rows in timed.items():
+        tpots = [r.tpot_s for r in rows if r.tpot_s is not None and r.tpot_s > 0]
+        ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
+        if address in report.unfitted or len(tpots) < MIN_SAMPLES:
+            continue
+        iqr = _quantile(ttfts, 0.75) - _quantile(ttfts, 0.25)
+        want[address] = (statistics.median(tpots), max(iqr, 1e-5), statistics.median(ttfts))
+    report.unfitted = sorted(a for a in pods if a not in want)
+
+    def run(scale_decode: float, scale_prefill: float) -> dict[int, Served]:
+        trial = dataclasses.replace(
+            setup,
+            pods=tuple(
+                _scaled(p, scale_decode, scale_prefill, p.overhead_s) for p in pods.values()
+            ),
+        )
+        out = replay(trial, requests, strategy="round-robin", pinned=True, prompts=prompts)
+        return {r.index: s for r, s in zip(requests, out, strict=True)}
+
+    nudge = math.log(_NUDGE)
+    for rnd in range(1, max_rounds + 1):
+        report.rounds = rnd
+        base, by_prefill, by_decode = run(1.0, 1.0), run(1.0, _NUDGE), run(_NUDGE, 1.0)
+        worst = 0.0
+        for address, (tpot, iqr, ttft) in want.items():
+            pod, rows = pods[address], timed[address]
+            f0 = _targets(rows, base, pod.overhead_s)
+            fp = _targets(rows, by_prefill, pod.overhead_s)
+            fd = _targets(rows, by_decode, pod.overhead_s)
+            if f0 is None or fp is None or fd is None:
+                continue
+            # d log(target i) / d log(knob j): targets TPOT, TTFT spread; knobs prefill, decode.
+            jac = [[(math.log(f[i]) - math.log(f0[i])) / nudge for f in (fp, fd)] for i in (0, 1)]
+            residual = (math.log(tpot) - math.log(f0[0]), math.log(iqr) - math.log(f0[1]))
+            dp, dd = _solve(jac, residual)
+            prefill = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, dp)))
+            decode = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, dd)))
+            # What the path adds: the capture's median TTFT over the twin's engine-only one,
+            # as the twin will answer after this round's correction (to first order).
+            ttft_after = f0[2] * (1.0 + (prefill - 1.0) * _share(f0, fp, nudge))
+            overhead = max(0.0, ttft - ttft_after)
+            pods[address] = _scaled(pod, decode, prefill, overhead)
+            worst = max(worst, abs(dp), abs(dd))
+        if worst < _CONVERGED:
+            break
+    report.pods = tuple(pods.values())
+    final = run(1.0, 1.0)
+    for address, (tpot, _iqr, ttft) in want.items():
+        got = _targets(timed[address], final, 0.0)
+        report.check[address] = {
+            "capture_ttft_p50_ms": 1e3 * ttft,
+            "twin_ttft_p50_ms": 1e3 * got[2] if got else -1.0,
+            "capture_tpot_p50_ms": 1e3 * tpot,
+            "twin_tpot_p50_ms": 1e3 * got[0] if got else -1.0,
+        }
+    return report
+
+
+def _share(f0: Sequence[float], fp: Sequence[float], nudge: float) -> float:
+    """How much of the median TTFT scales with the prefill cost (its log-derivative)."""
+    return max(0.0, min(1.0, (math.log(fp[2]) - math.log(f0[2])) / nudge))

@@ -1,0 +1,388 @@
+"""One replay of a capture in virtual time: the production director routes every request to a
+simulated engine per pod, and learns from their answers as it does live.
+
+What runs is the gateway's own code, built by the composition root's builders (`Core`,
+`build_runtime`): parsing, the route's settings, the strategies, flow control's queue, the
+lease book, stall and hang detection, the latency models and their access-record learning.
+What stands in for the rest of the world:
+
+- the pods are `extproc.sim` engines (continuous batching over a block-level prefix cache, the
+  vLLM-faithful step loop), one per captured pod, each with its fitted `PodProfile`;
+- the metrics poller is a loop that hands every engine's figures to the endpoint store each
+  `metrics.poll_interval_s` (what a scrape of the simulator's /metrics would parse to);
+- KV events reach the exact prefix index the moment an engine step emits them;
+- Envoy is the request's arrival (a completions body of the prompt's token ids, with the
+  captured tenant, session and priority in the headers the config names), the pick as the
+  upstream (no retries: a replayed pod does not fail) and the access-log record handed to the
+  director `ACCESS_LOG_DELAY_S` after the last token.
+
+Requests arrive at their captured times (open loop). A request the gateway answers itself
+(a 429 from flow control, a 503) is counted with its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import CollectorRegistry
+
+from extproc.app import Core, build_runtime
+from extproc.config import Config, load_config_text
+from extproc.director.api import AccessRecord, ImmediateReply, Outcome, RequestHead
+from extproc.director.attributes import FAIRNESS_HEADERS
+from extproc.kvevents.subscriber import apply_events
+from extproc.sim.config import SimConfig, StepTimeModel
+from extproc.sim.engine import Engine, RequestStats, SimRequest
+from extproc.twin.trace import PromptIds, TwinRequest
+from extproc.twin.vtime import run_virtual
+from extproc.types import EngineMetrics, TokenUsage
+
+__all__ = ["ACCESS_LOG_DELAY_S", "PodProfile", "Served", "TwinSetup", "replay"]
+
+# Envoy's access-log flush interval in the shipped configs (`access_log_flush_interval_s`).
+ACCESS_LOG_DELAY_S = 0.1
+# The wall clock of virtual time 0 (records carry wall times; any fixed origin will do).
+_EPOCH = 1_800_000_000.0
+_OUTPUT_VOCAB = tuple(range(2000, 2512))
+# The engines never detokenize (the twin reads no text): no tokenizer is loaded.
+_NO_TOKENIZER = Path("/nonexistent-twin-tokenizer")
+
+
+@dataclass(frozen=True, slots=True)
+class PodProfile:
+    """One pod's engine as the twin runs it: its step-time model and cache, plus the time the
+    path to it adds to every TTFT (the gateway, Envoy, the engine's HTTP handler)."""
+
+    address: str
+    model: str
+    step: StepTimeModel = dataclasses.field(default_factory=StepTimeModel)
+    # The simulator's defaults (vLLM's on an H100-class GPU, `extproc.sim.config`).
+    num_gpu_blocks: int = 8192
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    overhead_s: float = 0.0  # added to the first token's time
+
+    def summary(self) -> dict[str, Any]:
+        s = self.step
+        return {
+            "address": self.address,
+            "model": self.model,
+            "step_base_ms": round((s.overhead_s + s.weights_read_s) * 1e3, 3),
+            "prefill_us_per_token": round(s.prefill_per_token_s * 1e6, 3),
+            "kv_read_ns_per_token": round(s.kv_read_per_token_s * 1e9, 3),
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "overhead_ms": round(self.overhead_s * 1e3, 3),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TwinSetup:
+    """What every replay of one capture shares: the pods and the gateway's base config (the
+    operator's, as YAML data; the twin replaces its models and routing rule)."""
+
+    pods: tuple[PodProfile, ...]
+    base_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    default_model: str = "model"
+
+    def config(self, strategy: str, params: Mapping[str, Any] | None, seed: int) -> Config:
+        data: dict[str, Any] = json.loads(json.dumps(dict(self.base_config)))  # a deep copy
+        models: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.pods:
+            models.setdefault(pod.model, []).append(
+                {"address": pod.address, "metrics_url": f"http://{pod.address}/metrics"}
+            )
+        block = {p.model: p.block_size for p in self.pods}
+        data["models"] = [
+            {"name": name, "endpoints": eps, "block_size": block[name]}
+            for name, eps in models.items()
+        ]
+        routing = data.setdefault("routing", {})
+        routing["default_strategy"] = strategy
+        routing["seed"] = seed
+        if params:
+            routing.setdefault("strategy_params", {})[strategy] = dict(params)
+        for off in ("capture", "tracing", "kubernetes", "sync"):
+            data.pop(off, None)
+        data.setdefault("server", {})["status_page"] = False
+        return load_config_text(yaml.safe_dump(data))
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What became of one replayed request (times in seconds)."""
+
+    index: int
+    pod: str | None  # None: answered by the gateway
+    status: int
+    ttft_s: float | None
+    tpot_s: float | None
+    latency_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    queued_s: float  # arrival to the routing decision (flow control's wait)
+
+
+class _World:
+    def __init__(
+        self,
+        setup: TwinSetup,
+        config: Config,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        pinned: bool,
+    ) -> None:
+        self.setup = setup
+        self.loop = loop
+        self.pinned = pinned
+        self.config = config
+        self.core = Core(
+            config,
+            replica="twin:1",
+            registry=CollectorRegistry(),
+            clock=loop.time,
+            wall_clock=lambda: _EPOCH + loop.time(),
+        )
+        self.core.kv_healthy = lambda _address: True
+        self.runtime = build_runtime(config, self.core)
+        self.core.install(self.runtime)
+        self.director = self.runtime.director
+        self.engines: dict[str, Engine] = {}
+        self.endpoints = {e.address: e for e in self.core.store.endpoints()}
+        self._done: dict[str, asyncio.Future[RequestStats]] = {}
+        for pod in setup.pods:
+            exact = self.runtime.exact[pod.model]
+
+            def sink(events: list[Any], address: str = pod.address, index: Any = exact) -> None:
+                apply_events(index, address, events)
+
+            engine = Engine(
+                SimConfig(
+                    tokenizer_dir=_NO_TOKENIZER,
+                    model=pod.model,
+                    step=pod.step,
+                    num_gpu_blocks=pod.num_gpu_blocks,
+                    block_size=pod.block_size,
+                    max_num_seqs=pod.max_num_seqs,
+                    max_num_batched_tokens=pod.max_num_batched_tokens,
+                ),
+                event_sink=sink,
+                on_finish=self._finished,
+                clock=loop.time,
+            )
+            engine.start()
+            self.engines[pod.address] = engine
+        self.overhead = {p.address: p.overhead_s for p in setup.pods}
+        self.models = frozenset(p.model for p in setup.pods)
+
+    def _finished(self, req: SimRequest, stats: RequestStats) -> None:
+        fut = self._done.pop(req.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(stats)
+
+    def scrape(self) -> None:
+        now = self.loop.time()
+        for address, engine in self.engines.items():
+            endpoint = self.endpoints.get(address)
+            if endpoint is None:
+                continue
+            st = engine.stats
+            self.core.store.record_success(
+                endpoint,
+                EngineMetrics(
+                    updated_at=now,
+                    running=float(engine.num_running),
+                    waiting=float(engine.num_waiting),
+                    kv_cache_usage=engine.pool.usage(),
+                    prefix_cache_hits=float(st.prefix_cache_hits),
+                    prefix_cache_queries=float(st.prefix_cache_queries),
+                    prompt_tokens_total=float(st.prompt_tokens),
+                    generation_tokens_total=float(st.generation_tokens),
+                    block_size=engine.block_size,
+                    num_gpu_blocks=engine.pool.num_blocks,
+                ),
+            )
+
+    async def poll(self) -> None:
+        interval = self.config.metrics.poll_interval_s
+        while True:
+            self.scrape()
+            await asyncio.sleep(interval)
+
+    async def one(self, req: TwinRequest, prompt: list[int]) -> Served:
+        loop = self.loop
+        arrived = loop.time()
+        model = req.model if req.model in self.models else self.setup.default_model
+        if self.pinned:
+            pod = req.pod or ""
+            result = None
+        else:
+            headers = {
+                ":path": "/v1/completions",
+                ":method": "POST",
+                "content-type": "application/json",
+            }
+            routing = self.config.routing
+            if req.session:
+                headers[routing.session_header] = req.session
+            if req.priority:
+                headers[routing.priority_header] = str(req.priority)
+            if req.tenant:
+                headers[FAIRNESS_HEADERS[-1]] = req.tenant
+            body: dict[str, Any] = {
+                "model": model, "prompt": prompt, "max_tokens": req.output_length,
+                "stream": req.stream,
+            }  # fmt: skip
+            if req.user:
+                body["user"] = req.user
+            head = RequestHead(
+                request_id=f"twin-{req.index}",
+                method="POST",
+                path="/v1/completions",
+                headers=headers,
+                route_name=req.route,
+            )
+            answer = await self.director.route(head, json.dumps(body).encode())
+            if isinstance(answer, ImmediateReply):
+                return Served(
+                    req.index, None, answer.status, None, None, None, req.input_length, 0, 0,
+                    loop.time() - arrived,
+                )  # fmt: skip
+            result = answer
+            pod = answer.destinations[0]
+        decided = loop.time()
+        engine = self.engines.get(pod)
+        if engine is None:
+            return Served(
+                req.index, None, 502, None, None, None, req.input_length, 0, 0, decided - arrived
+            )
+        sim = engine.new_request(
+            prompt,
+            output_vocab=_OUTPUT_VOCAB,
+            max_tokens=req.output_length,
+            ignore_eos=True,
+            request_id=f"twin-{req.index}",
+            priority=req.priority if engine.policy.value == "priority" else 0,
+        )
+        done: asyncio.Future[RequestStats] = loop.create_future()
+        self._done[sim.request_id] = done
+        await engine.submit(sim)
+        stats = await done
+        extra = self.overhead.get(pod, 0.0)
+        first = None if sim.first_token_wall is None else sim.first_token_wall + extra
+        last = sim.last_token_wall
+        ttft = None if first is None else first - arrived
+        out_tokens = stats.output_tokens
+        tpot = None
+        if first is not None and last is not None and out_tokens > 1:
+            tpot = max(0.0, (last - first + extra) / (out_tokens - 1))
+        latency = None if last is None else last + extra - arrived
+        if result is not None:
+            record = AccessRecord(
+                request_id=f"twin-{req.index}",
+                status=200,
+                outcome=Outcome.COMPLETE,
+                routed=result.routed,
+                upstream=pod,
+                usage=TokenUsage(
+                    prompt_tokens=stats.prompt_tokens,
+                    completion_tokens=out_tokens,
+                    cached_tokens=stats.cached_tokens,
+                ),
+                start_time=_EPOCH + arrived,
+                received_s=0.0,
+                upstream_sent_s=decided - arrived,
+                upstream_first_byte_s=ttft,
+                first_token_s=ttft,
+                upstream_done_s=latency,
+                attempts=1,
+                lease=result.ticket.key if result.ticket is not None else None,
+            )
+            ticket = result.ticket
+            hold = result.hold
+
+            def account() -> None:
+                self.director.account(record)
+                if hold and ticket is not None:
+                    ticket.close()
+
+            loop.call_later(ACCESS_LOG_DELAY_S, account)
+        return Served(
+            req.index, pod, 200, ttft, tpot, latency, stats.prompt_tokens, stats.cached_tokens,
+            out_tokens, decided - arrived,
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        for engine in self.engines.values():
+            await engine.stop()
+
+
+async def _run(
+    setup: TwinSetup,
+    requests: Sequence[TwinRequest],
+    prompts: PromptIds,
+    config: Config,
+    *,
+    seed: int,
+    pinned: bool,
+    jitter_s: float,
+) -> list[Served]:
+    loop = asyncio.get_running_loop()
+    world = _World(setup, config, loop, pinned=pinned)
+    poller = loop.create_task(world.poll())
+    rng = random.Random(seed)
+    tasks: list[asyncio.Task[Served]] = []
+    try:
+        for req in requests:
+            at = req.at_s + (rng.random() * jitter_s if jitter_s else 0.0)
+            delay = at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(loop.create_task(world.one(req, prompts(req))))
+        served = list(await asyncio.gather(*tasks))
+        await asyncio.sleep(2 * ACCESS_LOG_DELAY_S)  # the last records accounted
+        return served
+    finally:
+        poller.cancel()
+        for task in tasks:
+            task.cancel()
+        await world.stop()
+
+
+def replay(
+    setup: TwinSetup,
+    requests: Sequence[TwinRequest],
+    *,
+    strategy: str,
+    params: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    pinned: bool = False,
+    jitter_s: float = 0.0,
+    prompts: PromptIds | None = None,
+) -> list[Served]:
+    """Replay `requests` under `strategy` (with `params`, the strategy's config parameters) in
+    virtual time and return what became of each, in the requests' order. `pinned`: every
+    request goes to the pod the capture says served it (no routing: how the engines alone
+    would answer, for fitting them). `seed` drives the routing's random choices and, with
+    `jitter_s`, each arrival's shift in [0, jitter_s)."""
+    config = setup.config(strategy, params, seed)
+    return run_virtual(
+        _run(
+            setup,
+            requests,
+            prompts or PromptIds(),
+            config,
+            seed=seed,
+            pinned=pinned,
+            jitter_s=jitter_s,
+        )
+    )

@@ -1,0 +1,433 @@
+"""`extproc tune CAPTURE`: which rule, with which weights, the captured traffic runs best under.
+
+1. Fit each pod's engine to the capture (`fit.py`).
+2. Fidelity: replay the capture under the rule that ran and compare with what the capture
+   measured (TTFT p50 / p90, prefix hit rate).
+3. Replay it under every candidate (the built-in rules and a small search over kv-aware's
+   weights), with several seeds (the routing's random draws and a jitter of the arrivals:
+   the spread a live rerun would show), on `workers` processes.
+4. The table, the best rule, its margin over the running rule against the seeds' spread, and
+   the config to apply.
+
+Every replay runs in virtual time (`vtime.py`), so the results depend on the capture and the
+seeds only, never on the machine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import multiprocessing
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.twin.fit import FitReport, fit_pods, pods_of
+from extproc.twin.replay import Served, TwinSetup, replay
+from extproc.twin.trace import PromptIds, TwinRequest
+
+__all__ = [
+    "Candidate",
+    "RuleResult",
+    "Stats",
+    "TuneReport",
+    "candidates",
+    "reuse_ceiling",
+    "stats_of",
+    "tune",
+]
+
+DEFAULT_RULE = "kv-aware"
+# Arrivals move by up to this much per seed (a live rerun never repeats the exact timings).
+JITTER_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    strategy: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def apply(self) -> str:
+        """The config to run it (YAML), and the route annotation when it has no parameters."""
+        lines = [f"routing:\n  default_strategy: {self.strategy}"]
+        if self.params:
+            lines.append(f"  strategy_params:\n    {self.strategy}:")
+            lines += [f"      {k}: {v}" for k, v in self.params.items()]
+        text = "\n".join(lines)
+        if not self.params:
+            text += f"\n# or per route: lb.extproc.io/strategy: {self.strategy}"
+        return text
+
+
+def candidates(requests: Sequence[TwinRequest]) -> list[Candidate]:
+    """The built-in rules worth comparing, kv-aware's weights searched a little, and
+    session-affinity when the traffic names sessions."""
+    out = [
+        Candidate("kv-aware", "kv-aware"),
+        Candidate("kv-aware overlap 0.5", "kv-aware", {"overlap_weight": 0.5}),
+        Candidate("kv-aware overlap 2", "kv-aware", {"overlap_weight": 2.0}),
+        Candidate("kv-aware-dynamo", "kv-aware-dynamo"),
+        Candidate("prefix-cache", "prefix-cache"),
+        Candidate("predicted-latency", "predicted-latency"),
+        Candidate("gaie", "gaie"),
+        Candidate("least-request", "least-request"),
+        Candidate("round-robin", "round-robin"),
+    ]
+    if any(r.session for r in requests):
+        out.append(Candidate("session-affinity", "session-affinity"))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    requests: int
+    errors: int  # answered by the gateway (shed) or not served
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    hit_rate: float  # cached prompt tokens / prompt tokens
+    goodput_rps: float  # requests per second that met both SLOs
+    spread: float  # the busiest pod's requests over the mean pod's
+
+    def row(self) -> dict[str, float | None]:
+        """JSON-ready (NaN, a figure the capture cannot give, as null)."""
+        out: dict[str, float | None] = {
+            "ttft_p50_ms": round(self.ttft_p50_ms, 2),
+            "ttft_p90_ms": round(self.ttft_p90_ms, 2),
+            "ttft_p99_ms": round(self.ttft_p99_ms, 2),
+            "tpot_p50_ms": round(self.tpot_p50_ms, 3),
+            "hit_rate": round(self.hit_rate, 4),
+            "goodput_rps": round(self.goodput_rps, 3),
+            "spread": round(self.spread, 3),
+            "errors": self.errors,
+        }
+        return {k: None if v is not None and math.isnan(v) else v for k, v in out.items()}
+
+
+def _pct(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def stats_of(
+    served: Sequence[Served],
+    duration_s: float,
+    *,
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+) -> Stats:
+    ok = [s for s in served if s.status == 200 and s.ttft_s is not None]
+    ttft = sorted(s.ttft_s for s in ok if s.ttft_s is not None)
+    tpot = sorted(s.tpot_s for s in ok if s.tpot_s is not None)
+    prompt = sum(s.prompt_tokens for s in ok)
+    good = sum(
+        1
+        for s in ok
+        if s.ttft_s is not None and s.ttft_s <= slo_ttft_s and (s.tpot_s or 0.0) <= slo_tpot_s
+    )
+    per_pod = Counter(s.pod for s in ok)
+    mean = statistics.fmean(per_pod.values()) if per_pod else 0.0
+    return Stats(
+        requests=len(served),
+        errors=len(served) - len(ok),
+        ttft_p50_ms=1e3 * _pct(ttft, 0.5),
+        ttft_p90_ms=1e3 * _pct(ttft, 0.9),
+        ttft_p99_ms=1e3 * _pct(ttft, 0.99),
+        tpot_p50_ms=1e3 * _pct(tpot, 0.5),
+        hit_rate=sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
+        goodput_rps=good / duration_s if duration_s > 0 else 0.0,
+        spread=max(per_pod.values()) / mean if mean else 0.0,
+    )
+
+
+def captured_stats(requests: Sequence[TwinRequest], duration_s: float) -> Stats | None:
+    """What the capture itself measured (None without outcomes)."""
+    timed = [r for r in requests if r.measured]
+    if not timed:
+        return None
+    ttft = sorted(r.ttft_s for r in timed if r.ttft_s is not None)
+    tpot = sorted(r.tpot_s for r in timed if r.tpot_s is not None)
+    cached = [r for r in timed if r.cached_tokens is not None]
+    prompt = sum(r.input_length for r in cached)
+    per_pod = Counter(r.pod for r in timed)
+    mean = statistics.fmean(per_pod.values())
+    return Stats(
+        requests=len(requests),
+        errors=sum(1 for r in requests if r.status is not None and r.status >= 400),
+        ttft_p50_ms=1e3 * _pct(ttft, 0.5),
+        ttft_p90_ms=1e3 * _pct(ttft, 0.9),
+        ttft_p99_ms=1e3 * _pct(ttft, 0.99),
+        tpot_p50_ms=1e3 * _pct(tpot, 0.5),
+        hit_rate=sum(r.cached_tokens or 0 for r in cached) / prompt if prompt else math.nan,
+        goodput_rps=math.nan,
+        spread=max(per_pod.values()) / mean,
+    )
+
+
+def reuse_ceiling(requests: Sequence[TwinRequest]) -> float:
+    """The share of prompt tokens an infinite cache shared by every pod would serve: each
+    prompt's longest run of leading windows an earlier prompt had (at the capture's
+    granularity, as the twin sees it)."""
+    seen: set[int] = set()
+    total = hit = 0
+    for r in requests:
+        total += r.input_length
+        left = r.input_length
+        matching = True
+        key = hash(r.unit)
+        for h in r.hash_ids:
+            key = hash((key, h))  # the prefix so far (a 64-bit hash: collisions negligible)
+            size = min(r.unit, left)
+            if matching and key in seen:
+                hit += size
+            else:
+                matching = False
+                seen.add(key)
+            left -= r.unit
+    return hit / total if total else 0.0
+
+
+@dataclass
+class RuleResult:
+    candidate: Candidate
+    seeds: list[Stats]
+
+    def median(self, key: str) -> float:
+        return float(statistics.median(float(getattr(s, key)) for s in self.seeds))
+
+    def spread(self, key: str) -> float:
+        values = [float(getattr(s, key)) for s in self.seeds]
+        return max(values) - min(values)
+
+
+@dataclass
+class TuneReport:
+    requests: int
+    duration_s: float
+    running: str  # the rule that ran in the capture
+    fit: FitReport
+    captured: Stats | None
+    fidelity: Stats | None  # the twin's replay under the running rule (first seed)
+    ceiling: float
+    results: list[RuleResult]
+    seeds: int
+
+    def best(self) -> RuleResult:
+        return min(self.results, key=self._score)
+
+    def current(self) -> RuleResult | None:
+        for r in self.results:
+            if r.candidate.name == self.running:
+                return r
+        return None
+
+    def _score(self, r: RuleResult) -> float:
+        """Mean of TTFT p50 and p90, each relative to the running rule's (lower is better);
+        errors count as the worst."""
+        cur = self.current() or self.results[0]
+        if r.median("errors") > 0:
+            return math.inf
+        return 0.5 * (
+            r.median("ttft_p50_ms") / max(cur.median("ttft_p50_ms"), 1e-9)
+            + r.median("ttft_p90_ms") / max(cur.median("ttft_p90_ms"), 1e-9)
+        )
+
+    def verdict(self) -> dict[str, Any]:
+        best, cur = self.best(), self.current()
+        out: dict[str, Any] = {"name": best.candidate.name, "apply": best.candidate.apply()}
+        if cur is None or cur is best:
+            out["margin"] = "the running rule is the best"
+            out["beyond_noise"] = False
+            return out
+        gains = {}
+        beyond = True
+        for key in ("ttft_p50_ms", "ttft_p90_ms"):
+            gain = cur.median(key) - best.median(key)
+            noise = max(cur.spread(key), best.spread(key))
+            gains[key] = {"gain_ms": round(gain, 2), "noise_ms": round(noise, 2)}
+            beyond = beyond and gain > noise
+        out["margin"] = gains
+        out["beyond_noise"] = beyond
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "duration_s": round(self.duration_s, 3),
+            "running": self.running,
+            "seeds": self.seeds,
+            "reuse_ceiling": round(self.ceiling, 4),
+            "fit": {
+                "rounds": self.fit.rounds,
+                "unfitted": self.fit.unfitted,
+                "pods": [p.summary() for p in self.fit.pods],
+                "check": self.fit.check,
+            },
+            "captured": self.captured.row() if self.captured else None,
+            "fidelity": self.fidelity.row() if self.fidelity else None,
+            "rules": [
+                {
+                    "name": r.candidate.name,
+                    "strategy": r.candidate.strategy,
+                    "params": dict(r.candidate.params),
+                    **{
+                        key: round(r.median(key), 3)
+                        for key in (
+                            "ttft_p50_ms",
+                            "ttft_p90_ms",
+                            "ttft_p99_ms",
+                            "tpot_p50_ms",
+                            "hit_rate",
+                            "goodput_rps",
+                            "spread",
+                            "errors",
+                        )
+                    },
+                    "ttft_p50_ms_seeds": [round(s.ttft_p50_ms, 2) for s in r.seeds],
+                    "ttft_p90_ms_seeds": [round(s.ttft_p90_ms, 2) for s in r.seeds],
+                }
+                for r in self.results
+            ],
+            "best": self.verdict(),
+        }
+
+    def text(self) -> str:
+        """What `extproc tune` prints: the fit, the fidelity check, the table, the verdict."""
+        out = [
+            f"{self.requests} requests over {self.duration_s:.0f} s; running rule: "
+            f"{self.running}; reuse ceiling {self.ceiling:.3f}; {self.seeds} seeds per rule",
+            "",
+            f"pods fitted in {self.fit.rounds} rounds"
+            + (f" (too few timed requests, defaults kept: {', '.join(self.fit.unfitted)})"
+               if self.fit.unfitted else "")
+            + ":",
+        ]  # fmt: skip
+        for pod in self.fit.pods:
+            s = pod.summary()
+            out.append(
+                f"  {s['address']:<22} step {s['step_base_ms']:.2f} ms + "
+                f"{s['prefill_us_per_token']:.1f} us/prefill token + "
+                f"{s['kv_read_ns_per_token']:.1f} ns/context token; path {s['overhead_ms']:.1f} ms"
+            )
+        if self.captured is not None and self.fidelity is not None:
+            c, f = self.captured, self.fidelity
+            out += [
+                "",
+                f"fidelity (the twin under {self.running} against the capture): "
+                f"TTFT p50 {f.ttft_p50_ms:.1f} / {c.ttft_p50_ms:.1f} ms "
+                f"({f.ttft_p50_ms / c.ttft_p50_ms:.2f}x), p90 {f.ttft_p90_ms:.1f} / "
+                f"{c.ttft_p90_ms:.1f} ms ({f.ttft_p90_ms / c.ttft_p90_ms:.2f}x), "
+                f"hit rate {f.hit_rate:.3f} / {c.hit_rate:.3f}",
+            ]
+        out += ["", self.table(), ""]
+        v = self.verdict()
+        if isinstance(v["margin"], str):
+            out.append(f"best: {v['name']}: {v['margin']}")
+        else:
+            m = v["margin"]
+            out.append(
+                f"best: {v['name']}, ahead of {self.running} by "
+                f"{m['ttft_p50_ms']['gain_ms']:.1f} ms at p50 and "
+                f"{m['ttft_p90_ms']['gain_ms']:.1f} ms at p90 (seeds' spread "
+                f"{m['ttft_p50_ms']['noise_ms']:.1f} / {m['ttft_p90_ms']['noise_ms']:.1f} ms): "
+                + ("beyond noise" if v["beyond_noise"] else "within noise: keep the running rule")
+            )
+            if v["beyond_noise"]:
+                out += ["to apply:", *("  " + line for line in v["apply"].splitlines())]
+        return "\n".join(out)
+
+    def table(self) -> str:
+        head = (
+            f"{'rule':<22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} "
+            f"{'hit rate':>9} {'goodput/s':>10} {'spread':>7} {'errors':>7}"
+        )
+        lines = [head, "-" * len(head)]
+        best = self.best()
+        for r in sorted(self.results, key=self._score):
+            mark = (
+                " *" if r is best else ("  (running)" if r.candidate.name == self.running else "")
+            )
+            lines.append(
+                f"{r.candidate.name:<22} {r.median('ttft_p50_ms'):>7.1f}ms "
+                f"{r.median('ttft_p90_ms'):>6.1f}ms {r.median('ttft_p99_ms'):>6.1f}ms "
+                f"{r.median('tpot_p50_ms'):>7.2f}ms {r.median('hit_rate'):>9.3f} "
+                f"{r.median('goodput_rps'):>10.2f} {r.median('spread'):>7.2f} "
+                f"{r.median('errors'):>7.0f}{mark}"
+            )
+        return "\n".join(lines)
+
+
+def _job(
+    args: tuple[TwinSetup, Sequence[TwinRequest], Candidate, int, float, float, float],
+) -> Stats:
+    setup, requests, cand, seed, duration, slo_ttft, slo_tpot = args
+    served = replay(
+        setup, requests, strategy=cand.strategy, params=cand.params, seed=seed,
+        jitter_s=JITTER_S if seed else 0.0,
+    )  # fmt: skip
+    return stats_of(served, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+
+
+def running_rule(requests: Sequence[TwinRequest]) -> str:
+    names = Counter(r.strategy for r in requests if r.strategy)
+    return names.most_common(1)[0][0] if names else DEFAULT_RULE
+
+
+def tune(
+    requests: Sequence[TwinRequest],
+    *,
+    base_config: Mapping[str, Any] | None = None,
+    default_model: str = "model",
+    rules: Sequence[Candidate] | None = None,
+    seeds: int = 3,
+    workers: int = 2,
+    slo_ttft_s: float = 0.5,
+    slo_tpot_s: float = 0.1,
+    fit_window_s: float | None = 600.0,
+) -> TuneReport:
+    if not requests:
+        raise ValueError("the capture holds no request")
+    pods = pods_of(requests, default_model)
+    if not pods:
+        raise ValueError(
+            "the capture names no pod (a plain Mooncake trace): the twin needs the pods"
+        )
+    setup = TwinSetup(pods=pods, base_config=dict(base_config or {}), default_model=default_model)
+    prompts = PromptIds()
+    fit = fit_pods(requests, setup, window_s=fit_window_s, prompts=prompts)
+    setup = TwinSetup(pods=fit.pods, base_config=setup.base_config, default_model=default_model)
+    last = requests[-1]
+    duration = max(1e-3, last.at_s + (last.latency_s or 0.0))
+    running = running_rule(requests)
+    rules = list(rules or candidates(requests))
+    if not any(c.name == running for c in rules):
+        rules.insert(0, Candidate(running, running))
+    jobs = [
+        (setup, requests, cand, seed, duration, slo_ttft_s, slo_tpot_s)
+        for cand in rules
+        for seed in range(seeds)
+    ]
+    if workers > 1:
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = list(pool.map(_job, jobs))
+    else:
+        done = [_job(j) for j in jobs]
+    results = [RuleResult(cand, done[i * seeds : (i + 1) * seeds]) for i, cand in enumerate(rules)]
+    fidelity = next((r.seeds[0] for r in results if r.candidate.name == running), None)
+    return TuneReport(
+        requests=len(requests),
+        duration_s=duration,
+        running=running,
+        fit=fit,
+        captured=captured_stats(requests, duration),
+        fidelity=fidelity,
+        ceiling=reuse_ceiling(requests),
+        results=results,
+        seeds=seeds,
+    )

@@ -1,0 +1,68 @@
+"""Reading captures and plain Mooncake traces, and the prompts the twin builds from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extproc.twin.trace import WINDOW_TOKENS, CaptureError, PromptIds, parse_requests
+
+
+def _line(**kw: object) -> str:
+    row = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
+    row.update(kw)
+    return json.dumps(row)
+
+
+def test_capture_fields_are_read_and_rows_sorted_by_arrival() -> None:
+    lines = [
+        _line(timestamp=2500, model="m", served_by="10.0.0.2:8000", status=200, ttft_ms=40.0,
+              tpot_ms=8.0, cached_tokens=512, session="ab12", priority=3, strategy="kv-aware"),
+        _line(timestamp=1000, hash_ids=[0, 2], endpoint="10.0.0.1:8000"),
+        "",
+    ]  # fmt: skip
+    first, second = parse_requests(lines)
+    assert (first.at_s, first.hash_ids, first.pod, first.measured) == (
+        0.0, (0, 2), "10.0.0.1:8000", False,
+    )  # fmt: skip
+    assert second.at_s == pytest.approx(1.5)
+    assert second.pod == "10.0.0.2:8000"  # served_by before the pick
+    assert (second.ttft_s, second.tpot_s) == pytest.approx((0.040, 0.008))
+    assert (second.session, second.priority, second.strategy) == ("ab12", 3, "kv-aware")
+    assert second.measured
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+        (json.dumps({"timestamp": 0, "input_length": 5}), "missing output_length, hash_ids"),
+        (_line(hash_ids=[0]), "2 non-negative integers"),
+        (_line(hash_ids=[0, -1]), "non-negative"),
+        (_line(input_length=0, hash_ids=[]), "input_length"),
+        (_line(timestamp="soon"), "timestamp"),
+    ],
+)
+def test_a_bad_line_is_named(row: str, message: str) -> None:
+    with pytest.raises(CaptureError, match=message) as err:
+        parse_requests([_line(), row], source="cap.jsonl")
+    assert "cap.jsonl:2" in str(err.value)
+
+
+def test_equal_windows_give_equal_tokens_and_a_partial_window_is_a_prefix() -> None:
+    a, b, c = parse_requests(
+        [
+            _line(timestamp=0, input_length=700, hash_ids=[7, 8]),
+            _line(timestamp=1, input_length=1024, hash_ids=[7, 8]),
+            _line(timestamp=2, input_length=700, hash_ids=[9, 8]),
+        ]
+    )
+    ids = PromptIds()
+    pa, pb, pc = ids(a), ids(b), ids(c)
+    assert (len(pa), len(pb), len(pc)) == (700, 1024, 700)
+    assert pb[:700] == pa  # the partial window is the full one's prefix
+    assert pc[:WINDOW_TOKENS] != pa[:WINDOW_TOKENS]  # another first window: nothing shared
+    assert pc[WINDOW_TOKENS:] == pa[WINDOW_TOKENS:]  # equal ids, equal tokens
+    assert PromptIds()(a) == pa  # the same on every run
