@@ -12,6 +12,7 @@ import pytest
 
 from extproc.admin.status import redacted
 from extproc.capture import (
+    FINE_TOKENS,
     NO_BLOCK,
     WINDOW_TOKENS,
     CaptureStore,
@@ -100,12 +101,12 @@ async def test_export_since_keeps_requests_that_arrived_then_or_later() -> None:
 
 def test_memory_per_record_is_what_the_docs_say() -> None:
     """extproc/capture/store.py and docs/operations.md: about 0.5 KB per decision plus 8 bytes
-    per 512 prompt tokens, about 0.5 KB per outcome (ids as 16-hex strings, distinct per
-    record, as real ones are)."""
+    per 64 prompt tokens (FINE_TOKENS), about 0.5 KB per outcome (ids as 16-hex strings,
+    distinct per record, as real ones are)."""
     clock = ManualClock()
     s = store(clock, max_records=2000)
     n = 2000
-    windows = 16  # an 8k-token prompt
+    windows = 8192 // FINE_TOKENS  # an 8k-token prompt
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
