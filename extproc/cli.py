@@ -214,6 +214,7 @@ def _tune(args: argparse.Namespace) -> int:
         report = tune(
             requests, base_config=base, rules=rules, seeds=max(1, args.seeds),
             workers=max(1, args.workers), slo_ttft_s=args.slo_ttft_ms / 1e3,
+            default_pods=max(0, args.pods),
             slo_tpot_s=args.slo_tpot_ms / 1e3,
         )  # fmt: skip
     except ValueError as exc:
@@ -500,6 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated strategy names to compare (default: the built-in candidates)",
     )  # fmt: skip
     u.add_argument("--seeds", type=int, default=3, help="replays per rule (default: 3)")
+    u.add_argument(
+        "--pods", type=int, default=0,
+        help="for a trace that names no pod (a plain Mooncake trace): this many default pods",
+    )  # fmt: skip
     u.add_argument("--workers", type=int, default=2, help="processes (default: 2)")
     u.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     u.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the results")

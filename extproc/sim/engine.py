@@ -142,7 +142,11 @@ class Engine:
         on_finish: FinishHook | None = None,
         on_token: TokenHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        horizon: Callable[[], float] | None = None,
     ) -> None:
+        """`horizon`: in virtual time only (the twin's loop, `extproc.twin.vtime`), the clock
+        time of the next event that could observe or change this engine; decode-only steps
+        before it run as one sleep (`_decode_run`). None (live): every step on its own."""
         self.config = config
         self.step_model: StepTimeModel = config.step
         self.block_size = config.block_size
@@ -160,6 +164,7 @@ class Engine:
         self._on_finish = on_finish
         self._on_token = on_token
         self._clock = clock
+        self._horizon = horizon
         self._wake = asyncio.Event()
         self._last_wake: float | None = None  # when the previous step's sleep ended (None: idle)
         self._task: asyncio.Task[None] | None = None
@@ -291,11 +296,48 @@ class Engine:
             )
             context = sum(r.num_computed + n for r, n in scheduled)
             dt = self.step_model.step_seconds(prefill, context) * self.slowdown
+            steps = 1
+            if prefill == 0 and self._horizon is not None:
+                steps, dt = self._decode_run(scheduled, context, dt)
             await asyncio.sleep(self._pace(dt * self.step_model.time_scale))
             self._last_wake = self._clock()
-            self.stats.steps += 1
+            self.stats.steps += steps
             self.stats.sim_time_s += dt
-            self._apply(scheduled)
+            for _ in range(steps):
+                self._apply(scheduled)
+
+    def _decode_run(
+        self, scheduled: list[tuple[SimRequest, int]], context: int, first_s: float
+    ) -> tuple[int, float]:
+        """(steps, their time) for the decode-only batch `scheduled`, whose first step takes
+        `first_s`: as many identical steps as end before the horizon (nothing can join, leave
+        or look at the engine in between), until the first request finishes, with the blocks
+        they need free. Each step adds one token to every request and `len(scheduled)` to the
+        context read. The steps then run as one sleep and are applied one after the other at
+        its end: what any observer sees is what step-by-step would have shown it (only the
+        times of the tokens in between, which nothing here records, are the end's)."""
+        if self.waiting or self._transferring or self._on_token is not None:
+            return 1, first_s
+        assert self._horizon is not None
+        room = self._horizon() - self._clock()
+        most = min(r.target_output - len(r.output_ids) for r, _ in scheduled)
+        m = len(scheduled)
+        total, k = first_s, 1
+        free = self.pool.num_allocatable()
+        while k < most:
+            step = self.step_model.step_seconds(0, context + k * m) * self.slowdown
+            need = sum(
+                max(0, self._blocks_for(r.num_computed + k + 1) - self._held_blocks(r))
+                for r, _ in scheduled
+            )
+            if total + step > room or need > free:
+                break
+            total += step
+            k += 1
+        if k > 1:
+            for r, _ in scheduled:
+                self._grow(r, r.num_computed + k)
+        return k, total
 
     def _pace(self, wait: float) -> float:
         """How long to sleep for a step of `wait` wall seconds.

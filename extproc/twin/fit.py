@@ -134,6 +134,8 @@ def fit_pods(
         iqr = _quantile(ttfts, 0.75) - _quantile(ttfts, 0.25)
         want[address] = (statistics.median(tpots), max(iqr, 1e-5), statistics.median(ttfts))
     report.unfitted = sorted(a for a in pods if a not in want)
+    if not want:  # nothing was timed (a plain trace): the defaults, no replay needed
+        return report
 
     def run(scale_decode: float, scale_prefill: float) -> dict[int, Served]:
         trial = dataclasses.replace(

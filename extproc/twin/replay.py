@@ -42,7 +42,7 @@ from extproc.kvevents.subscriber import apply_events
 from extproc.sim.config import SimConfig, StepTimeModel
 from extproc.sim.engine import Engine, RequestStats, SimRequest
 from extproc.twin.trace import PromptIds, TwinRequest
-from extproc.twin.vtime import run_virtual
+from extproc.twin.vtime import VirtualLoop, run_virtual
 from extproc.types import EngineMetrics, TokenUsage
 
 __all__ = ["ACCESS_LOG_DELAY_S", "PodProfile", "Served", "TwinSetup", "replay"]
@@ -137,7 +137,7 @@ class _World:
         self,
         setup: TwinSetup,
         config: Config,
-        loop: asyncio.AbstractEventLoop,
+        loop: VirtualLoop,
         *,
         pinned: bool,
     ) -> None:
@@ -178,8 +178,9 @@ class _World:
                 event_sink=sink,
                 on_finish=self._finished,
                 clock=loop.time,
+                horizon=loop.next_event,
             )
-            engine.start()
+            loop.start_background(engine.start)
             self.engines[pod.address] = engine
         self.overhead = {p.address: p.overhead_s for p in setup.pods}
         self.models = frozenset(p.model for p in setup.pods)
@@ -337,6 +338,7 @@ async def _run(
     jitter_s: float,
 ) -> list[Served]:
     loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualLoop)
     world = _World(setup, config, loop, pinned=pinned)
     poller = loop.create_task(world.poll())
     rng = random.Random(seed)

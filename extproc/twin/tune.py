@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.twin.fit import FitReport, fit_pods, pods_of
-from extproc.twin.replay import Served, TwinSetup, replay
+from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
 from extproc.twin.trace import PromptIds, TwinRequest
 
 __all__ = [
@@ -389,13 +389,18 @@ def tune(
     slo_ttft_s: float = 0.5,
     slo_tpot_s: float = 0.1,
     fit_window_s: float | None = 600.0,
+    default_pods: int = 0,
 ) -> TuneReport:
     if not requests:
         raise ValueError("the capture holds no request")
     pods = pods_of(requests, default_model)
+    if not pods and default_pods > 0:  # a plain Mooncake trace: default engines, no fit
+        pods = tuple(
+            PodProfile(f"10.0.0.{k}:8000", default_model) for k in range(1, default_pods + 1)
+        )
     if not pods:
         raise ValueError(
-            "the capture names no pod (a plain Mooncake trace): the twin needs the pods"
+            "the capture names no pod (a plain Mooncake trace): say how many with --pods N"
         )
     setup = TwinSetup(pods=pods, base_config=dict(base_config or {}), default_model=default_model)
     prompts = PromptIds()

@@ -11,12 +11,20 @@ The loop has no I/O (the twin opens no socket) and runs no thread: `run_in_execu
 function inline (a thread would finish at a wall-time moment the virtual clock cannot see).
 A loop with nothing ready and no timer can never wake again: `Stalled` says so rather than
 blocking forever.
+
+Background work (the simulated engines' step loops, started with `start_background`) sets
+timers no other part waits on: `next_event` is the earliest of the *other* timers, the next
+moment anything could look at or change an engine. An engine may run its steps up to it in
+one sleep (`extproc.sim.engine.Engine`'s `horizon`): without that, an engine stepping every
+10 ms would make every other engine wake at its pace too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
+import math
 import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -24,6 +32,9 @@ from typing import Any, TypeVar
 __all__ = ["Stalled", "VirtualLoop", "run_virtual"]
 
 T = TypeVar("T")
+
+# True in the context of background tasks (their timers do not count for `next_event`).
+_BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("background", default=False)
 
 
 class Stalled(RuntimeError):
@@ -51,14 +62,45 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start
+        self._timers: list[asyncio.TimerHandle] = []  # foreground timers, not yet fired
+        self.jumps = 0  # times the clock moved (each one wait of the loop's)
         super().__init__(_JumpingSelector(self))
 
     def time(self) -> float:
         return self._now
 
+    def call_at(  # type: ignore[override]  # typeshed's is generic over the callback's args
+        self,
+        when: float,
+        callback: Callable[..., object],
+        *args: Any,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.TimerHandle:
+        handle = super().call_at(when, callback, *args, context=context)
+        if not _BACKGROUND.get():
+            self._timers.append(handle)
+            if len(self._timers) > 4096:  # bounded even if nobody asks for `next_event`
+                self.next_event()
+        return handle
+
+    def next_event(self) -> float:
+        """The earliest pending timer that is not background work's (inf: none)."""
+        now = self._now
+        live = [h for h in self._timers if not h.cancelled() and h.when() >= now]
+        self._timers = live
+        return min((h.when() for h in live), default=math.inf)
+
+    def start_background(self, start: Callable[[], object]) -> None:
+        """Call `start` (which creates the background task) in a context whose timers do not
+        count for `next_event`."""
+        ctx = contextvars.copy_context()
+        ctx.run(_BACKGROUND.set, True)
+        ctx.run(start)
+
     def advance(self, seconds: float) -> None:
         """Move the clock forward (the selector does, when the loop would wait)."""
         self._now += seconds
+        self.jumps += 1
 
     def run_in_executor(  # type: ignore[override]
         self, executor: Any, func: Callable[..., T], *args: Any
