@@ -186,10 +186,11 @@ def _tune(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from extproc.twin import Candidate, CaptureError, load_requests, tune
+    from extproc.twin import Candidate, CaptureError, load_pod_facts, load_requests, tune
 
     try:
         requests = load_requests(Path(args.capture))
+        facts = load_pod_facts(Path(args.capture))
     except (OSError, CaptureError) as exc:
         print(f"extproc tune: {exc}", file=sys.stderr)
         return 1
@@ -214,7 +215,7 @@ def _tune(args: argparse.Namespace) -> int:
         report = tune(
             requests, base_config=base, rules=rules, seeds=max(1, args.seeds),
             workers=max(1, args.workers), slo_ttft_s=args.slo_ttft_ms / 1e3,
-            default_pods=max(0, args.pods),
+            default_pods=max(0, args.pods), pod_facts=facts,
             slo_tpot_s=args.slo_tpot_ms / 1e3,
         )  # fmt: skip
     except ValueError as exc:

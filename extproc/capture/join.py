@@ -15,9 +15,10 @@ requests share an id exactly when their prompts agree up to that block's last fu
 block (a partial block of fewer tokens than the routing's block size is not hashed: it gets an
 id of its own). `fine_ids` say the same per `fine_tokens` (64) tokens, in an id space of their
 own: what `extproc tune` replays (a conversation's next turn shares its previous prompt up to
-the last 64-token boundary, where `hash_ids` would show only whole 512-token windows). Where
-the routing rule computed no hashes (`"blocks": "none"`), every block gets an id of its own:
-the replay then shares nothing it cannot prove.
+the last 64-token boundary, where `hash_ids` would show only whole 512-token windows). The
+first line also carries `pods`: each scraped pod's model, block size and number of KV blocks,
+as its engine publishes them. Where the routing rule computed no hashes (`"blocks": "none"`),
+every block gets an id of its own: the replay then shares nothing it cannot prove.
 """
 
 from __future__ import annotations
@@ -137,10 +138,16 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
     out = Capture()
     decisions: dict[str, Mapping[str, Any]] = {}
     outcomes: dict[str, Mapping[str, Any]] = {}
+    pods: dict[str, Any] = {}
     for export in exports:
         if not isinstance(export, Mapping) or export.get("format") != 1:
             raise CaptureFormatError("not a capture export (format 1)")
         out.processes.append(str(export.get("replica", "")))
+        facts = export.get("pods")
+        if isinstance(facts, Mapping):
+            for address, fact in facts.items():
+                if isinstance(address, str) and isinstance(fact, Mapping):
+                    pods.setdefault(address, dict(fact))
         for half in _halves(export, "decisions"):
             decisions.setdefault(half["rid"], half)
         for half in _halves(export, "outcomes"):
@@ -163,6 +170,10 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
         else:
             out.outcome_only += 1
         out.lines.append(_line(arrival, arrival - pairs[0][0], d, o, ids, fine))
+    if out.lines and pods:
+        # The pods' published cache config, once, on the first line (a key a Mooncake reader
+        # ignores): what `extproc tune` sizes each pod's engine by.
+        out.lines[0]["pods"] = {a: pods[a] for a in sorted(pods)}
     return out
 
 

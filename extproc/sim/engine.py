@@ -303,8 +303,10 @@ class Engine:
             self._last_wake = self._clock()
             self.stats.steps += steps
             self.stats.sim_time_s += dt
-            for _ in range(steps):
+            if steps == 1:
                 self._apply(scheduled)
+            else:
+                self._apply_decodes(scheduled, steps)
 
     def _decode_run(
         self, scheduled: list[tuple[SimRequest, int]], context: int, first_s: float
@@ -494,6 +496,33 @@ class Engine:
             if self._on_token is not None:
                 self._on_token(req, gap)
             req.queue.put_nowait(tok)
+            if len(req.output_ids) >= req.target_output:
+                done.append((req, req.natural_finish))
+        self._flush_events()
+        for req, reason in done:
+            self._finish(req, reason)
+        if done:
+            self._flush_events()
+
+    def _apply_decodes(self, scheduled: list[tuple[SimRequest, int]], steps: int) -> None:
+        """`steps` decode steps of `scheduled` applied at once (`_decode_run`): the state
+        `steps` calls of `_apply` leave (each request's next tokens drawn in the same order,
+        its full blocks committed and announced, the finished ones ended), in one pass."""
+        now = self._clock()
+        done: list[tuple[SimRequest, str]] = []
+        for req, _ in scheduled:
+            if req.finish_reason is not None:
+                continue
+            vocab, draw = req.output_vocab, req.rng.randrange
+            size = len(vocab)
+            tokens = [vocab[draw(size)] for _ in range(steps)]
+            req.output_ids.extend(tokens)
+            req.num_computed += steps  # every token but the newest, as after `_apply`
+            self._commit_full_blocks(req)
+            self.stats.generation_tokens += steps
+            req.last_token_wall = now
+            for tok in tokens:
+                req.queue.put_nowait(tok)
             if len(req.output_ids) >= req.target_output:
                 done.append((req, req.natural_finish))
         self._flush_events()

@@ -8,7 +8,13 @@ engine fitted to the capture), `tune` (every rule, several seeds, the verdict), 
 
 from extproc.twin.fit import FitReport, fit_pods, pods_of
 from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
-from extproc.twin.trace import CaptureError, TwinRequest, load_requests, parse_requests
+from extproc.twin.trace import (
+    CaptureError,
+    TwinRequest,
+    load_pod_facts,
+    load_requests,
+    parse_requests,
+)
 from extproc.twin.tune import Candidate, TuneReport, candidates, tune
 from extproc.twin.vtime import Stalled, VirtualLoop, run_virtual
 
@@ -25,6 +31,7 @@ __all__ = [
     "VirtualLoop",
     "candidates",
     "fit_pods",
+    "load_pod_facts",
     "load_requests",
     "parse_requests",
     "pods_of",

@@ -52,16 +52,29 @@ class FitReport:
     check: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def pods_of(requests: Sequence[TwinRequest], default_model: str) -> tuple[PodProfile, ...]:
-    """A default profile for every pod the capture names, with the model it served most."""
+def pods_of(
+    requests: Sequence[TwinRequest],
+    default_model: str,
+    facts: Mapping[str, Mapping[str, int]] | None = None,
+) -> tuple[PodProfile, ...]:
+    """A default profile for every pod the capture names, with the model it served most and,
+    where `facts` (the capture's `pods`) know them, its block size and number of KV blocks."""
     models: dict[str, Counter[str]] = {}
     for r in requests:
         if r.pod is not None:
             models.setdefault(r.pod, Counter())[r.model or default_model] += 1
-    return tuple(
-        PodProfile(address=pod, model=count.most_common(1)[0][0])
-        for pod, count in sorted(models.items())
-    )
+    out = []
+    for pod, count in sorted(models.items()):
+        known = (facts or {}).get(pod, {})
+        profile = PodProfile(address=pod, model=count.most_common(1)[0][0])
+        out.append(
+            dataclasses.replace(
+                profile,
+                block_size=known.get("block_size", profile.block_size),
+                num_gpu_blocks=known.get("num_gpu_blocks", profile.num_gpu_blocks),
+            )
+        )
+    return tuple(out)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

@@ -34,6 +34,7 @@ __all__ = [
     "WINDOW_TOKENS",
     "CaptureError",
     "TwinRequest",
+    "load_pod_facts",
     "load_requests",
     "parse_requests",
     "prompt_ids",
@@ -190,6 +191,28 @@ def parse_requests(lines: Iterable[str], *, source: str = "<capture>") -> list[T
 def load_requests(path: Path) -> list[TwinRequest]:
     with path.open(encoding="utf-8") as f:
         return parse_requests(f, source=str(path))
+
+
+def load_pod_facts(path: Path) -> dict[str, dict[str, int]]:
+    """The pods' published cache config a capture's first line carries (`pods`): by address,
+    `block_size` and `num_gpu_blocks` where known; empty for a plain trace."""
+    with path.open(encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(first) if first else {}
+    except json.JSONDecodeError:
+        return {}
+    pods = row.get("pods") if isinstance(row, dict) else None
+    out: dict[str, dict[str, int]] = {}
+    for address, fact in (pods or {}).items() if isinstance(pods, dict) else ():
+        if not isinstance(address, str) or not isinstance(fact, dict):
+            continue
+        out[address] = {
+            k: v
+            for k in ("block_size", "num_gpu_blocks")
+            if isinstance(v := fact.get(k), int) and not isinstance(v, bool) and v > 0
+        }
+    return out
 
 
 def _window(unit: int, hash_id: int) -> list[int]:

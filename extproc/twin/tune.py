@@ -390,10 +390,11 @@ def tune(
     slo_tpot_s: float = 0.1,
     fit_window_s: float | None = 600.0,
     default_pods: int = 0,
+    pod_facts: Mapping[str, Mapping[str, int]] | None = None,
 ) -> TuneReport:
     if not requests:
         raise ValueError("the capture holds no request")
-    pods = pods_of(requests, default_model)
+    pods = pods_of(requests, default_model, pod_facts)
     if not pods and default_pods > 0:  # a plain Mooncake trace: default engines, no fit
         pods = tuple(
             PodProfile(f"10.0.0.{k}:8000", default_model) for k in range(1, default_pods + 1)

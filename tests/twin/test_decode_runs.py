@@ -12,12 +12,15 @@ import pytest
 
 from extproc.sim.config import SimConfig
 from extproc.sim.engine import Engine, RequestStats, SimRequest
+from extproc.sim.kvevents import BlockStored
 from extproc.twin.vtime import VirtualLoop, run_virtual
 
 CONFIG = SimConfig(tokenizer_dir=Path("/nonexistent"), num_gpu_blocks=80, max_num_seqs=8)
 
 
-async def _serve(coalesce: bool, gap_s: float) -> tuple[list[tuple[Any, ...]], int, int, int]:
+async def _serve(
+    coalesce: bool, gap_s: float
+) -> tuple[list[tuple[Any, ...]], int, int, int, set[tuple[Any, ...]]]:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
     done: list[tuple[Any, ...]] = []
@@ -31,8 +34,17 @@ async def _serve(coalesce: bool, gap_s: float) -> tuple[list[tuple[Any, ...]], i
         if len(done) == 24:
             all_done.set()
 
+    stored: set[tuple[Any, ...]] = set()
+
+    def sink(events: list[Any]) -> None:  # every block the cache announced
+        stored.update(
+            (tuple(e.block_hashes), tuple(e.token_ids))
+            for e in events
+            if isinstance(e, BlockStored)
+        )
+
     engine = Engine(
-        CONFIG, on_finish=finished, clock=loop.time,
+        CONFIG, on_finish=finished, clock=loop.time, event_sink=sink,
         horizon=loop.next_event if coalesce else None,
     )  # fmt: skip
     loop.start_background(engine.start)
@@ -48,13 +60,18 @@ async def _serve(coalesce: bool, gap_s: float) -> tuple[list[tuple[Any, ...]], i
         await asyncio.sleep(gap_s * (i % 4))
     await all_done.wait()
     await engine.stop()
-    return sorted(done), engine.stats.steps, loop.jumps, engine.stats.preemptions
+    return sorted(done), engine.stats.steps, loop.jumps, engine.stats.preemptions, stored
+
+
+def _split(hashes: tuple[Any, ...], tokens: tuple[int, ...]) -> list[tuple[Any, ...]]:
+    size = len(tokens) // len(hashes)
+    return [(h, tokens[i * size : (i + 1) * size]) for i, h in enumerate(hashes)]
 
 
 @pytest.mark.parametrize("gap_s", [0.031, 0.4])  # queueing and preempting; a light load
 def test_decode_runs_end_every_request_as_step_by_step_does(gap_s: float) -> None:
-    stepwise, steps, jumps, preempted = run_virtual(_serve(False, gap_s))
-    coalesced, steps_c, jumps_c, preempted_c = run_virtual(_serve(True, gap_s))
+    stepwise, steps, jumps, preempted, blocks = run_virtual(_serve(False, gap_s))
+    coalesced, steps_c, jumps_c, preempted_c, blocks_c = run_virtual(_serve(True, gap_s))
     # The same tokens, cache hits and ends; the same times (summed in another order).
     assert [(r[0], r[1], r[4], r[5]) for r in coalesced] == [
         (r[0], r[1], r[4], r[5]) for r in stepwise
@@ -63,6 +80,10 @@ def test_decode_runs_end_every_request_as_step_by_step_does(gap_s: float) -> Non
         [t for r in stepwise for t in r[2:4]], rel=1e-9
     )
     assert (steps_c, preempted_c) == (steps, preempted)
+    # The same blocks cached, with the same tokens (answers' blocks included).
+    assert {(h, t) for hs, ts in blocks_c for h, t in _split(hs, ts)} == {
+        (h, t) for hs, ts in blocks for h, t in _split(hs, ts)
+    }
     if gap_s < 0.1:
         assert preempted > 0  # the loaded case did preempt
         assert jumps_c < jumps

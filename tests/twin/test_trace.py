@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from extproc.twin.trace import WINDOW_TOKENS, CaptureError, PromptIds, parse_requests
+from extproc.twin.fit import pods_of
+from extproc.twin.trace import (
+    WINDOW_TOKENS,
+    CaptureError,
+    PromptIds,
+    load_pod_facts,
+    load_requests,
+    parse_requests,
+)
 
 
 def _line(**kw: object) -> str:
@@ -66,3 +75,25 @@ def test_equal_windows_give_equal_tokens_and_a_partial_window_is_a_prefix() -> N
     assert pc[:WINDOW_TOKENS] != pa[:WINDOW_TOKENS]  # another first window: nothing shared
     assert pc[WINDOW_TOKENS:] == pa[WINDOW_TOKENS:]  # equal ids, equal tokens
     assert PromptIds()(a) == pa  # the same on every run
+
+
+def test_the_pods_cache_config_on_the_first_line_sizes_their_engines(tmp_path: Path) -> None:
+    cap = tmp_path / "cap.jsonl"
+    pods = {
+        "10.0.0.1:8000": {"model": "m", "block_size": 32, "num_gpu_blocks": 1000},
+        "10.0.0.2:8000": {"model": "m", "block_size": None, "num_gpu_blocks": True},
+    }
+    cap.write_text(
+        _line(served_by="10.0.0.1:8000", pods=pods) + "\n" + _line(served_by="10.0.0.2:8000")
+    )
+    facts = load_pod_facts(cap)
+    assert facts == {
+        "10.0.0.1:8000": {"block_size": 32, "num_gpu_blocks": 1000},
+        "10.0.0.2:8000": {},
+    }
+    one, two = pods_of(load_requests(cap), "m", facts)
+    assert (one.block_size, one.num_gpu_blocks) == (32, 1000)
+    assert (two.block_size, two.num_gpu_blocks) == (16, 8192)  # unknown: the defaults
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(_line() + "\n")
+    assert load_pod_facts(plain) == {}
