@@ -45,10 +45,13 @@ from extproc.twin.trace import PromptIds, TwinRequest
 from extproc.twin.vtime import VirtualLoop, run_virtual
 from extproc.types import EngineMetrics, TokenUsage
 
-__all__ = ["ACCESS_LOG_DELAY_S", "PodProfile", "Served", "TwinSetup", "replay"]
+__all__ = ["ACCESS_LOG_DELAY_S", "DRAIN_S", "PodProfile", "Served", "TwinSetup", "replay"]
 
 # Envoy's access-log flush interval in the shipped configs (`access_log_flush_interval_s`).
 ACCESS_LOG_DELAY_S = 0.1
+# A replay ends this long (virtual seconds) after its last arrival at the latest: what has
+# not ended by then is a 504 (a request the engines never finish must not hold a replay).
+DRAIN_S = 600.0
 # The wall clock of virtual time 0 (records carry wall times; any fixed origin will do).
 _EPOCH = 1_800_000_000.0
 _OUTPUT_VOCAB = tuple(range(2000, 2512))
@@ -336,6 +339,7 @@ async def _run(
     seed: int,
     pinned: bool,
     jitter_s: float,
+    drain_s: float,
 ) -> list[Served]:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
@@ -350,7 +354,18 @@ async def _run(
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(loop.create_task(world.one(req, prompts(req))))
-        served = list(await asyncio.gather(*tasks))
+        if tasks:
+            # Virtual time runs on as long as a timer is set (the scrapes): a request that
+            # never ends would never end the replay. Past the bound it counts as 504.
+            await asyncio.wait(tasks, timeout=drain_s)
+        served = []
+        for req, task in zip(requests, tasks, strict=True):
+            if task.done():
+                served.append(task.result())  # a failure of the twin's own raises here
+            else:
+                served.append(
+                    Served(req.index, None, 504, None, None, None, req.input_length, 0, 0, 0.0)
+                )
         await asyncio.sleep(2 * ACCESS_LOG_DELAY_S)  # the last records accounted
         return served
     finally:
@@ -370,12 +385,14 @@ def replay(
     pinned: bool = False,
     jitter_s: float = 0.0,
     prompts: PromptIds | None = None,
+    drain_s: float = DRAIN_S,
 ) -> list[Served]:
     """Replay `requests` under `strategy` (with `params`, the strategy's config parameters) in
     virtual time and return what became of each, in the requests' order. `pinned`: every
     request goes to the pod the capture says served it (no routing: how the engines alone
     would answer, for fitting them). `seed` drives the routing's random choices and, with
-    `jitter_s`, each arrival's shift in [0, jitter_s)."""
+    `jitter_s`, each arrival's shift in [0, jitter_s). A request not ended `drain_s` (virtual)
+    seconds after the last arrival is a 504."""
     config = setup.config(strategy, params, seed)
     return run_virtual(
         _run(
@@ -386,5 +403,6 @@ def replay(
             seed=seed,
             pinned=pinned,
             jitter_s=jitter_s,
+            drain_s=drain_s,
         )
     )

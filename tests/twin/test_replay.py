@@ -57,3 +57,13 @@ def test_a_slower_pod_answers_slower() -> None:
     )  # fmt: skip
     ratio = sum(s.ttft_s or 0 for s in slowed) / sum(s.ttft_s or 0 for s in fast)
     assert ratio > 2.0
+
+
+def test_a_request_still_running_when_the_replay_drains_is_a_504() -> None:
+    traffic = [
+        dataclasses.replace(r, pod=PODS[0].address, output_length=out)
+        for r, out in zip(sessions_traffic(2, sessions=2), (20, 3000), strict=True)
+    ]  # 3,000 tokens at ~7.5 ms each: 22 s, past a 5 s drain
+    served = replay(SETUP, traffic, strategy="round-robin", pinned=True, drain_s=5.0)
+    assert [s.status for s in served] == [200, 504]
+    assert served[1].ttft_s is None and served[0].output_tokens == 20
