@@ -227,7 +227,11 @@ def _tune(args: argparse.Namespace) -> int:
     if args.plot:
         from extproc.twin.plot import plot_report
 
-        plot_report(report, Path(args.plot))
+        try:
+            plot_report(report, Path(args.plot))
+        except ImportError as exc:
+            print(f"extproc tune: {exc}", file=sys.stderr)
+            return 1
     if args.publish or args.server:
         return _publish_tuning(args, report.to_json())
     return 0

@@ -5,6 +5,7 @@
     kubectl extproc explain BODY [--path P] [--strategy S] [--route R] [--pod NAME] [--json]
     kubectl extproc config [--pod NAME] [-o yaml|json]
     kubectl extproc capture [--since DURATION] [-o FILE] [--pod NAME]
+    kubectl extproc tune [--pod NAME] (CAPTURE [extproc tune ARGS] | --report FILE)
     (every command: [--admin-secret NAME], the Secret that holds the admin token;
     [--via port-forward|proxy], how the admin port is reached)
 
@@ -35,7 +36,9 @@ import base64
 import dataclasses
 import http.client
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -50,6 +53,7 @@ from kubernetes.stream import portforward
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from extproc.admin.guard import ADMIN_TOKEN_HEADER
+from extproc.admin.tuning import TuningRejected, parse_tuning
 from extproc.capture import CaptureFormatError, merge, parse_since, write_capture
 from extproc.config import ANNOTATION_PREFIX, parse_route_annotations
 from extproc.director.explain import explain_text
@@ -673,6 +677,27 @@ def cmd_config(cluster: Cluster, replicas: list[Replica], args: argparse.Namespa
 # -- capture -----------------------------------------------------------------------------
 
 
+def _answer(cluster: Cluster, replica: Replica, path: str, **call: Any) -> dict[str, Any] | None:
+    """The replica's JSON object answer to one call (`Cluster.call`'s keywords), or None once
+    what went wrong is said on stderr (no answer, an HTTP error, not a JSON object)."""
+    try:
+        reply = cluster.call(replica, path, **call)
+        answer = reply.json() if reply.status == 200 else None
+    except (KubectlError, ValueError) as exc:
+        print(f"kubectl extproc: {_printable(exc)}", file=sys.stderr)
+        return None
+    if not isinstance(answer, dict):
+        text = _error_message(reply) or reply.body[:200].decode(errors="replace")
+        hint = _token_hint(cluster, reply.status)
+        print(
+            f"kubectl extproc: {_printable(replica.name)}: HTTP {reply.status}: "
+            f"{_printable(text)}{hint}",
+            file=sys.stderr,
+        )
+        return None
+    return answer
+
+
 def cmd_capture(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
     """Every ready replica's traffic capture (`/debug/capture`), joined into one trace."""
     try:
@@ -682,21 +707,8 @@ def cmd_capture(cluster: Cluster, replicas: list[Replica], args: argparse.Namesp
     query = {} if since is None else {"since": f"{since:.3f}"}
     exports, failed = [], 0
     for replica in _pick(replicas, args.pod):
-        try:
-            reply = cluster.call(replica, "/debug/capture", query=query)
-            export = reply.json() if reply.status == 200 else None
-        except (KubectlError, ValueError) as exc:
-            print(f"kubectl extproc: {_printable(exc)}", file=sys.stderr)
-            failed += 1
-            continue
-        if not isinstance(export, dict):
-            text = _error_message(reply) or reply.body[:200].decode(errors="replace")
-            hint = _token_hint(cluster, reply.status)
-            print(
-                f"kubectl extproc: {_printable(replica.name)}: HTTP {reply.status}: "
-                f"{_printable(text)}{hint}",
-                file=sys.stderr,
-            )
+        export = _answer(cluster, replica, "/debug/capture", query=query)
+        if export is None:
             failed += 1
             continue
         exports.append(export)
@@ -705,6 +717,86 @@ def cmd_capture(cluster: Cluster, replicas: list[Replica], args: argparse.Namesp
     except CaptureFormatError as exc:
         raise KubectlError(f"capture: {exc}") from None
     print(f"kubectl extproc capture: {write_capture(capture, args.output)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# -- tune --------------------------------------------------------------------------------
+
+# `extproc tune`'s own ways to publish: here the plugin publishes, to the router's pods.
+_PUBLISH_FLAGS = ("--publish", "--server", "--workdir", "--token-file")
+
+
+def _json_flag(tune_args: Sequence[str]) -> str | None:
+    """The FILE of `--json FILE` (or `--json=FILE`) among `extproc tune`'s arguments."""
+    for i, arg in enumerate(tune_args):
+        if arg == "--json" and i + 1 < len(tune_args):
+            return tune_args[i + 1]
+        if arg.startswith("--json="):
+            return arg.partition("=")[2]
+    return None
+
+
+def _tuned(capture: str, tune_args: list[str]) -> bytes:
+    """`extproc tune CAPTURE ARGS` in a child process, here (the twin needs no cluster; its
+    table shows on this terminal), and the report it wrote."""
+    own = [a.partition("=")[0] for a in tune_args if a.partition("=")[0] in _PUBLISH_FLAGS]
+    if own:
+        raise KubectlError(f"tune: {own[0]}: the plugin publishes to the router's pods itself")
+    with tempfile.TemporaryDirectory(prefix="kubectl-extproc-tune-") as tmp:
+        wanted = _json_flag(tune_args)
+        out = Path(wanted) if wanted is not None else Path(tmp) / "tuning.json"
+        argv = [sys.executable, "-m", "extproc", "tune", capture, *tune_args]
+        if wanted is None:
+            argv += ["--json", str(out)]
+        code = subprocess.call(argv)  # our own interpreter; the arguments are the user's
+        if code != 0:
+            raise KubectlError(f"tune: `extproc tune` exited with status {code}: nothing published")
+        try:
+            return out.read_bytes()
+        except OSError as exc:
+            raise KubectlError(f"tune: no report in {out}: {exc.strerror}") from None
+
+
+def cmd_tune(cluster: Cluster, replicas: list[Replica], args: argparse.Namespace) -> int:
+    """Tune here on a capture (`extproc tune CAPTURE [ARGS]`), or take a report it wrote
+    (`--report FILE`), and publish it to every ready replica (`POST /debug/tuning`): each
+    one's status page shows the last tuning."""
+    targets = _pick(replicas, args.pod)
+    cluster.admin_token()  # a Secret the caller may not read: said now, not after the tuning
+    if args.report is not None:
+        if args.capture is not None:
+            raise KubectlError("tune: CAPTURE or --report FILE, not both")
+        try:
+            raw = Path(args.report).read_bytes()
+        except OSError as exc:
+            raise KubectlError(
+                f"tune: cannot read --report {args.report}: {exc.strerror}"
+            ) from None
+    elif args.capture is not None:
+        raw = _tuned(args.capture, list(args.tune_args))
+    else:
+        raise KubectlError(
+            "tune: a CAPTURE to tune on (`kubectl extproc capture -o FILE`), or --report FILE "
+            "(`extproc tune --json FILE`)"
+        )
+    try:
+        report = parse_tuning(raw)  # what a router would refuse, refused here first
+    except TuningRejected as exc:
+        raise KubectlError(f"tune: {exc.message}") from None
+    failed = 0
+    for replica in targets:
+        took = _answer(
+            cluster, replica, "/debug/tuning", method="POST", body=report,
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        if took is None:
+            failed += 1
+            continue
+        print(
+            f"kubectl extproc tune: {_printable(replica.name)} took it "
+            f"(best: {_printable(report['best']['name'])})",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
@@ -774,6 +866,23 @@ def _parser() -> argparse.ArgumentParser:
     cap.add_argument("-o", "--output", default=None, metavar="FILE", help="default: stdout")
     cap.add_argument("--pod", default=None, help="one replica only")
     cap.set_defaults(func=cmd_capture)
+    tune = sub.add_parser(
+        "tune",
+        help="tune on a capture here (`extproc tune`) and show the result on every replica's "
+        "status page",
+        description="Run `extproc tune CAPTURE [ARGS]` on this machine (the twin needs no "
+        "cluster) and publish its report to every ready replica; or publish a report "
+        "`extproc tune --json FILE` wrote, with --report FILE. The plugin's options go before "
+        "CAPTURE; what follows it goes to `extproc tune`.",
+    )
+    tune.add_argument("--report", default=None, metavar="FILE", help="publish this report")
+    tune.add_argument("--pod", default=None, help="one replica only")
+    tune.add_argument("capture", nargs="?", default=None, help="`kubectl extproc capture -o FILE`")
+    tune.add_argument(
+        "tune_args", nargs=argparse.REMAINDER, metavar="ARGS",
+        help="`extproc tune` options (--rules, --seeds, --config, --json, ...)",
+    )  # fmt: skip
+    tune.set_defaults(func=cmd_tune)
     return p
 
 

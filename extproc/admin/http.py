@@ -23,9 +23,16 @@ from extproc.admin.guard import ExplainGate, authorized
 from extproc.admin.series import PodSeries
 from extproc.admin.source import AdminSource
 from extproc.admin.status import endpoint_rows, pool_rows, status_json
+from extproc.admin.tuning import (
+    MAX_TUNING_BYTES,
+    PublishedTuning,
+    UnsupportedMediaType,
+    parse_tuning,
+)
 from extproc.director.api import RequestHead
 from extproc.director.director import Director
 from extproc.memdiag import MemoryDiagnostics
+from extproc.metrics.store import EndpointStore
 from extproc.protocol.errors import error_json
 from extproc.types import GatewayError, PayloadTooLarge, TooManyRequests
 
@@ -60,6 +67,21 @@ class _StatusPageOff(GatewayError):
     code = "status_page_disabled"
 
 
+def _pod_facts(store: EndpointStore) -> dict[str, dict[str, object]]:
+    """Each scraped pod's published cache config (`vllm:cache_config_info`), by address."""
+    out: dict[str, dict[str, object]] = {}
+    for endpoint in store.endpoints():
+        state = store.state(endpoint)
+        m = state.metrics if state is not None else None
+        if m is None:
+            continue
+        out[endpoint.address] = {
+            "model": endpoint.model, "block_size": m.block_size,
+            "num_gpu_blocks": m.num_gpu_blocks,
+        }  # fmt: skip
+    return out
+
+
 class _CaptureOff(GatewayError):
     status = 404
     error_type = "not_found_error"
@@ -84,10 +106,15 @@ class AdminServer:
         source: AdminSource,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         sample_every_s: float = 2.0,
     ) -> None:
         self._src = source
         self._clock = clock
+        self._wall_clock = wall_clock
+        # The last `extproc tune --publish` report this process took (tuning.py): kept here,
+        # beside the server, so a config reload does not forget it.
+        self._tuning: PublishedTuning | None = None
         self._series = PodSeries()  # the status page's sparklines
         self._sample_every_s = sample_every_s
         self._sampler: asyncio.Task[None] | None = None
@@ -136,6 +163,8 @@ class AdminServer:
         app.router.add_get("/debug/memory", self._h_memory)
         app.router.add_get("/debug/latency-model", self._h_latency_model)
         app.router.add_get("/debug/capture", self._h_capture)
+        app.router.add_get("/debug/tuning", self._h_tuning)
+        app.router.add_post("/debug/tuning", self._h_publish_tuning)
         app.router.add_get("/", self._h_status_page)
         app.router.add_get("/status.json", self._h_status_json)
         self._runner = web.AppRunner(app, access_log=None)
@@ -252,6 +281,7 @@ class AdminServer:
             series=self._series,
             models=_names(request.query.get("model")),
             top=None if top_text is None else int(top_text),
+            tuning=None if self._tuning is None else self._tuning.to_json(full=False),
         )
         return web.Response(
             body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
@@ -304,10 +334,45 @@ class AdminServer:
             since = math.nan
         if since is not None and not math.isfinite(since):
             return web.json_response({"error": "since must be a Unix time in seconds"}, status=400)
-        body = orjson.dumps(await capture.export(since))
+        export = await capture.export(since)
+        export["pods"] = _pod_facts(self._src.store)  # what a twin sizes each pod's engine by
+        body = orjson.dumps(export)
         return web.Response(
             body=body, content_type="application/json", headers={"Cache-Control": "no-store"}
         )
+
+    async def _h_tuning(self, _request: web.Request) -> web.Response:
+        """The last tuning report this process took, whole (null: none yet)."""
+        body = None if self._tuning is None else self._tuning.to_json()
+        return web.Response(
+            body=orjson.dumps(body),
+            content_type="application/json",
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def _h_publish_tuning(self, request: web.Request) -> web.Response:
+        """Keep a tuning report (`extproc tune --publish`) in place of the last one."""
+        try:
+            # JSON only: a cross-site form (a browser holding the page's login) cannot send it.
+            if request.content_type != "application/json":
+                raise UnsupportedMediaType(
+                    "a tuning report is sent as Content-Type: application/json"
+                )
+            body = await _bounded_body(
+                request,
+                MAX_TUNING_BYTES,
+                f"a tuning report is at most {MAX_TUNING_BYTES} bytes",
+            )
+            report = parse_tuning(body)
+        except GatewayError as err:
+            return _error_response(err)
+        self._tuning = PublishedTuning(report, self._wall_clock(), request.remote)
+        answer = {
+            "replica": self._src.replica,
+            "received_at": self._tuning.received_at,
+            "best": report["best"]["name"],
+        }
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
     async def _h_explain(self, request: web.Request) -> web.Response:
         gate = self._explain_gate()
@@ -321,17 +386,9 @@ class AdminServer:
 
     async def _explain(self, request: web.Request) -> web.Response:
         cap = self._src.config.admin.explain_max_body_bytes
-        if (request.content_length or 0) > cap:
-            raise PayloadTooLarge(
-                f"an explain body is at most {cap} bytes (admin.explain_max_body_bytes)"
-            )
-        body = bytearray()
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > cap:
-                raise PayloadTooLarge(
-                    f"an explain body is at most {cap} bytes (admin.explain_max_body_bytes)"
-                )
+        body = await _bounded_body(
+            request, cap, f"an explain body is at most {cap} bytes (admin.explain_max_body_bytes)"
+        )
         headers = {k.lower(): v for k, v in request.headers.items()}
         head = RequestHead(
             request_id="explain",
@@ -341,13 +398,26 @@ class AdminServer:
             route_name=request.query.get("route"),
         )
         try:
-            result = await self._src.director.explain(head, bytes(body))
+            result = await self._src.director.explain(head, body)
         except GatewayError as err:
             reply = Director.error_reply(err)
             return web.Response(
                 status=reply.status, body=reply.body, content_type="application/json"
             )
         return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+
+async def _bounded_body(request: web.Request, cap: int, too_large: str) -> bytes:
+    """The request's body, or `PayloadTooLarge(too_large)` as soon as it passes `cap` bytes
+    (a Content-Length over it is refused before reading)."""
+    if (request.content_length or 0) > cap:
+        raise PayloadTooLarge(too_large)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > cap:
+            raise PayloadTooLarge(too_large)
+    return bytes(body)
 
 
 def _names(text: str | None) -> list[str] | None:

@@ -1,5 +1,5 @@
 """What the status page shows, as JSON: endpoints per model, this process's recent decisions,
-the config in force and its reload state.
+the config in force and its reload state, and the last tuning it took (`tuning.py`).
 
 Decisions are kept per process in a bounded ring (`DecisionLog`, a pre-request step): the
 hot path appends a reference, and the JSON is built only when the page asks for it.
@@ -305,9 +305,11 @@ def status_json(
     series: PodSeries | None = None,
     models: Sequence[str] | None = None,
     top: int | None = None,
+    tuning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything the status page shows, read from the live runtime at this moment: a summary
-    row per pool, the endpoints of the pools `chosen_models` picks, and their decisions."""
+    row per pool, the endpoints of the pools `chosen_models` picks, and their decisions; and
+    `tuning`, the last `extproc tune --publish` report this process took (tuning.py)."""
     cfg = src.config
     stall = cfg.routing.stall_after_s
     pools = pool_rows(src.store, src.inflight, stall, now)
@@ -360,6 +362,7 @@ def status_json(
         ],
         "decisions": {"total": src.decisions.total, "kept": src.decisions.size, "recent": recent},
         "config": {"in_force": redacted(cfg), "reload": dataclasses.asdict(src.reload_status)},
+        "tuning": tuning,
     }
 
 

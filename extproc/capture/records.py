@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "NO_BLOCK",
     "FINE_TOKENS",
+    "NO_BLOCK",
     "WINDOW_TOKENS",
     "DecisionHalf",
     "KeyedHash",

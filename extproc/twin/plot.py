@@ -11,7 +11,11 @@ __all__ = ["plot_report"]
 
 
 def plot_report(report: TuneReport, path: Path) -> None:
-    import matplotlib
+    """Write the PNG; ImportError says which extra brings matplotlib."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("--plot needs matplotlib: pip install 'extproc-lb[tune]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

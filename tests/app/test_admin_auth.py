@@ -32,6 +32,8 @@ PRIVATE = (
     ("GET", "/debug/sync"),
     ("GET", "/debug/latency-model"),
     ("GET", "/debug/capture"),
+    ("GET", "/debug/tuning"),
+    ("POST", "/debug/tuning"),
     ("GET", "/debug/memory"),
     ("POST", "/debug/explain"),
     ("GET", "/status.json"),
@@ -143,7 +145,7 @@ async def test_the_token_opens_every_private_path(
     async with httpx.AsyncClient(base_url=running.url, headers=headers, timeout=10) as client:
         for method, path in PRIVATE:
             if method == "POST":
-                continue  # explains: the gate's test below (one a second here)
+                continue  # explains: the gate's test below; tunings: test_tuning_publish.py
             resp = await client.request(method, path)
             # The capture is off in this config: its path says so (404 capture_disabled).
             off = path in ("/no-such-path", "/debug/capture")

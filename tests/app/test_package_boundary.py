@@ -19,8 +19,9 @@ import extproc
 
 ROOT = Path(extproc.__file__).resolve().parent.parent
 DIST = "extproc-lb"
-# Development tools, shipped in the wheel but run only by developers and demos.
-DEV_PACKAGES = ("extproc.sim", "extproc.stack")
+# Tools shipped in the wheel but run off the request path, by developers, demos and operators
+# (`extproc tune`'s twin, whose plot needs the `tune` extra).
+DEV_PACKAGES = ("extproc.sim", "extproc.stack", "extproc.twin")
 
 
 def _imported_top_levels(path: Path) -> set[str]:

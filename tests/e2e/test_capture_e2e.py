@@ -20,6 +20,7 @@ from bench.traces import load_trace
 from extproc.cli import main as cli_main
 from extproc.kubectl import main as kubectl_main
 from extproc.stack.local import LocalStack
+from extproc.twin import load_pod_facts
 from tests.e2e.harness import running_stack, stack_options, wait_for
 from tests.k8s.fake_apiserver import PODS, SECRETS, FakeApiServer
 from tests.k8s.helpers import make_pod, write_kubeconfig
@@ -138,6 +139,16 @@ def test_the_capture_is_one_line_per_request_with_the_usage_the_client_got(
     rows = load_trace(out)  # the bench's trace replay reads it as it is
     assert [r.output_length for r in rows] == sent
     assert [r.input_length for r in rows] == [line["input_length"] for line in lines]
+    # The pods' published cache config, once, on the first line: what `extproc tune` sizes
+    # each pod's engine by.
+    pods = lines[0]["pods"]
+    assert {line["served_by"] for line in lines} <= set(pods)
+    assert all(p["block_size"] == 16 and p["num_gpu_blocks"] > 0 for p in pods.values())
+    assert all("pods" not in line for line in lines[1:])
+    assert load_pod_facts(out) == {
+        a: {"block_size": p["block_size"], "num_gpu_blocks": p["num_gpu_blocks"]}
+        for a, p in pods.items()
+    }
 
 
 def test_kubectl_capture_joins_every_replica(
