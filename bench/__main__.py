@@ -7,7 +7,10 @@ compare  verdicts of our rules against a peer from `run` results, with the noise
 run    named scenarios (file stems under bench/scenarios/, or `accounting`: bench/accounting.py,
        ~3 minutes with --quick, ~8 without; or `replicas`: bench/replicas.py, 1 against 2
        and 4 server processes with and without state sync), full size unless --quick;
-       --variants a,b and --repetitions N narrow a run (e.g. one check of an engine profile)
+       --variants a,b and --repetitions N narrow a run (e.g. one check of an engine profile);
+       --capture VARIANT: the servers record the traffic capture and each of VARIANT's runs
+       leaves its joined capture in RESULTS/SCENARIO/capture-VARIANT-repN.jsonl (the input of
+       `extproc tune`; bench/twin_proof.py); every other measurement as without it
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="ask our gateway to explain every decision; write each run's request records "
         "(pod, cached tokens, explanation) to RESULTS/SCENARIO/requests/",
     )
+    r.add_argument(
+        "--capture",
+        default=None,
+        metavar="VARIANT",
+        help="record the traffic capture; write each of VARIANT's runs' joined capture to "
+        "RESULTS/SCENARIO/capture-VARIANT-repN.jsonl",
+    )
     for sp in sub.choices.values():
         sp.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
         sp.add_argument("--no-docs", action="store_true", help="do not write docs/img plots")
@@ -86,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sc = dataclasses.replace(sc, repetitions=args.repetitions)
         if getattr(args, "explain", False):
             sc = dataclasses.replace(sc, explain=True)
+        if getattr(args, "capture", None):
+            sc = dataclasses.replace(sc, capture=args.capture)
         try:
             result = run_scenario(sc, results_dir=args.results, img_dir=img, repo_root=ROOT)
         except Exception:

@@ -6,6 +6,12 @@ accounting mode, server-process count and routing strategy, vllm-router with a p
 number of repetitions, and a `quick:` block of overrides for `make bench`. Variants run
 interleaved inside each repetition (order rotated per repetition) on the same simulators,
 so every comparison is between runs seconds apart on the same noisy machine.
+
+With `capture` (a variant's name), the stack's server processes record the traffic capture
+(docs/operations.md, "Capture your traffic") and, after each of that variant's runs, the
+joined capture of its run (the requests from its start on, every server process behind its
+door) is written to `capture-VARIANT-repN.jsonl` beside result.json, as `extproc capture`
+writes it: the input of `extproc tune` (bench/twin_proof.py).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from bench.loadgen import EXPLAIN_HEADER, Arrival, ArrivalKind, LoadGenerator, R
 from bench.stats import imbalance, median_of, percentile, summarize_records
 from bench.targets import Cluster, FrontDoor, cpu_seconds
 from bench.workloads import TextFactory, build_workload
+from extproc.capture import Capture, merge, write_capture
 from extproc.stack.envoy_config import RequestBodyMode, ResponseAccounting
 
 __all__ = ["Scenario", "Variant", "load_scenario", "run_scenario"]
@@ -114,6 +121,8 @@ class Scenario:
     # Ask our gateway to explain each decision (`x-routing-explain`) and write every run's
     # request records (with the explanations) to requests/ beside result.json.
     explain: bool = False
+    # The variant whose runs' traffic capture is written beside result.json (None: no capture).
+    capture: str | None = None
 
 
 def _arrival(raw: Mapping[str, Any]) -> Arrival:
@@ -212,6 +221,54 @@ def _door(cluster: Cluster, v: Variant) -> FrontDoor:
             key, body_mode=v.body_mode, accounting=v.accounting, processes=v.processes
         )
     return cluster.with_strategy(door, v.name, v.strategy) if v.strategy else door
+
+
+# The stack's capture when a variant's runs are captured: rings large and old enough for a
+# whole scenario (every extproc variant's requests pass through them; a few MB).
+CAPTURE_CONFIG = {"enabled": True, "max_records": 100_000, "max_age_s": 86_400.0}
+CAPTURE_SETTLE_S = 5.0  # how long the last access records may take to reach the rings
+
+
+def capture_variant(sc: Scenario) -> Variant | None:
+    """The variant `sc.capture` names: one routed by the stack's own server processes (a held
+    or traced variant's server is one of its own, without a capture)."""
+    if sc.capture is None:
+        return None
+    found = {v.name: v for v in sc.variants}.get(sc.capture)
+    if found is None:
+        raise ValueError(f"capture: no variant {sc.capture!r} in {sc.name}")
+    if found.kind != "extproc" or found.held or found.tracing is not None:
+        raise ValueError(
+            f"capture: {sc.capture!r} must be an extproc variant on the stack's servers "
+            "(not envoy, a peer, held or traced)"
+        )
+    return found
+
+
+def fetch_capture(
+    admin_urls: Sequence[str],
+    headers: Mapping[str, str],
+    since: float,
+    *,
+    settle_s: float = CAPTURE_SETTLE_S,
+) -> Capture:
+    """Every process's `/debug/capture` from `since` (wall clock, s), joined as `extproc
+    capture` joins them; fetched again (up to `settle_s`) while a decision still waits for
+    its outcome (Envoy flushes access records every 0.1 s)."""
+    deadline = time.monotonic() + settle_s
+    with httpx.Client(timeout=60.0) as client:
+        while True:
+            exports = []
+            for url in admin_urls:
+                resp = client.get(
+                    f"{url}/debug/capture", params={"since": f"{since:.3f}"}, headers=headers
+                )
+                resp.raise_for_status()
+                exports.append(resp.json())
+            capture = merge(exports, since=since)
+            if capture.decision_only == 0 or time.monotonic() >= deadline:
+                return capture
+            time.sleep(0.5)
 
 
 def _cpu(pids: Sequence[int]) -> float:
@@ -380,6 +437,7 @@ def _one_run(
     idle_util: Mapping[str, float],
     ceilings: Ceilings | None = None,
     records_dir: Path | None = None,
+    capture_dir: Path | None = None,
 ) -> dict[str, Any]:
     door = _door(cluster, v)
     salt = f"{sc.name}.{rep}.{load.name}.{v.name}"
@@ -403,6 +461,7 @@ def _one_run(
         max_duration_s=sc.max_duration_s,
         seed=sc.seed + rep,
     )
+    started_wall = time.time()  # the capture's window starts here
     result = asyncio.run(gen.run(convs, load.arrival))
     cpu1, proxy1, steal1 = _cpu(door.cpu_pids), _cpu(door.proxy_pids), _steal()
     after_sims = cluster.sim_stats()
@@ -456,6 +515,10 @@ def _one_run(
         records_dir.mkdir(parents=True, exist_ok=True)
         path = records_dir / f"{load.name}-{v.name}-rep{rep}.jsonl"
         path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in result.records))
+    if capture_dir is not None and v.name == sc.capture:  # after every measurement of the run
+        summary["capture"] = _write_capture(
+            cluster, sc, door, load, v, rep, started_wall, capture_dir
+        )
     log.info(
         "%s rep%d %-10s %-28s ok=%d/%d %.0f req/s ttft p50 %s ms e2e p50 %s ms hit %s imb %s cpu %s ms/req",
         sc.name, rep, load.name, v.name, summary["ok"], summary["requests"], summary["req_per_s"] or 0,
@@ -463,6 +526,35 @@ def _one_run(
         summary["router_cpu_ms_per_req"],
     )  # fmt: skip
     return summary
+
+
+def _write_capture(
+    cluster: Cluster,
+    sc: Scenario,
+    door: FrontDoor,
+    load: Load,
+    v: Variant,
+    rep: int,
+    since: float,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """The run's joined capture to `capture-[LOAD-]VARIANT-repN.jsonl`; its counts."""
+    admin = [u.removesuffix("/metrics") for u in door.metrics_urls]
+    capture = fetch_capture(admin, cluster.options.admin_headers(), since)
+    name = f"capture-{load.name + '-' if len(sc.loads) > 1 else ''}{v.name}-rep{rep}.jsonl"
+    log.info("capture: %s", write_capture(capture, str(out_dir / name)))
+    strategies: dict[str, int] = {}
+    for line in capture.lines:
+        key = str(line.get("strategy"))
+        strategies[key] = strategies.get(key, 0) + 1
+    return {
+        "file": name,
+        "requests": len(capture.lines),
+        "joined": capture.joined,
+        "decision_only": capture.decision_only,
+        "outcome_only": capture.outcome_only,
+        "strategies": strategies,
+    }
 
 
 _AGG_KEYS = (
@@ -543,6 +635,10 @@ def run_scenario(
     out_dir = results_dir / sc.name
     out_dir.mkdir(parents=True, exist_ok=True)
     c = sc.cluster
+    captured = capture_variant(sc)
+    server_config = dict(c.get("server_config", {}))
+    if captured is not None:
+        server_config["capture"] = {**server_config.get("capture", {}), **CAPTURE_CONFIG}
     started = time.time()
     steal0 = _steal()
     cluster = Cluster(
@@ -555,7 +651,7 @@ def run_scenario(
             [int(c.get("extproc_processes", 1))] + [v.processes for v in sc.variants]
         ),
         strategy=str(c.get("strategy", "least-request")),
-        server_config=dict(c.get("server_config", {})),
+        server_config=server_config,
         repo_root=repo_root,
     )
     text = TextFactory.qwen(sc.seed)
@@ -581,6 +677,7 @@ def run_scenario(
                             idle_util,
                             ceilings,
                             out_dir / "requests",
+                            out_dir if captured is not None else None,
                         )
                     )
     steal1 = _steal()
@@ -598,6 +695,7 @@ def run_scenario(
         "wall_s": round(time.time() - started, 1),
         "extproc_idle_cpu_util": idle_util,
         "config": sc.raw,
+        "capture": sc.capture,
         "summary": rows,
         "runs": runs,
     }

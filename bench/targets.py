@@ -392,6 +392,7 @@ class Cluster:
         grpc_port, metrics_port = self._ports(2)
         cfg = self.stack.server_config()
         cfg.pop("sync", None)
+        cfg.pop("capture", None)  # the stack's processes capture (bench run --capture), not these
         cfg["server"] = {**cfg["server"], "grpc_port": grpc_port, "metrics_port": metrics_port}
         cfg.update(changes)
         path = self.workdir / f"{name}-config.yaml"

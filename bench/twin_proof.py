@@ -1,0 +1,503 @@
+"""Does the twin tell the truth? `extproc tune` on a live run's capture, against the live run.
+
+For each named scenario (bench/scenarios/*.yaml):
+
+(a) live: `python -m bench run SCENARIO --variants RULES --repetitions R --capture kv-aware`
+    (each rule a variant of the scenario; default kv-aware, least-request, prefix-cache,
+    predicted-latency, kv-aware-dynamo, plus session-affinity for higress), so RESULTS/SCENARIO/
+    holds result.json and the joined capture of each of kv-aware's runs
+    (`capture-kv-aware-repN.jsonl`, bench/scenario.py);
+(b) twin: `python -m extproc tune RESULTS/SCENARIO/capture-kv-aware-rep0.jsonl --json
+    RESULTS/SCENARIO/tune-kv-aware-rep0.json --rules RULES`: the capture of the first
+    repetition replayed under every rule run live, so that its recommendation is one the live
+    run can judge (`--all-candidates`: the twin's own candidates, weights searched too);
+(c) the proof, three questions:
+    - per rule, the twin's TTFT p50 and p90 against the live medians of the repetitions:
+      ratio twin / live, within `--tolerance` (15 %)?
+    - the rule the twin recommends (`best`), as it did live: its live p50 and p90 against the
+      live best rule's at each (the lowest median among the rules), within 5 % or within the
+      noise floor (bench/compare.py's: the widest spread over the repetitions of the
+      round-robin-like variants if any ran, else of the two rules compared; none when the
+      recommended rule was behind in every repetition)?
+    - the twin's replay of the rule that ran in the capture (`running`) against the TTFTs
+      the capture recorded (the gateway's own: first token from the request's first byte).
+
+A Markdown table on stdout, the whole comparison in bench/data/twin-proof-SCENARIO.json.
+
+    flock /tmp/bench.lock .venv/bin/python -m bench.twin_proof multiturn hetero --repetitions 2
+    .venv/bin/python -m bench.twin_proof multiturn --skip-live bench/results/twin-proof   # (b), (c)
+
+Without `extproc tune` (an older checkout) it says so and stops after (a). Only (a) loads the
+machine; (b) replays in virtual time (on `extproc tune`'s worker processes), stopped with its
+workers after `--tune-timeout` (900 s): a replay whose virtual clock runs on without end must
+not hold the bench lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.compare import _values, noise_floor
+from bench.scenario import load_scenario
+from bench.stats import percentile
+
+__all__ = [
+    "DEFAULT_RULES",
+    "Proof",
+    "captured_ttft",
+    "main",
+    "markdown",
+    "prove",
+]
+
+log = logging.getLogger("bench.twin_proof")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "bench" / "scenarios"
+PYTHON = ROOT / ".venv" / "bin" / "python"
+DEFAULT_RULES = (
+    "kv-aware",
+    "least-request",
+    "prefix-cache",
+    "predicted-latency",
+    "kv-aware-dynamo",
+)
+EXTRA_RULES = {"higress": ("session-affinity",)}  # scenarios where another rule is in the running
+CAPTURED = "kv-aware"  # the variant whose traffic is captured (the rule "running" in the capture)
+METRICS = ("ttft_p50_ms", "ttft_p90_ms")
+TOLERANCE = 0.15  # twin against live, per rule and percentile
+BEST_TOLERANCE = 0.05  # the recommended rule's live TTFT against the live best's
+TUNE_TIMEOUT_S = (
+    900.0  # a replay that never ends (its virtual clock runs on) must not hold the lock
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RuleRow:
+    """One rule: what the twin predicts and what the repetitions measured (medians, ranges)."""
+
+    name: str
+    variant: str | None  # the live variant it was matched to (None: not run live)
+    twin: dict[str, float | None]
+    live: dict[str, float | None]
+    live_range: dict[str, tuple[float, float] | None]
+    ratio: dict[str, float | None]  # twin / live
+    within: bool | None  # every metric within the tolerance (None: nothing to compare)
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The twin's recommendation, judged live at one metric."""
+
+    metric: str
+    recommended: str
+    recommended_live: float | None
+    best: str
+    best_live: float
+    ratio: float | None
+    noise_ms: float
+    verdict: str  # yes | within noise | no | not run live
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    scenario: str
+    load: str
+    reps: int
+    tolerance: float
+    rules: list[RuleRow]
+    recommended: str | None
+    # The twin's own word on its pick: ahead of the running rule by more than its seeds'
+    # spread (False: "keep the running rule"; None: not said)
+    beyond_noise: bool | None
+    picks: list[Pick]
+    running: str | None
+    replay: dict[str, Any]  # the twin's running rule against the capture's own TTFTs
+    fidelity: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def rules_within(self) -> tuple[int, int]:
+        judged = [r for r in self.rules if r.within is not None]
+        return sum(1 for r in judged if r.within), len(judged)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
+def captured_ttft(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """TTFT p50 / p90 (ms) the capture recorded, over its lines with a TTFT (nearest rank, as
+    the live summaries)."""
+    ttft = [float(x) for line in lines if (x := _num(line.get("ttft_ms"))) is not None]
+    return {
+        "requests": float(len(lines)),
+        "with_ttft": float(len(ttft)),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p90_ms": percentile(ttft, 90),
+    }
+
+
+def _variant_of(rule: Mapping[str, Any], variants: Mapping[str, str | None]) -> str | None:
+    """The live variant a twin rule stands for: the same name, else the same strategy with its
+    default parameters (a twin candidate with weights of its own never ran live)."""
+    name = str(rule.get("name"))
+    if name in variants:
+        return name
+    strategy = rule.get("strategy")
+    if not strategy or rule.get("params"):
+        return None
+    return next((v for v, s in variants.items() if s == strategy), None)
+
+
+def prove(
+    tune: Mapping[str, Any],
+    result: Mapping[str, Any],
+    capture: Sequence[Mapping[str, Any]],
+    *,
+    load: str | None = None,
+    tolerance: float = TOLERANCE,
+    best_tolerance: float = BEST_TOLERANCE,
+) -> Proof:
+    """The three comparisons (module docstring, (c)) from `extproc tune`'s JSON, the live
+    `result.json` of `bench run` and the capture's lines. Pure."""
+    runs: list[Mapping[str, Any]] = list(result["runs"])
+    if load is None:
+        load = str(runs[0]["load"]) if runs else ""
+    strategies = {
+        str(v.get("name")): v.get("strategy")
+        for v in (result.get("config") or {}).get("variants", ())
+        if isinstance(v, Mapping)
+    }
+    live_variants = {str(r["variant"]): strategies.get(str(r["variant"])) for r in runs}
+    rows: list[RuleRow] = []
+    for rule in tune.get("rules", ()):
+        variant = _variant_of(rule, live_variants)
+        twin = {m: _num(rule.get(m)) for m in METRICS}
+        twin["hit_rate"] = _num(rule.get("hit_rate"))
+        live: dict[str, float | None] = {}
+        spans: dict[str, tuple[float, float] | None] = {}
+        for m in (*METRICS, "cache_hit_rate"):
+            vals = _values(runs, load, variant, m) if variant else []
+            live[m] = statistics.median(vals) if vals else None
+            spans[m] = (min(vals), max(vals)) if vals else None
+        ratio = {m: _ratio(twin[m], live[m]) for m in METRICS}
+        judged = [r for r in ratio.values() if r is not None]
+        within = all(abs(r - 1) <= tolerance for r in judged) if judged else None
+        rows.append(
+            RuleRow(
+                name=str(rule.get("name")),
+                variant=variant,
+                twin=twin,
+                live=live,
+                live_range=spans,
+                ratio=ratio,
+                within=within,
+            )
+        )
+
+    best = tune.get("best") or {}
+    recommended = str(best["name"]) if best.get("name") is not None else None
+    picks: list[Pick] = []
+    matched = {r.variant for r in rows if r.variant is not None}
+    rec_variant = next((r.variant for r in rows if r.name == recommended), None)
+    for m in METRICS:
+        medians = {
+            v: statistics.median(vals) for v in matched if (vals := _values(runs, load, v, m))
+        }
+        if recommended is None or not medians:
+            continue
+        top = min(medians, key=lambda v: medians[v])
+        if rec_variant is None or rec_variant not in medians:
+            picks.append(Pick(m, recommended, None, top, medians[top], None, 0.0, "not run live"))
+            continue
+        mine, theirs = medians[rec_variant], medians[top]
+        floor = noise_floor(runs, load, m, fallback=(rec_variant, top))
+        mine_vals, top_vals = _values(runs, load, rec_variant, m), _values(runs, load, top, m)
+        if min(mine_vals) > max(top_vals):  # behind in every repetition: no noise excuses it
+            floor = 0.0
+        if mine <= (1 + best_tolerance) * theirs:
+            verdict = "yes"
+        elif mine - theirs <= floor:
+            verdict = "within noise"
+        else:
+            verdict = "no"
+        picks.append(Pick(m, recommended, mine, top, theirs, _ratio(mine, theirs), floor, verdict))
+
+    running = tune.get("running")
+    running = str(running) if running is not None else None
+    twin_running = next((r for r in rows if r.name == running), None)
+    captured = captured_ttft(capture)
+    replay: dict[str, Any] = {"captured": captured}
+    if twin_running is not None:
+        replay["twin"] = {m: twin_running.twin[m] for m in METRICS}
+        replay["ratio"] = {m: _ratio(twin_running.twin[m], captured[m]) for m in METRICS}
+        judged = [r for r in replay["ratio"].values() if r is not None]
+        replay["within"] = all(abs(r - 1) <= tolerance for r in judged) if judged else None
+    return Proof(
+        scenario=str(result.get("scenario", "")),
+        load=load,
+        reps=max((int(r.get("rep", 0)) + 1 for r in runs), default=0),
+        tolerance=tolerance,
+        rules=rows,
+        recommended=recommended,
+        beyond_noise=best.get("beyond_noise")
+        if isinstance(best.get("beyond_noise"), bool)
+        else None,
+        picks=picks,
+        running=running,
+        replay=replay,
+        fidelity=tune.get("fidelity"),
+    )
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _r(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _span(v: tuple[float, float] | None) -> str:
+    return "" if v is None else f" ({v[0]:.0f}-{v[1]:.0f})"
+
+
+def markdown(proof: Proof) -> str:
+    """The per-rule table, then a line for the recommendation and one for the replay."""
+    pct = f"{proof.tolerance:.0%}"
+    lines = [
+        f"**{proof.scenario} / {proof.load}**: twin against live ({proof.reps} repetitions, "
+        f"median and range)",
+        "",
+        f"| rule | twin p50 ms | live p50 ms | ratio | twin p90 ms | live p90 ms | ratio | "
+        f"within {pct} | twin hit | live hit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in proof.rules:
+        within = "-" if r.within is None else ("yes" if r.within else "no")
+        lines.append(
+            f"| {r.name} | {_ms(r.twin['ttft_p50_ms'])} | {_ms(r.live['ttft_p50_ms'])}"
+            f"{_span(r.live_range['ttft_p50_ms'])} | {_r(r.ratio['ttft_p50_ms'])} "
+            f"| {_ms(r.twin['ttft_p90_ms'])} | {_ms(r.live['ttft_p90_ms'])}"
+            f"{_span(r.live_range['ttft_p90_ms'])} | {_r(r.ratio['ttft_p90_ms'])} | {within} "
+            f"| {_r(r.twin['hit_rate'])} | {_r(r.live['cache_hit_rate'])} |"
+        )
+    n, total = proof.rules_within
+    lines += ["", f"- rules within {pct}: {n} of {total}"]
+    if proof.beyond_noise is False and proof.recommended != proof.running:
+        lines.append(
+            f"- the twin's best `{proof.recommended}` is within its seeds' spread of "
+            f"`{proof.running}`: it says keep the running rule"
+        )
+    for p in proof.picks:
+        lines.append(
+            f"- {p.metric}: the twin recommends `{p.recommended}`, live {_ms(p.recommended_live)} ms;"
+            f" live best `{p.best}` {_ms(p.best_live)} ms (ratio {_r(p.ratio)}, noise "
+            f"{p.noise_ms:.0f} ms): {p.verdict}"
+        )
+    rp = proof.replay
+    cap = rp["captured"]
+    if "twin" in rp:
+        within = {True: "yes", False: "no", None: "-"}[rp["within"]]
+        lines.append(
+            f"- replay of `{proof.running}` against the capture ({cap['with_ttft']:.0f} TTFTs): "
+            f"p50 {_ms(rp['twin']['ttft_p50_ms'])} / {_ms(cap['ttft_p50_ms'])} ms "
+            f"({_r(rp['ratio']['ttft_p50_ms'])}), p90 {_ms(rp['twin']['ttft_p90_ms'])} / "
+            f"{_ms(cap['ttft_p90_ms'])} ms ({_r(rp['ratio']['ttft_p90_ms'])}), within {pct}: "
+            f"{within}"
+        )
+    else:
+        lines.append(f"- replay: the twin has no rule `{proof.running}` (the capture's)")
+    return "\n".join(lines) + "\n"
+
+
+# -- the three steps ---------------------------------------------------------------------------
+
+
+def rules_for(scenario: str, rules: Sequence[str] | None) -> list[str]:
+    """The rules to run: those given, else the defaults (and the scenario's extras), kept to
+    the scenario's variants."""
+    sc = load_scenario(SCENARIOS / f"{scenario}.yaml")
+    have = {v.name for v in sc.variants}
+    wanted = list(rules) if rules else [*DEFAULT_RULES, *EXTRA_RULES.get(scenario, ())]
+    missing = [r for r in wanted if r not in have]
+    if missing:
+        log.warning("%s has no variants %s: left out", scenario, missing)
+    return [r for r in wanted if r in have]
+
+
+def run_live(
+    scenario: str, rules: Sequence[str], *, repetitions: int, results: Path, quick: bool
+) -> float:
+    """(a): the scenario over the rules, kv-aware captured; its wall time (s)."""
+    cmd = [
+        str(PYTHON), "-m", "bench", "run", scenario, "--variants", ",".join(rules),
+        "--repetitions", str(repetitions), "--capture", CAPTURED, "--results", str(results),
+        "--no-docs", *(["--quick"] if quick else []),
+    ]  # fmt: skip
+    log.info("live: %s", " ".join(cmd))
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return round(time.monotonic() - t0, 1)
+
+
+def tune_available() -> bool:
+    done = subprocess.run(
+        [str(PYTHON), "-m", "extproc", "tune", "--help"],
+        capture_output=True,
+        cwd=ROOT,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def run_tune(
+    capture: Path,
+    out: Path,
+    rules: Sequence[str] | None,
+    *,
+    seeds: int | None,
+    timeout_s: float = TUNE_TIMEOUT_S,
+) -> tuple[list[str], float]:
+    """(b): `extproc tune` on the capture (None: the twin's own candidates); its command and
+    wall time (s)."""
+    cmd = [
+        str(PYTHON), "-m", "extproc", "tune", str(capture), "--json", str(out),
+        *(["--rules", ",".join(rules)] if rules else []),
+        *(["--seeds", str(seeds)] if seeds else []),
+    ]  # fmt: skip
+    log.info("twin: %s", " ".join(cmd))
+    t0 = time.monotonic()
+    # Its own process group: on a timeout its worker processes go with it.
+    with subprocess.Popen(cmd, cwd=ROOT, start_new_session=True) as proc:
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if code != 0:
+        raise subprocess.CalledProcessError(code, cmd)
+    return cmd, round(time.monotonic() - t0, 1)
+
+
+def read_capture(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.twin_proof", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("scenarios", nargs="+", help="scenario names (bench/scenarios/NAME.yaml)")
+    p.add_argument("--rules", default=None, help="comma-separated rules (variants) to compare")
+    p.add_argument("--repetitions", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="the scenarios' quick sizes")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "twin-proof")
+    p.add_argument(
+        "--skip-live",
+        type=Path,
+        default=None,
+        metavar="RESULTS_DIR",
+        help="no live run: (b) and (c) from an earlier one's RESULTS_DIR/SCENARIO/",
+    )
+    p.add_argument("--seeds", type=int, default=None, help="passed to extproc tune")
+    p.add_argument(
+        "--all-candidates",
+        action="store_true",
+        help="let the twin choose among all its candidates, not only the rules run live",
+    )
+    p.add_argument("--rep", type=int, default=0, help="the repetition whose capture is tuned")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE)
+    p.add_argument("--tune-timeout", type=float, default=TUNE_TIMEOUT_S, help="s per extproc tune")
+    p.add_argument("--data", type=Path, default=ROOT / "bench" / "data")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    results = args.skip_live or args.results
+    given = args.rules.split(",") if args.rules else None
+    has_tune: bool | None = None
+    failed = 0
+    for scenario in args.scenarios:
+        rules = rules_for(scenario, given)
+        name = scenario + ("-quick" if args.quick else "")
+        out_dir = results / name
+        live_s = None
+        if args.skip_live is None:
+            live_s = run_live(
+                scenario, rules, repetitions=args.repetitions, results=results, quick=args.quick
+            )
+            log.info("%s live: %.0f s -> %s", name, live_s, out_dir)
+        if has_tune is None:
+            has_tune = tune_available()
+        if not has_tune:
+            print(
+                f"`extproc tune` does not exist in this checkout: stopping after the live run "
+                f"({out_dir}: result.json, capture-{CAPTURED}-repN.jsonl)"
+            )
+            continue
+        capture = out_dir / f"capture-{CAPTURED}-rep{args.rep}.jsonl"
+        tune_out = out_dir / f"tune-{CAPTURED}-rep{args.rep}.json"
+        try:
+            cmd, tune_s = run_tune(
+                capture,
+                tune_out,
+                None if args.all_candidates else rules,
+                seeds=args.seeds,
+                timeout_s=args.tune_timeout,
+            )
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+            log.error("%s: extproc tune failed: %s", name, err)
+            failed += 1
+            continue
+        result = json.loads((out_dir / "result.json").read_text())
+        tuned = json.loads(tune_out.read_text())
+        proof = prove(
+            tuned,
+            result,
+            read_capture(capture),
+            tolerance=args.tolerance,
+        )
+        print(markdown(proof))
+        args.data.mkdir(parents=True, exist_ok=True)
+        out = {
+            "scenario": name,
+            "results": str(out_dir),
+            "capture": str(capture),
+            "tune": str(tune_out),
+            "tune_command": cmd,
+            "tune_wall_s": tune_s,
+            "live_wall_s": live_s,
+            "rules_run": rules,
+            "twin_best": tuned.get("best"),
+            "twin_captured": tuned.get("captured"),  # the twin's reading of the capture
+            **proof.as_dict(),
+        }
+        path = args.data / f"twin-proof-{name}.json"
+        path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        log.info("%s -> %s", name, path)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

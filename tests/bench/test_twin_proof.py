@@ -1,0 +1,154 @@
+"""bench.twin_proof: the twin's numbers against a live run's, per rule, for its recommendation
+(within 5 % of the live best or inside the noise floor) and for its replay of the captured
+rule against the capture's own TTFTs. A hand-made `extproc tune` output
+(twin_tune_fixture.json) and hand-made live repetitions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.twin_proof import captured_ttft, markdown, prove
+
+FIXTURE = Path(__file__).with_name("twin_tune_fixture.json")
+
+
+def _result(table: dict[str, dict[str, list[float]]], load: str = "c20") -> dict[str, Any]:
+    """A `bench run` result: per variant, per metric, one value per repetition."""
+    runs = []
+    for variant, metrics in table.items():
+        reps = len(next(iter(metrics.values())))
+        for rep in range(reps):
+            runs.append(
+                {"load": load, "variant": variant, "rep": rep}
+                | {m: vals[rep] for m, vals in metrics.items()}
+            )
+    strategies = {"kv-aware-dynamo": "kv-aware-dynamo"}
+    variants = [{"name": v, "kind": "extproc", "strategy": strategies.get(v, v)} for v in table]
+    return {"scenario": "multiturn", "config": {"variants": variants}, "runs": runs}
+
+
+LIVE: dict[str, dict[str, list[float]]] = {
+    "kv-aware": {"ttft_p50_ms": [48, 52], "ttft_p90_ms": [110, 120], "cache_hit_rate": [0.7, 0.74]},
+    "least-request": {"ttft_p50_ms": [76, 80], "ttft_p90_ms": [170, 176], "cache_hit_rate": [0.3, 0.3]},
+    "prefix-cache": {"ttft_p50_ms": [60, 62], "ttft_p90_ms": [128, 132], "cache_hit_rate": [0.7, 0.7]},
+    "kv-aware-dynamo": {"ttft_p50_ms": [55, 57], "ttft_p90_ms": [124, 126], "cache_hit_rate": [0.7, 0.7]},
+}  # fmt: skip
+
+
+def _capture(ttfts: list[Any]) -> list[dict[str, Any]]:
+    return [{"timestamp": i, "ttft_ms": t} for i, t in enumerate(ttfts)]
+
+
+def test_each_rule_is_matched_to_its_live_variant_and_judged_within_15_percent() -> None:
+    tune = json.loads(FIXTURE.read_text())
+    proof = prove(tune, _result(LIVE), _capture([50.0] * 9 + [120.0]))
+    rows = {r.name: r for r in proof.rules}
+    assert rows["dynamo"].variant == "kv-aware-dynamo"  # another name, the same strategy
+    assert rows["kv-aware"].live["ttft_p50_ms"] == 50
+    assert rows["kv-aware"].live_range["ttft_p90_ms"] == (110, 120)
+    assert rows["kv-aware"].ratio == {"ttft_p50_ms": 1.04, "ttft_p90_ms": round(118 / 115, 4)}
+    # least-request's p50: the twin says 95 ms, live 78 ms (1.22): outside 15 %
+    assert rows["least-request"].ratio["ttft_p50_ms"] == round(95 / 78, 4)
+    assert {n: r.within for n, r in rows.items()} == {
+        "kv-aware": True,
+        "least-request": False,
+        "prefix-cache": True,
+        "dynamo": True,
+    }
+    assert proof.rules_within == (3, 4)
+    assert proof.reps == 2 and proof.load == "c20"
+    assert [(p.metric, p.recommended, p.best, p.verdict) for p in proof.picks] == [
+        ("ttft_p50_ms", "kv-aware", "kv-aware", "yes"),
+        ("ttft_p90_ms", "kv-aware", "kv-aware", "yes"),
+    ]
+    assert proof.running == "kv-aware"
+    assert proof.replay["captured"]["ttft_p50_ms"] == 50.0
+    assert proof.replay["captured"]["ttft_p90_ms"] == 120.0
+    assert proof.replay["within"] is True
+    assert proof.fidelity == tune["fidelity"]
+
+
+def test_a_rule_the_twin_has_but_live_did_not_run_is_not_judged() -> None:
+    tune = json.loads(FIXTURE.read_text())
+    live = {k: v for k, v in LIVE.items() if k != "least-request"}
+    proof = prove(tune, _result(live), _capture([50.0]))
+    row = next(r for r in proof.rules if r.name == "least-request")
+    assert row.variant is None and row.within is None and row.live["ttft_p50_ms"] is None
+    assert proof.rules_within == (3, 3)
+    # a weight of the twin's own search: kv-aware's strategy, but not the rule that ran live
+    weighted = {"name": "kv-aware overlap 2", "strategy": "kv-aware", "ttft_p50_ms": 40.0}
+    tune["rules"].append(weighted | {"params": {"overlap_weight": 2.0}})
+    row = next(r for r in prove(tune, _result(LIVE), []).rules if r.name == weighted["name"])
+    assert row.variant is None and row.within is None
+
+
+def _pick_tune(recommended: str) -> dict[str, Any]:
+    rules = [{"name": n, "strategy": n, "ttft_p50_ms": 100.0} for n in ("a", "b")]
+    return {"rules": rules, "running": "a", "best": {"name": recommended}}
+
+
+@pytest.mark.parametrize(
+    ("table", "want", "noise"),
+    [
+        # 102 against 100: within 5 %
+        ({"a": [100, 104], "b": [99, 101]}, "yes", 4),
+        # 12 % behind, but b's own repetitions spread by 20 and a's best is inside them
+        ({"a": [108, 116], "b": [90, 110]}, "within noise", 20),
+        # 12 % behind and behind in every repetition: no floor helps
+        ({"a": [111, 113], "b": [90, 110]}, "no", 0),
+        # 30 % behind, the widest spread (a's) 21: outside it though a's best ties b's worst
+        ({"a": [110, 130, 131], "b": [90, 100, 110]}, "no", 21),
+        # a round-robin-like variant's spread (30) is the floor when it ran twice
+        ({"a": [100, 124], "b": [99, 101], "round-robin": [150, 180]}, "within noise", 30),
+    ],
+)
+def test_the_recommended_rule_is_within_5_percent_of_the_live_best_or_inside_the_noise(
+    table: dict[str, list[float]], want: str, noise: float
+) -> None:
+    result = _result({v: {"ttft_p50_ms": vals} for v, vals in table.items()})
+    proof = prove(_pick_tune("a"), result, [])
+    (pick,) = [p for p in proof.picks if p.metric == "ttft_p50_ms"]
+    assert (pick.best, pick.verdict, pick.noise_ms) == ("b", want, noise)
+
+
+def test_the_twins_own_word_on_its_margin_is_kept_and_shown() -> None:
+    tune = _pick_tune("b")
+    tune["best"] = {"name": "b", "beyond_noise": False}
+    result = _result({"a": {"ttft_p50_ms": [100, 101]}, "b": {"ttft_p50_ms": [99, 100]}})
+    proof = prove(tune, result, [])
+    assert proof.beyond_noise is False and proof.recommended == "b" and proof.running == "a"
+    assert "it says keep the running rule" in markdown(proof)
+    tune["best"]["beyond_noise"] = True
+    assert "keep the running rule" not in markdown(prove(tune, result, []))
+
+
+def test_a_recommendation_that_did_not_run_live_has_no_verdict() -> None:
+    tune = _pick_tune("a")
+    tune["rules"].append({"name": "z", "strategy": "z", "ttft_p50_ms": 1.0})
+    tune["best"] = {"name": "z"}
+    result = _result({"a": {"ttft_p50_ms": [100, 101]}, "b": {"ttft_p50_ms": [90, 91]}})
+    (pick,) = [p for p in prove(tune, result, []).picks if p.metric == "ttft_p50_ms"]
+    assert (pick.recommended, pick.best, pick.verdict) == ("z", "b", "not run live")
+
+
+def test_the_replay_is_judged_against_the_captured_ttfts_only() -> None:
+    got = captured_ttft(_capture([None, 30.0, 10.0, True, 20.0]))  # no TTFT, a bool: skipped
+    assert got == {"requests": 5.0, "with_ttft": 3.0, "ttft_p50_ms": 20.0, "ttft_p90_ms": 30.0}
+    tune = json.loads(FIXTURE.read_text())
+    far = prove(tune, _result(LIVE), _capture([40.0] * 10))  # twin 52 against 40: 1.30
+    assert far.replay["ratio"]["ttft_p50_ms"] == 1.3 and far.replay["within"] is False
+    tune["running"] = "nope"
+    assert "twin" not in prove(tune, _result(LIVE), _capture([40.0])).replay
+
+
+def test_the_markdown_names_every_rule_and_the_three_verdicts() -> None:
+    proof = prove(json.loads(FIXTURE.read_text()), _result(LIVE), _capture([50.0] * 10))
+    text = markdown(proof)
+    assert "| least-request | 95 | 78 (76-80) | 1.22 |" in text
+    assert "rules within 15%: 3 of 4" in text
+    assert "the twin recommends `kv-aware`, live 50 ms; live best `kv-aware` 50 ms" in text
+    assert "replay of `kv-aware` against the capture (10 TTFTs): p50 52 / 50 ms (1.04)" in text
