@@ -190,6 +190,7 @@ _REPORT = _record(
             {
                 "rounds": _count,
                 "unfitted": _list(_text()),
+                "speed_only": _list(_text()),
                 "pods": _list(_mapping(_scalar, 64)),
                 "check": _mapping(_mapping(_optional(_number), 64)),
             }

@@ -176,6 +176,13 @@ class Engine:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def error(self) -> BaseException | None:
+        """What the step loop died of, if it did (then no request here ever ends)."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

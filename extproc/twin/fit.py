@@ -16,7 +16,8 @@ capture's, a few rounds:
 
 The cache size and scheduler limits are the simulator's defaults unless the caller knows the
 pods' (`PodProfile`). Fitting needs the capture's outcomes: a pod with fewer than
-`MIN_SAMPLES` timed requests keeps the default model, and `FitReport` says so.
+`MIN_SAMPLES` timed requests gets one speed factor for all its costs (from its median time
+per token, else its median TTFT), one with none keeps the defaults; `FitReport` says which.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ _CONVERGED = 0.03
 class FitReport:
     pods: tuple[PodProfile, ...]
     rounds: int = 0
-    unfitted: list[str] = field(default_factory=list)  # pods with too few timed requests
+    unfitted: list[str] = field(default_factory=list)  # pods with no timed request
+    speed_only: list[str] = field(default_factory=list)  # fewer than MIN_SAMPLES: one speed
     # Per pod: capture's and twin's TTFT p50 / TPOT p50 (ms) after the last round.
     check: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -146,8 +148,19 @@ def fit_pods(
             continue
         iqr = _quantile(ttfts, 0.75) - _quantile(ttfts, 0.25)
         want[address] = (statistics.median(tpots), max(iqr, 1e-5), statistics.median(ttfts))
-    report.unfitted = sorted(a for a in pods if a not in want)
-    if not want:  # nothing was timed (a plain trace): the defaults, no replay needed
+    # A pod with a few timed requests only (a rule that avoided it): one speed for all its
+    # costs, from the median time per token (else the median TTFT), and the path's cost of
+    # the others: a pod a rule shunned is usually a slow one, and the defaults would say fast.
+    few: dict[str, tuple[float | None, float]] = {}
+    for address, rows in timed.items():
+        if address in want:
+            continue
+        tpots = [r.tpot_s for r in rows if r.tpot_s is not None and r.tpot_s > 0]
+        ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
+        few[address] = (statistics.median(tpots) if tpots else None, statistics.median(ttfts))
+    report.unfitted = sorted(a for a in pods if a not in want and a not in few)
+    report.speed_only = sorted(few)
+    if not want and not few:  # nothing was timed (a plain trace): the defaults, no replay
         return report
 
     def run(scale_decode: float, scale_prefill: float) -> dict[int, Served]:
@@ -184,6 +197,21 @@ def fit_pods(
             overhead = max(0.0, ttft - ttft_after)
             pods[address] = _scaled(pod, decode, prefill, overhead)
             worst = max(worst, abs(dp), abs(dd))
+        path = statistics.median(pods[a].overhead_s for a in want) if want else 0.0
+        for address, (tpot_or_none, ttft) in few.items():
+            pod, rows = pods[address], timed[address]
+            if tpot_or_none is not None:
+                twin = [t for r in rows if (t := base[r.index].tpot_s) is not None and t > 0]
+                target = tpot_or_none
+            else:
+                twin = [t - pod.overhead_s for r in rows if (t := base[r.index].ttft_s) is not None]
+                target = max(1e-4, ttft - path)
+            if not twin or statistics.median(twin) <= 0:
+                continue
+            step = math.log(target / statistics.median(twin))
+            speed = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, step)))
+            pods[address] = _scaled(pod, speed, speed, path)
+            worst = max(worst, abs(step))
         if worst < _CONVERGED:
             break
     report.pods = tuple(pods.values())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -156,7 +157,14 @@ class _World:
             wall_clock=lambda: _EPOCH + loop.time(),
         )
         self.core.kv_healthy = lambda _address: True
-        self.runtime = build_runtime(config, self.core)
+        # Prompts arrive as token ids: that no tokenizer is configured is not news here.
+        app_log = logging.getLogger("extproc.app")
+        level = app_log.level
+        app_log.setLevel(logging.ERROR)
+        try:
+            self.runtime = build_runtime(config, self.core)
+        finally:
+            app_log.setLevel(level)
         self.core.install(self.runtime)
         self.director = self.runtime.director
         self.engines: dict[str, Engine] = {}
@@ -358,6 +366,9 @@ async def _run(
             # Virtual time runs on as long as a timer is set (the scrapes): a request that
             # never ends would never end the replay. Past the bound it counts as 504.
             await asyncio.wait(tasks, timeout=drain_s)
+        for engine in world.engines.values():
+            if (error := engine.error()) is not None:  # a bug: say so, do not hide it as 504s
+                raise RuntimeError("a simulated engine's step loop failed") from error
         served = []
         for req, task in zip(requests, tasks, strict=True):
             if task.done():

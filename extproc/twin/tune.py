@@ -265,6 +265,7 @@ class TuneReport:
             "fit": {
                 "rounds": self.fit.rounds,
                 "unfitted": self.fit.unfitted,
+                "speed_only": self.fit.speed_only,
                 "pods": [p.summary() for p in self.fit.pods],
                 "check": self.fit.check,
             },
@@ -303,8 +304,10 @@ class TuneReport:
             f"{self.running}; reuse ceiling {self.ceiling:.3f}; {self.seeds} seeds per rule",
             "",
             f"pods fitted in {self.fit.rounds} rounds"
-            + (f" (too few timed requests, defaults kept: {', '.join(self.fit.unfitted)})"
+            + (f" (no timed request, defaults kept: {', '.join(self.fit.unfitted)})"
                if self.fit.unfitted else "")
+            + (f" (few timed requests, one speed: {', '.join(self.fit.speed_only)})"
+               if self.fit.speed_only else "")
             + ":",
         ]  # fmt: skip
         for pod in self.fit.pods:

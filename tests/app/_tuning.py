@@ -52,6 +52,7 @@ def tuning_report() -> dict[str, Any]:
         "fit": {
             "rounds": 3,
             "unfitted": [],
+            "speed_only": [],
             "pods": [
                 {
                     "address": f"10.0.0.{i}:8000",

@@ -72,3 +72,24 @@ def test_a_pod_with_too_few_timed_requests_keeps_the_defaults() -> None:
     )
     assert report.unfitted == ["10.0.0.2:8000"]
     assert {p.address: p.step for p in report.pods}["10.0.0.2:8000"] == BASE
+
+
+def test_a_pod_a_rule_shunned_gets_one_speed_from_its_few_requests() -> None:
+    traffic = sessions_traffic(240, rate=6.0)
+    served = replay(TwinSetup(pods=TRUTH, default_model="m"), traffic, strategy="kv-aware")
+    slow = "10.0.0.3:8000"  # decode 2x: keep 5 of its timed requests only
+    kept = 0
+    capture = []
+    for r, s in zip(traffic, served, strict=True):
+        timed = s.pod != slow or kept < 5
+        kept += s.pod == slow and timed
+        capture.append(
+            dataclasses.replace(
+                r, pod=s.pod, status=s.status if timed else None, ttft_s=s.ttft_s,
+                tpot_s=s.tpot_s, strategy="kv-aware",
+            )
+        )  # fmt: skip
+    report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
+    assert report.speed_only == [slow] and report.unfitted == []
+    step = {p.address: p.step for p in report.pods}[slow]
+    assert step.weights_read_s == pytest.approx(2 * BASE.weights_read_s, rel=0.3)
