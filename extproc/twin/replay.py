@@ -353,6 +353,9 @@ async def _run(
     assert isinstance(loop, VirtualLoop)
     world = _World(setup, config, loop, pinned=pinned)
     poller = loop.create_task(world.poll())
+    flow = world.core.flow
+    if flow is not None:  # its dispatch loop, as the app starts it
+        await flow.start()
     rng = random.Random(seed)
     tasks: list[asyncio.Task[Served]] = []
     try:
@@ -383,6 +386,8 @@ async def _run(
         poller.cancel()
         for task in tasks:
             task.cancel()
+        if flow is not None:
+            await flow.stop()
         await world.stop()
 
 

@@ -173,7 +173,7 @@ def parse_requests(lines: Iterable[str], *, source: str = "<capture>") -> list[T
                 priority=priority
                 if isinstance(priority, int) and not isinstance(priority, bool)
                 else 0,
-                stream=row.get("stream") is True,
+                stream=row.get("stream", True) is True,  # a plain trace: streamed
                 pod=_opt_str(row, "served_by") or _opt_str(row, "endpoint"),
                 strategy=_opt_str(row, "strategy"),
                 status=status if isinstance(status, int) and not isinstance(status, bool) else None,

@@ -67,3 +67,13 @@ def test_a_request_still_running_when_the_replay_drains_is_a_504() -> None:
     served = replay(SETUP, traffic, strategy="round-robin", pinned=True, drain_s=5.0)
     assert [s.status for s in served] == [200, 504]
     assert served[1].ttft_s is None and served[0].output_tokens == 20
+
+
+def test_flow_control_queues_a_burst_and_lets_every_request_go() -> None:
+    # 4 running slots per pod and 80 requests at once: the pool saturates, flow control (on by
+    # default) holds what it has no room for and dispatches it as slots free.
+    small = tuple(dataclasses.replace(p, max_num_seqs=4) for p in PODS)
+    burst = [dataclasses.replace(r, at_s=0.001 * r.index) for r in sessions_traffic(80)]
+    served = replay(dataclasses.replace(SETUP, pods=small), burst, strategy="kv-aware")
+    assert [s.status for s in served] == [200] * 80
+    assert sum(s.queued_s > 0.05 for s in served) >= 10  # they waited for room, then went
