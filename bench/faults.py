@@ -10,6 +10,9 @@ accounting_sink_restart / accounting_sink_sigterm (two ext_proc processes, open-
 load) stop the process holding Envoy's access-log stream and count, across processes, the
 accounting records that never arrived, besides what the clients saw.
 
+server_sigkill / server_sigkill_no_reset (two ext_proc processes, open loop at 80/s) SIGKILL
+one process 5 times, with the routing stream's retry triggers and without `reset` among them.
+
 Usage: .venv/bin/python bench/faults.py [--scenario NAME ...] [--json out.json]
 """
 
@@ -56,6 +59,7 @@ __all__ = [
     "pod_kill",
     "rolling_restart",
     "router_stop",
+    "server_sigkill",
     "stack_options",
     "sync_process_kill",
 ]
@@ -1480,6 +1484,57 @@ SHARED_PREFIX_CHAT = {
     ],
     "max_tokens": 8,
 }
+
+
+def server_sigkill(
+    stack: LocalStack,
+    *,
+    kills: int = 5,
+    rate: float = 80.0,
+    warmup_s: float = 2.0,
+    down_s: float = 1.0,
+    settle_s: float = 1.5,
+) -> dict[str, Any]:
+    """SIGKILL ext_proc process 1 `kills` times under open-loop load at `rate`/s, restarting
+    it `down_s` later; the next kill comes `settle_s` after it is ready again (Envoy's health
+    check, every 0.5 s, has it back in rotation). A request is lost when it is not answered
+    200; each loss is put on the kill it started nearest to, with its start relative to the
+    kill (negative: sent before it). What the routing stream's retry triggers change: a stream
+    Envoy sent on its connection to the dead process before reading the close is reset."""
+    o = stack.options
+    if o.extproc_processes < 2:
+        raise ValueError("server_sigkill needs extproc_processes >= 2")
+    kill_at: list[float] = []
+    ready_s: list[float | None] = []
+    with OpenLoad(f"{stack.base_url}/v1/chat/completions", rate=rate, timeout_s=30) as load:
+        time.sleep(warmup_s)
+        for _ in range(kills):
+            kill_at.append(time.monotonic())
+            stack.kill("extproc-1", signal.SIGKILL)
+            time.sleep(down_s)
+            stack.restart("extproc-1")
+            ready_s.append(
+                _wait(lambda: _get_ok(f"http://{o.host}:{o.metrics_port + 1}/readyz"), 60)
+            )
+            time.sleep(settle_s)
+        report = load.stop()
+    per_kill: list[list[float]] = [[] for _ in kill_at]
+    for x in report.outcomes:
+        if x.status != 200:
+            k = min(range(len(kill_at)), key=lambda i: abs(x.started - kill_at[i]))
+            per_kill[k].append(round((x.started - kill_at[k]) * 1000.0, 1))
+    return {
+        **report.summary(),
+        "rate": rate,
+        "kills": kills,
+        "retry_on": o.extproc_retry_on or "(default)",
+        "lost_per_kill": [len(xs) for xs in per_kill],
+        # When each lost request was sent, in ms from its kill.
+        "lost_sent_ms_from_kill": per_kill,
+        "ready_after_restart_s": ready_s,
+    }
+
+
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
     "pod_hang": (
@@ -1548,6 +1603,23 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
         },
         lambda s: router_stop(s, sig=signal.SIGTERM, streams=20, max_tokens=2000),
     ),
+    # Issue 32: a server process SIGKILLed 5 times under 80 requests/s, with the routing
+    # stream's retry triggers (reset among them), and without reset (as before 2026-12-04).
+    **{
+        f"server_sigkill{suffix}": (
+            {
+                "extproc_processes": 2,
+                "kv_events": False,
+                "strategy": "least-request",
+                "extproc_retry_on": retry_on,
+            },
+            lambda s: server_sigkill(s, kills=5, rate=80.0),
+        )
+        for suffix, retry_on in (
+            ("", None),
+            ("_no_reset", "connect-failure,refused-stream,unavailable,cancelled"),
+        )
+    },
     "router_sigkill": (
         {
             "extproc_processes": 3,

@@ -192,6 +192,8 @@ class EnvoyOptions:
     # not yet opened it, while Envoy still counts it: panic mode, or before its next health
     # check) goes to another process: nothing of it reached the refused one. 0: none.
     extproc_retries: int = 2
+    # What a routing stream is retried on; None: `EXTPROC_RETRY_ON` (a bench compares others).
+    extproc_retry_on: str | None = None
     extproc_max_requests: int = 100_000
     upstream_max_requests: int = 100_000
     # gRPC health check of each ext_proc process (its readiness).
@@ -555,12 +557,18 @@ def _openai_error(error_type: str) -> dict[str, Any]:
 
 
 # What a routing stream is retried on: the connection refused (connect-failure), a stream
-# the server refused before reading it (refused-stream: HTTP/2 GOAWAY while it stops), or
-# ended with UNAVAILABLE or CANCELLED (gRPC's answer to a call that arrives as the server
-# stops: no handler ran; our handlers never end a stream with either). Never a reset: a
-# stream cut mid-decision may have taken a lease. The same triggers as deploy/'s
-# EnvoyExtensionPolicy `retry`.
-EXTPROC_RETRY_ON = "connect-failure,refused-stream,unavailable,cancelled"
+# the server refused before reading it (refused-stream: HTTP/2 GOAWAY while it stops), ended
+# with UNAVAILABLE or CANCELLED (gRPC's answer to a call that arrives as the server stops: no
+# handler ran; our handlers never end a stream with either), or reset (the process died with
+# the stream open: SIGKILL, OOM, a node gone; Envoy sends new streams on its connection until
+# it reads the close). Envoy retries a stream only while no answer of it has come back (its
+# router never retries once the response has started), replaying the messages sent so far
+# (ext_proc buffers them when a retry policy is set); so a retried stream's server wrote
+# nothing that reached Envoy. A claim it took dies with a dead process (its peers drop its
+# share after sync.expire_s); a live one closes a ticket it never delivered with the stream.
+# docs/reliability.md, "A routing stream reset by a process that died". The same triggers
+# as deploy/'s EnvoyExtensionPolicy `retry`.
+EXTPROC_RETRY_ON = "connect-failure,refused-stream,reset,unavailable,cancelled"
 EXTPROC_STATUS_ON_ERROR = 503
 
 
@@ -582,11 +590,11 @@ def retry_elsewhere(*, max_attempts: int) -> dict[str, Any]:
 
 def _extproc_service(opts: EnvoyOptions) -> dict[str, Any]:
     """The routing filter's gRPC service: retried on another process when the chosen one
-    refused the stream before reading anything (`EXTPROC_RETRY_ON`)."""
+    refused the stream before reading anything, or died with it open (`EXTPROC_RETRY_ON`)."""
     service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}
     if opts.extproc_retries > 0:
         service["retry_policy"] = {
-            "retry_on": EXTPROC_RETRY_ON,
+            "retry_on": opts.extproc_retry_on or EXTPROC_RETRY_ON,
             "num_retries": opts.extproc_retries,
             "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
             # Not the refused process again. LEAST_REQUEST prefers it (a process that has just

@@ -86,6 +86,7 @@ class StackOptions:
     metrics_port: int = 9090
     extproc_processes: int = 1  # > 1: separate ports behind Envoy's LEAST_REQUEST cluster
     extproc_retries: int = 2  # a refused routing stream tried on another process (0: never)
+    extproc_retry_on: str | None = None  # its triggers; None: envoy_config.EXTPROC_RETRY_ON
     # Replica state sync over an embedded NATS server: None = on when extproc_processes > 1.
     sync: bool | None = None
     nats_port: int = 4222
@@ -288,6 +289,7 @@ class LocalStack:
             response_accounting=o.response_accounting,
             failure_mode_allow=o.fail_open,
             extproc_retries=o.extproc_retries,
+            extproc_retry_on=o.extproc_retry_on,
             access_log_flush_interval_s=o.access_log_flush_s,
             baseline=o.baseline,
             access_log=o.access_log,

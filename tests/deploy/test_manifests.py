@@ -21,7 +21,7 @@ import yaml
 from extproc.config import load_config_text, parse_route_annotations
 from extproc.director.steps import EXPLAIN_HEADER
 from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S
-from extproc.stack.envoy_config import EnvoyOptions
+from extproc.stack.envoy_config import EXTPROC_RETRY_ON, EnvoyOptions
 from extproc.stack.envoy_gateway import EG_DEFAULTS, quantity_bytes
 from extproc.wire import (
     ACCESS_LOG_NAME,
@@ -551,6 +551,15 @@ def test_retries_trigger_as_the_local_stack() -> None:
     assert set(retry["retryOn"]["triggers"]) == set(local.retry_on.split(","))
     assert retry["retryOn"]["httpStatusCodes"] == list(local.retriable_status_codes)
     assert retry["numRetries"] == local.num_retries
+
+
+def test_routing_stream_retries_trigger_as_the_local_stack() -> None:
+    # A routing stream reset by a replica that died with it open is retried too (the local
+    # stack's e2e test: tests/reliability/test_extproc_retry_e2e.py).
+    (routing,) = find(render("envoy-gateway"), "EnvoyExtensionPolicy")["spec"]["extProc"]
+    triggers = routing["backendSettings"]["retry"]["retryOn"]["triggers"]
+    assert ",".join(triggers) == EXTPROC_RETRY_ON
+    assert "reset" in triggers
 
 
 def echoed_headers(route: Mapping[str, Any]) -> list[dict[str, str]]:

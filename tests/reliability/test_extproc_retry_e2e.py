@@ -1,4 +1,5 @@
-"""A routing stream refused by the process Envoy chose goes to another (issue 32 #4).
+"""A routing stream refused by the process Envoy chose, or reset because that process died
+with it open, goes to another (issue 32 #4).
 
 Envoy may send a new routing stream to a process whose port is closed: one that has just
 finished its drain while Envoy, seeing no healthy process (a peer restarted a moment ago and
@@ -10,6 +11,10 @@ The test makes the window wide on purpose: `shutdown_announce_s: 0` closes the p
 signal, before Envoy's next health check (every 0.5 s) can see NOT_SERVING, so Envoy keeps
 choosing the stopped process for up to half a second. With `extproc_retries=0` the same run
 loses a request at each stop (measured: docs/reliability.md).
+
+A process that dies (SIGKILL) with routing streams open resets them; Envoy keeps sending new
+ones on its connection until it reads the close (tens of milliseconds). Those streams are
+retried too (`reset`): Envoy retries only a stream none of whose answer has come back.
 """
 
 from __future__ import annotations
@@ -60,4 +65,33 @@ def test_a_process_that_closes_its_port_at_once_loses_no_request(tmp_path: Path)
             report = load.stop()
     summary = report.summary()
     assert summary["sent"] > 100, summary
+    assert summary["lost"] == 0, summary
+
+
+def test_streams_open_on_a_process_that_dies_are_retried_on_another(tmp_path: Path) -> None:
+    # The window a SIGKILL leaves (streams sent to a process that will never answer them) made
+    # wide: the process is stopped (SIGSTOP) for 0.8 s under 50 requests/s, so Envoy, whose
+    # health check waits 1 s for an answer, keeps sending it streams (LEAST_REQUEST between
+    # two: at least a quarter of them), then it is killed. Without `reset` among the routing
+    # stream's retry triggers every one of those is a fail-closed 503.
+    opts = stack_options(
+        tmp_path, sims=2, kv_events=False, strategy="least-request", extproc_processes=2
+    )
+    with running(opts) as s, OpenLoad(f"{s.base_url}/v1/chat/completions", rate=50) as load:
+        time.sleep(1.5)
+        s.signal("extproc-1", signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        time.sleep(0.8)
+        killed_at = time.monotonic()
+        s.kill("extproc-1", signal.SIGKILL)
+        time.sleep(1.0)
+        report = load.stop()
+    # Sent while it was stopped and answered only after the kill: held by the stopped process.
+    held = [
+        x
+        for x in report.outcomes
+        if stopped_at <= x.started < killed_at - 0.2 and x.ended >= killed_at
+    ]
+    summary = report.summary()
+    assert len(held) >= 3, (len(held), summary)  # the fault met requests
     assert summary["lost"] == 0, summary

@@ -171,5 +171,7 @@ def test_a_request_caught_mid_decision_fails_closed_or_goes_on_open(
     if fail_open:
         assert resp.status_code == 200  # no routing answer: Envoy's fallback picked a pod
     else:
-        # The fail-closed answer (status_on_error); a reset is not retried.
+        # The fail-closed answer (status_on_error): the reset stream is retried, but on the
+        # only process, which is dead (with two, another would serve it: the streams a dead
+        # process held are retried, test_extproc_retry_e2e.py).
         assert resp.status_code == 503
