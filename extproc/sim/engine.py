@@ -87,6 +87,7 @@ class SimRequest:
     rng: random.Random
     external_prefill: bool = False  # P/D decode: the prompt's KV arrives from a prefill pod
     pooling: bool = False  # an embedding: done when its prompt is computed, no token sampled
+    script: Sequence[int] = ()  # the first output tokens, given (the twin's replayed answers)
     priority: int = 0  # the body's `priority` (used under the `priority` policy: lower first)
     num_preemptions: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -219,6 +220,7 @@ class Engine:
         received_wall: float | None = None,
         priority: int = 0,
         pooling: bool = False,
+        script: Sequence[int] = (),
     ) -> SimRequest:
         """Build a request with a deterministic output (same prompt -> same tokens); a
         `pooling` one (an embedding) only prefills its prompt."""
@@ -247,6 +249,7 @@ class Engine:
             external_prefill=external_prefill,
             priority=priority,
             pooling=pooling,
+            script=script,
         )
 
     async def submit(self, req: SimRequest) -> None:
@@ -492,7 +495,11 @@ class Engine:
                     self._on_token(req, None)
                 done.append((req, "stop"))
                 continue
-            tok = req.output_vocab[req.rng.randrange(len(req.output_vocab))]
+            n = len(req.output_ids)
+            if n < len(req.script):
+                tok = req.script[n]
+            else:
+                tok = req.output_vocab[req.rng.randrange(len(req.output_vocab))]
             req.output_ids.append(tok)
             self.stats.generation_tokens += 1
             gap = None if req.last_token_wall is None else now - req.last_token_wall
@@ -521,8 +528,9 @@ class Engine:
             if req.finish_reason is not None:
                 continue
             vocab, draw = req.output_vocab, req.rng.randrange
-            size = len(vocab)
-            tokens = [vocab[draw(size)] for _ in range(steps)]
+            size, n = len(vocab), len(req.output_ids)
+            given = list(req.script[n : n + steps])
+            tokens = given + [vocab[draw(size)] for _ in range(steps - len(given))]
             req.output_ids.extend(tokens)
             req.num_computed += steps  # every token but the newest, as after `_apply`
             self._commit_full_blocks(req)

@@ -130,7 +130,7 @@ def fit_pods(
     """`setup`'s pods fitted to the capture's timed requests (see the module docstring); with
     `window_s`, to the first `window_s` seconds of the capture only (each round replays them
     three times)."""
-    prompts = prompts or PromptIds()
+    prompts = prompts or PromptIds(requests)
     if window_s is not None:
         requests = [r for r in requests if r.at_s <= window_s]
     pods = {p.address: p for p in setup.pods}

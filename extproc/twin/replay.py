@@ -16,8 +16,10 @@ What stands in for the rest of the world:
   upstream (no retries: a replayed pod does not fail) and the access-log record handed to the
   director `ACCESS_LOG_DELAY_S` after the last token.
 
-Requests arrive at their captured times (open loop). A request the gateway answers itself
-(a 429 from flow control, a 503) is counted with its status.
+A request arrives at its captured time, except a conversation's next turn
+(`TwinRequest.parent`): it is sent when the answer it resends has ended in the twin, after the
+time its client took in the capture (a slower rule delays it, as it would a user). A request
+the gateway answers itself (a 429 from flow control, a 503) is counted with its status.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class Served:
     cached_tokens: int
     output_tokens: int
     queued_s: float  # arrival to the routing decision (flow control's wait)
+    sent_s: float = -1.0  # when it arrived (virtual seconds; -1: never sent)
 
 
 class _World:
@@ -230,7 +233,7 @@ class _World:
             self.scrape()
             await asyncio.sleep(interval)
 
-    async def one(self, req: TwinRequest, prompt: list[int]) -> Served:
+    async def one(self, req: TwinRequest, prompt: list[int], output: list[int]) -> Served:
         loop = self.loop
         arrived = loop.time()
         model = req.model if req.model in self.models else self.setup.default_model
@@ -267,7 +270,7 @@ class _World:
             if isinstance(answer, ImmediateReply):
                 return Served(
                     req.index, None, answer.status, None, None, None, req.input_length, 0, 0,
-                    loop.time() - arrived,
+                    loop.time() - arrived, arrived,
                 )  # fmt: skip
             result = answer
             pod = answer.destinations[0]
@@ -275,8 +278,9 @@ class _World:
         engine = self.engines.get(pod)
         if engine is None:
             return Served(
-                req.index, None, 502, None, None, None, req.input_length, 0, 0, decided - arrived
-            )
+                req.index, None, 502, None, None, None, req.input_length, 0, 0,
+                decided - arrived, arrived,
+            )  # fmt: skip
         sim = engine.new_request(
             prompt,
             output_vocab=_OUTPUT_VOCAB,
@@ -284,6 +288,7 @@ class _World:
             ignore_eos=True,
             request_id=f"twin-{req.index}",
             priority=req.priority if engine.policy.value == "priority" else 0,
+            script=output,
         )
         done: asyncio.Future[RequestStats] = loop.create_future()
         self._done[sim.request_id] = done
@@ -330,7 +335,7 @@ class _World:
             loop.call_later(ACCESS_LOG_DELAY_S, account)
         return Served(
             req.index, pod, 200, ttft, tpot, latency, stats.prompt_tokens, stats.cached_tokens,
-            out_tokens, decided - arrived,
+            out_tokens, decided - arrived, arrived,
         )  # fmt: skip
 
     async def stop(self) -> None:
@@ -357,23 +362,36 @@ async def _run(
     if flow is not None:  # its dispatch loop, as the app starts it
         await flow.start()
     rng = random.Random(seed)
-    tasks: list[asyncio.Task[Served]] = []
+    by_index = {r.index: r for r in requests}
+    tasks: dict[int, asyncio.Task[Served]] = {}
+
+    async def launch(req: TwinRequest, at: float) -> Served:
+        parent = by_index.get(req.parent) if req.parent is not None else None
+        if parent is not None and parent.latency_s is not None and parent.index in tasks:
+            # A next turn is sent when the answer it resends has come, after the time its
+            # client took in the capture: a slower rule delays it, as it would a user.
+            await asyncio.shield(tasks[parent.index])
+            think = max(0.0, req.at_s - (parent.at_s + parent.latency_s))
+            await asyncio.sleep(think + (at - req.at_s))
+        else:
+            await asyncio.sleep(max(0.0, at - loop.time()))
+        return await world.one(req, prompts(req), prompts.answer(req))
+
     try:
         for req in requests:
             at = req.at_s + (rng.random() * jitter_s if jitter_s else 0.0)
-            delay = at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(loop.create_task(world.one(req, prompts(req))))
+            tasks[req.index] = loop.create_task(launch(req, at))
         if tasks:
             # Virtual time runs on as long as a timer is set (the scrapes): a request that
             # never ends would never end the replay. Past the bound it counts as 504.
-            await asyncio.wait(tasks, timeout=drain_s)
+            last = max(r.at_s for r in requests)
+            await asyncio.wait(tasks.values(), timeout=last + drain_s)
         for engine in world.engines.values():
             if (error := engine.error()) is not None:  # a bug: say so, do not hide it as 504s
                 raise RuntimeError("a simulated engine's step loop failed") from error
         served = []
-        for req, task in zip(requests, tasks, strict=True):
+        for req in requests:
+            task = tasks[req.index]
             if task.done():
                 served.append(task.result())  # a failure of the twin's own raises here
             else:
@@ -384,7 +402,7 @@ async def _run(
         return served
     finally:
         poller.cancel()
-        for task in tasks:
+        for task in tasks.values():
             task.cancel()
         if flow is not None:
             await flow.stop()
@@ -414,7 +432,7 @@ def replay(
         _run(
             setup,
             requests,
-            prompts or PromptIds(),
+            prompts or PromptIds(requests),
             config,
             seed=seed,
             pinned=pinned,

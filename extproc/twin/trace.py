@@ -21,8 +21,10 @@ share nothing there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ __all__ = [
     "WINDOW_TOKENS",
     "CaptureError",
     "TwinRequest",
+    "link_continuations",
     "load_pod_facts",
     "load_requests",
     "parse_requests",
@@ -45,6 +48,8 @@ WINDOW_TOKENS = 512
 # ordinary vocabulary.
 _TOKEN_LOW, _TOKEN_HIGH = 1000, 100_000
 _REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
+# Prompts kept built (a continuation's parent is usually a recent request).
+_RECENT = 512
 
 
 class CaptureError(ValueError):
@@ -75,6 +80,10 @@ class TwinRequest:
     tpot_s: float | None = None
     latency_s: float | None = None
     cached_tokens: int | None = None
+    # The earlier request this one continues (`link_continuations`): its prompt, then its
+    # answer, are this prompt's first `continues` tokens.
+    parent: int | None = None
+    continues: int = 0
 
     @property
     def measured(self) -> bool:
@@ -185,6 +194,51 @@ def parse_requests(lines: Iterable[str], *, source: str = "<capture>") -> list[T
                 else None,
             )
         )
+    return link_continuations(out)
+
+
+def _chain(ids: Sequence[int]) -> list[int]:
+    """Keys of every leading run of window ids (a 64-bit hash: collisions negligible)."""
+    out, key = [], 0
+    for h in ids:
+        key = hash((key, h))
+        out.append(key)
+    return out
+
+
+def link_continuations(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
+    """Mark each request that continues an earlier one (a conversation's next turn): its
+    windows start with every whole window of the earlier prompt, which it is at least as
+    long as, and either both name the same session, or the engine found more of it cached
+    than those whole windows hold (the earlier prompt's tail and its answer: what a next turn
+    resends). The latest such earlier request with the most whole windows is the parent; the
+    replay then builds this prompt as the parent's prompt, the parent's answer, then its own
+    windows (`PromptIds`), so the engines see the reuse a conversation really has. Without
+    such evidence (a plain trace, another session) a request shares its whole windows only."""
+    by_key: dict[tuple[int, int], int] = {}  # (unit, key of its whole windows) -> latest
+    out: list[TwinRequest] = []
+    for r in requests:
+        keys = _chain(r.hash_ids)
+        whole = r.input_length // r.unit
+        parent = None
+        for k in range(min(whole, len(keys)), 0, -1):
+            found = by_key.get((r.unit, keys[k - 1]))
+            if found is None:
+                continue
+            a = out[found]
+            if a.input_length // a.unit != k or a.input_length > r.input_length:
+                continue
+            same_session = a.session is not None and a.session == r.session
+            cached_beyond = r.cached_tokens is not None and r.cached_tokens > (k + 1) * r.unit
+            if same_session or cached_beyond:
+                parent = a
+            break
+        if parent is not None:
+            continues = min(parent.input_length + parent.output_length, r.input_length)
+            r = dataclasses.replace(r, parent=parent.index, continues=continues)
+        if whole:
+            by_key[r.unit, keys[whole - 1]] = r.index
+        out.append(r)
     return out
 
 
@@ -221,24 +275,48 @@ def _window(unit: int, hash_id: int) -> list[int]:
 
 
 class PromptIds:
-    """Token ids of the requests' prompts, one window's ids computed once per id."""
+    """Token ids of the requests' prompts and answers: one window's ids computed once per id;
+    a continuation's prompt is its parent's prompt and answer, then its own windows."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: Sequence[TwinRequest] = ()) -> None:
         self._windows: dict[tuple[int, int], list[int]] = {}
+        self._requests = {r.index: r for r in requests}
+        self._recent: OrderedDict[int, list[int]] = OrderedDict()  # prompts parents may need
+
+    def _own(self, req: TwinRequest, start: int) -> list[int]:
+        out: list[int] = []
+        unit = req.unit
+        for w in range(start // unit, len(req.hash_ids)):
+            window = self._windows.get((unit, req.hash_ids[w]))
+            if window is None:
+                window = self._windows[unit, req.hash_ids[w]] = _window(unit, req.hash_ids[w])
+            lo = max(start - w * unit, 0)
+            hi = min(req.input_length - w * unit, unit)
+            out.extend(window[lo:hi])
+        return out
+
+    def answer(self, req: TwinRequest) -> list[int]:
+        """The tokens the engine answers `req` with (what a continuation resends)."""
+        rng = np.random.default_rng((req.unit, 1, req.index))
+        return [int(t) for t in rng.integers(_TOKEN_LOW, _TOKEN_HIGH, size=req.output_length)]
 
     def __call__(self, req: TwinRequest) -> list[int]:
-        out: list[int] = []
-        left, unit = req.input_length, req.unit
-        for h in req.hash_ids:
-            window = self._windows.get((unit, h))
-            if window is None:
-                window = self._windows[unit, h] = _window(unit, h)
-            out.extend(window[: min(left, unit)])
-            left -= unit
+        found = self._recent.get(req.index)
+        if found is not None:
+            return found
+        parent = self._requests.get(req.parent) if req.parent is not None else None
+        if parent is None:
+            out = self._own(req, 0)
+        else:
+            head = self(parent) + self.answer(parent)
+            out = head[: req.continues] + self._own(req, req.continues)
+        self._recent[req.index] = out
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
         return out
 
 
 def prompt_ids(requests: Sequence[TwinRequest]) -> list[list[int]]:
     """Every request's prompt token ids (shared windows built once)."""
-    ids = PromptIds()
+    ids = PromptIds(requests)
     return [ids(r) for r in requests]

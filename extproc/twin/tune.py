@@ -172,13 +172,15 @@ def captured_stats(requests: Sequence[TwinRequest], duration_s: float) -> Stats 
 def reuse_ceiling(requests: Sequence[TwinRequest]) -> float:
     """The share of prompt tokens an infinite cache shared by every pod would serve: each
     prompt's longest run of leading windows an earlier prompt had (at the capture's
-    granularity, as the twin sees it)."""
+    granularity, as the twin sees it), or, for a continuation, the earlier prompt and answer
+    it resends."""
     seen: set[int] = set()
     total = hit = 0
     for r in requests:
         total += r.input_length
         left = r.input_length
         matching = True
+        before = hit
         key = hash(r.unit)
         for h in r.hash_ids:
             key = hash((key, h))  # the prefix so far (a 64-bit hash: collisions negligible)
@@ -189,6 +191,8 @@ def reuse_ceiling(requests: Sequence[TwinRequest]) -> float:
                 matching = False
                 seen.add(key)
             left -= r.unit
+        if r.parent is not None:  # the earlier prompt and its answer: seen, so cacheable
+            hit += max(0, r.continues - (hit - before))
     return hit / total if total else 0.0
 
 
@@ -407,7 +411,7 @@ def tune(
             "the capture names no pod (a plain Mooncake trace): say how many with --pods N"
         )
     setup = TwinSetup(pods=pods, base_config=dict(base_config or {}), default_model=default_model)
-    prompts = PromptIds()
+    prompts = PromptIds(requests)
     fit = fit_pods(requests, setup, window_s=fit_window_s, prompts=prompts)
     setup = TwinSetup(pods=fit.pods, base_config=setup.base_config, default_model=default_model)
     last = requests[-1]

@@ -4,8 +4,12 @@ time; the same seed gives the same answers, and the rule changes where requests 
 from __future__ import annotations
 
 import dataclasses
+import json
+
+import pytest
 
 from extproc.twin.replay import PodProfile, TwinSetup, replay
+from extproc.twin.trace import parse_requests
 from tests.twin._traffic import sessions_traffic
 
 PODS = tuple(PodProfile(address=f"10.0.0.{k}:8000", model="m") for k in range(1, 4))
@@ -77,3 +81,21 @@ def test_flow_control_queues_a_burst_and_lets_every_request_go() -> None:
     served = replay(dataclasses.replace(SETUP, pods=small), burst, strategy="kv-aware")
     assert [s.status for s in served] == [200] * 80
     assert sum(s.queued_s > 0.05 for s in served) >= 10  # they waited for room, then went
+
+
+def test_a_next_turn_is_sent_when_its_last_answer_has_come_plus_the_think_time() -> None:
+    first, second = parse_requests(
+        [
+            json.dumps({"timestamp": 0, "input_length": 600, "output_length": 300,
+                        "hash_ids": [1, 2], "session": "s", "latency_ms": 300.0}),
+            # Captured 0.5 s after the first began: 0.2 s after its captured end.
+            json.dumps({"timestamp": 500, "input_length": 1100, "output_length": 5,
+                        "hash_ids": [1, 3, 4], "session": "s"}),
+        ]
+    )  # fmt: skip
+    assert second.parent == first.index
+    one, two = replay(SETUP, [first, second], strategy="kv-aware")
+    # 300 tokens take the twin ~2.3 s: the next turn waits for them, then 0.2 s more.
+    assert one.latency_s is not None and one.latency_s > 1.0
+    assert two.sent_s == pytest.approx(one.sent_s + one.latency_s + 0.2, abs=0.01)
+    assert two.cached_tokens >= 896  # the first prompt and its answer, resent, were cached

@@ -97,3 +97,45 @@ def test_the_pods_cache_config_on_the_first_line_sizes_their_engines(tmp_path: P
     plain = tmp_path / "plain.jsonl"
     plain.write_text(_line() + "\n")
     assert load_pod_facts(plain) == {}
+
+
+def test_a_next_turn_continues_its_last_turn_prompt_and_answer() -> None:
+    """Turn 2 starts with every whole window of turn 1 and names the same session: it is
+    replayed as turn 1's prompt, turn 1's answer, then its own windows."""
+    one, two, other = parse_requests(
+        [
+            _line(timestamp=0, input_length=600, output_length=50, hash_ids=[1, 2],
+                  session="s1"),
+            _line(timestamp=9, input_length=900, output_length=5, hash_ids=[1, 3], session="s1"),
+            # Same first window, another session, the engine found only that window cached.
+            _line(timestamp=20, input_length=900, output_length=5, hash_ids=[1, 4],
+                  session="s2", cached_tokens=512),
+        ]
+    )  # fmt: skip
+    assert (two.parent, two.continues) == (one.index, 650)
+    assert other.parent is None and one.parent is None
+    ids = PromptIds([one, two, other])
+    p1, p2 = ids(one), ids(two)
+    assert p2[:600] == p1 and p2[600:650] == ids.answer(one)  # the resent turn and answer
+    assert len(p2) == 900 and ids(other)[:512] == p1[:512]
+
+
+def test_without_a_session_the_engines_cached_count_is_the_evidence() -> None:
+    def fine(*ids: int) -> dict[str, object]:
+        return {"fine_ids": list(ids), "fine_tokens": 64}
+
+    head = list(range(10))  # 10 whole 64-token windows of the first prompt (700 tokens)
+    first, cont, shared = parse_requests(
+        [
+            _line(timestamp=0, input_length=700, output_length=80, **fine(*head, 50)),
+            # Past the whole windows (640) by more than one window: its tail and its answer.
+            _line(timestamp=1, input_length=1100, output_length=5, hash_ids=[0, 1, 2],
+                  cached_tokens=770, **fine(*head, *range(60, 68))),
+            # Only a part of the next window: a shared prefix ending mid-window, no more.
+            _line(timestamp=2, input_length=1100, output_length=5, hash_ids=[0, 3, 4],
+                  cached_tokens=690, **fine(*head, *range(70, 78))),
+        ]
+    )  # fmt: skip
+    assert first.unit == 64
+    assert cont.parent == first.index and cont.continues == 780
+    assert shared.parent is None
