@@ -83,6 +83,12 @@ class EngineMetrics:
     generation_tokens_total: float | None = None
     ttft_avg_s: float | None = None  # mean time to first token over the engine's life
     itl_avg_s: float | None = None  # mean inter-token latency
+    itl_count: float | None = None  # inter-token gaps behind `itl_avg_s` (the histogram's count)
+    # Mean inter-token latency of the last second or two, and of the last minute or so: set by
+    # the EndpointStore from consecutive scrapes (`itl_avg_s`, `itl_count`); None from a
+    # scrape alone, and the recent one after a while without new gaps.
+    itl_recent_s: float | None = None
+    itl_baseline_s: float | None = None
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int | None = None

@@ -155,16 +155,18 @@ def _mean(samples: list[Sample] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _histogram_mean(
+def _histogram(
     by_name: Mapping[str, list[Sample]], bases: Sequence[str], model: str | None, label: str
-) -> float | None:
+) -> tuple[float | None, float | None]:
+    """(mean, count) of the first histogram of `bases` the scrape has; the mean is None
+    without observations."""
     for base in bases:
         total = _sum(_select(by_name, (f"{base}_sum",), model, label))
         count = _sum(_select(by_name, (f"{base}_count",), model, label))
         if total is None or count is None:
             continue
-        return total / count if count > 0 else None
-    return None
+        return (total / count if count > 0 else None), count
+    return None, None
 
 
 def _int_label(samples: list[Sample] | None, key: str) -> int | None:
@@ -220,6 +222,7 @@ def extract(
     if num_gpu_blocks is None:
         num_gpu_blocks = _int_gauge(_select(by_name, names.num_gpu_blocks, model, label))
 
+    itl_avg_s, itl_count = _histogram(by_name, names.itl_histogram, model, label)
     return EngineMetrics(
         updated_at=now,
         running=_sum(_select(by_name, names.running, model, label)),
@@ -229,8 +232,9 @@ def extract(
         prefix_cache_queries=_sum(_select(by_name, names.prefix_cache_queries, model, label)),
         prompt_tokens_total=_sum(_select(by_name, names.prompt_tokens, model, label)),
         generation_tokens_total=_sum(_select(by_name, names.generation_tokens, model, label)),
-        ttft_avg_s=_histogram_mean(by_name, names.ttft_histogram, model, label),
-        itl_avg_s=_histogram_mean(by_name, names.itl_histogram, model, label),
+        ttft_avg_s=_histogram(by_name, names.ttft_histogram, model, label)[0],
+        itl_avg_s=itl_avg_s,
+        itl_count=itl_count,
         running_lora_adapters=running_lora,
         waiting_lora_adapters=waiting_lora,
         max_lora=max_lora,

@@ -44,7 +44,10 @@ IntArray: TypeAlias = npt.NDArray[np.intp]
 ObjectArray: TypeAlias = npt.NDArray[np.object_]
 
 # The `EngineMetrics` fields kept as columns (the ones routing ranks by), NaN where None.
-ENGINE_FIELDS = ("waiting", "running", "kv_cache_usage", "ttft_avg_s", "itl_avg_s")
+ENGINE_FIELDS = (
+    "waiting", "running", "kv_cache_usage", "ttft_avg_s", "itl_avg_s", "itl_recent_s",
+    "itl_baseline_s",
+)  # fmt: skip
 _FIELD_ROW = {name: row for row, name in enumerate(ENGINE_FIELDS)}
 # A LoRA adapter set as routing reads it: running adapters, waiting adapters, max_lora.
 LoraKey: TypeAlias = tuple[tuple[str, ...], tuple[str, ...], int | None]
@@ -67,6 +70,59 @@ class EndpointState:
 
 
 _Progress = tuple[float | None, ...]
+
+# An engine's step time as its inter-token latency (ITL), from consecutive scrapes of its
+# lifetime histogram: the mean of the gaps since the scrape before, blended into two running
+# means. `itl_recent_s`, with this time constant, shows a pod that turns slow within a second
+# or two (one noisy scrape moves it part way) ...
+ITL_RECENT_TAU_S = 1.0
+# ... and is forgotten this long after the engine last reported a new gap: nothing says any
+# more that the pod is slow, so a pod avoided for being slow is tried again after a while.
+ITL_RECENT_FOR_S = 30.0
+# `itl_baseline_s`, with this one, is what the pod's steps usually take: what a recent value
+# is compared with (the engine's lifetime mean would be that too, but after hours it no longer
+# moves, and early on a few seconds of a fault already move it).
+ITL_BASELINE_TAU_S = 60.0
+
+
+@dataclass(slots=True)
+class _Itl:
+    """What the scrapes of an endpoint said about its inter-token gaps."""
+
+    total_s: float  # the engine's lifetime sum of gaps, at the last scrape
+    count: float  # and their number
+    recent_s: float | None  # the running means, as last set (None: no gap seen yet)
+    baseline_s: float | None
+    moved_at: float  # the scrape that last brought new gaps
+
+
+def _blend(old: float | None, value: float, dt: float, tau: float) -> float:
+    """`value` blended into `old` by the time `old` has stood (`dt`) over `tau`."""
+    return value if old is None else old + (1.0 - math.exp(-max(0.0, dt) / tau)) * (value - old)
+
+
+def _next_itl(old: _Itl | None, metrics: EngineMetrics) -> _Itl | None:
+    """The endpoint's ITL figures after the scrape `metrics` (None: its engine exports no gap
+    count)."""
+    count, now = metrics.itl_count, metrics.updated_at
+    if count is None:
+        return None
+    total = (metrics.itl_avg_s or 0.0) * count
+    if old is None or count < old.count:  # first scrape, or the engine restarted
+        return _Itl(total, count, None, None, now)
+    if count == old.count:  # no new gaps: the means stand, the recent one for a while
+        expired = now - old.moved_at > ITL_RECENT_FOR_S
+        recent = None if expired else old.recent_s
+        return _Itl(total, count, recent, old.baseline_s, old.moved_at)
+    gap = max(0.0, (total - old.total_s) / (count - old.count))
+    dt = now - old.moved_at
+    return _Itl(
+        total,
+        count,
+        _blend(old.recent_s, gap, dt, ITL_RECENT_TAU_S),
+        _blend(old.baseline_s, gap, dt, ITL_BASELINE_TAU_S),
+        now,
+    )
 
 
 def _progress_of(metrics: EngineMetrics) -> _Progress | None:
@@ -421,6 +477,7 @@ class EndpointStore:
         # Per address: what its engine reported that moves only with work done, and when a
         # scrape last saw it move (`progressed_at`).
         self._progress: dict[str, tuple[_Progress, float]] = {}
+        self._itl: dict[Endpoint, _Itl] = {}  # per endpoint: its inter-token latency means
 
     @property
     def stale_after(self) -> float:
@@ -462,6 +519,7 @@ class EndpointStore:
         }
         addresses = {ep.address for ep in new_states}
         self._progress = {a: p for a, p in self._progress.items() if a in addresses}
+        self._itl = {ep: i for ep, i in self._itl.items() if ep in new_states}
         self._slots = {}
         for table in tables.values():
             for i, ep in enumerate(table.endpoints):
@@ -505,6 +563,13 @@ class EndpointStore:
         old = self._states[state.endpoint]
         if state.metrics is not None and state.metrics is not old.metrics:
             self._note_progress_of(state.endpoint.address, state.metrics)
+            itl = _next_itl(self._itl.get(state.endpoint), state.metrics)
+            if itl is not None:
+                self._itl[state.endpoint] = itl
+                metrics = replace(
+                    state.metrics, itl_recent_s=itl.recent_s, itl_baseline_s=itl.baseline_s
+                )
+                state = replace(state, metrics=metrics)
         self._states[state.endpoint] = state
         entry = self._routable_entry(state)
         key = _lora_key(state.metrics)

@@ -57,6 +57,7 @@ __all__ = [
     "VtcParams",
     "VtcStrategy",
     "load_tokens",
+    "slowness",
 ]
 
 
@@ -262,10 +263,15 @@ class KvAwareParams:
     overlap_weight: float = 1.0  # DYN_KV_OVERLAP_SCORE_WEIGHT
     temperature: float = 0.0  # DYN_ROUTER_TEMPERATURE; 0 = argmin
     load_share: str = LoadShare.MEASURED.value  # a LoadShare value: measured | whole
+    # A pod whose engine's steps (its recent inter-token latency) take at least this many
+    # times the fastest candidate's has its cost weighed by the ratio (see the class); 0 = off.
+    slow_after: float = 2.0
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
+        if self.slow_after != 0 and not self.slow_after >= 1:
+            raise ValueError("slow_after must be 0 (off) or >= 1")
         if self.load_share not in tuple(LoadShare):
             raise ValueError(f"load_share must be one of {', '.join(LoadShare)}")
         object.__setattr__(self, "load_share", LoadShare(self.load_share))
@@ -280,13 +286,39 @@ def load_tokens(in_flight_tokens: FloatArray, prefill_tokens: FloatArray) -> Flo
     return out
 
 
+def slowness(recent: FloatArray, baseline: FloatArray, slow_after: float) -> FloatArray:
+    """How many times longer each pod's engine steps take now than the fastest candidate's,
+    where that is at least `slow_after`, else 1 (also where unknown, or with `slow_after` 0).
+
+    A pod's step time now is its engine's recent inter-token latency (`itl_recent_s`); the
+    fastest is the least recent or baseline (`itl_baseline_s`, the last minute or so) value
+    of any candidate, so a pod that turned slow is compared with what it and its peers did
+    before, even when they have been idle since. A pod without recent gaps counts as fast: a
+    slow pod left alone is tried again once its recent value is forgotten."""
+    ones = np.ones(len(recent))
+    if slow_after <= 0:
+        return ones
+    fastest = np.fmin(recent, baseline)  # NaN only where both are
+    fastest = fastest[fastest > 0]  # NaN > 0 is False
+    if not len(fastest):
+        return ones
+    ratio = recent / fastest.min()
+    slow = ratio >= slow_after  # NaN >= x is False
+    if not slow.any():
+        return ones
+    out: FloatArray = np.where(slow, ratio, ones)
+    return out
+
+
 class KvAwareStrategy(StrategyPlugin):
     """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks, lowest wins.
 
     prefill_blocks = uncached prompt tokens / block_size; decode_blocks = the pod's active blocks
     (in-flight tokens / block_size; with `load_share: measured` those still before their first
     token whole and the decoding rest at DECODING_WEIGHT, see `load_tokens`) + this request's
-    new blocks. With temperature T > 0 the order
+    new blocks. A pod whose engine steps take s >= `slow_after` (2) times the fastest
+    candidate's (`slowness`) costs s * (cost + request blocks) - request blocks: its blocks,
+    and the request's own, take s times as long there. With temperature T > 0 the order
     is sampled from softmax(-(cost - min) / ((max - min) * T)); at T = 0 ties go to the pod with
     the smaller cache (cached_blocks), then random.
     """
@@ -320,6 +352,20 @@ class KvAwareStrategy(StrategyPlugin):
         w = prm.overlap_weight
         costs = (prefill_blocks if w == 1.0 else w * prefill_blocks) + decode_blocks
         values: tuple[FloatArray, ...] = (overlap, prefill_blocks, decode_blocks, costs)
+        slow_note = ""
+        if prm.slow_after > 0:
+            slow = slowness(cols.engine_itl_recent, cols.engine_itl_baseline, prm.slow_after)
+            at = (slow != 1.0).nonzero()[0]
+            if len(at):
+                # The request's own blocks, which every pod reads at each of its steps, drop out
+                # of a comparison between equal pods; on a pod whose steps take s times as
+                # long they cost s times as much too: s * (cost + blocks) - blocks.
+                costs = costs + (slow - 1.0) * (costs + total_blocks)
+                slow_note = "; slower steps: " + ", ".join(
+                    f"x{slow[i]:.1f} on {cols.address(i)}" for i in at.tolist()
+                )
+            names, digits = (*names[:-1], "slowness", "cost"), (*digits[:-1], 2, 3)
+            values = (overlap, prefill_blocks, decode_blocks, slow, costs)
         if prm.load_share == LoadShare.MEASURED:  # explain shows -1 for "not measured"
             names, digits = (*names, "prefill_tokens"), (*digits, None)
             values = (*values, np.fmax(young, -1.0))  # NaN (not measured): -1
@@ -345,17 +391,20 @@ class KvAwareStrategy(StrategyPlugin):
             reason += "; no cached prefix on any pod: cost is load only"
         if unmeasured:
             reason += f"; {unmeasured} of {cols.n} pods without a measured TTFT: whole load"
+        reason += slow_note
         return self.decision(t0, cols.endpoints_at(ranked), reason, scores)
 
 
 @dataclass(frozen=True, slots=True)
 class KvAwareDynamoParams(KvAwareParams):
     load_share: str = LoadShare.WHOLE.value
+    slow_after: float = 0.0  # Dynamo's cost reads no engine speed
 
 
 class KvAwareDynamoStrategy(KvAwareStrategy):
-    """kv-aware with Dynamo's load term as published: every in-flight block counts for as long
-    as its request is in flight (`load_share: whole`); kept to measure the default against."""
+    """kv-aware with Dynamo's cost as published: every in-flight block counts for as long as
+    its request is in flight (`load_share: whole`), whatever the pod's speed (`slow_after: 0`);
+    kept to measure the default against."""
 
     type_name = "kv-aware-dynamo"
     Params: ClassVar[type] = KvAwareDynamoParams

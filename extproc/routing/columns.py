@@ -192,6 +192,14 @@ class PodColumns:
         return self._metric("itl_avg_s")
 
     @column
+    def engine_itl_recent(self) -> FloatArray:
+        return self._metric("itl_recent_s")
+
+    @column
+    def engine_itl_baseline(self) -> FloatArray:
+        return self._metric("itl_baseline_s")
+
+    @column
     def _stats(self) -> list[PodStats]:
         return list(map(attrgetter("stats"), self.pods))
 

@@ -344,7 +344,11 @@ class PredictedLatencyStrategy(StrategyPlugin):
         self._predictor: LatencyPredictor = predictor or ColdPredictor()
         self._cost = KvAwareStrategy(
             "kv-aware",
-            KvAwareParams(overlap_weight=self.params.overlap_weight, load_share=LoadShare.WHOLE),
+            KvAwareParams(
+                overlap_weight=self.params.overlap_weight,
+                load_share=LoadShare.WHOLE,
+                slow_after=0.0,  # the cold-start rule is Dynamo's cost as published
+            ),
         )
         t = self.params.temperature
         self._rule = f"softmax T={t:g}" if t > 0 else "argmin"

@@ -17,7 +17,9 @@ decision path, and publishes one combined message per tick (~10 ms):
   (the newest `MAX_PENDING_SAMPLES`, `MAX_SAMPLES_PER_MESSAGE` per tick);
 - the engine metrics of the pods this replica owns: each pod is scraped by one live replica,
   chosen by rendezvous hashing over the membership the heartbeats give (`owns`), which
-  publishes what it parsed; a replica whose copy gets old scrapes the pod itself.
+  publishes what it parsed (and, beside the rows, each scrape's inter-token gap count, from
+  which every replica's store works out the pod's recent step time); a replica whose copy gets
+  old scrapes the pod itself.
 - lease releases: a request's access-log record reached this replica but its lease is held by
   another (the record names it); the holder ends it when it hears. Kept until a publish
   succeeds, like fairness charges, and sent again (releases are idempotent) whenever they may
@@ -208,6 +210,9 @@ class StateSync:
         self._pending_blocks = 0
         self._charges: dict[str, float] = {}
         self._scrapes: dict[tuple[str, str], list[Any]] = {}
+        # Each scrape's inter-token gap count, sent beside the rows (key "n", one per row of
+        # "m"): a replica that predates it reads the rows as before and ignores the key.
+        self._itl_counts: dict[tuple[str, str], float | None] = {}
         self._samples: deque[list[Any]] = deque()  # latency samples not yet sent
         # Lease releases, (replica, lease number): not yet sent (in order, each once), and
         # sent (when first sent, oldest first), to send again when they may have been lost.
@@ -246,6 +251,7 @@ class StateSync:
         row.append(list(metrics.running_lora_adapters))
         row.append(list(metrics.waiting_lora_adapters))
         self._scrapes[(model, address)] = row
+        self._itl_counts[(model, address)] = metrics.itl_count
 
     def note_latency(
         self, model: str, pod: str, tag: str, ttft_s: float | None, tpot_s: float | None
@@ -357,6 +363,7 @@ class StateSync:
                 message["x"] = [list(key) for key in releases]
             if self._scrapes:
                 message["m"] = list(self._scrapes.values())
+                message["n"] = [self._itl_counts.get(key) for key in self._scrapes]
             batch: list[list[Any]] = []
             if samples:
                 take = min(len(self._samples), MAX_SAMPLES_PER_MESSAGE)
@@ -384,6 +391,7 @@ class StateSync:
                     self._samples.popleft()
             # Blocks and scrapes are not kept for a retry: newer ones replace them anyway.
             self._scrapes = {}
+            self._itl_counts = {}
         self._expire(now)
 
     def _add_snapshot(self) -> None:
@@ -534,11 +542,15 @@ class StateSync:
             for model, pod, tag, ttft, tpot in message.get("l", ()):
                 self._on_latency(str(model), str(pod), str(tag), _seconds(ttft), _seconds(tpot))
         if self._on_metrics is not None:
-            for row in message.get("m", ()):
-                model, address, metrics = self._metrics_from(row, now)
+            counts = message.get("n")
+            for i, row in enumerate(message.get("m", ())):
+                count = counts[i] if isinstance(counts, list) and i < len(counts) else None
+                model, address, metrics = self._metrics_from(row, now, count)
                 self._on_metrics(model, address, metrics)
 
-    def _metrics_from(self, row: list[Any], now: float) -> tuple[str, str, EngineMetrics]:
+    def _metrics_from(
+        self, row: list[Any], now: float, itl_count: Any = None
+    ) -> tuple[str, str, EngineMetrics]:
         model, address, scraped_wall = str(row[0]), str(row[1]), float(row[2])
         n = len(_METRIC_FIELDS)
         floats = row[3 : 3 + n]
@@ -555,6 +567,7 @@ class StateSync:
             updated_at=now - age,
             running_lora_adapters=tuple(str(a) for a in running_lora),
             waiting_lora_adapters=tuple(str(a) for a in waiting_lora),
+            itl_count=None if itl_count is None else float(itl_count),
             **values,
         )
         return model, address, metrics

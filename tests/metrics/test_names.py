@@ -28,6 +28,7 @@ def test_vllm_data_parallel_sums_counts_and_averages_kv_usage() -> None:
     # Histogram means pool both engines: (0.2 + 0.8) / (4 + 6).
     assert m.ttft_avg_s == pytest.approx(0.1)
     assert m.itl_avg_s == pytest.approx(2.0 / 100)
+    assert m.itl_count == 100.0  # the store's recent mean reads the lifetime sum and count
     assert m.block_size == 16
     assert m.num_gpu_blocks == 27000
 
@@ -45,6 +46,7 @@ def test_vllm_old_names_are_aliases() -> None:
     assert m.waiting == 0.0  # present and zero is not missing
     assert m.kv_cache_usage == 0.75
     assert m.itl_avg_s == pytest.approx(1.5 / 30)
+    assert m.itl_count == 30.0
     assert m.ttft_avg_s is None
     assert m.prefix_cache_hits is None
     assert m.running_lora_adapters == ()
@@ -70,7 +72,7 @@ def test_sglang_preset() -> None:
     assert m.prefix_cache_queries == 1000.0  # summed over is_streaming
     assert m.generation_tokens_total == 90.0
     assert m.ttft_avg_s == pytest.approx(0.1)
-    assert m.itl_avg_s is None
+    assert m.itl_avg_s is None and m.itl_count is None
     assert m.block_size == 1
 
 

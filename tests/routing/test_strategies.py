@@ -412,6 +412,7 @@ def test_kv_aware_records_cost_terms(registry: StrategyRegistry) -> None:
         "overlap_blocks": 4.0,
         "prefill_blocks": 4.0,
         "decode_blocks": 6.0,
+        "slowness": 1.0,  # no engine step times: no pod is slower
         "cost": 10.0,
         "prefill_tokens": -1.0,  # no TTFT measured yet: the whole in-flight work counts
     }
