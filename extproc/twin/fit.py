@@ -9,10 +9,12 @@ capture's, a few rounds:
 
 - the decode speed: the median time per output token (TPOT) of the pod's requests, twin
   against capture, scales the fixed and per-context parts (a decode step is mostly those);
-- the prefill speed and the path's fixed cost: the pod's TTFTs, twin against capture, matched
-  at their quartiles: the spread between the first and third quartile scales the per-token
-  prefill cost (a longer uncached prompt, a longer queue), what is left at the median is the
-  time the path adds to every first token (the gateway, Envoy, the engine's HTTP handler).
+- the prefill speed and the path's fixed cost: the pod's TTFTs, twin against capture: their
+  slope over uncached prompt tokens (each side with its own cached counts: what a token of
+  prefill costs, the queueing it causes included) scales the per-token prefill cost, or, when
+  the uncached counts hardly vary, the spread between their first and third quartiles does;
+  what is left at the median is the time the path adds to every first token (the gateway,
+  Envoy, the engine's HTTP handler, a busy host's own delays).
 
 The cache size and scheduler limits are the simulator's defaults unless the caller knows the
 pods' (`PodProfile`). Fitting needs the capture's outcomes: a pod with fewer than
@@ -42,6 +44,9 @@ MIN_SAMPLES = 8
 _NUDGE = 1.25
 _MAX_LOG_STEP = math.log(3.0)
 _CONVERGED = 0.03
+# Uncached prompt tokens must vary by this much (standard deviation) across a pod's requests
+# for their TTFTs' slope to say what a token of prefill costs.
+_MIN_UNCACHED_SPREAD = 64.0
 
 
 @dataclass
@@ -96,17 +101,46 @@ def _scaled(pod: PodProfile, decode: float, prefill: float, overhead_s: float) -
     return dataclasses.replace(pod, step=step, overhead_s=overhead_s)
 
 
+def _slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of TTFT over uncached prompt tokens; None when the uncached counts
+    hardly vary (nothing to read a per-token cost from) or the slope is not positive."""
+    if len(points) < MIN_SAMPLES:
+        return None
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    var = statistics.fmean((x - mx) ** 2 for x, _ in points)
+    if var < _MIN_UNCACHED_SPREAD**2:
+        return None
+    slope = statistics.fmean((x - mx) * (y - my) for x, y in points) / var
+    return slope if slope > 0 else None
+
+
+def _prefill_signal(points: Sequence[tuple[float, float]], by_slope: bool) -> float | None:
+    """What the prefill knob is fitted to: the TTFT's slope over uncached tokens (what a token
+    of prefill costs, queueing included), else the TTFT's interquartile range."""
+    if by_slope:
+        return _slope(points)
+    ttft = [y for _, y in points]
+    if len(ttft) < MIN_SAMPLES:
+        return None
+    return max(_quantile(ttft, 0.75) - _quantile(ttft, 0.25), 1e-5)
+
+
 def _targets(
-    rows: Sequence[TwinRequest], served: Mapping[int, Served], overhead_s: float
+    rows: Sequence[TwinRequest], served: Mapping[int, Served], overhead_s: float, by_slope: bool
 ) -> tuple[float, float, float] | None:
-    """(TPOT p50, TTFT interquartile range, TTFT p50) of the twin's answers to `rows`, the TTFT
+    """(TPOT p50, the prefill signal, TTFT p50) of the twin's answers to `rows`, the TTFT
     without the path's cost; None when too few were timed."""
     tpot = [t for r in rows if (t := served[r.index].tpot_s) is not None and t > 0]
-    ttft = [t - overhead_s for r in rows if (t := served[r.index].ttft_s) is not None]
-    if len(tpot) < MIN_SAMPLES or len(ttft) < MIN_SAMPLES:
+    points = [
+        (s.prompt_tokens - s.cached_tokens, s.ttft_s - overhead_s)
+        for r in rows
+        if (s := served[r.index]).ttft_s is not None
+    ]
+    signal = _prefill_signal(points, by_slope)
+    if len(tpot) < MIN_SAMPLES or signal is None:
         return None
-    iqr = _quantile(ttft, 0.75) - _quantile(ttft, 0.25)
-    return statistics.median(tpot), max(iqr, 1e-5), statistics.median(ttft)
+    return statistics.median(tpot), signal, statistics.median(y for _, y in points)
 
 
 def _solve(jac: list[list[float]], r: Sequence[float]) -> tuple[float, float]:
@@ -141,13 +175,24 @@ def fit_pods(
     report = FitReport(pods=setup.pods)
     report.unfitted = sorted(a for a in pods if len(timed.get(a, ())) < MIN_SAMPLES)
     want: dict[str, tuple[float, float, float]] = {}
+    by_slope: dict[str, bool] = {}
     for address, rows in timed.items():
         tpots = [r.tpot_s for r in rows if r.tpot_s is not None and r.tpot_s > 0]
         ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
         if address in report.unfitted or len(tpots) < MIN_SAMPLES:
             continue
-        iqr = _quantile(ttfts, 0.75) - _quantile(ttfts, 0.25)
-        want[address] = (statistics.median(tpots), max(iqr, 1e-5), statistics.median(ttfts))
+        points = [
+            (r.input_length - r.cached_tokens, r.ttft_s)
+            for r in rows
+            if r.ttft_s is not None and r.cached_tokens is not None
+        ]
+        by_slope[address] = _slope(points) is not None
+        signal = _prefill_signal(
+            points if by_slope[address] else [(0.0, t) for t in ttfts], by_slope[address]
+        )
+        if signal is None:
+            continue
+        want[address] = (statistics.median(tpots), signal, statistics.median(ttfts))
     # A pod with a few timed requests only (a rule that avoided it): one speed for all its
     # costs, from the median time per token (else the median TTFT), and the path's cost of
     # the others: a pod a rule shunned is usually a slow one, and the defaults would say fast.
@@ -178,16 +223,16 @@ def fit_pods(
         report.rounds = rnd
         base, by_prefill, by_decode = run(1.0, 1.0), run(1.0, _NUDGE), run(_NUDGE, 1.0)
         worst = 0.0
-        for address, (tpot, iqr, ttft) in want.items():
-            pod, rows = pods[address], timed[address]
-            f0 = _targets(rows, base, pod.overhead_s)
-            fp = _targets(rows, by_prefill, pod.overhead_s)
-            fd = _targets(rows, by_decode, pod.overhead_s)
+        for address, (tpot, signal, ttft) in want.items():
+            pod, rows, slope = pods[address], timed[address], by_slope[address]
+            f0 = _targets(rows, base, pod.overhead_s, slope)
+            fp = _targets(rows, by_prefill, pod.overhead_s, slope)
+            fd = _targets(rows, by_decode, pod.overhead_s, slope)
             if f0 is None or fp is None or fd is None:
                 continue
             # d log(target i) / d log(knob j): targets TPOT, TTFT spread; knobs prefill, decode.
             jac = [[(math.log(f[i]) - math.log(f0[i])) / nudge for f in (fp, fd)] for i in (0, 1)]
-            residual = (math.log(tpot) - math.log(f0[0]), math.log(iqr) - math.log(f0[1]))
+            residual = (math.log(tpot) - math.log(f0[0]), math.log(signal) - math.log(f0[1]))
             dp, dd = _solve(jac, residual)
             prefill = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, dp)))
             decode = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, dd)))
@@ -216,8 +261,8 @@ def fit_pods(
             break
     report.pods = tuple(pods.values())
     final = run(1.0, 1.0)
-    for address, (tpot, _iqr, ttft) in want.items():
-        got = _targets(timed[address], final, 0.0)
+    for address, (tpot, _signal, ttft) in want.items():
+        got = _targets(timed[address], final, 0.0, by_slope[address])
         report.check[address] = {
             "capture_ttft_p50_ms": 1e3 * ttft,
             "twin_ttft_p50_ms": 1e3 * got[2] if got else -1.0,
