@@ -7,7 +7,8 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -256,24 +257,11 @@ def _capture(args: argparse.Namespace) -> int:
         return 1
     servers, headers, token_source = targets
     exports, failed = [], 0
+    params = {} if since is None else {"since": f"{since:.3f}"}
     for url in servers:
-        try:
-            resp = httpx.get(
-                f"{url}/debug/capture",
-                params={} if since is None else {"since": f"{since:.3f}"},
-                headers=headers,
-                timeout=30,
-            )
-        except httpx.HTTPError as exc:
-            print(f"extproc capture: {url}: {exc or type(exc).__name__}", file=sys.stderr)
-            failed += 1
-            continue
-        if resp.status_code != 200:
-            hint = f" ({token_source})" if resp.status_code in (401, 403) else ""
-            print(
-                f"extproc capture: {url}: HTTP {resp.status_code}: {_error_message(resp)}{hint}",
-                file=sys.stderr,
-            )
+        get = partial(httpx.get, f"{url}/debug/capture", params=params, headers=headers, timeout=30)
+        resp = _admin_call("extproc capture", url, token_source, get)
+        if resp is None:
             failed += 1
             continue
         exports.append(resp.json())
@@ -331,22 +319,11 @@ def _publish_tuning(args: argparse.Namespace, report: dict[str, object]) -> int:
         print("extproc tune --publish: no server process to publish to", file=sys.stderr)
         return 1
     failed = 0
+    body = finite(report)
     for url in servers:
-        try:
-            resp = httpx.post(
-                f"{url}/debug/tuning", json=finite(report), headers=headers, timeout=10
-            )
-        except httpx.HTTPError as exc:
-            print(f"extproc tune --publish: {url}: {exc or type(exc).__name__}", file=sys.stderr)
-            failed += 1
-            continue
-        if resp.status_code != 200:
-            hint = f" ({token_source})" if resp.status_code in (401, 403) else ""
-            print(
-                f"extproc tune --publish: {url}: HTTP {resp.status_code}: "
-                f"{_error_message(resp)}{hint}",
-                file=sys.stderr,
-            )
+        post = partial(httpx.post, f"{url}/debug/tuning", json=body, headers=headers, timeout=10)
+        resp = _admin_call("extproc tune --publish", url, token_source, post)
+        if resp is None:
             failed += 1
             continue
         print(
@@ -354,6 +331,28 @@ def _publish_tuning(args: argparse.Namespace, report: dict[str, object]) -> int:
             file=sys.stderr,
         )
     return 1 if failed else 0
+
+
+def _admin_call(
+    prog: str, url: str, token_source: str, send: Callable[[], httpx.Response]
+) -> httpx.Response | None:
+    """One call to a server's admin port; None, said on stderr, when it failed or did not
+    answer 200 (a 401/403 names where the token came from)."""
+    import httpx
+
+    try:
+        resp = send()
+    except httpx.HTTPError as exc:
+        print(f"{prog}: {url}: {exc or type(exc).__name__}", file=sys.stderr)
+        return None
+    if resp.status_code != 200:
+        hint = f" ({token_source})" if resp.status_code in (401, 403) else ""
+        print(
+            f"{prog}: {url}: HTTP {resp.status_code}: {_error_message(resp)}{hint}",
+            file=sys.stderr,
+        )
+        return None
+    return resp
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -512,6 +512,10 @@ class Engine:
             req.queue.put_nowait(tok)
             if len(req.output_ids) >= req.target_output:
                 done.append((req, req.natural_finish))
+        self._end_step(done)
+
+    def _end_step(self, done: list[tuple[SimRequest, str]]) -> None:
+        """The step's events announced, then its finished requests ended (and theirs)."""
         self._flush_events()
         for req, reason in done:
             self._finish(req, reason)
@@ -540,11 +544,7 @@ class Engine:
                 req.queue.put_nowait(tok)
             if len(req.output_ids) >= req.target_output:
                 done.append((req, req.natural_finish))
-        self._flush_events()
-        for req, reason in done:
-            self._finish(req, reason)
-        if done:
-            self._flush_events()
+        self._end_step(done)
 
     def _commit_full_blocks(self, req: SimRequest) -> None:
         self._ensure_hashes(req, req.num_computed)
