@@ -40,7 +40,7 @@ def test_parse_reads_the_directors_header() -> None:
     assert e.pods["127.0.0.1:8000"].prefix == 1504
     assert e.pods["127.0.0.1:8001"].scores["overlap_blocks"] == 0
     assert set(e.pods["127.0.0.1:8000"].scores) == {
-        "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "prefill_tokens",
+        "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "prefill_tokens", "slowness",
     }  # fmt: skip
 
 
