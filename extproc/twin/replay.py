@@ -60,6 +60,8 @@ _EPOCH = 1_800_000_000.0
 _OUTPUT_VOCAB = tuple(range(2000, 2512))
 # The engines never detokenize (the twin reads no text): no tokenizer is loaded.
 _NO_TOKENIZER = Path("/nonexistent-twin-tokenizer")
+# Where a pod's profile takes its scheduler and cache defaults from (one source of truth).
+_SIM_DEFAULTS = SimConfig(tokenizer_dir=_NO_TOKENIZER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +73,10 @@ class PodProfile:
     model: str
     step: StepTimeModel = dataclasses.field(default_factory=StepTimeModel)
     # The simulator's defaults (vLLM's on an H100-class GPU, `extproc.sim.config`).
-    num_gpu_blocks: int = 8192
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    num_gpu_blocks: int = _SIM_DEFAULTS.num_gpu_blocks
+    block_size: int = _SIM_DEFAULTS.block_size
+    max_num_seqs: int = _SIM_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = _SIM_DEFAULTS.max_num_batched_tokens
     overhead_s: float = 0.0  # added to the first token's time
 
     def summary(self) -> dict[str, Any]:
