@@ -164,6 +164,7 @@ def endpoint_rows(
 ) -> Iterator[tuple[dict[str, Any], EndpointState | None]]:
     """Every endpoint the store knows (of `models` only, when given), with its scrape state and
     our own load on it (`/debug/endpoints` and the status page), and its state for more detail."""
+    failing = inflight.failing_addresses()
     for model in store.models() if models is None else models:
         for ep in store.endpoints(model):
             state = store.state(ep)
@@ -181,6 +182,9 @@ def endpoint_rows(
                 "failed_scrapes": state.failures if state else 0,
                 "in_flight": load.requests,
                 "stalled": inflight.stalled(ep.address, stall_after_s),
+                # Its last picks failed (5xx, or retried elsewhere): out of the candidates a while.
+                "failing": ep.address in failing,
+                "failed_picks": inflight.failed_total(ep.address),
                 # A pod whose metrics stopped is not vouched for by a quiet event stream
                 # (a dead engine's ZMQ socket says nothing for a long while).
                 "kv_events_healthy": ready and kv_healthy(ep.address),

@@ -157,6 +157,7 @@ async def test_status_json_shows_endpoints_decisions_and_the_reload_state(
         assert first["ready"] and second["ready"]
         assert 0 <= first["metrics_age_s"] <= status["stale_after_s"]
         assert first["in_flight"] + second["in_flight"] == 3
+        assert not first["failing"] and first["failed_picks"] == 0  # no pick has failed yet
 
         decisions = status["decisions"]
         assert decisions["total"] == 3

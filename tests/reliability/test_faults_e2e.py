@@ -20,6 +20,7 @@ import pytest
 
 from bench.faults import (
     CHAT,
+    _endpoint_field,
     _envoy_counters,
     _fault,
     accounting_sink_restart,
@@ -175,24 +176,47 @@ def test_a_pod_answering_5xx_is_retried_on_a_fallback_then_left_out(stack: Local
     an ejected host that our header names, measured.)"""
     bad = stack.options.sim_address(0)
 
-    def retries() -> dict[str, int]:  # Envoy's counters: cumulative over this module's tests
-        return _envoy_counters(stack, lambda name: name.startswith("cluster.models.upstream_rq_r"))
+    def retries() -> int:  # Envoy's counter: cumulative over this module's tests
+        return _envoy_counters(stack, lambda name: name == "cluster.models.upstream_rq_retry").get(
+            "cluster.models.upstream_rq_retry", 0
+        )
 
+    def failing() -> bool:
+        return bool(_endpoint_field(stack, bad, "failing"))
+
+    def send(client: httpx.Client, n: int) -> list[tuple[int, str | None]]:
+        out = []
+        for _ in range(n):
+            r = client.post(f"{stack.base_url}/v1/chat/completions", json=CHAT)
+            out.append((r.status_code, r.headers.get("x-inference-pod")))
+        return out
+
+    # An earlier scenario's failures are forgotten after FAILING_COOLDOWN_S (10 s).
+    assert wait_for(lambda: not failing(), timeout=15)
     before = retries()
+
+    def limit_exceeded() -> int:
+        return sum(_envoy_counters(stack, lambda n: n.endswith("_retry_limit_exceeded")).values())
+
+    limit_before = limit_exceeded()
     _fault(stack, 0, error_rate=1.0)
     try:
-        got = []
         with httpx.Client(timeout=30) as client:
-            for _ in range(18):  # round robin: 6 picks of the failing pod
-                r = client.post(f"{stack.base_url}/v1/chat/completions", json=CHAT)
-                got.append((r.status_code, r.headers.get("x-inference-pod")))
-        assert [s for s, _ in got] == [200] * 18, got
-        assert bad not in {pod for _, pod in got}
-        envoy = {k: v - before.get(k, 0) for k, v in retries().items()}
-        # Round robin alone would pick it for 6 of the 18; once its failures are known it gets
-        # none (records arrive within 0.1 s, so a pick or two more may go out meanwhile).
-        assert 3 <= envoy["cluster.models.upstream_rq_retry"] < 6, envoy
-        assert envoy.get("cluster.models.upstream_rq_retry_limit_exceeded", 0) == 0, envoy
+            # Round robin over 3 pods: every third pick is the failing pod's, each retried.
+            got = []
+            while not failing() and len(got) < 30:
+                got += send(client, 3)
+            assert failing(), got  # its failures came back in the access records
+            failed = retries() - before
+            # Not before its third failure (a record or two may come after more picks).
+            assert failed >= 3, failed
+            assert [s for s, _ in got] == [200] * len(got), got
+            # Once it is failing, it gets none: no pick of it, so no retry.
+            later = send(client, 12)
+            assert [s for s, _ in later] == [200] * 12, later
+            assert retries() - before == failed
+        assert bad not in {pod for _, pod in got + later}
+        assert limit_exceeded() == limit_before
     finally:
         _fault(stack, 0, error_rate=0.0)
 
