@@ -267,6 +267,12 @@ class StreamProcessor:
         return self.phase in _ENDS
 
     @property
+    def ending(self) -> bool:
+        """What `on_message` just returned is this side's last word: once it is written the
+        server ends the RPC (`done` after `sent()`)."""
+        return self.phase in _ENDS or (self.phase is Phase.ROUTED and not self._hold)
+
+    @property
     def modes(self) -> StreamModes:
         assert self._modes is not None, "set by the stream's first message"
         return self._modes

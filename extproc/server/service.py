@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2_grpc
-from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc._pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.director.api import RequestHandler
 from extproc.server.accesslog import AccessLogService
 from extproc.server.processor import StreamProcessor
@@ -58,7 +58,17 @@ def _traceparent(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
     return None
 
 
-class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class _ExternalProcessor:
+    """The ExternalProcessor service's one method. gRPC registers it as stream-unary although
+    Envoy calls it as a bidirectional stream (the wire is the same): grpc.aio then sends the
+    handler's returned message and the stream's end (its status) in one batch. Written as a
+    stream-stream method, the last answer and the status were two batches with an event-loop
+    turn between them, and a process killed in that gap (a busy loop made it tens of
+    milliseconds) left Envoy with a routing stream that failed *after* its answer: Envoy's
+    ext_proc filter, fail-closed, then resets the request, cutting a response already
+    streaming. Answers before the last are written as they come (`_serialized`: the stream's
+    context has no serializer in this shape)."""
+
     def __init__(
         self, handler: RequestHandler, ends: Counter[str], timers: Timers, *, traced: bool = False
     ) -> None:
@@ -69,7 +79,16 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
         self.open = 0  # streams in progress (a count: nothing per stream is kept)
         self.last_opened = -math.inf  # when the newest stream began (the timers' clock)
 
-    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+        return {
+            "Process": grpc.stream_unary_rpc_method_handler(
+                self.Process,
+                request_deserializer=ep.ProcessingRequest.FromString,
+                response_serializer=ep.ProcessingResponse.SerializeToString,
+            )
+        }
+
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         self.open += 1
         self.last_opened = self._timers.now()
         if self._traced:
@@ -78,26 +97,32 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
             proc = StreamProcessor(self._handler)
         end = "error"
         try:
-            while not proc.done:
+            while True:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
                     # Envoy half-closed (the HTTP request is over) or reset the stream: a reset
-                    # reads as EOF too. Returning normally after a reset makes grpc-python send
+                    # reads as EOF too. Ending normally after a reset makes grpc-python send
                     # a status on the dead call and never free that batch (grpc/grpc#43360,
                     # ~110 bytes per stream, measured by bench/stream_ends.py). A moment's wait
                     # lets the core's cancel notice arrive: it cancels this task, and no status
-                    # is sent. After a real half-close nothing arrives and the status goes out.
+                    # is sent. After a real half-close nothing arrives and the end goes out,
+                    # with an empty message Envoy no longer reads (it closed its side once it
+                    # was done with the stream).
                     # (Real time on purpose: it waits for grpc's core, not for our schedule.)
                     await asyncio.sleep(EOF_GRACE_S)
                     end = "eof"
-                    break
-                for resp in await proc.on_message(msg):
-                    await context.write(resp)
+                    return _NOTHING
+                answers = await proc.on_message(msg)
+                last = proc.ending
+                for resp in answers[:-1] if last else answers:
+                    await context.write(_serialized(resp))
                 proc.sent()
-            else:
-                # This side ends it: the routing answer is delivered (the request goes on
-                # without this stream), an immediate reply, or a response seen.
-                end = "done"
+                if last:
+                    # This side ends it: the routing answer is delivered (the request goes on
+                    # without this stream), an immediate reply, or a response seen. The answer
+                    # and the end leave together.
+                    end = "done"
+                    return answers[-1] if answers else _NOTHING
         except asyncio.CancelledError:
             # Envoy reset the stream (at the end of the HTTP request, or because the client went
             # away): settle state, then let it cancel.
@@ -107,6 +132,13 @@ class _ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[mis
             self._ends[end] += 1
             proc.close()
             self.open -= 1
+
+
+_NOTHING = ep.ProcessingResponse()
+
+
+def _serialized(resp: ep.ProcessingResponse) -> bytes:
+    return resp.SerializeToString()
 
 
 class ExtProcServer:
@@ -154,7 +186,11 @@ class ExtProcServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ],
         )
-        ep_grpc.add_ExternalProcessorServicer_to_server(self._processor, server)
+        handlers = self._processor.method_handlers()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, handlers),)
+        )
+        server.add_registered_method_handlers(EXT_PROC_SERVICE, handlers)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{options.host}:{options.port}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.director.api import (
@@ -34,6 +35,7 @@ class FakeHandler:
     records: list[AccessRecord] = field(default_factory=list)
     fail_accounting: bool = False
     hold: bool = False  # no access log: the stream is held for the request's life
+    after_route: Callable[[], None] | None = None  # called as each decision returns
 
     async def route(self, head: RequestHead, body: bytes | None) -> RouteResult | ImmediateReply:
         self.seen.append((head, body))
@@ -41,6 +43,8 @@ class FakeHandler:
             return self.reply
         ticket = RecordingTicket(key=LeaseKey("fake:1", len(self.tickets) + 1))
         self.tickets[head.request_id] = ticket
+        if self.after_route is not None:
+            self.after_route()
         return RouteResult(
             destinations=self.destinations,
             set_headers={"x-routing-strategy": "fake"},

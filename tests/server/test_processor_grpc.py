@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -165,6 +166,7 @@ async def test_response_messages_of_a_misconfigured_filter_still_flow(
         "response_headers",
         "response_body",
         "response_body",
+        None,  # Envoy's half-close ends it: an empty last word, which Envoy no longer reads
     ]
     body = got[3].response_body.response.body_mutation
     # FULL_DUPLEX_STREAMED forwards only what the server sends back: every chunk is echoed.
@@ -177,8 +179,39 @@ async def test_observability_stream_gets_no_answers_and_ends_at_eos(
 ) -> None:
     port, handler = server_and_handler
     got = await exchange(port, response_msgs(observability=True))
-    assert got == []
+    # No answer: the end of the stream carries an empty message (the method is stream-unary
+    # on this side), which Envoy ignores in observability mode like any other.
+    assert got == [ep.ProcessingResponse()]
     assert handler.seen == [] and handler.tickets == {}
+
+
+async def test_the_answer_and_the_end_of_the_stream_leave_together(
+    server_and_handler: tuple[int, FakeHandler],
+) -> None:
+    """A process killed between its routing answer and the stream's end leaves Envoy a stream
+    that fails after its answer, and Envoy's fail-closed filter then resets the request, cutting
+    a response already streaming. So the answer and the end go out in one batch: the end reaches
+    the client even while the server's event loop is held right after the decision (two batches
+    would wait for the loop's next turn between them)."""
+    port, handler = server_and_handler
+    client_saw_the_end = threading.Event()
+    released_by_the_client: list[bool] = []
+
+    def hold_the_loop() -> None:  # the loop's next turn after the decision
+        released_by_the_client.append(client_saw_the_end.wait(5.0))
+
+    handler.after_route = lambda: asyncio.get_running_loop().call_soon(hold_the_loop)
+
+    def client() -> list[str | None]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process
+            kinds = [r.WhichOneof("response") for r in call(iter([headers_msg(), body_msg(b"{}")]))]
+        client_saw_the_end.set()
+        return kinds
+
+    kinds = await asyncio.to_thread(client)
+    assert kinds == ["request_headers", "request_body"]
+    assert released_by_the_client == [True]
 
 
 @pytest.mark.parametrize("mode", [BodyMode.BUFFERED, BodyMode.FULL_DUPLEX_STREAMED])
