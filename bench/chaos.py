@@ -18,6 +18,8 @@ Every 30-90 s (drawn from a seeded RNG) one fault, drawn at random:
     pod_slow         a random engine paused 80 % of the time (SIGSTOP/SIGCONT), for a few seconds
     pod_503          a random engine answers half its requests 503, for a few seconds
     envoy_restart    Envoy's hot restart (the next epoch takes the listeners, the old one drains)
+    none             no fault: the cycle's traffic, quiesce and checks only (`--kinds none`: the
+                     mix alone, e.g. to measure memory without restarts)
 
 At the end of each cycle the clients pause (a quiesce of a few seconds) so the counts can be
 compared exactly: the tokens the gateway accounted (summed over processes and their lives)
@@ -28,6 +30,11 @@ whose window it overlaps, or to none. RSS of each process is sampled throughout.
 
     .venv/bin/python bench/chaos.py --minutes 30 --json bench/data/chaos-30m.json --plot docs/img/chaos.png
     .venv/bin/python bench/chaos.py --minutes 2 --gap 10 20          # a short look
+    .venv/bin/python bench/chaos.py --minutes 8 --kinds none --memory --json /tmp/chaos-mem.json
+
+`--memory` starts the servers under PYTHONTRACEMALLOC=3 and reads each process's /debug/memory
+at the first quiesce after the warm-up quarter (the baseline) and after the final settle (growth
+by allocation site since then); `--requests` restricts the mix to some request kinds.
 
 tests/reliability/test_chaos_short.py runs a one-minute version with bounds; figures and what
 each fault costs: docs/reliability.md, "Chaos soak".
@@ -65,13 +72,14 @@ from bench.faults import (
     running,
     stack_options,
 )
-from bench.soak import proc_sample
+from bench.soak import debug_memory, memory_summary, proc_sample
 from extproc.stack.local import FAULTS_DIR, LocalStack, StackOptions
 from extproc.stack.supervise import Throttle
 from tests.e2e.harness import metric_samples, metric_sum
 
 __all__ = [
     "KINDS",
+    "REQUEST_KINDS",
     "ChaosReport",
     "Traffic",
     "chaos_options",
@@ -90,6 +98,12 @@ KINDS = (
     "pod_503",
     "envoy_restart",
 )
+NO_FAULT = "none"  # a cycle without a fault (not drawn unless asked for)
+REQUEST_KINDS = (
+    "session", "chat", "chat_stream", "long_stream", "completion", "responses", "messages",
+)  # fmt: skip
+_DRAWN = REQUEST_KINDS[1:]  # drawn by _draw(); sessions are drawn first (15 %)
+_DRAWN_WEIGHTS = (25, 20, 4, 12, 14, 14)
 SLOTS_PER_POD = 6  # the engines' --max-num-seqs: few slots, so bursts really exceed the pool
 SIMS = 3
 LOAD_SHARE = 0.7  # steady clients per running slot of the pool
@@ -168,9 +182,21 @@ class Traffic:
     """Closed-loop clients drawing from the mix with their own seeded RNG; `burst()` adds
     clients for a while; `quiesce()` pauses every client after its current request."""
 
-    def __init__(self, stack: LocalStack, *, clients: int, seed: int) -> None:
+    def __init__(
+        self,
+        stack: LocalStack,
+        *,
+        clients: int,
+        seed: int,
+        requests: Sequence[str] | None = None,
+    ) -> None:
         self._stack = stack
         self._seed = seed
+        # None: the whole mix (the documented draws); else only these request kinds.
+        self._requests = None if requests is None else frozenset(requests)
+        if self._requests is not None and not self._requests <= set(REQUEST_KINDS):
+            unknown = ", ".join(sorted(self._requests - set(REQUEST_KINDS)))
+            raise ValueError(f"unknown request kind {unknown}; kinds are {REQUEST_KINDS}")
         self._stop = threading.Event()
         self._go = threading.Event()
         self._go.set()
@@ -241,7 +267,7 @@ class Traffic:
                 with self._lock:
                     self._busy += 1
                 try:
-                    if rng.random() < 0.15:
+                    if self._session_next(rng):
                         if not history or len(history) > 6:
                             history, session = [], f"s-{i}-{rng.randrange(1 << 30)}"
                         history.append({"role": "user", "content": f"Turn {len(history)}: go on."})
@@ -253,7 +279,7 @@ class Traffic:
                         }  # fmt: skip
                         extra = {"x-session-id": session}
                     else:
-                        kind, path, body = _draw(rng)
+                        kind, path, body = _draw(rng, self._requests)
                         extra = {}
                     priority = -1 if sheddable else _weighted(rng, PRIORITIES)
                     headers = {
@@ -270,6 +296,14 @@ class Traffic:
                 finally:
                     with self._lock:
                         self._busy -= 1
+
+    def _session_next(self, rng: random.Random) -> bool:
+        """Whether this client's next request is a session turn (15 % of the whole mix)."""
+        if self._requests is None:
+            return rng.random() < 0.15
+        if "session" not in self._requests:
+            return False
+        return self._requests == {"session"} or rng.random() < 0.15
 
     def _one(
         self,
@@ -300,15 +334,20 @@ def _weighted(rng: random.Random, choices: Sequence[tuple[int, int]]) -> int:
     return rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
 
 
-def _draw(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
-    """One request of the mix (sessions apart): kind, path, body."""
+def _draw(
+    rng: random.Random, only: frozenset[str] | None = None
+) -> tuple[str, str, dict[str, Any]]:
+    """One request of the mix (sessions apart): kind, path, body; `only` restricts the kinds
+    drawn (None: all, with the mix's weights)."""
     topic = rng.choice(("queues", "caches", "retries", "leases", "drains", "bursts"))
     user = f"Tell me about {topic}, case {rng.randrange(50)}."
     n = rng.randint(8, 48)
-    kind = rng.choices(
-        ("chat", "chat_stream", "long_stream", "completion", "responses", "messages"),
-        weights=(25, 20, 4, 12, 14, 14),
-    )[0]
+    kinds: tuple[str, ...] = _DRAWN
+    weights: tuple[int, ...] = _DRAWN_WEIGHTS
+    if only is not None:
+        kept = [(k, w) for k, w in zip(_DRAWN, _DRAWN_WEIGHTS, strict=True) if k in only]
+        kinds, weights = tuple(k for k, _ in kept), tuple(w for _, w in kept)
+    kind = rng.choices(kinds, weights=weights)[0]
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
     if kind == "chat":
         return kind, "/v1/chat/completions", {"model": "qwen3", "messages": msgs, "max_tokens": n}
@@ -605,6 +644,8 @@ def inject(kind: str, stack: LocalStack, probe: Probe, rng: random.Random) -> Fa
             path.unlink(missing_ok=True)
             throttle.cycle()  # healed: SIGCONT
             throttle.release()
+    elif kind == NO_FAULT:
+        pass  # the cycle runs its traffic, quiesce and checks with nothing broken
     elif kind == "envoy_restart":
         stack.hot_restart_envoy(ENVOY_PARENT_SHUTDOWN_S)
         f.detail["ready_after_s"] = _wait(
@@ -615,7 +656,7 @@ def inject(kind: str, stack: LocalStack, probe: Probe, rng: random.Random) -> Fa
             lambda: not stack.envoy_draining(), ENVOY_PARENT_SHUTDOWN_S + 15.0, 0.1
         )
     else:
-        raise ValueError(f"unknown fault {kind!r}; kinds are {', '.join(KINDS)}")
+        raise ValueError(f"unknown fault {kind!r}; kinds are {', '.join((*KINDS, NO_FAULT))}")
     f.healed = time.monotonic()
     return f
 
@@ -646,6 +687,8 @@ class ChaosReport:
     final_settled_s: float | None
     final_token_gap: dict[str, float]
     engine_tokens: float  # prompt + generated tokens the engines counted during the run
+    # --memory: per process, its /debug/memory at the baseline and at the end (and summaries)
+    memory: dict[str, Any] = field(default_factory=dict)
 
     def attribute(self) -> list[tuple[Outcome, Fault | None]]:
         """Every outcome that is neither ok nor deliberately shed, with the fault whose window
@@ -762,6 +805,10 @@ class ChaosReport:
             else None,
             "queue_max": max((s["queue"] for s in self.samples), default=None),
             "rss_slopes": self.rss_slopes(),
+            "memory": {
+                name: {k: v for k, v in m.items() if k not in ("baseline", "end")}
+                for name, m in self.memory.items()
+            },
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -788,6 +835,7 @@ class ChaosReport:
             ],
             "samples": self.samples,
             "per_10s": self.per_bin(t0, 10.0),
+            "memory": self.memory,
         }
 
     def per_bin(self, t0: float, width_s: float) -> list[dict[str, float]]:
@@ -852,20 +900,26 @@ def run_chaos(
     burst_every_s: tuple[float, float] = (20.0, 40.0),
     burst_s: float = 5.0,
     sample_s: float = 1.0,
+    requests: Sequence[str] | None = None,
+    memory: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> ChaosReport:
     """Traffic for `minutes` with a fault every `gap_s` (seeded draws from `kinds`, or the
-    given `schedule` in order); every fault is healed before the next one."""
+    given `schedule` in order); every fault is healed before the next one. `requests`
+    restricts the mix to those request kinds; `memory` reads every process's /debug/memory
+    at the first quiesce after the warm-up quarter (the baseline) and after the final settle."""
     rng = random.Random(seed)
     o = stack.options
     slots = o.sims * SLOTS_PER_POD
     clients = max(1, round(LOAD_SHARE * slots))
     probe = Probe(stack)
-    traffic = Traffic(stack, clients=clients, seed=seed)
+    traffic = Traffic(stack, clients=clients, seed=seed, requests=requests)
+    memo = _MemoryProbe(stack) if memory else None
     faults: list[Fault] = []
     samples: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    end = t0 + minutes * 60
+    end_s = minutes * 60
+    end = t0 + end_s
     next_burst = t0 + rng.uniform(*burst_every_s)
     _settle(stack, probe, 10.0)
     base_gap = _gap(probe)  # before any traffic: 0 unless the engines were used before
@@ -908,6 +962,9 @@ def run_chaos(
             if records is not None and last_records is not None and kind != "envoy_restart":
                 f.records_lost = records - last_records
             last_records = records
+            if memo is not None and not memo.baselines and time.monotonic() - t0 >= end_s / 4:
+                memo.baseline(time.monotonic() - t0)  # quiesced: no request waits on the snapshot
+                log(f"{time.monotonic() - t0:7.1f}s   memory baseline taken")
             log(
                 f"{time.monotonic() - t0:7.1f}s   healed after {f.healed - f.at:.1f}s, settled "
                 f"{f.settled_s}s, token gap {sum(f.token_gap.values()):+.0f}, "
@@ -918,6 +975,7 @@ def run_chaos(
         traffic.stop()
     final_settled = _settle(stack, probe, LEASE_BOUND_S + 10.0)
     final_gap = _gap(probe)
+    mem = memo.end(time.monotonic() - t0) if memo is not None else {}
     return ChaosReport(
         seed=seed,
         minutes=minutes,
@@ -929,7 +987,74 @@ def run_chaos(
         final_settled_s=final_settled,
         final_token_gap={k: v - base_gap.get(k, 0.0) for k, v in final_gap.items()},
         engine_tokens=sum(probe.engines.total().values()) - base_engines,
+        memory=mem,
     )
+
+
+_BY = ("filename", "lineno")
+
+
+class _MemoryProbe:
+    """Every ext_proc process's /debug/memory: a baseline, then the growth since it (the
+    method of bench/soak.py's --memory, per process). A process restarted in between reports
+    against its own first call (its pid says so)."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self._stack = stack
+        self.baselines: dict[str, tuple[int | None, float, dict[str, Any]]] = {}
+
+    def _read(self, i: int, **query: str) -> tuple[int | None, dict[str, Any]]:
+        name = f"extproc-{i}"
+        pid = self._stack.pid(name) if self._stack.alive(name) else None
+        return pid, debug_memory(self._stack.options, i, {"types": "1", "top": "30", **query})
+
+    def _kv_blocks(self, i: int) -> float | None:
+        """Entries of the process's exact KV index (bounded by the engines' KV blocks)."""
+        o = self._stack.options
+        try:
+            m = metric_samples(f"http://{o.host}:{o.metrics_port + i}/metrics", timeout=10)
+        except httpx.HTTPError:
+            return None
+        return sum(v for (n, _), v in m.items() if n.endswith("kv_index_pod_blocks"))
+
+    def baseline(self, t: float) -> None:
+        for i in range(self._stack.options.extproc_processes):
+            pid, report = self._read(i, reset="1")
+            report["kv_index_blocks"] = self._kv_blocks(i)
+            self.baselines[f"extproc-{i}"] = (pid, t, report)
+
+    def end(self, t: float) -> dict[str, Any]:
+        mib = 1024 * 1024
+        out: dict[str, Any] = {}
+        for i in range(self._stack.options.extproc_processes):
+            name = f"extproc-{i}"
+            pid, report = self._read(i)
+            report["kv_index_blocks"] = self._kv_blocks(i)
+            # The same growth added up by module and by allocating line (many call paths).
+            by = {g: self._read(i, group=g)[1].get("growth_since_baseline", []) for g in _BY}
+            base_pid, base_t, base = self.baselines.get(name, (None, t, {}))
+            traced = (
+                round(report["traced_growth_bytes"] / mib, 2)
+                if "traced_growth_bytes" in report
+                else None
+            )
+            out[name] = {
+                "pids": [base_pid, pid],
+                "minutes_since_baseline": round((t - base_t) / 60, 2),
+                "traced_growth_mib": traced,
+                "blocks_growth": report.get("allocated_blocks_growth"),
+                "kv_index_blocks": [base.get("kv_index_blocks"), report["kv_index_blocks"]],
+                "summary": memory_summary(report),
+                **{
+                    f"growth_by_{g}": [
+                        [r["size_diff"], r["count_diff"], r["where"][-1]] for r in rows
+                    ]
+                    for g, rows in by.items()
+                },
+                "baseline": base,
+                "end": report,
+            }
+        return out
 
 
 def plot(report: dict[str, Any], out: Path) -> None:
@@ -978,15 +1103,36 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--gap", type=float, nargs=2, default=(30.0, 90.0), metavar=("MIN", "MAX"))
-    ap.add_argument("--kinds", help="comma-separated subset of " + ",".join(KINDS))
+    ap.add_argument(
+        "--kinds", help="comma-separated subset of " + ",".join(KINDS) + f" (or {NO_FAULT})"
+    )
     ap.add_argument("--schedule", help="comma-separated faults to inject in this order instead")
     ap.add_argument("--json", type=Path, help="write the figures (with every sample) here")
     ap.add_argument("--plot", type=Path, help="write the RSS and queue plot here (PNG)")
+    ap.add_argument(
+        "--requests", help="comma-separated subset of the request kinds " + ",".join(REQUEST_KINDS)
+    )
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="servers under PYTHONTRACEMALLOC=3 (unless --server-env sets it); /debug/memory "
+        "of each at the first quiesce after the warm-up quarter (baseline) and at the end",
+    )
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the ext_proc servers, e.g. MALLOC_ARENA_MAX=2",
+    )
     args = ap.parse_args()
     kinds = args.kinds.split(",") if args.kinds else list(KINDS)
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    if args.memory:
+        env.setdefault("PYTHONTRACEMALLOC", "3")
     with (
         tempfile.TemporaryDirectory(prefix="chaos-") as tmp,
-        running(chaos_options(Path(tmp))) as stack,
+        running(chaos_options(Path(tmp), server_env=tuple(env.items()))) as stack,
     ):
         report = run_chaos(
             stack,
@@ -995,6 +1141,8 @@ def main() -> None:
             gap_s=tuple(args.gap),
             kinds=kinds,
             schedule=args.schedule.split(",") if args.schedule else None,
+            requests=args.requests.split(",") if args.requests else None,
+            memory=args.memory,
             log=lambda line: print(line, flush=True),
         ).to_json()
     print(
@@ -1002,11 +1150,13 @@ def main() -> None:
             {
                 k: v
                 for k, v in report.items()
-                if k not in ("samples", "fault_log", "not_ok", "per_10s")
+                if k not in ("samples", "fault_log", "not_ok", "per_10s", "memory")
             },
             indent=1,
         )
     )
+    for name, m in report["memory"].items():
+        print(name, json.dumps({k: v for k, v in m.items() if k not in ("baseline", "end")}))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:

@@ -32,10 +32,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.faults import running, stack_options
-from extproc.stack.local import LocalStack
+from extproc.stack.local import LocalStack, StackOptions
 from tests.e2e.harness import metric_samples
 
-__all__ = ["Soak", "proc_sample", "rss_trend"]
+__all__ = ["Soak", "debug_memory", "memory_summary", "proc_sample", "rss_trend"]
 
 CHAT = {
     "model": "qwen3",
@@ -86,6 +86,46 @@ def rss_trend(samples: list[dict[str, float]]) -> dict[str, float]:
         "rss_late_mib": round(statistics.median(late), 1),
         "rss_slope_mib_per_min": round(slope, 3),
     }
+
+
+def debug_memory(options: StackOptions, process: int, query: dict[str, str]) -> dict[str, Any]:
+    """Process `process`'s /debug/memory report (RSS, object types, tracemalloc growth since
+    the baseline; `reset="1"` takes a new one). A long timeout: the snapshot holds the
+    server's event loop for seconds under tracemalloc."""
+    o = options
+    report: dict[str, Any] = httpx.get(
+        f"http://{o.host}:{o.metrics_port + process}/debug/memory",
+        params=query,
+        headers=o.admin_headers(),
+        timeout=120,
+    ).json()
+    return report
+
+
+def memory_summary(report: dict[str, Any], top: int = 12) -> dict[str, Any]:
+    """The few figures of a /debug/memory report that say what grew: RSS, traced bytes and
+    allocated blocks (growth since the baseline), object types that grew, and the allocation
+    sites that grew most, each as (bytes, blocks, frames: the allocating line last)."""
+    mib = 1024 * 1024
+    out: dict[str, Any] = {
+        "rss_mib": round(report["rss_bytes"] / mib, 1) if report.get("rss_bytes") else None,
+        "rss_growth_mib": round(report["rss_growth_bytes"] / mib, 2)
+        if report.get("rss_growth_bytes") is not None
+        else None,
+        "traced_mib": round(report["traced_bytes"] / mib, 2) if "traced_bytes" in report else None,
+        "traced_growth_mib": round(report["traced_growth_bytes"] / mib, 2)
+        if "traced_growth_bytes" in report
+        else None,
+        "allocated_blocks_growth": report.get("allocated_blocks_growth"),
+        "object_type_growth": dict(list(report.get("object_type_growth", {}).items())[:top]),
+    }
+    growth = report.get("growth_since_baseline", [])
+    out["traced_growth_mib_top_sites"] = round(sum(g["size_diff"] for g in growth) / mib, 2)
+    out["sites"] = [
+        [g["size_diff"], g["count_diff"], ["/".join(w.rsplit("/", 2)[-2:]) for w in g["where"]]]
+        for g in growth[:top]
+    ]
+    return out
 
 
 class Soak:
@@ -154,12 +194,7 @@ class Soak:
 
     def memory(self, **query: str) -> dict[str, Any]:
         """The server's /debug/memory report (RSS, object types, tracemalloc growth)."""
-        o = self._stack.options
-        url = f"http://{o.host}:{o.metrics_port}/debug/memory"
-        report: dict[str, Any] = httpx.get(
-            url, params=query, headers=o.admin_headers(), timeout=120
-        ).json()
-        return report
+        return debug_memory(self._stack.options, 0, query)
 
     def run(self, minutes: float, sample_s: float, *, memory: bool = False) -> dict[str, Any]:
         pid = self._stack.pid("extproc-0")

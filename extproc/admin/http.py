@@ -31,7 +31,7 @@ from extproc.admin.tuning import (
 )
 from extproc.director.api import RequestHead
 from extproc.director.director import Director
-from extproc.memdiag import MemoryDiagnostics
+from extproc.memdiag import GROUPS, MemoryDiagnostics
 from extproc.metrics.store import EndpointStore
 from extproc.protocol.errors import error_json
 from extproc.types import GatewayError, PayloadTooLarge, TooManyRequests
@@ -309,8 +309,13 @@ class AdminServer:
             top = int(q.get("top", "20"))
         except ValueError:
             return web.json_response({"error": "top must be an integer"}, status=400)
+        group = q.get("group", "traceback")
+        if group not in GROUPS:
+            return web.json_response(
+                {"error": f"group must be one of {', '.join(GROUPS)}"}, status=400
+            )
         report = self._memdiag.report(
-            top=top, types=q.get("types") == "1", reset=q.get("reset") == "1"
+            top=top, types=q.get("types") == "1", reset=q.get("reset") == "1", group=group
         )
         return web.Response(body=orjson.dumps(report), content_type="application/json")
 

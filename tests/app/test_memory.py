@@ -51,6 +51,35 @@ def test_growth_names_the_type_and_the_line_that_allocated(tracing: None) -> Non
     assert "Retained" not in diag.report(types=True)["object_type_growth"]
 
 
+def _allocate_here(n: int) -> list[Retained]:
+    return [Retained(i) for i in range(n)]
+
+
+def _allocate_there(n: int) -> list[Retained]:
+    return [Retained(i) for i in range(n)]
+
+
+def test_growth_by_file_adds_up_call_paths_and_omits_the_baseline_itself(tracing: None) -> None:
+    """Growth spread over call paths adds up by module (group=filename); the baseline snapshot
+    (one object or more per traced block, kept in the process) is not counted as growth."""
+    held = _allocate_here(30_000)  # ~30k traced blocks: a baseline snapshot of ~60k objects
+    diag = MemoryDiagnostics()
+    diag.report(reset=True)
+    kept = _allocate_here(2000) + _allocate_there(2000)
+    by_path = diag.report(group="traceback", top=50)["growth_since_baseline"]
+    by_file = diag.report(group="filename", top=50)
+    mine = [g for g in by_file["growth_since_baseline"] if g["where"][0].startswith(__file__)]
+    assert by_file["growth_group"] == "filename"
+    assert len(mine) == 1
+    assert mine[0]["size_diff"] >= 4000 * 200
+    assert mine[0]["size_diff"] > max(g["size_diff"] for g in by_path)  # two paths, one file
+    assert by_file["traced_growth_bytes"] >= 4000 * 200
+    assert by_file["allocated_blocks_growth"] < 30_000  # the kept 4000 objects, not the snapshot
+    with pytest.raises(ValueError, match="group"):
+        diag.report(group="module")
+    del held, kept
+
+
 def test_without_tracemalloc_the_report_says_how_to_get_sites() -> None:
     if tracemalloc.is_tracing():
         pytest.skip("this interpreter runs with tracemalloc (PYTHONTRACEMALLOC)")
@@ -82,5 +111,8 @@ models:
             bad = await client.get("/debug/memory", params={"top": "many"})
             assert bad.status_code == 400
             assert "top" in bad.json()["error"]
+            bad = await client.get("/debug/memory", params={"group": "module"})
+            assert bad.status_code == 400
+            assert "group" in bad.json()["error"]
     finally:
         await app.stop()
