@@ -1024,7 +1024,6 @@ class _MemoryProbe:
             self.baselines[f"extproc-{i}"] = (pid, t, report)
 
     def end(self, t: float) -> dict[str, Any]:
-        mib = 1024 * 1024
         out: dict[str, Any] = {}
         for i in range(self._stack.options.extproc_processes):
             name = f"extproc-{i}"
@@ -1033,18 +1032,14 @@ class _MemoryProbe:
             # The same growth added up by module and by allocating line (many call paths).
             by = {g: self._read(i, group=g)[1].get("growth_since_baseline", []) for g in _BY}
             base_pid, base_t, base = self.baselines.get(name, (None, t, {}))
-            traced = (
-                round(report["traced_growth_bytes"] / mib, 2)
-                if "traced_growth_bytes" in report
-                else None
-            )
+            summary = memory_summary(report)
             out[name] = {
                 "pids": [base_pid, pid],
                 "minutes_since_baseline": round((t - base_t) / 60, 2),
-                "traced_growth_mib": traced,
+                "traced_growth_mib": summary["traced_growth_mib"],
                 "blocks_growth": report.get("allocated_blocks_growth"),
                 "kv_index_blocks": [base.get("kv_index_blocks"), report["kv_index_blocks"]],
-                "summary": memory_summary(report),
+                "summary": summary,
                 **{
                     f"growth_by_{g}": [
                         [r["size_diff"], r["count_diff"], r["where"][-1]] for r in rows
