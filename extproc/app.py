@@ -322,6 +322,7 @@ class Core:
             dispatch=cfg.dispatch,
             engine_queue=cfg.engine_queue,
             max_concurrency=cfg.max_concurrency,
+            clock=self.clock,
         )
         load = self.inflight.load
         return FlowController(
@@ -332,7 +333,7 @@ class Core:
                 load=lambda address: (load(address).requests, load(address).tokens),
                 models=self.latency,
             ),
-            metrics=FlowMetrics(self.registry), room_cache_s=ROOM_CACHE_S,
+            metrics=FlowMetrics(self.registry), room_cache_s=ROOM_CACHE_S, clock=self.clock,
         )  # fmt: skip
 
     def _lease_bound(self, address: str) -> float:
