@@ -16,6 +16,12 @@ capture's, a few rounds:
   what is left at the median is the time the path adds to every first token (the gateway,
   Envoy, the engine's HTTP handler, a busy host's own delays).
 
+Every round's step is checked: if the pods' answers moved further from the capture's (TTFT p50
+and p90, TPOT p50 per pod: what the fidelity check compares), the pods go back to their last
+profiles, and each pod that moved away takes half the step the next round. Where TTFTs are mostly queueing (a few long prompts, each waiting for the
+last: document Q&A), their slope over uncached tokens overstates what a token of prefill costs,
+and followed blindly it pushes the pod into a queue the capture never had.
+
 The cache size and scheduler limits are the simulator's defaults unless the caller knows the
 pods' (`PodProfile`). Fitting needs the capture's outcomes: a pod with fewer than
 `MIN_SAMPLES` timed requests gets one speed factor for all its costs (from its median time
@@ -218,10 +224,35 @@ def fit_pods(
         out = replay(trial, requests, strategy="round-robin", pinned=True, prompts=prompts)
         return {r.index: s for r, s in zip(requests, out, strict=True)}
 
+    aims = {a: _aims(timed[a]) for a in (*want, *few)}
+    # The closest pods so far, as a whole (a closed-loop client's next request waits for its
+    # last one, so one pod's speed moves the others' arrivals), and each pod's own misfit then.
+    best: tuple[dict[str, PodProfile], float, dict[str, float]] | None = None
+    radius = dict.fromkeys(aims, _MAX_LOG_STEP)
+
+    def settle(served: dict[int, Served]) -> bool:
+        """Keep the pods if they answer closer to the capture than the best so far, else
+        restore the best and halve the next step of each pod that moved away; True when the
+        best was restored."""
+        nonlocal best
+        misses = {a: _misfit(timed[a], served, aim) for a, aim in aims.items()}
+        total = sum(misses.values())
+        if best is not None and total > best[1]:
+            for address, miss in misses.items():
+                if miss > best[2][address]:
+                    radius[address] /= 2
+            pods.update(best[0])
+            return True
+        best = (dict(pods), total, misses)
+        return False
+
     nudge = math.log(_NUDGE)
     for rnd in range(1, max_rounds + 1):
         report.rounds = rnd
-        base, by_prefill, by_decode = run(1.0, 1.0), run(1.0, _NUDGE), run(_NUDGE, 1.0)
+        base = run(1.0, 1.0)
+        if settle(base):
+            base = run(1.0, 1.0)
+        by_prefill, by_decode = run(1.0, _NUDGE), run(_NUDGE, 1.0)
         worst = 0.0
         for address, (tpot, signal, ttft) in want.items():
             pod, rows, slope = pods[address], timed[address], by_slope[address]
@@ -234,8 +265,9 @@ def fit_pods(
             jac = [[(math.log(f[i]) - math.log(f0[i])) / nudge for f in (fp, fd)] for i in (0, 1)]
             residual = (math.log(tpot) - math.log(f0[0]), math.log(signal) - math.log(f0[1]))
             dp, dd = _solve(jac, residual)
-            prefill = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, dp)))
-            decode = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, dd)))
+            bound = radius[address]
+            dp, dd = max(-bound, min(bound, dp)), max(-bound, min(bound, dd))
+            prefill, decode = math.exp(dp), math.exp(dd)
             # What the path adds: the capture's median TTFT over the twin's engine-only one,
             # as the twin will answer after this round's correction (to first order).
             ttft_after = f0[2] * (1.0 + (prefill - 1.0) * _share(f0, fp, nudge))
@@ -253,14 +285,16 @@ def fit_pods(
                 target = max(1e-4, ttft - path)
             if not twin or statistics.median(twin) <= 0:
                 continue
-            step = math.log(target / statistics.median(twin))
-            speed = math.exp(max(-_MAX_LOG_STEP, min(_MAX_LOG_STEP, step)))
-            pods[address] = _scaled(pod, speed, speed, path)
+            bound = radius[address]
+            step = max(-bound, min(bound, math.log(target / statistics.median(twin))))
+            pods[address] = _scaled(pod, math.exp(step), math.exp(step), path)
             worst = max(worst, abs(step))
         if worst < _CONVERGED:
             break
-    report.pods = tuple(pods.values())
     final = run(1.0, 1.0)
+    if settle(final):  # the last round's step moved the answers away: the best pods stay
+        final = run(1.0, 1.0)
+    report.pods = tuple(pods.values())
     for address, (tpot, _signal, ttft) in want.items():
         got = _targets(timed[address], final, 0.0, by_slope[address])
         report.check[address] = {
@@ -275,3 +309,27 @@ def fit_pods(
 def _share(f0: Sequence[float], fp: Sequence[float], nudge: float) -> float:
     """How much of the median TTFT scales with the prefill cost (its log-derivative)."""
     return max(0.0, min(1.0, (math.log(fp[2]) - math.log(f0[2])) / nudge))
+
+
+def _aims(rows: Sequence[TwinRequest]) -> tuple[float, float, float | None]:
+    """What the capture measured of a pod: TTFT p50 and p90, TPOT p50 (None: not timed)."""
+    ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in rows if r.tpot_s is not None and r.tpot_s > 0]
+    return _quantile(ttft, 0.5), _quantile(ttft, 0.9), statistics.median(tpot) if tpot else None
+
+
+def _misfit(
+    rows: Sequence[TwinRequest],
+    served: Mapping[int, Served],
+    aim: tuple[float, float, float | None],
+) -> float:
+    """How far the twin's answers to a pod's requests are from the capture's: the squared log
+    ratios of TTFT p50 and p90 and TPOT p50 (what the fidelity check compares), summed."""
+    ttft = [t for r in rows if (t := served[r.index].ttft_s) is not None and t > 0]
+    if not ttft:
+        return math.inf
+    pairs = [(_quantile(ttft, 0.5), aim[0]), (_quantile(ttft, 0.9), aim[1])]
+    tpot = [t for r in rows if (t := served[r.index].tpot_s) is not None and t > 0]
+    if aim[2] is not None and tpot:
+        pairs.append((statistics.median(tpot), aim[2]))
+    return sum(math.log(max(got, 1e-6) / max(want, 1e-6)) ** 2 for got, want in pairs)

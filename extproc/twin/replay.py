@@ -16,9 +16,10 @@ What stands in for the rest of the world:
   upstream (no retries: a replayed pod does not fail) and the access-log record handed to the
   director `ACCESS_LOG_DELAY_S` after the last token.
 
-A request arrives at its captured time, except a conversation's next turn
-(`TwinRequest.parent`): it is sent when the answer it resends has ended in the twin, after the
-time its client took in the capture (a slower rule delays it, as it would a user). A request
+A request arrives at its captured time, except one whose client waited for an earlier answer
+(`TwinRequest.after`: a conversation's next turn, a closed-loop client's next request): it is
+sent when that answer has ended in the twin, after the time its client took in the capture (a
+slower rule delays it, as it would a user). A request
 the gateway answers itself (a 429 from flow control, a 503) is counted with its status.
 """
 
@@ -368,12 +369,13 @@ async def _run(
     tasks: dict[int, asyncio.Task[Served]] = {}
 
     async def launch(req: TwinRequest, at: float) -> Served:
-        parent = by_index.get(req.parent) if req.parent is not None else None
-        if parent is not None and parent.latency_s is not None and parent.index in tasks:
-            # A next turn is sent when the answer it resends has come, after the time its
-            # client took in the capture: a slower rule delays it, as it would a user.
-            await asyncio.shield(tasks[parent.index])
-            think = max(0.0, req.at_s - (parent.at_s + parent.latency_s))
+        last = by_index.get(req.after) if req.after is not None else None
+        if last is not None and last.latency_s is not None and last.index in tasks:
+            # Sent when the answer its client waited for has come (a conversation's last
+            # turn, a closed-loop client's last request), after the time its client took in
+            # the capture: a slower rule delays it, as it would a user.
+            await asyncio.shield(tasks[last.index])
+            think = max(0.0, req.at_s - (last.at_s + last.latency_s))
             await asyncio.sleep(think + (at - req.at_s))
         else:
             await asyncio.sleep(max(0.0, at - loop.time()))

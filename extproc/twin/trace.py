@@ -21,6 +21,7 @@ share nothing there.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -33,9 +34,12 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "CLIENT_EXCESS",
+    "CLIENT_GAP_S",
     "WINDOW_TOKENS",
     "CaptureError",
     "TwinRequest",
+    "link_clients",
     "link_continuations",
     "load_pod_facts",
     "load_requests",
@@ -50,6 +54,13 @@ _TOKEN_LOW, _TOKEN_HIGH = 1000, 100_000
 _REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 # Prompts kept built (a continuation's parent is usually a recent request).
 _RECENT = 512
+# A closed-loop client's next request arrives this soon after its last one ended (seconds,
+# from the end the access record gives: the response's last byte may be timed a few ms after
+# the client had it); `link_clients`.
+CLIENT_GAP_S = (-0.005, 0.020)
+# How much more often real ends must precede arrivals than ends moved this much later.
+CLIENT_EXCESS = 0.5
+_NULL_SHIFT_S = 0.1
 
 
 class CaptureError(ValueError):
@@ -84,6 +95,10 @@ class TwinRequest:
     # answer, are this prompt's first `continues` tokens.
     parent: int | None = None
     continues: int = 0
+    # The earlier request whose end this one waited for (its conversation's last turn, or its
+    # closed-loop client's last request: `link_clients`): the replay sends it when that one
+    # has ended in the twin, after the pause its client took in the capture.
+    after: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -194,7 +209,7 @@ def parse_requests(lines: Iterable[str], *, source: str = "<capture>") -> list[T
                 else None,
             )
         )
-    return link_continuations(out)
+    return link_clients(link_continuations(out))
 
 
 def _chain(ids: Sequence[int]) -> list[int]:
@@ -235,11 +250,63 @@ def link_continuations(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
             break
         if parent is not None:
             continues = min(parent.input_length + parent.output_length, r.input_length)
-            r = dataclasses.replace(r, parent=parent.index, continues=continues)
+            r = dataclasses.replace(r, parent=parent.index, continues=continues, after=parent.index)
         if whole:
             by_key[r.unit, keys[whole - 1]] = r.index
         out.append(r)
     return out
+
+
+def _follow(requests: Sequence[TwinRequest], shift_s: float) -> dict[int, int]:
+    """Each request matched to an earlier one that ended (+ `shift_s`) just before it arrived,
+    within `CLIENT_GAP_S`, nearest first; an ended request is matched once (its client sent one
+    next request)."""
+    ends = sorted(
+        (r.at_s + r.latency_s + shift_s, r.index) for r in requests if r.latency_s is not None
+    )
+    times = [e for e, _ in ends]
+    claimed: set[int] = set()
+    out: dict[int, int] = {}
+    lo_gap, hi_gap = CLIENT_GAP_S
+    for r in requests:
+        lo = bisect.bisect_left(times, r.at_s - hi_gap)
+        hi = bisect.bisect_right(times, r.at_s - lo_gap)
+        found = min(
+            (
+                (abs(r.at_s - times[k]), ends[k][1])
+                for k in range(lo, hi)
+                if ends[k][1] not in claimed and ends[k][1] < r.index
+            ),
+            default=None,
+        )
+        if found is not None:
+            claimed.add(found[1])
+            out[r.index] = found[1]
+    return out
+
+
+def link_clients(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
+    """Mark the requests of closed-loop clients (each sends its next request when its last one
+    has been answered: a benchmark's concurrency, an agent's loop) with the request they
+    waited for (`after`), so the twin offers a slower rule less load, as those clients would.
+
+    The capture says nothing of clients; their loop shows in the times: such a request arrives
+    within milliseconds of an earlier one's end. Arrivals at random also land near some end
+    now and then, the more often the busier the gateway, so the capture's matches are set
+    against a null: the same matching with every end moved `_NULL_SHIFT_S` later. Only when
+    the real times match at least `CLIENT_EXCESS` more of the requests than the shifted ones
+    is the capture taken for closed-loop clients, and its matches kept; a conversation's next
+    turn keeps its own link (`link_continuations`)."""
+    if not requests:
+        return list(requests)
+    real = _follow(requests, 0.0)
+    null = _follow(requests, _NULL_SHIFT_S)
+    if (len(real) - len(null)) / len(requests) < CLIENT_EXCESS:
+        return list(requests)
+    return [
+        dataclasses.replace(r, after=real[r.index]) if r.after is None and r.index in real else r
+        for r in requests
+    ]
 
 
 def load_requests(path: Path) -> list[TwinRequest]:

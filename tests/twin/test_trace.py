@@ -139,3 +139,43 @@ def test_without_a_session_the_engines_cached_count_is_the_evidence() -> None:
     assert first.unit == 64
     assert cont.parent == first.index and cont.continues == 780
     assert shared.parent is None
+
+
+def _clients_traffic(clients: int, n: int, *, gap_ms: float, seed: int) -> list[str]:
+    """`clients` closed-loop clients: each sends its next request `gap_ms` after its last
+    one's captured end (latencies drawn at random)."""
+    import random
+
+    rng = random.Random(seed)
+    free = [(rng.uniform(0, 50), c) for c in range(clients)]  # (time it sends next, client)
+    lines = []
+    for i in range(n):
+        free.sort()
+        at, c = free.pop(0)
+        latency = rng.uniform(80, 900)
+        lines.append(_line(timestamp=at, latency_ms=latency, hash_ids=[i, i + 1]))
+        free.append((at + latency + gap_ms * rng.uniform(0.2, 1.0), c))
+    return lines
+
+
+def test_closed_loop_clients_send_each_request_after_the_answer_they_waited_for() -> None:
+    requests = parse_requests(_clients_traffic(12, 300, gap_ms=3.0, seed=1))
+    linked = [r for r in requests if r.after is not None]
+    assert len(linked) == 300 - 12  # every request but each client's first
+    for r in linked:  # each waited for an earlier answer that ended just before it came
+        last = requests[r.after]  # type: ignore[index]
+        assert last.index < r.index and last.latency_s is not None
+        assert -0.005 <= r.at_s - (last.at_s + last.latency_s) <= 0.020
+    assert len({r.after for r in linked}) == len(linked)  # one next request per answer
+
+
+@pytest.mark.parametrize("rate", [5.0, 40.0, 120.0])
+def test_arrivals_at_random_are_not_taken_for_clients(rate: float) -> None:
+    import random
+
+    rng = random.Random(7)
+    t, lines = 0.0, []
+    for i in range(600):  # Poisson arrivals; at 120/s an end precedes many by under 20 ms
+        t += rng.expovariate(rate) * 1000
+        lines.append(_line(timestamp=t, latency_ms=rng.uniform(80, 900), hash_ids=[i, i + 1]))
+    assert all(r.after is None for r in parse_requests(lines))
