@@ -18,9 +18,10 @@ capture's, a few rounds:
 
 Every round's step is checked: if the pods' answers moved further from the capture's (TTFT p50
 and p90, TPOT p50 per pod: what the fidelity check compares), the pods go back to their last
-profiles, and each pod that moved away takes half the step the next round. Where TTFTs are mostly queueing (a few long prompts, each waiting for the
-last: document Q&A), their slope over uncached tokens overstates what a token of prefill costs,
-and followed blindly it pushes the pod into a queue the capture never had.
+profiles, and each pod that moved away takes half the step the next round. Where TTFTs are
+mostly queueing (a few long prompts, each waiting for the last: document Q&A), their slope
+over uncached tokens overstates what a token of prefill costs, and followed blindly it pushes
+the pod into a queue the capture never had.
 
 The cache size and scheduler limits are the simulator's defaults unless the caller knows the
 pods' (`PodProfile`). Fitting needs the capture's outcomes: a pod with fewer than
@@ -226,32 +227,31 @@ def fit_pods(
 
     aims = {a: _aims(timed[a]) for a in (*want, *few)}
     # The closest pods so far, as a whole (a closed-loop client's next request waits for its
-    # last one, so one pod's speed moves the others' arrivals), and each pod's own misfit then.
-    best: tuple[dict[str, PodProfile], float, dict[str, float]] | None = None
+    # last one, so one pod's speed moves the others' arrivals): the profiles, their answers,
+    # their total misfit and each pod's own.
+    best: tuple[dict[str, PodProfile], dict[int, Served], float, dict[str, float]] | None = None
     radius = dict.fromkeys(aims, _MAX_LOG_STEP)
 
-    def settle(served: dict[int, Served]) -> bool:
-        """Keep the pods if they answer closer to the capture than the best so far, else
-        restore the best and halve the next step of each pod that moved away; True when the
-        best was restored."""
+    def settle(served: dict[int, Served]) -> dict[int, Served]:
+        """The pods' answers if they are closer to the capture than the best so far; else the
+        best pods are restored, each pod that moved away will take half the step, and the
+        best's answers are returned."""
         nonlocal best
         misses = {a: _misfit(timed[a], served, aim) for a, aim in aims.items()}
         total = sum(misses.values())
-        if best is not None and total > best[1]:
+        if best is not None and total > best[2]:
             for address, miss in misses.items():
-                if miss > best[2][address]:
+                if miss > best[3][address]:
                     radius[address] /= 2
             pods.update(best[0])
-            return True
-        best = (dict(pods), total, misses)
-        return False
+            return best[1]
+        best = (dict(pods), served, total, misses)
+        return served
 
     nudge = math.log(_NUDGE)
     for rnd in range(1, max_rounds + 1):
         report.rounds = rnd
-        base = run(1.0, 1.0)
-        if settle(base):
-            base = run(1.0, 1.0)
+        base = settle(run(1.0, 1.0))
         by_prefill, by_decode = run(1.0, _NUDGE), run(_NUDGE, 1.0)
         worst = 0.0
         for address, (tpot, signal, ttft) in want.items():
@@ -291,9 +291,7 @@ def fit_pods(
             worst = max(worst, abs(step))
         if worst < _CONVERGED:
             break
-    final = run(1.0, 1.0)
-    if settle(final):  # the last round's step moved the answers away: the best pods stay
-        final = run(1.0, 1.0)
+    final = settle(run(1.0, 1.0))  # the last round's step too
     report.pods = tuple(pods.values())
     for address, (tpot, _signal, ttft) in want.items():
         got = _targets(timed[address], final, 0.0, by_slope[address])

@@ -34,8 +34,6 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "CLIENT_EXCESS",
-    "CLIENT_GAP_S",
     "WINDOW_TOKENS",
     "CaptureError",
     "TwinRequest",
@@ -57,9 +55,9 @@ _RECENT = 512
 # A closed-loop client's next request arrives this soon after its last one ended (seconds,
 # from the end the access record gives: the response's last byte may be timed a few ms after
 # the client had it); `link_clients`.
-CLIENT_GAP_S = (-0.005, 0.020)
+_CLIENT_GAP_S = (-0.005, 0.020)
 # How much more often real ends must precede arrivals than ends moved this much later.
-CLIENT_EXCESS = 0.5
+_CLIENT_EXCESS = 0.5
 _NULL_SHIFT_S = 0.1
 
 
@@ -259,7 +257,7 @@ def link_continuations(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
 
 def _follow(requests: Sequence[TwinRequest], shift_s: float) -> dict[int, int]:
     """Each request matched to an earlier one that ended (+ `shift_s`) just before it arrived,
-    within `CLIENT_GAP_S`, nearest first; an ended request is matched once (its client sent one
+    within `_CLIENT_GAP_S`, nearest first; an ended request is matched once (its client sent one
     next request)."""
     ends = sorted(
         (r.at_s + r.latency_s + shift_s, r.index) for r in requests if r.latency_s is not None
@@ -267,7 +265,7 @@ def _follow(requests: Sequence[TwinRequest], shift_s: float) -> dict[int, int]:
     times = [e for e, _ in ends]
     claimed: set[int] = set()
     out: dict[int, int] = {}
-    lo_gap, hi_gap = CLIENT_GAP_S
+    lo_gap, hi_gap = _CLIENT_GAP_S
     for r in requests:
         lo = bisect.bisect_left(times, r.at_s - hi_gap)
         hi = bisect.bisect_right(times, r.at_s - lo_gap)
@@ -294,14 +292,14 @@ def link_clients(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
     within milliseconds of an earlier one's end. Arrivals at random also land near some end
     now and then, the more often the busier the gateway, so the capture's matches are set
     against a null: the same matching with every end moved `_NULL_SHIFT_S` later. Only when
-    the real times match at least `CLIENT_EXCESS` more of the requests than the shifted ones
+    the real times match at least `_CLIENT_EXCESS` more of the requests than the shifted ones
     is the capture taken for closed-loop clients, and its matches kept; a conversation's next
     turn keeps its own link (`link_continuations`)."""
     if not requests:
         return list(requests)
     real = _follow(requests, 0.0)
     null = _follow(requests, _NULL_SHIFT_S)
-    if (len(real) - len(null)) / len(requests) < CLIENT_EXCESS:
+    if (len(real) - len(null)) / len(requests) < _CLIENT_EXCESS:
         return list(requests)
     return [
         dataclasses.replace(r, after=real[r.index]) if r.after is None and r.index in real else r
