@@ -12,6 +12,7 @@ Every 30-90 s (drawn from a seeded RNG) one fault, drawn at random:
     server_sigkill   SIGKILL the ext_proc process that does not hold Envoy's access log, restart
     server_sigterm   SIGTERM a random ext_proc process (a rolling update), restart it
     sink_sigkill     SIGKILL the process holding the access log (the accounting sink), restart
+    sink_sigterm     SIGTERM the process holding the access log, restart it once it exited
     nats_restart     SIGKILL the NATS server, start it again on the same port
     pod_kill         SIGKILL a random engine, restart it
     pod_hang         a random engine accepts and never answers, for a few seconds
@@ -91,6 +92,7 @@ KINDS = (
     "server_sigkill",
     "server_sigterm",
     "sink_sigkill",
+    "sink_sigterm",
     "nats_restart",
     "pod_kill",
     "pod_hang",
@@ -128,6 +130,9 @@ def chaos_options(workdir: Path, **changes: Any) -> StackOptions:
             "log_level": "warning",
             "sim_args": ("--time-scale", "0.2", "--max-num-seqs", str(SLOTS_PER_POD)),
             "server_config": {
+                # A stopping process waits for the probe's next read of its counters, as it
+                # would for Prometheus' (the access log's last batch is counted there).
+                "server": {"final_scrape_s": 5.0},
                 "flow_control": {"enabled": True, "ttl_s": 30.0},
                 "accounting": {"lease_min_s": LEASE_BOUND_S, "lease_max_s": LEASE_BOUND_S},
             },
@@ -576,18 +581,19 @@ def inject(kind: str, stack: LocalStack, probe: Probe, rng: random.Random) -> Fa
     o = stack.options
     n = o.extproc_processes
     f = Fault(kind, time.monotonic())
-    if kind in ("server_sigkill", "sink_sigkill", "server_sigterm"):
+    if kind in ("server_sigkill", "sink_sigkill", "server_sigterm", "sink_sigterm"):
         sinks = probe.sinks()
+        sigterm = kind in ("server_sigterm", "sink_sigterm")
         if kind == "server_sigterm":
             victim = rng.randrange(n)
         else:
-            want = sinks if kind == "sink_sigkill" else set(range(n)) - sinks
+            want = sinks if kind.startswith("sink_") else set(range(n)) - sinks
             victim = rng.choice(sorted(want or set(range(n))))
         name = f"extproc-{victim}"
         f.detail = {"victim": name, "held_access_log": victim in sinks}
         probe.read_process(victim)  # its counters die with it: the last figures first
         f.at = time.monotonic()
-        if kind == "server_sigterm":
+        if sigterm:
             stack.signal(name, signal.SIGTERM)
             reader = threading.Thread(target=_final_read, args=(probe, victim, name), daemon=True)
             reader.start()
@@ -1120,6 +1126,11 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="environment for the ext_proc servers, e.g. MALLOC_ARENA_MAX=2",
     )
+    ap.add_argument(
+        "--keep-logs",
+        type=Path,
+        help="keep the stack's working directory (every process's log) here",
+    )
     args = ap.parse_args()
     kinds = args.kinds.split(",") if args.kinds else list(KINDS)
     env = dict(kv.split("=", 1) for kv in args.server_env)
@@ -1127,7 +1138,7 @@ def main() -> None:
         env.setdefault("PYTHONTRACEMALLOC", "3")
     with (
         tempfile.TemporaryDirectory(prefix="chaos-") as tmp,
-        running(chaos_options(Path(tmp), server_env=tuple(env.items()))) as stack,
+        running(chaos_options(args.keep_logs or Path(tmp), server_env=tuple(env.items()))) as stack,
     ):
         report = run_chaos(
             stack,

@@ -1058,6 +1058,7 @@ class App:
         if self.sync is not None:
             await self.sync.stop()
         await self.kv.close()
+        await self._admin.final_scrape(self.config.server.final_scrape_s)
         await self._admin.stop()
         await self._http.aclose()
         await self._pages.aclose()

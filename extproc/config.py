@@ -142,6 +142,10 @@ class ServerConfig:
     # moved new streams and the access log elsewhere; Envoy's panic mode sends here while it
     # sees no other healthy process.
     shutdown_announce_s: float = 1.0
+    # Once drained, a process that was scraped waits for one more scrape of /metrics (this
+    # long at most) before it exits, so its counters' last increments (the access log's last
+    # batch) are read. 0: exit at once; deploy/ sets 16 (its PodMonitor scrapes every 15 s).
+    final_scrape_s: float = 0.0
     allow_explain: bool = False  # honour `x-routing-explain: true` on requests
     # The admin port's status page (`/`, `/status.json`): endpoints, recent decisions, config.
     status_page: bool = False
@@ -170,6 +174,7 @@ class ServerConfig:
                 max_pending_requests=_AT_LEAST_1,
                 shutdown_grace_s=_AT_LEAST_0,
                 shutdown_announce_s=_AT_LEAST_0,
+                final_scrape_s=_AT_LEAST_0,
                 tokenize_inline_bytes=_AT_LEAST_0,
                 tokenizer_threads=_AT_LEAST_1,
                 max_tokenizers=_AT_LEAST_1,

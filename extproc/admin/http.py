@@ -122,6 +122,8 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
         self._page, self._page_csp = b"", ""
         self._gate: ExplainGate | None = None
+        self._scrapes = 0  # /metrics answered this life
+        self._final_scrape: asyncio.Event | None = None  # set by the first scrape after the drain
 
     def _explain_gate(self) -> ExplainGate:
         a = self._src.config.admin
@@ -178,8 +180,23 @@ class AdminServer:
             if self._src.config.server.status_page:
                 store = self._src.store
                 addresses = [ep.address for m in store.models() for ep in store.endpoints(m)]
-                self._series.sample(addresses, self._src.inflight, time.time())
+                self._series.sample(addresses, self._src.inflight, self._wall_clock())
             await asyncio.sleep(self._sample_every_s)
+
+    async def final_scrape(self, wait_s: float) -> bool:
+        """Stopping: wait until `/metrics` has answered once more, `wait_s` at most, so the
+        counters' last increments (the access log's last batch, the leases handed over) reach
+        whoever scrapes this process before it is gone. Only a process scraped before waits:
+        one nobody reads exits at once. True if the scrape came."""
+        if wait_s <= 0 or self._scrapes == 0 or self._runner is None:
+            return False
+        self._final_scrape = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._final_scrape.wait(), wait_s)
+        except TimeoutError:
+            log.info("no scrape came in %.1fs: exiting with the last counts unread", wait_s)
+            return False
+        return True
 
     async def stop(self) -> None:
         if self._sampler is not None:
@@ -191,9 +208,19 @@ class AdminServer:
             await self._runner.cleanup()
             self._runner = None
 
-    async def _h_metrics(self, _request: web.Request) -> web.Response:
+    async def _h_metrics(self, request: web.Request) -> web.StreamResponse:
         body = self._src.metrics.render()
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        self._scrapes += 1
+        if self._final_scrape is None:
+            return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        # The final scrape: the process may stop as soon as the body is written, not before.
+        response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+        response.content_length = len(body)
+        await response.prepare(request)
+        await response.write(body)
+        await response.write_eof()
+        self._final_scrape.set()
+        return response
 
     async def _h_healthz(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -1,7 +1,8 @@
 """The chaos soak in short (issue 32 #3): a minute of the mixed traffic of bench/chaos.py (two
 processes, flow control, chat, streams, completions, Responses, Messages, sessions, tenants and
-priorities, bursts above the pool) while a SIGKILL of a server process, an engine pod kill, a
-hang, a NATS restart and an Envoy hot restart follow each other.
+priorities, bursts above the pool) while a SIGKILL of a server process, a SIGTERM of the one
+holding the access log, an engine pod kill, a hang, a NATS restart and an Envoy hot restart
+follow each other.
 
 What must hold: the only requests lost are those each fault may cost by design (a decision
 caught by the killed process: Envoy's fail-closed 503; an answer cut with its engine), each
@@ -23,7 +24,9 @@ from tests.e2e.harness import running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
-SCHEDULE = ("server_sigkill", "pod_kill", "pod_hang", "nats_restart", "envoy_restart")
+SCHEDULE = (
+    "server_sigkill", "sink_sigterm", "pod_kill", "pod_hang", "nats_restart", "envoy_restart",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
