@@ -156,7 +156,8 @@ def load_scenario(
         q = dict(raw["quick"])
         keep = q.pop("variants", None)
         raw = _merge(raw, q)
-        if keep is not None:  # the quick suite runs a named subset of the variants
+        if keep is not None and only_variants is None:
+            # The quick suite runs a named subset of the variants; named ones run as asked.
             by_name = {v["name"]: v for v in raw["variants"]}
             raw["variants"] = [by_name[n] for n in keep]
     if only_variants is not None:

@@ -22,6 +22,16 @@ def test_a_run_can_keep_named_variants_only() -> None:
         load_scenario(SCENARIOS / "higress.yaml", only_variants=["nope"])
 
 
+def test_named_variants_run_at_the_quick_size_even_outside_the_quick_subset() -> None:
+    # higress's quick block runs 3 variants; a twin proof at the quick size names others.
+    quick = load_scenario(SCENARIOS / "higress.yaml", quick=True)
+    assert "kv-aware" not in [v.name for v in quick.variants]
+    sc = load_scenario(SCENARIOS / "higress.yaml", quick=True, only_variants=["kv-aware"])
+    assert [v.name for v in sc.variants] == ["kv-aware"]
+    assert sc.repetitions == quick.repetitions == 1  # the quick sizes still apply
+    assert sc.loads == quick.loads
+
+
 def test_the_overhead_scenario_measures_tracing_at_1_and_100_percent() -> None:
     sc = load_scenario(SCENARIOS / "overhead.yaml")
     traced = {v.name: v.tracing for v in sc.variants if v.tracing is not None}
