@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stats import percentile
 from extproc.stack.envoy_config import EXTPROC_STATUS_ON_ERROR
+from extproc.stack.envoy_gateway import GatewayShape
 from extproc.stack.local import LocalStack, StackOptions
 from tests.e2e.harness import metric_samples, metric_sum
 from tests.e2e.harness import stack_options as harness_options
@@ -1658,6 +1659,26 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
     ),
     "sessions_no_restart": (
         {"extproc_processes": 2, "strategy": "kv-aware", "sims": 4},
+        lambda s: rolling_restart_sessions(s, restart=False),
+    ),
+    # The same in Envoy Gateway's translation of deploy/ (its health check, retries, 1 s
+    # access-log flush); what a cluster adds, the endpoint's removal by EDS, is not here.
+    "rolling_restart_sessions_eg": (
+        {
+            "extproc_processes": 2,
+            "strategy": "kv-aware",
+            "sims": 4,
+            "gateway_shape": GatewayShape.ENVOY_GATEWAY,
+        },
+        lambda s: rolling_restart_sessions(s, restart=True),
+    ),
+    "sessions_no_restart_eg": (
+        {
+            "extproc_processes": 2,
+            "strategy": "kv-aware",
+            "sims": 4,
+            "gateway_shape": GatewayShape.ENVOY_GATEWAY,
+        },
         lambda s: rolling_restart_sessions(s, restart=False),
     ),
 }
