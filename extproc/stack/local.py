@@ -440,6 +440,15 @@ class LocalStack:
                         ],
                         env=dict(o.server_env),
                     )
+            n = o.extproc_processes
+            if o.gateway_shape is not GatewayShape.LOCAL and not o.baseline:
+                # Envoy Gateway's ext_proc cluster is the EDS of ready pods, and its health
+                # check has no no_traffic_interval: a process listed before it listens fails
+                # its first check and stays failed until the next, Envoy's 60 s later (every
+                # process failed: panic mode, a stopping one still sent streams). So, as EDS
+                # would, Envoy starts once the processes are ready.
+                ready = [f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(n)]
+                self.wait_urls(ready, time.monotonic() + timeout)
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoy_text)
             base_id = str(o.admin_port)  # distinct shared-memory id per stack on one machine
