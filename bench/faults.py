@@ -1536,6 +1536,10 @@ def server_sigkill(
     }
 
 
+# Issue 32 #4: the defaults (kv-aware, KV events), 2 processes, 24 conversations; the same run
+# without restarts is the reference for the hit rate and the pods kept.
+SESSIONS_STACK: dict[str, Any] = {"extproc_processes": 2, "strategy": "kv-aware", "sims": 4}
+
 SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]]]] = {
     "pod_kill": ({}, lambda s: pod_kill(s, warmup_s=2, down_s=5, after_s=3, concurrency=8)),
     "pod_hang": (
@@ -1651,34 +1655,22 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
         for fault in ("kill", "slow", "errors")
         for suffix, rate in (("", None), ("_open", 40.0))
     },
-    # Issue 32 #4: the defaults (kv-aware, KV events), 2 processes, 24 conversations; the
-    # same run without restarts is the reference for the hit rate and the pods kept.
     "rolling_restart_sessions": (
-        {"extproc_processes": 2, "strategy": "kv-aware", "sims": 4},
+        SESSIONS_STACK,
         lambda s: rolling_restart_sessions(s, restart=True),
     ),
     "sessions_no_restart": (
-        {"extproc_processes": 2, "strategy": "kv-aware", "sims": 4},
+        SESSIONS_STACK,
         lambda s: rolling_restart_sessions(s, restart=False),
     ),
     # The same in Envoy Gateway's translation of deploy/ (its health check, retries, 1 s
     # access-log flush); what a cluster adds, the endpoint's removal by EDS, is not here.
     "rolling_restart_sessions_eg": (
-        {
-            "extproc_processes": 2,
-            "strategy": "kv-aware",
-            "sims": 4,
-            "gateway_shape": GatewayShape.ENVOY_GATEWAY,
-        },
+        {**SESSIONS_STACK, "gateway_shape": GatewayShape.ENVOY_GATEWAY},
         lambda s: rolling_restart_sessions(s, restart=True),
     ),
     "sessions_no_restart_eg": (
-        {
-            "extproc_processes": 2,
-            "strategy": "kv-aware",
-            "sims": 4,
-            "gateway_shape": GatewayShape.ENVOY_GATEWAY,
-        },
+        {**SESSIONS_STACK, "gateway_shape": GatewayShape.ENVOY_GATEWAY},
         lambda s: rolling_restart_sessions(s, restart=False),
     ),
 }

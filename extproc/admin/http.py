@@ -122,7 +122,7 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
         self._page, self._page_csp = b"", ""
         self._gate: ExplainGate | None = None
-        self._scrapes = 0  # /metrics answered this life
+        self._scraped = False  # /metrics answered this life
         self._final_scrape: asyncio.Event | None = None  # set by the first scrape after the drain
 
     def _explain_gate(self) -> ExplainGate:
@@ -183,20 +183,18 @@ class AdminServer:
                 self._series.sample(addresses, self._src.inflight, self._wall_clock())
             await asyncio.sleep(self._sample_every_s)
 
-    async def final_scrape(self, wait_s: float) -> bool:
+    async def final_scrape(self, wait_s: float) -> None:
         """Stopping: wait until `/metrics` has answered once more, `wait_s` at most, so the
         counters' last increments (the access log's last batch, the leases handed over) reach
         whoever scrapes this process before it is gone. Only a process scraped before waits:
-        one nobody reads exits at once. True if the scrape came."""
-        if wait_s <= 0 or self._scrapes == 0 or self._runner is None:
-            return False
+        one nobody reads exits at once."""
+        if wait_s <= 0 or not self._scraped or self._runner is None:
+            return
         self._final_scrape = asyncio.Event()
         try:
             await asyncio.wait_for(self._final_scrape.wait(), wait_s)
         except TimeoutError:
             log.info("no scrape came in %.1fs: exiting with the last counts unread", wait_s)
-            return False
-        return True
 
     async def stop(self) -> None:
         if self._sampler is not None:
@@ -210,7 +208,7 @@ class AdminServer:
 
     async def _h_metrics(self, request: web.Request) -> web.StreamResponse:
         body = self._src.metrics.render()
-        self._scrapes += 1
+        self._scraped = True
         if self._final_scrape is None:
             return web.Response(body=body, content_type="text/plain", charset="utf-8")
         # The final scrape: the process may stop as soon as the body is written, not before.

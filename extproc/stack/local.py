@@ -440,15 +440,13 @@ class LocalStack:
                         ],
                         env=dict(o.server_env),
                     )
-            n = o.extproc_processes
             if o.gateway_shape is not GatewayShape.LOCAL and not o.baseline:
                 # Envoy Gateway's ext_proc cluster is the EDS of ready pods, and its health
                 # check has no no_traffic_interval: a process listed before it listens fails
                 # its first check and stays failed until the next, Envoy's 60 s later (every
                 # process failed: panic mode, a stopping one still sent streams). So, as EDS
                 # would, Envoy starts once the processes are ready.
-                ready = [f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(n)]
-                self.wait_urls(ready, time.monotonic() + timeout)
+                self.wait_urls(self._server_ready_urls(), time.monotonic() + timeout)
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoy_text)
             base_id = str(o.admin_port)  # distinct shared-memory id per stack on one machine
@@ -527,11 +525,13 @@ class LocalStack:
         deadline = time.monotonic() + timeout
         checks = [f"http://{o.sim_address(i)}/health" for i in range(o.sims)]
         if not o.baseline:
-            checks += [
-                f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(o.extproc_processes)
-            ]
+            checks += self._server_ready_urls()
         checks.append(f"http://{o.host}:{o.admin_port}/ready")
         self.wait_urls(checks, deadline)
+
+    def _server_ready_urls(self) -> list[str]:
+        o = self.options
+        return [f"http://{o.host}:{o.metrics_port + i}/readyz" for i in range(o.extproc_processes)]
 
     def wait_urls(self, urls: Iterable[str], deadline: float) -> None:
         """Every URL answers 200, in turn, while every child lives (StackError at `deadline`)."""
