@@ -108,3 +108,19 @@ def in_flight(stack: LocalStack) -> int:
         f"http://{o.host}:{o.metrics_port}/debug/endpoints", headers=o.admin_headers(), timeout=5
     ).json()
     return sum(int(e["in_flight"]) for e in eps)
+
+
+def every_process_sees_every_pod_ready(stack: LocalStack) -> bool:
+    """True once each server process counts every simulator ready. A process is ready with one
+    fresh pod (`/readyz`); a test that needs a particular pod (P/D's prefill pod) waits for
+    this, as the others may still be on their first scrape or their first synced view."""
+    o = stack.options
+    for i in range(o.extproc_processes):
+        eps = httpx.get(
+            f"http://{o.host}:{o.metrics_port + i}/debug/endpoints",
+            headers=o.admin_headers(),
+            timeout=5,
+        ).json()
+        if sum(1 for e in eps if e.get("ready")) < o.sims:
+            return False
+    return True

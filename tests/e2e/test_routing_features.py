@@ -8,7 +8,14 @@ import httpx
 import pytest
 
 from extproc.stack.envoy_config import ROUTE_NAME
-from tests.e2e.harness import metric_samples, metric_sum, running_stack, stack_options
+from tests.e2e.harness import (
+    every_process_sees_every_pod_ready,
+    metric_samples,
+    metric_sum,
+    running_stack,
+    stack_options,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +37,9 @@ def pd_counts(address: str) -> dict[str, float]:
 def test_pd_runs_prefill_on_a_prefill_pod_and_decodes_on_a_decode_pod(tmp_path: Path) -> None:
     opts = stack_options(tmp_path, sims=3, sim_roles=("prefill", "decode", "decode"), strategy="pd")
     with running_stack(opts) as stack:
+        # Ready means one fresh pod; a fresh clone's CI once sent both requests before the
+        # prefill pod's first scrape, and both were decoded directly.
+        assert wait_for(lambda: every_process_sees_every_pod_ready(stack))
         for stream in (False, True):
             r = httpx.post(
                 f"{stack.base_url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30
