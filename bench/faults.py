@@ -1390,11 +1390,15 @@ def rolling_restart_sessions(
     warmup_s: float = 8.0,
     pause_s: float = 2.0,
     after_s: float = 8.0,
+    eds_delay_s: float | None = None,
 ) -> dict[str, Any]:
     """Multi-turn conversations (a session header sent back, the history growing every turn)
     while every ext_proc process is restarted in turn (SIGTERM, wait for its exit, start,
     wait until ready, `pause_s`), or, `restart=False`, the same time without restarts (the
-    reference). Figures: requests lost, the prefix hit rate of turns 2 and later (cached /
+    reference). `eds_delay_s` (Envoy Gateway shape): as on a cluster, where the pod's
+    deletion sends it SIGTERM and Envoy Gateway's EDS drops its endpoint a moment later, the
+    process leaves the EDS stand-in `eds_delay_s` after its SIGTERM and comes back once
+    ready (None: it stays listed, its health check the only sign). Figures: requests lost, the prefix hit rate of turns 2 and later (cached /
     prompt tokens, from each answer's usage) before, during and after the restarts, and the
     share of those turns served by the pod that served the conversation's previous turn."""
     n = stack.options.extproc_processes
@@ -1421,10 +1425,18 @@ def rolling_restart_sessions(
         name = f"extproc-{i}"
         t_sig = time.monotonic()
         if restart:
+            withdraw = None
+            if eds_delay_s is not None:
+                withdraw = threading.Timer(eds_delay_s, stack.withdraw, args=(name,))
+                withdraw.start()
             stack.signal(name, signal.SIGTERM)
             exited = _wait(lambda name=name: not stack.alive(name), 30.0, 0.005)
+            if withdraw is not None:
+                withdraw.join()  # a process that left before its endpoint did: still listed
             stack.restart(name)
             ready = _wait(lambda i=i: _get_ok(f"http://{o.host}:{o.metrics_port + i}/readyz"), 30)
+            if eds_delay_s is not None:
+                stack.readmit(name)
             took = round(time.monotonic() - t_sig, 2)
             restarts.append({"process": name, "exited_s": exited, "ready_s": ready, "took_s": took})
         else:
@@ -1463,6 +1475,7 @@ def rolling_restart_sessions(
     statuses = Counter(str(r.status) for r in turns)
     return {
         "restart": restart,
+        "eds_delay_s": eds_delay_s,
         "processes": n,
         "conversations": conversations,
         "sent": len(turns),
@@ -1664,8 +1677,18 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Callable[[LocalStack], dict[str, Any]
         lambda s: rolling_restart_sessions(s, restart=False),
     ),
     # The same in Envoy Gateway's translation of deploy/ (its health check, retries, 1 s
-    # access-log flush); what a cluster adds, the endpoint's removal by EDS, is not here.
+    # access-log flush), its EDS dropping the terminating pod's endpoint 1 s after the
+    # SIGTERM; then 12 s after it (past the process's 10 s shutdown_grace_s: what a slow
+    # control plane costs); and never (the endpoint stays: the health check alone).
     "rolling_restart_sessions_eg": (
+        {**SESSIONS_STACK, "gateway_shape": GatewayShape.ENVOY_GATEWAY},
+        lambda s: rolling_restart_sessions(s, restart=True, eds_delay_s=1.0),
+    ),
+    "rolling_restart_sessions_eg_slow_eds": (
+        {**SESSIONS_STACK, "gateway_shape": GatewayShape.ENVOY_GATEWAY},
+        lambda s: rolling_restart_sessions(s, restart=True, eds_delay_s=12.0),
+    ),
+    "rolling_restart_sessions_eg_no_eds": (
         {**SESSIONS_STACK, "gateway_shape": GatewayShape.ENVOY_GATEWAY},
         lambda s: rolling_restart_sessions(s, restart=True),
     ),

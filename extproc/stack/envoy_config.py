@@ -228,6 +228,11 @@ class EnvoyOptions:
     # spans there; its ext_proc calls carry the trace context, so the server's spans join.
     tracing: HostPort | None = None
     tracing_sample_percent: float = 100.0
+    # The Envoy Gateway shape only: the server processes' clusters read their endpoints from
+    # files in this directory (Envoy watches it), the local stand-in for Envoy Gateway's EDS
+    # of ready pods, so a stopping process can leave them as a terminating pod does. None:
+    # STATIC clusters (a rendered bootstrap to read or diff).
+    server_eds_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoints:

@@ -12,9 +12,11 @@ Derived from Envoy Gateway's translator (internal/gatewayapi, internal/xds/trans
 golden files (internal/xds/translator/testdata/out/xds-ir, internal/cmd/egctl/testdata/
 translate/out), v1.8.0 to v1.9.0 and main @ d32f2829; docs/operations.md, "The Envoy Gateway
 shape", lists which file each piece follows so it can be re-checked on the next release.
-Differences that stay (no xDS server here): clusters are STATIC with the local addresses
-instead of EDS, Envoy Gateway's own listeners (readiness, stats) and bootstrap extras
-(overload manager, runtime) are left out.
+Differences that stay (no xDS server here): the model clusters are STATIC with the local
+addresses instead of EDS; the server processes' clusters are EDS read from files the local
+stack writes (`EnvoyOptions.server_eds_dir`; STATIC without it), so a stopping process leaves
+them as a terminating pod leaves Envoy Gateway's EDS; Envoy Gateway's own listeners
+(readiness, stats) and bootstrap extras (overload manager, runtime) are left out.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ __all__ = [
     "EnvoyGatewayTranslation",
     "GatewayShape",
     "OverlayError",
+    "eds_path",
+    "eds_response",
     "translate",
     "translate_overlay",
 ]
@@ -131,6 +135,9 @@ class EnvoyGatewayTranslation:
     extproc_cluster: str | None
     access_log_names: tuple[str, ...]  # log_name of each ALS sink
     rate_limited: bool
+    # The clusters of the server processes (ext_proc and access-log sinks): EDS read from
+    # `eds_path(server_eds_dir, name)` when the options name that directory.
+    server_clusters: tuple[str, ...] = ()
 
 
 def translate_overlay(directory: Path, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
@@ -199,6 +206,22 @@ def _static_endpoints(name: str, addrs: Sequence[HostPort]) -> dict[str, Any]:
             }
         ],
     }
+
+
+def eds_path(eds_dir: str | Path, cluster: str) -> Path:
+    """The file a server cluster's EDS reads (its name made a file name: EG's cluster names
+    have slashes)."""
+    return Path(eds_dir) / (re.sub(r"[^\w.-]", "_", cluster) + ".json")
+
+
+def eds_response(cluster: str, addrs: Sequence[HostPort], version: int) -> dict[str, Any]:
+    """The file a server cluster's EDS reads: a DiscoveryResponse of its one
+    ClusterLoadAssignment, the endpoints Envoy Gateway would list (the ready pods)."""
+    return {
+        "version_info": str(version),
+        "resources": [{"@type": _T + "envoy.config.endpoint.v3.ClusterLoadAssignment",
+                       **_static_endpoints(cluster, addrs)}],
+    }  # fmt: skip
 
 
 def _resource_metadata(kind: str, obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -309,11 +332,13 @@ def _cluster(
     load_balancing_policy: dict[str, Any] | None = None,
     buffer_limit: int | None = None,
     connect_timeout: str | None = None,
+    eds_dir: str | None = None,
 ) -> dict[str, Any]:
-    """cluster.go buildXdsCluster for one backend (STATIC here, EDS on a cluster)."""
+    """cluster.go buildXdsCluster for one backend (STATIC here, EDS on a cluster; EDS read
+    from a file in `eds_dir` when given)."""
     cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
+        "type": "STATIC" if eds_dir is None else "EDS",
         "connect_timeout": connect_timeout or EG_DEFAULTS["connect_timeout"],
         "per_connection_buffer_limit_bytes": buffer_limit or EG_DEFAULTS["buffer_limit_bytes"],
         "circuit_breakers": _circuit_breakers(
@@ -323,8 +348,14 @@ def _cluster(
         "dns_lookup_family": "V4_PREFERRED",
         "ignore_health_on_host_removal": True,
         "load_balancing_policy": load_balancing_policy or _least_request(locality=True),
-        "load_assignment": _static_endpoints(name, addrs),
     }
+    if eds_dir is None:
+        cluster["load_assignment"] = _static_endpoints(name, addrs)
+    else:
+        source = {"path": str(eds_path(eds_dir, name)), "watched_directory": {"path": eds_dir}}
+        cluster["eds_cluster_config"] = {
+            "eds_config": {"resource_api_version": "V3", "path_config_source": source}
+        }
     health = traffic.get("healthCheck") or {}
     _only(health, {"active", "passive"}, f"{where}.healthCheck")
     if "active" in health:
@@ -475,6 +506,12 @@ class _Parts:
     server_routes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     extproc_cluster: str | None = None
     rate_limited: bool = False
+    server_clusters: list[str] = dataclasses.field(default_factory=list)
+
+    def server_cluster(self, cluster: dict[str, Any]) -> None:
+        """Add a cluster of the server processes (ext_proc or an access-log sink)."""
+        self.clusters.append(cluster)
+        self.server_clusters.append(cluster["name"])
 
 
 def _extension_filters(
@@ -598,9 +635,8 @@ def _extension_filters(
             config["grpc_service"]["retry_policy"] = _service_retry_policy(
                 traffic["retry"], f"{w}.backendSettings.retry"
             )
-        parts.clusters.append(
-            _cluster(cluster_name, opts.extproc, traffic=traffic, where=w, grpc=True)
-        )
+        parts.server_cluster(_cluster(cluster_name, opts.extproc, traffic=traffic, where=w,
+                                      grpc=True, eds_dir=opts.server_eds_dir))  # fmt: skip
     return enabled, extproc_cluster
 
 
@@ -665,9 +701,8 @@ def _access_logs(
                 )
                 if not opts.extproc:
                     raise OverlayError(f"{w}: the stack has no server to send access logs to")
-                parts.clusters.append(
-                    _cluster(cluster_name, opts.extproc, traffic=traffic, where=w, grpc=True)
-                )
+                parts.server_cluster(_cluster(cluster_name, opts.extproc, traffic=traffic,
+                                              where=w, grpc=True, eds_dir=opts.server_eds_dir))  # fmt: skip
                 # No buffer_flush_interval: Envoy's 1 s default applies.
                 entry = {
                     "name": "envoy.access_loggers.http_grpc",
@@ -1016,6 +1051,8 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
     admin = {"socket_address": {"address": opts.admin.host, "port_value": opts.admin.port}}
     return EnvoyGatewayTranslation(
         bootstrap={
+            # EG's bootstrap names the node (its xDS needs it; here the files of the EDS do).
+            "node": {"id": "envoy-local", "cluster": f"{gw_ns}/{gw_name}"},
             "admin": {"address": admin},
             "static_resources": {"listeners": [listener], "clusters": parts.clusters},
         },
@@ -1025,6 +1062,7 @@ def translate(overlay: Overlay, opts: EnvoyOptions) -> EnvoyGatewayTranslation:
         extproc_cluster=parts.extproc_cluster,
         access_log_names=tuple(log_names),
         rate_limited=parts.rate_limited,
+        server_clusters=tuple(dict.fromkeys(parts.server_clusters)),
     )
 
 

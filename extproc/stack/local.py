@@ -42,6 +42,8 @@ from extproc.stack.envoy_gateway import (
     EnvoyGatewayTranslation,
     GatewayShape,
     OverlayError,
+    eds_path,
+    eds_response,
     translate_overlay,
 )
 from extproc.stack.envoy_gateway import render_yaml as render_envoy_gateway_yaml
@@ -66,6 +68,7 @@ NATS_USER = "extproc"
 STATE_FILE = "stack.json"  # children and pids, for `extproc pod`
 RESTART_DIR = "restart"  # one empty file per child that `extproc pod heal` wants back
 FAULTS_DIR = "faults"  # faults/<child>: the fraction of time `extproc pod slow` pauses it
+EDS_DIR = "eds"  # the Envoy Gateway shape: the server clusters' endpoints, one file each
 ADMIN_TOKEN_FILE = "admin.token"  # the admin port's token, new at every start (mode 0600)
 LOCAL_IDLE_POLL_S = 2.0  # metrics.idle_poll_interval_s of the local stack (see server_config)
 
@@ -194,6 +197,10 @@ class LocalStack:
         self._envoy_epoch = 0
         self.nats: NatsServer | None = None
         self.receiver: SpanReceiver | None = None
+        # The Envoy Gateway shape's EDS stand-in: the server clusters and the processes out.
+        self._server_clusters: tuple[str, ...] = ()
+        self._withdrawn: set[str] = set()
+        self._eds_version = 0
 
     @property
     def sync_enabled(self) -> bool:
@@ -308,6 +315,9 @@ class LocalStack:
             ),
             rate_limit_timeout_s=o.rate_limit_timeout_s,
             tracing=HostPort.parse(o.tracing) if o.tracing else None,
+            server_eds_dir=(
+                None if o.gateway_shape is GatewayShape.LOCAL else str(self.workdir / EDS_DIR)
+            ),
         )
 
     def envoy_gateway_translation(self) -> EnvoyGatewayTranslation | None:
@@ -379,7 +389,7 @@ class LocalStack:
         self.check_ports()
         envoy_text = self.envoy_yaml()  # a bad overlay fails before anything starts
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for leftover in (FAULTS_DIR, RESTART_DIR):  # requests to a previous stack
+        for leftover in (FAULTS_DIR, RESTART_DIR, EDS_DIR):  # requests to a previous stack
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
         try:
             if o.tracing and o.trace_receiver:
@@ -447,6 +457,11 @@ class LocalStack:
                 # process failed: panic mode, a stopping one still sent streams). So, as EDS
                 # would, Envoy starts once the processes are ready.
                 self.wait_urls(self._server_ready_urls(), time.monotonic() + timeout)
+                translation = self.envoy_gateway_translation()
+                assert translation is not None
+                self._server_clusters = translation.server_clusters
+                self._withdrawn.clear()
+                self._write_server_eds()
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(envoy_text)
             base_id = str(o.admin_port)  # distinct shared-memory id per stack on one machine
@@ -705,6 +720,50 @@ class LocalStack:
         if popen is not None and popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 popen.send_signal(sig)
+
+    # -- the Envoy Gateway shape: its EDS of the server processes -----------------------------
+
+    @property
+    def server_clusters(self) -> tuple[str, ...]:
+        """The clusters of the server processes, fed by the EDS stand-in (none locally)."""
+        return self._server_clusters
+
+    def withdraw(self, name: str) -> None:
+        """Take server process `name` (`extproc-<i>`) out of the endpoints of the server
+        clusters, as Envoy Gateway's EDS drops a terminating pod (or one no longer ready):
+        Envoy sends it no new stream; the process runs on. Envoy Gateway shape only."""
+        self._check_eds(name)
+        self._withdrawn.add(name)
+        self._write_server_eds()
+
+    def readmit(self, name: str) -> None:
+        """Put `name` back into the server clusters' endpoints (a pod ready again)."""
+        self._check_eds(name)
+        self._withdrawn.discard(name)
+        self._write_server_eds()
+
+    def _check_eds(self, name: str) -> None:
+        if not self._server_clusters:
+            raise StackError("withdraw/readmit: only the Envoy Gateway shape has an EDS here")
+        if not name.startswith("extproc-") or name not in self._procs:
+            raise StackError(f"withdraw/readmit: {name!r} is not a server process")
+
+    def _write_server_eds(self) -> None:
+        """Each server cluster's endpoints file, the processes not withdrawn; written beside
+        and moved in, as Envoy reloads a watched directory's file on a move into it."""
+        o = self.options
+        self._eds_version += 1
+        addrs = [
+            HostPort(o.host, o.grpc_port + i)
+            for i in range(o.extproc_processes)
+            if f"extproc-{i}" not in self._withdrawn
+        ]
+        (self.workdir / EDS_DIR).mkdir(exist_ok=True)
+        for cluster in self._server_clusters:
+            path = eds_path(self.workdir / EDS_DIR, cluster)
+            tmp = self.workdir / f".{path.name}"
+            tmp.write_text(json.dumps(eds_response(cluster, addrs, self._eds_version)))
+            tmp.replace(path)
 
     def restart_requested(self, name: str) -> bool:
         """True once after `extproc pod heal` asked for a dead child to be started again."""
