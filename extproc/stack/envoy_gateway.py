@@ -508,10 +508,17 @@ class _Parts:
     rate_limited: bool = False
     server_clusters: list[str] = dataclasses.field(default_factory=list)
 
-    def server_cluster(self, cluster: dict[str, Any]) -> None:
-        """Add a cluster of the server processes (ext_proc or an access-log sink)."""
+    def server_cluster(
+        self, name: str, opts: EnvoyOptions, traffic: Mapping[str, Any], where: str
+    ) -> None:
+        """Add a cluster of the server processes (ext_proc or an access-log sink): gRPC, EDS
+        from `opts.server_eds_dir` when set."""
+        cluster = _cluster(
+            name, opts.extproc, traffic=traffic, where=where, grpc=True,
+            eds_dir=opts.server_eds_dir,
+        )  # fmt: skip
         self.clusters.append(cluster)
-        self.server_clusters.append(cluster["name"])
+        self.server_clusters.append(name)
 
 
 def _extension_filters(
@@ -635,8 +642,7 @@ def _extension_filters(
             config["grpc_service"]["retry_policy"] = _service_retry_policy(
                 traffic["retry"], f"{w}.backendSettings.retry"
             )
-        parts.server_cluster(_cluster(cluster_name, opts.extproc, traffic=traffic, where=w,
-                                      grpc=True, eds_dir=opts.server_eds_dir))  # fmt: skip
+        parts.server_cluster(cluster_name, opts, traffic, w)
     return enabled, extproc_cluster
 
 
@@ -701,8 +707,7 @@ def _access_logs(
                 )
                 if not opts.extproc:
                     raise OverlayError(f"{w}: the stack has no server to send access logs to")
-                parts.server_cluster(_cluster(cluster_name, opts.extproc, traffic=traffic,
-                                              where=w, grpc=True, eds_dir=opts.server_eds_dir))  # fmt: skip
+                parts.server_cluster(cluster_name, opts, traffic, w)
                 # No buffer_flush_interval: Envoy's 1 s default applies.
                 entry = {
                     "name": "envoy.access_loggers.http_grpc",

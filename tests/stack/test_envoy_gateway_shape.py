@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
@@ -20,6 +22,8 @@ from extproc.stack.envoy_gateway import (
     GatewayShape,
     OverlayError,
     duration_s,
+    eds_path,
+    eds_response,
     quantity_bytes,
     translate,
     translate_overlay,
@@ -279,6 +283,46 @@ def test_the_health_check_defaults_are_the_crds(check: str) -> None:
 def test_envoy_accepts_the_bootstrap(tmp_path: Path, overlay: Path) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(translate_overlay(overlay, OPTS).bootstrap))
+    run = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_with_an_eds_directory_the_server_clusters_read_their_endpoints_from_files(
+    tmp_path: Path,
+) -> None:
+    eds_dir = tmp_path / "eds"
+    opts = dataclasses.replace(OPTS, server_eds_dir=str(eds_dir))
+    translation = translate_overlay(EG, opts)
+    by_name = clusters(translation.bootstrap)
+    server = set(translation.server_clusters)
+    assert translation.extproc_cluster in server
+    assert any(name.startswith("accesslog_als_") for name in server)
+    for name, cluster in by_name.items():
+        if name in server:
+            assert cluster["type"] == "EDS" and "load_assignment" not in cluster
+            source = cluster["eds_cluster_config"]["eds_config"]["path_config_source"]
+            assert source == {
+                "path": str(eds_path(eds_dir, name)),
+                "watched_directory": {"path": str(eds_dir)},
+            }
+            assert "/" not in eds_path(eds_dir, name).name
+        else:  # the model clusters
+            assert cluster["type"] == "STATIC"
+    static = clusters(translate_overlay(EG, OPTS).bootstrap)
+    assert {n for n, c in static.items() if c["type"] == "EDS"} == set()
+    # Envoy takes the bootstrap with the files the stack writes beside it.
+    eds_dir.mkdir()
+    for name in server:
+        listed = eds_response(name, opts.extproc, version=1)
+        assert listed["resources"][0]["cluster_name"] == name
+        eds_path(eds_dir, name).write_text(json.dumps(listed))
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(translation.bootstrap))
     run = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True,
