@@ -72,12 +72,23 @@ def test_each_rule_is_matched_to_its_live_variant_and_judged_within_15_percent()
     assert proof.fidelity == tune["fidelity"]
 
 
+def test_a_rule_within_at_p50_but_not_at_p90_counts_at_p50_alone() -> None:
+    live = {**LIVE, "prefix-cache": {**LIVE["prefix-cache"], "ttft_p90_ms": [200, 200]}}
+    proof = prove(json.loads(FIXTURE.read_text()), _result(live), _capture([50.0]))
+    row = next(r for r in proof.rules if r.name == "prefix-cache")
+    assert row.p50_within is True and row.within is False
+    assert proof.rules_within == (2, 4)
+    assert proof.rules_within_p50 == (3, 4)  # least-request is out at p50 too
+    assert "rules within 15%: 2 of 4 at p50 and p90, 3 of 4 at p50" in markdown(proof)
+
+
 def test_a_rule_the_twin_has_but_live_did_not_run_is_not_judged() -> None:
     tune = json.loads(FIXTURE.read_text())
     live = {k: v for k, v in LIVE.items() if k != "least-request"}
     proof = prove(tune, _result(live), _capture([50.0]))
     row = next(r for r in proof.rules if r.name == "least-request")
     assert row.variant is None and row.within is None and row.live["ttft_p50_ms"] is None
+    assert row.p50_within is None
     assert proof.rules_within == (3, 3)
     # a weight of the twin's own search: kv-aware's strategy, but not the rule that ran live
     weighted = {"name": "kv-aware overlap 2", "strategy": "kv-aware", "ttft_p50_ms": 40.0}
@@ -149,6 +160,6 @@ def test_the_markdown_names_every_rule_and_the_three_verdicts() -> None:
     proof = prove(json.loads(FIXTURE.read_text()), _result(LIVE), _capture([50.0] * 10))
     text = markdown(proof)
     assert "| least-request | 95 | 78 (76-80) | 1.22 |" in text
-    assert "rules within 15%: 3 of 4" in text
+    assert "rules within 15%: 3 of 4 at p50 and p90, 3 of 4 at p50" in text
     assert "the twin recommends `kv-aware`, live 50 ms; live best `kv-aware` 50 ms" in text
     assert "replay of `kv-aware` against the capture (10 TTFTs): p50 52 / 50 ms (1.04)" in text
