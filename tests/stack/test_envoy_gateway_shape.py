@@ -279,10 +279,10 @@ def test_the_health_check_defaults_are_the_crds(check: str) -> None:
         assert set(EG_DEFAULTS[check]) <= set(defaults) | {"splitExternalLocalOriginErrors"}
 
 
-@pytest.mark.parametrize("overlay", [EG, TOKEN_LIMITS])
-def test_envoy_accepts_the_bootstrap(tmp_path: Path, overlay: Path) -> None:
+def _assert_envoy_validates(tmp_path: Path, bootstrap: dict[str, Any]) -> None:
+    """Envoy itself (``--mode validate``) accepts ``bootstrap``."""
     path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(translate_overlay(overlay, OPTS).bootstrap))
+    path.write_text(yaml.safe_dump(bootstrap))
     run = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True,
@@ -290,6 +290,11 @@ def test_envoy_accepts_the_bootstrap(tmp_path: Path, overlay: Path) -> None:
         timeout=60,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("overlay", [EG, TOKEN_LIMITS])
+def test_envoy_accepts_the_bootstrap(tmp_path: Path, overlay: Path) -> None:
+    _assert_envoy_validates(tmp_path, translate_overlay(overlay, OPTS).bootstrap)
 
 
 def test_with_an_eds_directory_the_server_clusters_read_their_endpoints_from_files(
@@ -321,15 +326,7 @@ def test_with_an_eds_directory_the_server_clusters_read_their_endpoints_from_fil
         listed = eds_response(name, opts.extproc, version=1)
         assert listed["resources"][0]["cluster_name"] == name
         eds_path(eds_dir, name).write_text(json.dumps(listed))
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(translation.bootstrap))
-    run = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    _assert_envoy_validates(tmp_path, translation.bootstrap)
 
 
 def test_the_stack_gives_the_server_the_clusters_part(tmp_path: Path) -> None:
