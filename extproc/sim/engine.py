@@ -71,6 +71,12 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     preemptions: int = 0
+    # What vLLM's TTFT and inter-token histograms sum and count (the digital twin's scrape
+    # reports their means, as the live router reads them from /metrics).
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -491,6 +497,7 @@ class Engine:
             if req.pooling:  # vLLM's pooler output: one per request, after its last prefill step
                 req.first_token_wall = req.last_token_wall = now
                 req.first_token_sim = self.stats.sim_time_s
+                self._observe_ttft(req)
                 if self._on_token is not None:
                     self._on_token(req, None)
                 done.append((req, "stop"))
@@ -506,6 +513,10 @@ class Engine:
             if req.first_token_wall is None:
                 req.first_token_wall = now
                 req.first_token_sim = self.stats.sim_time_s
+                self._observe_ttft(req)
+            elif gap is not None:
+                self.stats.itl_sum_s += gap
+                self.stats.itl_count += 1
             req.last_token_wall = now
             if self._on_token is not None:
                 self._on_token(req, gap)
@@ -513,6 +524,11 @@ class Engine:
             if len(req.output_ids) >= req.target_output:
                 done.append((req, req.natural_finish))
         self._end_step(done)
+
+    def _observe_ttft(self, req: SimRequest) -> None:
+        assert req.first_token_wall is not None
+        self.stats.ttft_sum_s += req.first_token_wall - req.arrival_wall
+        self.stats.ttft_count += 1
 
     def _end_step(self, done: list[tuple[SimRequest, str]]) -> None:
         """The step's events announced, then its finished requests ended (and theirs)."""
@@ -539,6 +555,9 @@ class Engine:
             req.num_computed += steps  # every token but the newest, as after `_apply`
             self._commit_full_blocks(req)
             self.stats.generation_tokens += steps
+            if req.last_token_wall is not None:  # the run's gaps: their sum, one per token
+                self.stats.itl_sum_s += now - req.last_token_wall
+                self.stats.itl_count += steps
             req.last_token_wall = now
             for tok in tokens:
                 req.queue.put_nowait(tok)

@@ -142,6 +142,10 @@ class Served:
     sent_s: float = -1.0  # when it arrived (virtual seconds; -1: never sent)
 
 
+def _mean(total: float, count: int) -> float | None:
+    return total / count if count else None
+
+
 class _World:
     def __init__(
         self,
@@ -227,6 +231,11 @@ class _World:
                     generation_tokens_total=float(st.generation_tokens),
                     block_size=engine.block_size,
                     num_gpu_blocks=engine.pool.num_blocks,
+                    # The histograms' means, as live reads them from /metrics: the store
+                    # turns consecutive scrapes into the recent ITL that marks a slow pod.
+                    ttft_avg_s=_mean(st.ttft_sum_s, st.ttft_count),
+                    itl_avg_s=_mean(st.itl_sum_s, st.itl_count),
+                    itl_count=float(st.itl_count) if st.itl_count else None,
                 ),
             )
 

@@ -20,10 +20,11 @@ CONFIG = SimConfig(tokenizer_dir=Path("/nonexistent"), num_gpu_blocks=80, max_nu
 
 async def _serve(
     coalesce: bool, gap_s: float
-) -> tuple[list[tuple[Any, ...]], int, int, int, set[tuple[Any, ...]]]:
+) -> tuple[list[tuple[Any, ...]], int, int, int, set[tuple[Any, ...]], dict[str, float]]:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
     done: list[tuple[Any, ...]] = []
+    ttfts: list[float] = []
     all_done = asyncio.Event()
 
     def finished(req: SimRequest, stats: RequestStats) -> None:
@@ -31,6 +32,8 @@ async def _serve(
             (req.request_id, tuple(req.output_ids), req.first_token_wall, req.last_token_wall,
              stats.cached_tokens, stats.finish_reason)
         )  # fmt: skip
+        assert req.first_token_wall is not None
+        ttfts.append(req.first_token_wall - req.arrival_wall)
         if len(done) == 24:
             all_done.set()
 
@@ -60,7 +63,15 @@ async def _serve(
         await asyncio.sleep(gap_s * (i % 4))
     await all_done.wait()
     await engine.stop()
-    return sorted(done), engine.stats.steps, loop.jumps, engine.stats.preemptions, stored
+    st = engine.stats
+    histograms = {  # what vLLM's TTFT and inter-token histograms sum and count, and the truth
+        "ttft_sum": st.ttft_sum_s, "ttft_count": st.ttft_count,
+        "itl_sum": st.itl_sum_s, "itl_count": st.itl_count,
+        "ttft_expected": sum(ttfts),
+        "itl_expected": sum(r[3] - r[2] for r in done),  # first to last token, per request
+        "gaps_expected": sum(len(r[1]) - 1 for r in done),
+    }  # fmt: skip
+    return sorted(done), st.steps, loop.jumps, st.preemptions, stored, histograms
 
 
 def _split(hashes: tuple[Any, ...], tokens: tuple[int, ...]) -> list[tuple[Any, ...]]:
@@ -70,8 +81,8 @@ def _split(hashes: tuple[Any, ...], tokens: tuple[int, ...]) -> list[tuple[Any, 
 
 @pytest.mark.parametrize("gap_s", [0.031, 0.4])  # queueing and preempting; a light load
 def test_decode_runs_end_every_request_as_step_by_step_does(gap_s: float) -> None:
-    stepwise, steps, jumps, preempted, blocks = run_virtual(_serve(False, gap_s))
-    coalesced, steps_c, jumps_c, preempted_c, blocks_c = run_virtual(_serve(True, gap_s))
+    stepwise, steps, jumps, preempted, blocks, hist = run_virtual(_serve(False, gap_s))
+    coalesced, steps_c, jumps_c, preempted_c, blocks_c, hist_c = run_virtual(_serve(True, gap_s))
     # The same tokens, cache hits and ends; the same times (summed in another order).
     assert [(r[0], r[1], r[4], r[5]) for r in coalesced] == [
         (r[0], r[1], r[4], r[5]) for r in stepwise
@@ -80,6 +91,11 @@ def test_decode_runs_end_every_request_as_step_by_step_does(gap_s: float) -> Non
         [t for r in stepwise for t in r[2:4]], rel=1e-9
     )
     assert (steps_c, preempted_c) == (steps, preempted)
+    # The same histograms: a decode run's gaps counted one per token, summed to the same time.
+    assert {k: v for k, v in hist_c.items() if "count" in k} == {
+        k: v for k, v in hist.items() if "count" in k
+    }
+    assert hist_c["itl_sum"] == pytest.approx(hist["itl_sum"], rel=1e-9)
     # The same blocks cached, with the same tokens (answers' blocks included).
     assert {(h, t) for hs, ts in blocks_c for h, t in _split(hs, ts)} == {
         (h, t) for hs, ts in blocks for h, t in _split(hs, ts)
@@ -89,3 +105,14 @@ def test_decode_runs_end_every_request_as_step_by_step_does(gap_s: float) -> Non
         assert jumps_c < jumps
     else:
         assert jumps_c < jumps / 4, (jumps_c, jumps)
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_the_engine_sums_and_counts_ttft_and_gaps_as_vllms_histograms_do(coalesce: bool) -> None:
+    # One TTFT per request; one gap per token after the first, summing to first-to-last token
+    # (a decode run's gaps included, each token one); what the twin's scrape reports as means.
+    *_, hist = run_virtual(_serve(coalesce, 0.031))
+    assert hist["ttft_count"] == 24
+    assert hist["ttft_sum"] == pytest.approx(hist["ttft_expected"], rel=1e-9)
+    assert hist["itl_count"] == hist["gaps_expected"] > 24
+    assert hist["itl_sum"] == pytest.approx(hist["itl_expected"], rel=1e-9)

@@ -63,6 +63,29 @@ def test_a_slower_pod_answers_slower() -> None:
     assert ratio > 2.0
 
 
+def test_a_pod_slow_to_step_is_seen_slow_as_live_sees_it() -> None:
+    # The twin's scrape carries the engines' TTFT and inter-token means, as live reads them
+    # from vLLM's histograms: kv-aware's `slow_after` (a pod stepping 2x slower than the
+    # fastest) then shuns a pod whose steps take 4x, as it does live. Without them the twin
+    # saw no pod slow, and the rule placed the traffic as with `slow_after: 0`.
+    step = PODS[0].step
+    slow = dataclasses.replace(
+        PODS[0],
+        step=dataclasses.replace(
+            step, weights_read_s=step.weights_read_s * 4, overhead_s=step.overhead_s * 4
+        ),
+    )
+    setup = dataclasses.replace(SETUP, pods=(slow, *PODS[1:]))
+    traffic = sessions_traffic(300)
+    shunned, blind = (
+        sum(s.pod == slow.address for s in replay(
+            setup, traffic, strategy="kv-aware", params={"slow_after": after}, seed=1
+        ))
+        for after in (2.0, 0.0)
+    )  # fmt: skip
+    assert shunned < blind / 2, (shunned, blind)
+
+
 def test_a_request_still_running_when_the_replay_drains_is_a_504() -> None:
     traffic = [
         dataclasses.replace(r, pod=PODS[0].address, output_length=out)
