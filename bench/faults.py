@@ -88,6 +88,7 @@ class Outcome:
     ended: float
     status: int | str  # HTTP status, or the transport error's class name
     pod: str | None = None  # the serving pod (the simulator's x-inference-pod header)
+    detail: str | None = None  # a failed answer's body (first 200 characters), to say who failed
 
 
 @dataclass
@@ -118,7 +119,14 @@ class LoadReport:
         return sum(1 for o in self.outcomes if t0 <= o.started < t1 and o.status != 200)
 
     def summary(self) -> dict[str, Any]:
-        return {"sent": self.sent, "ok": self.ok, "lost": self.lost, "by_status": self.by_status()}
+        failed = [o.detail for o in self.outcomes if o.status != 200 and o.detail]
+        return {
+            "sent": self.sent,
+            "ok": self.ok,
+            "lost": self.lost,
+            "by_status": self.by_status(),
+            **({"failed_bodies": sorted(set(failed))[:3]} if failed else {}),
+        }
 
 
 class Load:
@@ -157,14 +165,16 @@ class Load:
     def _one(self, client: httpx.Client) -> None:
         t0 = time.monotonic()
         status: int | str
-        pod = None
+        pod = detail = None
         try:
             resp = client.post(self._url, json=self._body, headers=self._headers)
             status, pod = resp.status_code, resp.headers.get("x-inference-pod")
+            if status != 200:
+                detail = resp.text[:200]
         except httpx.HTTPError as exc:
             status = type(exc).__name__
         with self._lock:
-            self.report.outcomes.append(Outcome(t0, time.monotonic(), status, pod))
+            self.report.outcomes.append(Outcome(t0, time.monotonic(), status, pod, detail))
 
     def __enter__(self) -> Load:
         for t in self._threads:

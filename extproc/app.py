@@ -1014,6 +1014,12 @@ class App:
         # a server it cannot reach, not one that answers).
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.poller.poll_once(), self.config.metrics.timeout_s + 0.5)
+        # Tokenizers (up to the bound) load before listening. A load holds the GIL from its
+        # thread (0.3 s for Qwen3's, over a second on a starved CPU): after SERVING it stalled
+        # the health check past Envoy's 1 s timeout, Envoy took this process out, and a peer
+        # stopping just then was the only healthy host left, its refused port every retry's
+        # (CI, 2026-12-06: 6 of 548 requests a 503).
+        await self.tokenizers.warm()
         self.core.tracer.start()
         await self.server.start()
         if self.sync is not None:
@@ -1022,9 +1028,6 @@ class App:
         await self.kv.set_endpoints(self.store.endpoints())
         self._start_kubernetes()
         await self._admin.start(self.config.server.host, self.config.server.metrics_port)
-        # Up to the bound, tokenizers load now in the executor (the first requests wait less).
-        warm = self.tokenizers.warm()
-        self._tasks.append(asyncio.create_task(warm, name="tokenizers-warm"))
         self._tasks.append(asyncio.create_task(self._readiness_loop(), name="readiness"))
         self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease-expiry"))
         if self.flow is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -80,5 +81,30 @@ models:
         assert await health(grpc_port, "liveness") == serving
         state["up"] = True
         assert await wait_status(grpc_port, "readiness", serving) == serving
+    finally:
+        await app.stop()
+
+
+async def test_the_tokenizers_are_loaded_when_the_server_starts_listening(
+    engine_metrics: tuple[int, dict[str, bool]], qwen_tokenizer_dir: Path
+) -> None:
+    # A tokenizer's load holds the GIL: done after SERVING, it stalled the health check past
+    # Envoy's timeout (CI's 503s of 2026-12-06). Loaded before the port opens, none is left.
+    eng_port, _ = engine_metrics
+    grpc_port = free_port()
+    cfg = load_config_text(f"""
+server: {{grpc_port: {grpc_port}, metrics_port: {free_port()}}}
+flow_control: {{enabled: false}}
+models:
+  - name: m
+    tokenizer: {qwen_tokenizer_dir}
+    endpoints: [{{address: "127.0.0.1:{eng_port}", metrics_url: "http://127.0.0.1:{eng_port}/metrics"}}]
+""")
+    app = App(cfg)
+    assert app.tokenizers.loaded_count() == 0
+    await app.start()
+    try:
+        assert app.tokenizers.loaded_count() == 1
+        assert await health(grpc_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
     finally:
         await app.stop()

@@ -14,7 +14,14 @@ loses a request at each stop (measured: docs/reliability.md).
 
 A process that dies (SIGKILL) with routing streams open resets them; Envoy keeps sending new
 ones on its connection until it reads the close (tens of milliseconds). Those streams are
-retried too (`reset`): Envoy retries only a stream none of whose answer has come back.
+retried too (`reset`): Envoy retries only a stream none of whose answer has come back. That is
+every stream in the `one_message` shape, where the decision is the first answer; in the
+two-message shape a stream whose headers' CONTINUE had gone out is lost (a 503) if the kill
+catches it before its decision (docs/reliability.md, "What a crash still costs"): a window of
+milliseconds that a loaded machine widens, so the kill test runs `one_message`.
+
+Both count requests in a fault's window: `alone` (CI failed once with the SIGTERM test beside
+another worker's load: 6 of 548 were 503s; Envoy's gRPC errors are in the failure message now).
 """
 
 from __future__ import annotations
@@ -29,9 +36,15 @@ import pytest
 from bench.faults import OpenLoad, running, stack_options
 from tests.e2e.harness import wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 STOPS = 4
+
+
+def _grpc_errors(workdir: Path) -> list[str]:
+    """What Envoy said of the routing streams that failed (a filter's 503 has no body)."""
+    log = (workdir / "envoy.log").read_text(errors="replace").splitlines()
+    return [line[-160:] for line in log if "gRPC error" in line][:5]
 
 
 def _ready(url: str) -> bool:
@@ -65,7 +78,7 @@ def test_a_process_that_closes_its_port_at_once_loses_no_request(tmp_path: Path)
             report = load.stop()
     summary = report.summary()
     assert summary["sent"] > 100, summary
-    assert summary["lost"] == 0, summary
+    assert summary["lost"] == 0, (summary, _grpc_errors(tmp_path))
 
 
 def test_streams_open_on_a_process_that_dies_are_retried_on_another(tmp_path: Path) -> None:
@@ -75,8 +88,9 @@ def test_streams_open_on_a_process_that_dies_are_retried_on_another(tmp_path: Pa
     # two: at least a quarter of them), then it is killed. Without `reset` among the routing
     # stream's retry triggers every one of those is a fail-closed 503.
     opts = stack_options(
-        tmp_path, sims=2, kv_events=False, strategy="least-request", extproc_processes=2
-    )
+        tmp_path, sims=2, kv_events=False, strategy="least-request", extproc_processes=2,
+        one_message=True,
+    )  # fmt: skip
     with running(opts) as s, OpenLoad(f"{s.base_url}/v1/chat/completions", rate=50) as load:
         time.sleep(1.5)
         s.signal("extproc-1", signal.SIGSTOP)
@@ -94,4 +108,4 @@ def test_streams_open_on_a_process_that_dies_are_retried_on_another(tmp_path: Pa
     ]
     summary = report.summary()
     assert len(held) >= 3, (len(held), summary)  # the fault met requests
-    assert summary["lost"] == 0, summary
+    assert summary["lost"] == 0, (summary, _grpc_errors(tmp_path))
