@@ -43,6 +43,7 @@ from extproc.wire import (
 __all__ = [
     "EXAMPLES",
     "EXTPROC_MESSAGE_TIMEOUT_S",
+    "EXTPROC_RETRY_BACK_OFF",
     "EXTPROC_RETRY_ON",
     "EXTPROC_STATUS_ON_ERROR",
     "ONE_MESSAGE_GATE_LUA",
@@ -191,7 +192,7 @@ class EnvoyOptions:
     # A routing stream whose connection is refused (a process that has just closed its port or
     # not yet opened it, while Envoy still counts it: panic mode, or before its next health
     # check) goes to another process: nothing of it reached the refused one. 0: none.
-    extproc_retries: int = 2
+    extproc_retries: int = 4
     # What a routing stream is retried on; None: `EXTPROC_RETRY_ON` (a bench compares others).
     extproc_retry_on: str | None = None
     extproc_max_requests: int = 100_000
@@ -575,6 +576,11 @@ def _openai_error(error_type: str) -> dict[str, Any]:
 # as deploy/'s EnvoyExtensionPolicy `retry`.
 EXTPROC_RETRY_ON = "connect-failure,refused-stream,reset,unavailable,cancelled"
 EXTPROC_STATUS_ON_ERROR = 503
+# A retried routing stream waits up to 25, 50, 100, 250 ms (jittered) before each of its 4
+# retries: long enough that the later ones come after Envoy took the refused process out
+# (outlier detection, the next health check), which the predicate below cannot guarantee
+# (docs/reliability.md: at a stop just after start, every attempt went to the refused one).
+EXTPROC_RETRY_BACK_OFF = ("0.025s", "0.25s")
 
 
 def retry_elsewhere(*, max_attempts: int) -> dict[str, Any]:
@@ -601,7 +607,10 @@ def _extproc_service(opts: EnvoyOptions) -> dict[str, Any]:
         service["retry_policy"] = {
             "retry_on": opts.extproc_retry_on or EXTPROC_RETRY_ON,
             "num_retries": opts.extproc_retries,
-            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+            "retry_back_off": {
+                "base_interval": EXTPROC_RETRY_BACK_OFF[0],
+                "max_interval": EXTPROC_RETRY_BACK_OFF[1],
+            },
             # Not the refused process again. LEAST_REQUEST prefers it (a process that has just
             # started or stopped has no requests): with two processes a pick is the other one
             # 1 time in 4, so up to 20 picks (0.3 % left on the refused one) rather than 5.

@@ -88,7 +88,7 @@ class StackOptions:
     grpc_port: int = 9002
     metrics_port: int = 9090
     extproc_processes: int = 1  # > 1: separate ports behind Envoy's LEAST_REQUEST cluster
-    extproc_retries: int = 2  # a refused routing stream tried on another process (0: never)
+    extproc_retries: int = 4  # a refused routing stream tried on another process (0: never)
     extproc_retry_on: str | None = None  # its triggers; None: envoy_config.EXTPROC_RETRY_ON
     # Replica state sync over an embedded NATS server: None = on when extproc_processes > 1.
     sync: bool | None = None
