@@ -235,7 +235,7 @@ class _World:
                     # turns consecutive scrapes into the recent ITL that marks a slow pod.
                     ttft_avg_s=_mean(st.ttft_sum_s, st.ttft_count),
                     itl_avg_s=_mean(st.itl_sum_s, st.itl_count),
-                    itl_count=float(st.itl_count) if st.itl_count else None,
+                    itl_count=float(st.itl_count),  # 0 before the first gap, as vLLM's
                 ),
             )
 
