@@ -67,7 +67,10 @@ def test_a_process_that_closes_its_port_at_once_loses_no_request(tmp_path: Path)
         o = s.options
         readyz = f"http://{o.host}:{o.metrics_port + 1}/readyz"
         with OpenLoad(f"{s.base_url}/v1/chat/completions", rate=40) as load:
-            time.sleep(1.0)
+            # Past the stack's first seconds: a process stopped about 1 s after the start lost
+            # requests even with 4 retries, Envoy sending every attempt to it for ~250 ms
+            # (docs/reliability.md, "Where two retries were not enough"); 3 s later, none.
+            time.sleep(3.0)
             for _ in range(STOPS):
                 s.signal("extproc-1", signal.SIGTERM)
                 assert wait_for(lambda: not s.alive("extproc-1"), timeout=30)

@@ -64,5 +64,9 @@ def test_the_traffic_leaves_a_pod_10x_slower_within_seconds(
     assert report.summary()["lost"] == 0, report.summary()
     if slow_after > 0:
         assert share < 0.2, (share, before, Counter(x.pod for x in late))
-    else:  # without the rule the cache holder keeps its share (what issue 32 #5 measured)
-        assert share > min(0.9, before - 0.1), (share, before, Counter(x.pod for x in late))
+    else:  # without the rule the bound above fails: the cache holder keeps its share (what
+        # issue 32 #5 measured), or, when the prefix spread to a second pod, part of it (the
+        # other holder takes what the slow one's queue turns away: 0.32 of it after 0.50 in an
+        # `alone` run on 2026-12-06)
+        floor = 0.8 if before > 0.9 else 0.2
+        assert share > floor, (share, before, Counter(x.pod for x in late))
