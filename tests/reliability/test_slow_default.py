@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from bench.faults import SHARED_PREFIX_CHAT, Load, _fault, running, stack_options
@@ -43,6 +44,11 @@ def test_the_traffic_leaves_a_pod_10x_slower_within_seconds(
 ) -> None:
     s, slow_after = stack
     o = s.options
+    # One request first puts the shared prefix on one pod; six at once spread it over two or
+    # all three (an `alone` run of 2026-12-06: 0.33 each, no pod to make slow).
+    first = httpx.post(f"{s.base_url}/v1/chat/completions", json=SHARED_PREFIX_CHAT, timeout=60)
+    assert first.status_code == 200, first.text
+    time.sleep(0.6)  # its blocks in the index of both processes (KV events)
     with Load(f"{s.base_url}/v1/chat/completions", concurrency=6, body=SHARED_PREFIX_CHAT,
               timeout_s=60) as load:  # fmt: skip
         time.sleep(2.0)
