@@ -43,7 +43,7 @@ from extproc.wire import (
 __all__ = [
     "EXAMPLES",
     "EXTPROC_MESSAGE_TIMEOUT_S",
-    "EXTPROC_RETRY_BACK_OFF",
+    "EXTPROC_RETRY_BACK_OFF_S",
     "EXTPROC_RETRY_ON",
     "EXTPROC_STATUS_ON_ERROR",
     "ONE_MESSAGE_GATE_LUA",
@@ -580,7 +580,7 @@ EXTPROC_STATUS_ON_ERROR = 503
 # retries: long enough that the later ones come after Envoy took the refused process out
 # (outlier detection, the next health check), which the predicate below cannot guarantee
 # (docs/reliability.md: at a stop just after start, every attempt went to the refused one).
-EXTPROC_RETRY_BACK_OFF = ("0.025s", "0.25s")
+EXTPROC_RETRY_BACK_OFF_S = (0.025, 0.25)
 
 
 def retry_elsewhere(*, max_attempts: int) -> dict[str, Any]:
@@ -604,13 +604,11 @@ def _extproc_service(opts: EnvoyOptions) -> dict[str, Any]:
     refused the stream before reading anything, or died with it open (`EXTPROC_RETRY_ON`)."""
     service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}
     if opts.extproc_retries > 0:
+        base, top = EXTPROC_RETRY_BACK_OFF_S
         service["retry_policy"] = {
             "retry_on": opts.extproc_retry_on or EXTPROC_RETRY_ON,
             "num_retries": opts.extproc_retries,
-            "retry_back_off": {
-                "base_interval": EXTPROC_RETRY_BACK_OFF[0],
-                "max_interval": EXTPROC_RETRY_BACK_OFF[1],
-            },
+            "retry_back_off": {"base_interval": _duration(base), "max_interval": _duration(top)},
             # Not the refused process again. LEAST_REQUEST prefers it (a process that has just
             # started or stopped has no requests): with two processes a pick is the other one
             # 1 time in 4, so up to 20 picks (0.3 % left on the refused one) rather than 5.

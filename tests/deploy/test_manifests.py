@@ -21,7 +21,7 @@ import yaml
 from extproc.config import load_config_text, parse_route_annotations
 from extproc.director.steps import EXPLAIN_HEADER
 from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S
-from extproc.stack.envoy_config import EXTPROC_RETRY_BACK_OFF, EXTPROC_RETRY_ON, EnvoyOptions
+from extproc.stack.envoy_config import EXTPROC_RETRY_BACK_OFF_S, EXTPROC_RETRY_ON, EnvoyOptions
 from extproc.stack.envoy_gateway import EG_DEFAULTS, quantity_bytes
 from extproc.wire import (
     ACCESS_LOG_NAME,
@@ -564,8 +564,8 @@ def test_routing_stream_retries_trigger_as_the_local_stack() -> None:
     # As many retries, as far apart: the later ones land after Envoy took the refused out.
     assert retry["numRetries"] == EnvoyOptions().extproc_retries
     back_off = retry["perRetry"]["backOff"]
-    as_seconds = tuple(f"{int(v.removesuffix('ms')) / 1000:g}s" for v in back_off.values())
-    assert as_seconds == EXTPROC_RETRY_BACK_OFF
+    as_seconds = tuple(int(v.removesuffix("ms")) / 1000 for v in back_off.values())
+    assert as_seconds == EXTPROC_RETRY_BACK_OFF_S
 
 
 def echoed_headers(route: Mapping[str, Any]) -> list[dict[str, str]]:
