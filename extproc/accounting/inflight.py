@@ -14,6 +14,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
 from itertools import repeat
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -190,9 +191,9 @@ class InflightTracker:
         quiet_after_s: float = 1.0,
     ) -> None:
         """`progress`: when an address's engine was last seen doing work (its scrapes:
-        `EndpointStore.progressed_at`; None: unknown). `hang_after_s` (0: off): a pod holding a
-        request that long, whose engine and answers have shown no progress for as long, is
-        stalled. `quiet_after_s`: a pod without progress for that long counts every request
+        `EndpointStore.progressed_at`; None: unknown). `hang_after_s` (0: off): a pod holding
+        requests (any replica's) that long, whose engine and answers have shown no progress for
+        as long, is stalled. `quiet_after_s`: a pod without progress for that long counts every request
         routed there since as still before its first token (`recent_columns`)."""
         self._clock = clock
         self._stats = stats
@@ -208,6 +209,17 @@ class InflightTracker:
         self._waiting: dict[str, dict[Lease, None]] = {}
         self._open: dict[Lease, None] = {}  # every watched lease, in start order (oldest first)
         self._answered_at: dict[str, float] = {}
+        # Since when each address has held requests without a break, by this replica's count
+        # plus its peers' (in order of that time, oldest first): the progress rule's clock, the
+        # same on every replica whichever one routed the requests.
+        self._held_since: dict[str, float] = {}
+        # The progress rule kept without a pass over every held pod per decision: each held
+        # pod's earliest time to be called hung (`_hang_due`) in a heap (one entry per pod),
+        # looked at again only when that time comes; the pods found hung, looked at each time.
+        self._due: list[tuple[float, str]] = []
+        self._queued: set[str] = set()
+        self._hung: set[str] = set()
+        self._due_hang = hang_after_s  # the limit the queued times were computed with
         self._record_lag = 0.0  # how late answers arrive (see `answered`)
         self._watching = False
         # Failing picks: consecutive failures per address and the last one's time.
@@ -304,33 +316,28 @@ class InflightTracker:
                 del self._waiting[addr]
 
     def stalled_addresses(self, after_s: float) -> frozenset[str]:
-        """Every address `stalled(address, after_s)` is true for. O(1) while no watched
-        request is older than the shorter rule's limit (the usual case: one look at the
-        oldest); otherwise one pass over the addresses holding watched requests, not over the
-        pool."""
-        limit = self._first_limit(after_s)
-        if limit is None or not self._open:
-            return frozenset()
-        if self._clock() - next(iter(self._open)).started_at <= limit:
-            return frozenset()
-        return frozenset(a for a in self._waiting if self.stalled(a, after_s))
-
-    def _first_limit(self, after_s: float) -> float | None:
-        """The shortest time a request must be held before either rule can call its pod
-        stalled (None: both are off)."""
-        limits = []
-        if self._watching and after_s > 0:
-            limits.append(after_s)
-        if self._progress is not None and self.hang_after_s > 0:
-            limits.append(self.hang_after_s)
-        return min(limits) if limits else None
+        """Every address `stalled(address, after_s)` is true for. The progress rule: O(hung)
+        while no held pod's time to be looked at again has come (each busy pod is looked at
+        about once per `hang_after_s`, not once per call). The answer rule: O(1) while no
+        watched request is older than `after_s` (one look at the oldest); otherwise one pass
+        over the addresses holding watched requests, not over the pool."""
+        now = self._clock()
+        found = set(self._hung_now(now))
+        if (
+            self._watching
+            and after_s > 0
+            and self._open
+            and now - next(iter(self._open)).started_at > after_s
+        ):
+            found.update(a for a in self._waiting if self.stalled(a, after_s))
+        return frozenset(found)
 
     def stalled(self, address: str, after_s: float) -> bool:
         """True when `address` accepts work and completes none: hung, not just busy. Two
         rules, either suffices:
 
-        - its engine shows no progress (`hang_after_s`): it holds a request older than that,
-          and neither its scrapes (token counters, running and waiting, KV usage) nor an
+        - its engine shows no progress (`hang_after_s`): it has held requests (this replica's
+          or a peer's, watched or not) for longer than that, and neither its scrapes (token counters, running and waiting, KV usage) nor an
           answer have shown it doing anything for as long. A request the engine never got
           (a hung server in front of it) or an engine that stopped moves none of them; a busy
           engine moves them at every scrape (every `poll_interval_s` while busy).
@@ -340,13 +347,13 @@ class InflightTracker:
           `STALL_LATENCY_MULTIPLE` times that: a pod streaming 12-s answers that all began
           together has completed nothing for 12 s, and is busy, not hung. False until answers
           are seen at all."""
+        now = self._clock()
+        if self._no_progress(address, now):
+            return True
         waiting = self._waiting.get(address)
         if not waiting:
             return False
-        now = self._clock()
         oldest = next(iter(waiting)).started_at
-        if self._no_progress(address, now, oldest):
-            return True
         if not self._watching or after_s <= 0 or now - oldest <= after_s:
             return False
         latency = self._stats.latency_of(address) if self._stats is not None else None
@@ -354,12 +361,60 @@ class InflightTracker:
         last = self._answered_at.get(address)
         return now - oldest > limit and (last is None or now - last > limit)
 
-    def _no_progress(self, address: str, now: float, oldest: float) -> bool:
+    def _no_progress(self, address: str, now: float) -> bool:
+        due = self._hang_due(address)
+        return due is not None and now > due
+
+    def _hang_due(self, address: str) -> float | None:
+        """The time after which the progress rule calls `address` hung if nothing moves
+        before: `hang_after_s` past both when it began holding requests and its last progress
+        (None: it holds none, the rule is off, or its engine's scrapes cannot tell). Progress
+        only moves forward, so this time only moves later."""
         hang = self.hang_after_s
-        if hang <= 0 or now - oldest <= hang:
-            return False
-        quiet = self._quiet_for(address, now)
-        return quiet is not None and quiet > hang
+        since = self._held_since.get(address)
+        if hang <= 0 or since is None or self._progress is None:
+            return None
+        seen = self._progress(address)
+        if seen is None:
+            return None
+        answered = self._answered_at.get(address)
+        if answered is not None and answered > seen:
+            seen = answered
+        return max(since, seen) + hang
+
+    def _hung_now(self, now: float) -> set[str]:
+        """Every address `_no_progress` is true for: the hung ones looked at again, and the
+        queued ones whose time has come (an address that moved meanwhile goes back in the
+        queue at its new time). O(hung) while no queued time has come."""
+        if self._progress is None or self.hang_after_s <= 0:
+            return set()
+        if self.hang_after_s != self._due_hang:  # a reload changed the limit: every time did
+            self._due_hang = self.hang_after_s
+            self._due = [(since, a) for a, since in self._held_since.items()]
+            heapify(self._due)
+            self._queued = set(self._held_since)
+            self._hung.clear()
+        for address in [a for a in self._hung if not self._no_progress(a, now)]:
+            self._hung.discard(address)
+            self._queue(address, now)
+        due = self._due
+        while due and due[0][0] < now:
+            address = heappop(due)[1]
+            self._queued.discard(address)
+            self._queue(address, now)
+        return self._hung
+
+    def _queue(self, address: str, now: float) -> None:
+        """Queue a held `address` at its `_hang_due`, or count it hung if that has passed."""
+        if address not in self._held_since or address in self._queued:
+            return
+        due = self._hang_due(address)
+        if due is not None and now > due:
+            self._hung.add(address)
+            return
+        # Not yet (or its engine cannot tell now: look again a limit later).
+        heappush(self._due, (now + self.hang_after_s if due is None else due, address))
+        self._queued.add(address)
 
     def _quiet_for(self, address: str, now: float) -> float | None:
         """Seconds since `address` last showed progress (a scrape that moved, an answer);
@@ -476,6 +531,13 @@ class InflightTracker:
         requests = self._requests.get(address, 0) + remote.requests
         tokens = self._tokens.get(address, 0) + remote.tokens
         self._loads.set(address, requests, tokens)
+        if requests <= 0:
+            if self._held_since.pop(address, None) is not None:
+                self._hung.discard(address)  # its queued time, if any, is dropped when it comes
+        elif address not in self._held_since:
+            now = self._held_since[address] = self._clock()
+            if self._progress is not None and self.hang_after_s > 0:
+                self._queue(address, now)
         if requests <= 0 and tokens <= 0:
             self._arrivals.pop(address, None)
 

@@ -556,8 +556,10 @@ class EndpointStore:
         if figures is None:
             return
         old = self._progress.get(address)
-        if old is None or old[0] != figures:
+        if old is None:
             self._progress[address] = (figures, metrics.updated_at)
+        elif old[0] != figures:  # never earlier: a peer's scrape may be older than our last
+            self._progress[address] = (figures, max(old[1], metrics.updated_at))
 
     def _put(self, state: EndpointState) -> None:
         old = self._states[state.endpoint]

@@ -221,6 +221,7 @@ def test_stalled_addresses_is_stalled_for_every_address(seed: int) -> None:
     clock, progress = FakeClock(), Progress()
     t = InflightTracker(clock=clock, progress=progress, hang_after_s=2.0 * (seed % 2))
     pods = [Endpoint(address=f"10.0.0.{i}:8000", model="m") for i in range(6)]
+    progress.at = {p.address: clock.now for p in pods[:-1]}  # scraped once before any request
     leases = []
     for _ in range(200):
         roll = rng.random()
@@ -230,8 +231,14 @@ def test_stalled_addresses_is_stalled_for_every_address(seed: int) -> None:
             leases.pop(rng.randrange(len(leases))).finish()
         elif roll < 0.7:
             t.answered(rng.choice(pods).address, clock.now - rng.uniform(0, 3))
-        elif roll < 0.8:
-            progress.at[rng.choice(pods).address] = clock.now - rng.uniform(0, 3)
+        elif roll < 0.8:  # a scrape that moved (late by up to 3 s, never before the last)
+            address = rng.choice(pods[:-1]).address  # the last pod's engine exports nothing
+            progress.at[address] = max(clock.now - rng.uniform(0, 3), progress.at[address])
+        elif roll < 0.82 and seed % 2:  # a config reload
+            t.hang_after_s = rng.choice([0.0, 0.5, 2.0, 3.0])
+        elif roll < 0.85:  # a peer's counts (an empty one: it left)
+            held = rng.sample(pods, rng.randrange(3))
+            t.set_remote(f"r{rng.randrange(2)}", {p.address: Load(1, 10) for p in held})
         else:
             clock.now += rng.uniform(0, 2)
         after = rng.choice([0.0, 1.0, 4.0, 10.0])
@@ -430,12 +437,41 @@ def test_the_progress_rule(
     assert (A.address in t.stalled_addresses(60.0)) is stalled
 
 
-def test_unwatched_requests_never_make_a_pod_hung() -> None:
+def test_a_peers_requests_on_a_pod_without_progress_make_it_hung_here_too() -> None:
+    """Every request the hung pod holds was routed by another replica (whose streams Envoy
+    happened to send there): this one holds none, yet it must not send the next client there.
+    Its peers' published counts and the pod's scrapes are all it needs; a request it cannot
+    watch (accounting off, or adopted from a peer that stopped) counts the same."""
     clock, progress, t = hang_tracker()
-    progress.at[A.address] = clock.now
+    progress.at[A.address] = progress.at[B.address] = clock.now
+    t.set_remote("r2", {A.address: Load(3, 300)})
+    t.start(B, watched=False)
+    clock.now += 1.5
+    t.start(A)  # a young request of its own does not reset the clock
+    progress.at[B.address] = clock.now
+    assert t.stalled_addresses(60.0) == frozenset()  # 1.5 s: not yet
+    clock.now += 1.0
+    assert t.stalled(A.address, 60.0) and t.stalled_addresses(60.0) == {A.address}
+    clock.now += 1.0  # B: held 3.5 s (unwatched), no progress for 2 s: not yet past 2 s
+    assert not t.stalled(B.address, 60.0)
+    clock.now += 0.1
+    assert t.stalled(B.address, 60.0) and t.stalled_addresses(60.0) == {A.address, B.address}
+
+
+def test_a_pod_that_held_nothing_for_a_moment_starts_the_hang_clock_again() -> None:
+    """An idle engine's scrapes do not move: a request routed to a pod idle for minutes is not
+    a hang until it has been held for `hang_after_s` (the pod's load must not have dropped to
+    none in between: the clock is since the pod last held nothing, by every replica's count)."""
+    clock, progress, t = hang_tracker()
+    progress.at[A.address] = clock.now - 300
+    t.set_remote("r2", {A.address: Load(1, 10)})
+    clock.now += 1.9
+    t.set_remote("r2", {})  # done
     t.start(A, watched=False)
-    clock.now += 30
-    assert not t.stalled(A.address, 10.0)
+    clock.now += 1.9
+    assert not t.stalled(A.address, 60.0)
+    clock.now += 0.2
+    assert t.stalled(A.address, 60.0)
 
 
 def test_a_quiet_pod_counts_what_it_holds_as_still_before_its_first_token() -> None:

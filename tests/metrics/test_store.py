@@ -171,6 +171,21 @@ def test_progressed_at_is_the_last_scrape_whose_work_figures_moved(
     assert store.progressed_at(a.address) == (11.0 if moved else 10.0)
 
 
+def test_progress_never_moves_back_to_an_older_scrape(clock: FakeClock) -> None:
+    """A peer's scrape (shared over the bus, dated by its age) may be older than this process's
+    last and still show other figures: the engine was seen moving at the later time all the
+    same (the stall rule's times only move forward)."""
+    a = ep(1)
+    store = EndpointStore(stale_after=3.0, clock=clock)
+    store.set_endpoints({"m": [a]})
+    store.record_success(a, _scrape(10.0))
+    store.record_success(a, _scrape(12.0, running=2.0))
+    store.record_success(a, _scrape(11.5, running=3.0))  # a peer's, half a second older
+    assert store.progressed_at(a.address) == 12.0
+    store.record_success(a, _scrape(12.5, running=4.0))
+    assert store.progressed_at(a.address) == 12.5
+
+
 def test_progress_is_per_address_and_forgotten_with_the_endpoint(clock: FakeClock) -> None:
     a, a_lora, b = ep(1), ep(1, model="lora"), ep(2)
     store = EndpointStore(stale_after=3.0, clock=clock)

@@ -5,7 +5,9 @@ holding the shared prefix: kv-aware sends it everything).
 The pod accepts requests and never answers; its engine gets none of them, so its scrapes stop
 moving. Both processes take it out of the candidates within `routing.hang_after_s` (2 s) of
 its first held request, although the records that say "it answered nothing" reach only one of
-them, and the answer rule alone (`stall_after_s`, 10 s) could not have done it within the hang.
+them, Envoy may have sent every held client's routing stream to the same one (a run met it:
+the other then saw the pod hung only through its own next client), and the answer rule alone
+(`stall_after_s`, 10 s) could not have done it within the hang.
 """
 
 from __future__ import annotations
