@@ -72,28 +72,35 @@ class EndpointState:
 _Progress = tuple[float | None, ...]
 
 # An engine's step time as its inter-token latency (ITL), from consecutive scrapes of its
-# lifetime histogram: the mean of the gaps since the scrape before, blended into two running
-# means. `itl_recent_s`, with this time constant, shows a pod that turns slow within a second
+# lifetime histogram: the mean of the gaps since the last such mean (at least `ITL_MIN_GAPS` of
+# them), blended into two running means. `itl_recent_s`, with this time constant, shows a pod that turns slow within a second
 # or two (one noisy scrape moves it part way) ...
 ITL_RECENT_TAU_S = 1.0
-# ... and is forgotten this long after the engine last reported a new gap: nothing says any
+# ... and is forgotten this long after the last new mean: nothing says any
 # more that the pod is slow, so a pod avoided for being slow is tried again after a while.
 ITL_RECENT_FOR_S = 30.0
 # `itl_baseline_s`, with this one, is what the pod's steps usually take: what a recent value
 # is compared with (the engine's lifetime mean would be that too, but after hours it no longer
 # moves, and early on a few seconds of a fault already move it).
 ITL_BASELINE_TAU_S = 60.0
+# A new mean needs at least this many new gaps (fewer wait for the next scrapes): one request
+# held behind long prefills for half a second is one gap of 480 ms, and alone it made a pod
+# look 40x slow for seconds (the twin of docqa met it at its first scrape, and shunned the pod
+# holding the cached documents). Among 32 it weighs a 32nd; a slow engine, whose every step is
+# slow, still shows at once under any load (a 4x slower pod decoding 4 requests brings ~50 gaps
+# per scrape).
+ITL_MIN_GAPS = 32
 
 
 @dataclass(slots=True)
 class _Itl:
     """What the scrapes of an endpoint said about its inter-token gaps."""
 
-    total_s: float  # the engine's lifetime sum of gaps, at the last scrape
+    total_s: float  # the engine's lifetime sum of gaps, at the last new mean (`ITL_MIN_GAPS`)
     count: float  # and their number
     recent_s: float | None  # the running means, as last set (None: no gap seen yet)
     baseline_s: float | None
-    moved_at: float  # the scrape that last brought new gaps
+    moved_at: float  # the scrape that last brought a new mean
 
 
 def _blend(old: float | None, value: float, dt: float, tau: float) -> float:
@@ -110,10 +117,10 @@ def _next_itl(old: _Itl | None, metrics: EngineMetrics) -> _Itl | None:
     total = (metrics.itl_avg_s or 0.0) * count
     if old is None or count < old.count:  # first scrape, or the engine restarted
         return _Itl(total, count, None, None, now)
-    if count == old.count:  # no new gaps: the means stand, the recent one for a while
+    if count - old.count < ITL_MIN_GAPS:  # too few new gaps to say: the means stand (a while)
         expired = now - old.moved_at > ITL_RECENT_FOR_S
         recent = None if expired else old.recent_s
-        return _Itl(total, count, recent, old.baseline_s, old.moved_at)
+        return _Itl(old.total_s, old.count, recent, old.baseline_s, old.moved_at)
     gap = max(0.0, (total - old.total_s) / (count - old.count))
     dt = now - old.moved_at
     return _Itl(

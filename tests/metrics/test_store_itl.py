@@ -54,17 +54,23 @@ HEALTHY = [(0.0, 1.0, 100), (0.5, 1.5, 150)]  # 50 gaps of 10 ms
     [
         # The first scrape has nothing to compare with; the next says what the new gaps took.
         (HEALTHY, [(None, None), (0.01, 0.01)]),
-        # The engine turns 10x slower (10 gaps of 100 ms): the recent mean moves much of the
+        # The engine turns 10x slower (40 gaps of 100 ms): the recent mean moves much of the
         # way at once, the baseline a little.
-        ([*HEALTHY, (1.0, 2.5, 160)], [(None, None), (0.01, 0.01),
+        ([*HEALTHY, (1.0, 5.5, 190)], [(None, None), (0.01, 0.01),
                                       (0.01 + R * 0.09, 0.01 + B * 0.09)]),
+        # One request held behind long prefills: one gap of 480 ms, too few to say anything
+        # alone; the next scrapes add 40 gaps of 10 ms, and the 41 together make the mean.
+        ([*HEALTHY, (1.0, 1.98, 151), (1.5, 2.38, 191)],
+         [(None, None), (0.01, 0.01), (0.01, 0.01),
+          (0.01 + _w(ITL_RECENT_TAU_S, 1.0) * (0.88 / 41 - 0.01),
+           0.01 + _w(ITL_BASELINE_TAU_S, 1.0) * (0.88 / 41 - 0.01))]),
         # No new gaps: both stand ...
         ([*HEALTHY, (10.0, 1.5, 150)], [(None, None), (0.01, 0.01), (0.01, 0.01)]),
         # ... the recent one until ITL_RECENT_FOR_S after the last new gaps.
         ([*HEALTHY, (0.5 + ITL_RECENT_FOR_S + 1, 1.5, 150)],
          [(None, None), (0.01, 0.01), (None, 0.01)]),
         # After a long pause new gaps replace the recent value (it had stood for long).
-        ([*HEALTHY, (20.0, 2.5, 160)],
+        ([*HEALTHY, (20.0, 5.5, 190)],
          [(None, None), (0.01, 0.01), (0.1, 0.01 + _w(ITL_BASELINE_TAU_S, 19.5) * 0.09)]),
         # The engine restarted (its count went down): start over.
         ([*HEALTHY, (1.0, 0.2, 10)], [(None, None), (0.01, 0.01), (None, None)]),
