@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import platform
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -529,6 +530,11 @@ def _one_run(
     return summary
 
 
+def config_of_capture(capture: str) -> str:
+    """The file name of the gateway config a capture ran under (written beside it)."""
+    return capture.removesuffix(".jsonl") + ".config.yaml"
+
+
 def _write_capture(
     cluster: Cluster,
     sc: Scenario,
@@ -544,12 +550,16 @@ def _write_capture(
     capture = fetch_capture(admin, cluster.options.admin_headers(), since)
     name = f"capture-{load.name + '-' if len(sc.loads) > 1 else ''}{v.name}-rep{rep}.jsonl"
     log.info("capture: %s", write_capture(capture, str(out_dir / name)))
+    # The gateway's config beside it, as an operator hands theirs to `extproc tune --config`:
+    # the twin replays under the same flow control, polling and index settings.
+    shutil.copyfile(cluster.stack.config_path, out_dir / config_of_capture(name))
     strategies: dict[str, int] = {}
     for line in capture.lines:
         key = str(line.get("strategy"))
         strategies[key] = strategies.get(key, 0) + 1
     return {
         "file": name,
+        "config": config_of_capture(name),
         "requests": len(capture.lines),
         "joined": capture.joined,
         "decision_only": capture.decision_only,

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import _values, noise_floor
-from bench.scenario import load_scenario
+from bench.scenario import config_of_capture, load_scenario
 from bench.stats import percentile
 
 __all__ = [
@@ -391,8 +391,12 @@ def run_tune(
 ) -> tuple[list[str], float]:
     """(b): `extproc tune` on the capture (None: the twin's own candidates); its command and
     wall time (s)."""
+    # The gateway's config the capture ran under (flow control, polling), as an operator
+    # passes theirs; a capture from before the bench kept it replays under the defaults.
+    config = capture.with_name(config_of_capture(capture.name))
     cmd = [
         str(PYTHON), "-m", "extproc", "tune", str(capture), "--json", str(out),
+        *(["--config", str(config)] if config.exists() else []),
         *(["--rules", ",".join(rules)] if rules else []),
         *(["--seeds", str(seeds)] if seeds else []),
     ]  # fmt: skip

@@ -203,6 +203,12 @@ def _tune(args: argparse.Namespace) -> int:
             print(f"extproc tune: {args.config}: {exc}", file=sys.stderr)
             return 1
         base = loaded if isinstance(loaded, dict) else {}
+    else:
+        print(
+            "extproc tune: no --config: the twin's gateway runs the defaults (flow control on); "
+            "pass the gateway's own config to replay it as it runs",
+            file=sys.stderr,
+        )
     rules = None
     if args.rules:
         rules = [Candidate(n.strip(), n.strip()) for n in args.rules.split(",") if n.strip()]

@@ -91,6 +91,13 @@ def test_each_repetition_leaves_the_captured_variants_run_and_nothing_else(
         assert {line["blocks"] for line in lines} == {"hashed"}
         assert len({line["hash_ids"][0] for line in lines}) <= 4
         assert run["capture"]["joined"] == 8
+        # the gateway config it ran under beside it, for `extproc tune --config`
+        assert run["capture"]["config"] == f"capture-kv-aware-rep{run['rep']}.config.yaml"
+        ran = yaml.safe_load((out / run["capture"]["config"]).read_text())
+        assert ran["flow_control"] == {"enabled": False}  # the bench's, not the default's
+        assert {line["endpoint"] for line in lines} <= {
+            e["address"] for e in ran["models"][0]["endpoints"]
+        }
     # the stack's servers recorded with the bench's bounds
     cfg = yaml.safe_load((out / "run" / "config.yaml").read_text())
     assert cfg["capture"]["enabled"] is True

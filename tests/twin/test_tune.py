@@ -44,7 +44,10 @@ def test_tune_prints_the_table_and_the_verdict_and_writes_json_and_a_plot(
         ]
     )  # fmt: skip
     assert code == 0
-    text = capsys.readouterr().out
+    said = capsys.readouterr()
+    text = said.out
+    # without the gateway's config the twin says whose settings it replays under
+    assert "no --config: the twin's gateway runs the defaults (flow control on)" in said.err
     assert "running rule: kv-aware" in text and "fidelity" in text and "best:" in text
     report = json.loads(out.read_text())
     rules = {r["name"]: r for r in report["rules"]}
