@@ -36,6 +36,12 @@ ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 # 0.1 s in our bootstraps), so a batch due is never cut. Under load batches come sooner
 # (Envoy also flushes every 16 KiB).
 CLOSE_AFTER_BATCH_WAIT_S = 1.5
+# Envoy flushes a stream's buffer when its entries reach this many bytes (`buffer_size_bytes`,
+# Envoy's default; neither our bootstraps nor Envoy Gateway set it) as well as on its flush
+# timer, which a size flush does not reset: the timer's batch can follow a size flush within
+# milliseconds. A batch this large was a size flush, so at shutdown the stream is ended only
+# after a smaller one (the timer's), never between the two.
+ENVOY_BUFFER_BYTES = 16384
 
 # Flags that mean the upstream side broke the exchange (a retry that then succeeded leaves
 # connection-failure flags behind, so those alone do not make a 2xx a failure).
@@ -203,15 +209,10 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
                 read = asyncio.ensure_future(context.read())
                 await asyncio.wait((read, closing), return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
-                    # Shutting down. Envoy flushes a batch every flush interval and would lose
-                    # one sent while the stream ends: end it right after the next batch, so the
-                    # following one goes to the stream Envoy opens on another process.
-                    if not await within(self._timers, read, CLOSE_AFTER_BATCH_WAIT_S):
-                        read.cancel()
-                    if read.done() and not read.cancelled():
-                        msg = read.result()
-                        if msg is not grpc.aio.EOF:
-                            self._take(log_name, msg.http_logs.log_entry)
+                    # Shutting down. Envoy would lose a batch sent while the stream ends: end
+                    # it right after the next batch its flush timer sends, so the following
+                    # one goes to the stream Envoy opens on another process.
+                    await self._last_batches(context, read, log_name)
                     context.set_code(grpc.StatusCode.UNAVAILABLE)
                     context.set_details("server shutting down")
                     break
@@ -225,6 +226,27 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         finally:
             self._closing.discard(closing)
         return als_pb2.StreamAccessLogsResponse()
+
+    async def _last_batches(
+        self, context: grpc.aio.ServicerContext, read: asyncio.Future[Any], log_name: str | None
+    ) -> None:
+        """Take the stream's batches up to the first its flush timer sent (one smaller than
+        Envoy's buffer; a size flush may have the timer's right behind it), waiting at most
+        `CLOSE_AFTER_BATCH_WAIT_S` for each and `2 * CLOSE_AFTER_BATCH_WAIT_S` in all."""
+        deadline = self._timers.now() + 2 * CLOSE_AFTER_BATCH_WAIT_S
+        while True:
+            wait = min(CLOSE_AFTER_BATCH_WAIT_S, deadline - self._timers.now())
+            if not await within(self._timers, read, wait):
+                read.cancel()
+                return
+            msg = read.result()
+            if msg is grpc.aio.EOF:
+                return
+            entries = msg.http_logs.log_entry
+            self._take(log_name, entries)
+            if sum(e.ByteSize() for e in entries) < ENVOY_BUFFER_BYTES:
+                return  # the timer's batch: the next is a flush interval away
+            read = asyncio.ensure_future(context.read())
 
     def _take(self, log_name: str | None, entries: Any) -> None:
         if log_name != ACCESS_LOG_NAME:

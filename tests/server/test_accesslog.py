@@ -13,7 +13,11 @@ import pytest
 from extproc._pb.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc._pb.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.director.api import LeaseKey, Outcome, RoutedRequest
-from extproc.server.accesslog import CLOSE_AFTER_BATCH_WAIT_S, record_from_entry
+from extproc.server.accesslog import (
+    CLOSE_AFTER_BATCH_WAIT_S,
+    ENVOY_BUFFER_BYTES,
+    record_from_entry,
+)
 from extproc.server.service import ExtProcServer, ServerOptions
 from extproc.types import TokenUsage
 from extproc.wire import ACCESS_LOG_NAME
@@ -266,3 +270,45 @@ async def test_shutdown_ends_an_access_log_stream_after_its_next_batch(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # Envoy reconnects elsewhere
+
+
+@pytest.mark.parametrize("timer_batch_follows", [True, False])
+async def test_shutdown_after_a_size_flush_waits_for_the_timers_batch_behind_it(
+    timer_batch_follows: bool,
+) -> None:
+    """Envoy flushes when its buffer reaches 16 KiB and on its timer, which a size flush does
+    not reset: the timer's batch can come right behind. Ending the stream after the big batch
+    would lose the small one (a record lost on a SIGTERM of the sink under load)."""
+    clock = ManualClock()
+    handler = FakeHandler()
+    srv = ExtProcServer(handler, ServerOptions(port=0), timers=clock)
+    await srv.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        call = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+        first = als_pb2.StreamAccessLogsMessage()
+        first.identifier.log_name = ACCESS_LOG_NAME
+        first.http_logs.log_entry.append(entry(routed=ROUTED))
+        await call.write(first)
+        await _wait_for(lambda: handler.records)
+        stopping = asyncio.create_task(srv.stop(30.0, announce_s=0.0))
+        await clock.until_sleeping(1)  # waiting for the next batch
+        big = als_pb2.StreamAccessLogsMessage()
+        while sum(e.ByteSize() for e in big.http_logs.log_entry) < ENVOY_BUFFER_BYTES:
+            big.http_logs.log_entry.append(entry(routed=ROUTED))
+        await call.write(big)
+        await _wait_for(lambda: len(handler.records) == 1 + len(big.http_logs.log_entry))
+        await clock.until_sleeping(1)
+        assert srv.access_log.streams == 1  # a size flush: the timer's batch may be behind it
+        if timer_batch_follows:
+            small = als_pb2.StreamAccessLogsMessage()
+            small.http_logs.log_entry.append(entry(routed=ROUTED))
+            await call.write(small)
+        else:
+            clock.advance(CLOSE_AFTER_BATCH_WAIT_S)
+        await asyncio.wait_for(stopping, timeout=5.0)
+        assert srv.access_log.streams == 0
+        want = 1 + len(big.http_logs.log_entry) + (1 if timer_batch_follows else 0)
+        assert len(handler.records) == want
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
