@@ -187,11 +187,19 @@ def _tune(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from extproc.twin import Candidate, CaptureError, load_pod_facts, load_requests, tune
+    from extproc.twin import (
+        Candidate,
+        CaptureError,
+        load_gateway_settings,
+        load_pod_facts,
+        load_requests,
+        tune,
+    )
 
     try:
         requests = load_requests(Path(args.capture))
         facts = load_pod_facts(Path(args.capture))
+        carried = load_gateway_settings(Path(args.capture))
     except (OSError, CaptureError) as exc:
         print(f"extproc tune: {exc}", file=sys.stderr)
         return 1
@@ -203,6 +211,15 @@ def _tune(args: argparse.Namespace) -> int:
             print(f"extproc tune: {args.config}: {exc}", file=sys.stderr)
             return 1
         base = loaded if isinstance(loaded, dict) else {}
+    elif carried:
+        base = carried
+        flow = carried.get("flow_control")
+        on = flow.get("enabled", True) if isinstance(flow, dict) else True
+        print(
+            "extproc tune: no --config: the twin's gateway runs the settings the capture "
+            f"carries (flow control {'on' if on else 'off'})",
+            file=sys.stderr,
+        )
     else:
         print(
             "extproc tune: no --config: the twin's gateway runs the defaults (flow control on); "

@@ -29,6 +29,7 @@ from extproc.admin.tuning import (
     UnsupportedMediaType,
     parse_tuning,
 )
+from extproc.config import Config
 from extproc.director.api import RequestHead
 from extproc.director.director import Director
 from extproc.memdiag import GROUPS, MemoryDiagnostics
@@ -80,6 +81,30 @@ def _pod_facts(store: EndpointStore) -> dict[str, dict[str, object]]:
             "num_gpu_blocks": m.num_gpu_blocks,
         }  # fmt: skip
     return out
+
+
+def _gateway_settings(config: Config) -> dict[str, object]:
+    """What a twin replays this gateway under (`extproc tune` without `--config`): the
+    sections of its config that shape a decision's timing and choice, never a secret, a
+    path or an address."""
+    r, m = config.routing, config.metrics
+    return {
+        "flow_control": dataclasses.asdict(config.flow_control),
+        "saturation": dataclasses.asdict(config.saturation),
+        "kv_events": dataclasses.asdict(config.kv_events),
+        "metrics": {
+            "poll_interval_s": m.poll_interval_s,
+            "idle_poll_interval_s": m.idle_poll_interval_s,
+            "stale_after_s": m.stale_after_s,
+        },
+        "routing": {
+            "strategy_params": r.strategy_params,
+            "stall_after_s": r.stall_after_s,
+            "hang_after_s": r.hang_after_s,
+            "priority_header": r.priority_header,
+            "session_header": r.session_header,
+        },
+    }
 
 
 class _CaptureOff(GatewayError):
@@ -366,6 +391,7 @@ class AdminServer:
             return web.json_response({"error": "since must be a Unix time in seconds"}, status=400)
         export = await capture.export(since)
         export["pods"] = _pod_facts(self._src.store)  # what a twin sizes each pod's engine by
+        export["gateway"] = _gateway_settings(self._src.config)  # and runs the gateway under
         body = orjson.dumps(export)
         return web.Response(
             body=body, content_type="application/json", headers={"Cache-Control": "no-store"}

@@ -17,8 +17,10 @@ id of its own). `fine_ids` say the same per `fine_tokens` (64) tokens, in an id 
 own: what `extproc tune` replays (a conversation's next turn shares its previous prompt up to
 the last 64-token boundary, where `hash_ids` would show only whole 512-token windows). The
 first line also carries `pods`: each scraped pod's model, block size and number of KV blocks,
-as its engine publishes them. Where the routing rule computed no hashes (`"blocks": "none"`),
-every block gets an id of its own: the replay then shares nothing it cannot prove.
+as its engine publishes them; and `gateway`: the settings of the gateway's config that a replay
+runs it under (flow control, saturation, KV events, polling, the rules' parameters). Where the
+routing rule computed no hashes (`"blocks": "none"`), every block gets an id of its own: the
+replay then shares nothing it cannot prove.
 """
 
 from __future__ import annotations
@@ -139,10 +141,13 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
     decisions: dict[str, Mapping[str, Any]] = {}
     outcomes: dict[str, Mapping[str, Any]] = {}
     pods: dict[str, Any] = {}
+    gateway: Mapping[str, Any] | None = None
     for export in exports:
         if not isinstance(export, Mapping) or export.get("format") != 1:
             raise CaptureFormatError("not a capture export (format 1)")
         out.processes.append(str(export.get("replica", "")))
+        if gateway is None and isinstance(settings := export.get("gateway"), Mapping):
+            gateway = settings
         facts = export.get("pods")
         if isinstance(facts, Mapping):
             for address, fact in facts.items():
@@ -174,6 +179,10 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
         # The pods' published cache config, once, on the first line (a key a Mooncake reader
         # ignores): what `extproc tune` sizes each pod's engine by.
         out.lines[0]["pods"] = {a: pods[a] for a in sorted(pods)}
+    if out.lines and gateway is not None:
+        # The gateway's settings a replay runs it under (one process's: every process of a
+        # deployment runs the same config), once, on the first line.
+        out.lines[0]["gateway"] = dict(gateway)
     return out
 
 

@@ -17,6 +17,7 @@ token, sampling nothing.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hashlib
 import itertools
@@ -312,50 +313,75 @@ class Engine:
             )
             context = sum(r.num_computed + n for r, n in scheduled)
             dt = self.step_model.step_seconds(prefill, context) * self.slowdown
-            steps = 1
+            ends = [dt]
             if prefill == 0 and self._horizon is not None:
-                steps, dt = self._decode_run(scheduled, context, dt)
-            await asyncio.sleep(self._pace(dt * self.step_model.time_scale))
+                ends = self._decode_run(scheduled, context, dt)
+            if len(ends) == 1:
+                await asyncio.sleep(self._pace(dt * self.step_model.time_scale))
+            else:
+                ends = await self._sleep_run(ends)
             self._last_wake = self._clock()
+            steps, dt = len(ends), ends[-1]
             self.stats.steps += steps
             self.stats.sim_time_s += dt
             if steps == 1:
                 self._apply(scheduled)
             else:
+                for r, _ in scheduled:
+                    self._grow(r, r.num_computed + steps)
                 self._apply_decodes(scheduled, steps)
 
     def _decode_run(
         self, scheduled: list[tuple[SimRequest, int]], context: int, first_s: float
-    ) -> tuple[int, float]:
-        """(steps, their time) for the decode-only batch `scheduled`, whose first step takes
-        `first_s`: as many identical steps as end before the horizon (nothing can join, leave
-        or look at the engine in between), until the first request finishes, with the blocks
-        they need free. Each step adds one token to every request and `len(scheduled)` to the
-        context read. The steps then run as one sleep and are applied one after the other at
-        its end: what any observer sees is what step-by-step would have shown it (only the
-        times of the tokens in between, which nothing here records, are the end's)."""
+    ) -> list[float]:
+        """When each step ends (seconds from now) for the decode-only batch `scheduled`, whose
+        first step takes `first_s`: as many identical steps as end before the horizon (no
+        timer can look at the engine in between), until the first request finishes, with the
+        blocks they need free. Each step adds one token to every request and `len(scheduled)`
+        to the context read. The steps then run as one sleep (`_sleep_run`) and are applied one
+        after the other at its end: what any observer sees is what step-by-step would have
+        shown it (only the times of the tokens in between, which nothing here records, are the
+        end's)."""
         if self.waiting or self._transferring or self._on_token is not None:
-            return 1, first_s
+            return [first_s]
         assert self._horizon is not None
         room = self._horizon() - self._clock()
         most = min(r.target_output - len(r.output_ids) for r, _ in scheduled)
         m = len(scheduled)
-        total, k = first_s, 1
+        ends = [first_s]
         free = self.pool.num_allocatable()
-        while k < most:
+        while len(ends) < most:
+            k = len(ends)
             step = self.step_model.step_seconds(0, context + k * m) * self.slowdown
             need = sum(
                 max(0, self._blocks_for(r.num_computed + k + 1) - self._held_blocks(r))
                 for r, _ in scheduled
             )
-            if total + step > room or need > free:
+            if ends[-1] + step > room or need > free:
                 break
-            total += step
-            k += 1
-        if k > 1:
-            for r, _ in scheduled:
-                self._grow(r, r.num_computed + k)
-        return k, total
+            ends.append(ends[-1] + step)
+        return ends
+
+    async def _sleep_run(self, ends: list[float]) -> list[float]:
+        """Sleep through a decode run (`ends`: each step's end), or, when a request arrives
+        during it (not a timer: a client's next request sent as its last answer ended, at
+        once), only to the end of the step under way, as vLLM would take the newcomer at its
+        next step. The ends of the steps that ran."""
+        start = self._clock()
+        self._wake.clear()
+        sleep = asyncio.ensure_future(asyncio.sleep(ends[-1]))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((sleep, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            woken.cancel()
+        elapsed = self._clock() - start
+        if elapsed >= ends[-1]:
+            return ends
+        done = bisect.bisect_left(ends, elapsed)  # the step under way ends at ends[done]
+        await asyncio.sleep(ends[done] - elapsed)
+        return ends[: done + 1]
 
     def _pace(self, wait: float) -> float:
         """How long to sleep for a step of `wait` wall seconds.

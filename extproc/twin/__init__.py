@@ -11,6 +11,7 @@ from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
 from extproc.twin.trace import (
     CaptureError,
     TwinRequest,
+    load_gateway_settings,
     load_pod_facts,
     load_requests,
     parse_requests,
@@ -31,6 +32,7 @@ __all__ = [
     "VirtualLoop",
     "candidates",
     "fit_pods",
+    "load_gateway_settings",
     "load_pod_facts",
     "load_requests",
     "parse_requests",

@@ -39,6 +39,7 @@ __all__ = [
     "TwinRequest",
     "link_clients",
     "link_continuations",
+    "load_gateway_settings",
     "load_pod_facts",
     "load_requests",
     "parse_requests",
@@ -332,6 +333,20 @@ def load_pod_facts(path: Path) -> dict[str, dict[str, int]]:
             if isinstance(v := fact.get(k), int) and not isinstance(v, bool) and v > 0
         }
     return out
+
+
+def load_gateway_settings(path: Path) -> dict[str, Any]:
+    """The gateway's settings a capture's first line carries (`gateway`: the config sections a
+    replay runs the gateway under, as YAML data for `TwinSetup.base_config`); empty when it
+    carries none (a plain trace, a capture from before they were recorded)."""
+    with path.open(encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(first) if first else {}
+    except json.JSONDecodeError:
+        return {}
+    settings = row.get("gateway") if isinstance(row, dict) else None
+    return dict(settings) if isinstance(settings, dict) else {}
 
 
 def _window(unit: int, hash_id: int) -> list[int]:

@@ -20,7 +20,7 @@ from bench.traces import load_trace
 from extproc.cli import main as cli_main
 from extproc.kubectl import main as kubectl_main
 from extproc.stack.local import LocalStack
-from extproc.twin import load_pod_facts
+from extproc.twin import load_gateway_settings, load_pod_facts
 from tests.e2e.harness import running_stack, stack_options, wait_for
 from tests.k8s.fake_apiserver import PODS, SECRETS, FakeApiServer
 from tests.k8s.helpers import make_pod, write_kubeconfig
@@ -145,6 +145,15 @@ def test_the_capture_is_one_line_per_request_with_the_usage_the_client_got(
     assert {line["served_by"] for line in lines} <= set(pods)
     assert all(p["block_size"] == 16 and p["num_gpu_blocks"] > 0 for p in pods.values())
     assert all("pods" not in line for line in lines[1:])
+    # The gateway's settings a replay runs it under, once, on the first line: the stack's
+    # flow control and polling as configured, and no secret or path of its config.
+    gateway = lines[0]["gateway"]
+    ran = stack.server_config()
+    assert gateway["flow_control"]["enabled"] is ran["flow_control"]["enabled"]
+    assert gateway["metrics"]["poll_interval_s"] == ran["metrics"]["poll_interval_s"]
+    assert all("gateway" not in line for line in lines[1:])
+    assert load_gateway_settings(out) == gateway
+    assert "session_secret" not in json.dumps(gateway) and "/" not in json.dumps(gateway)
     assert load_pod_facts(out) == {
         a: {"block_size": p["block_size"], "num_gpu_blocks": p["num_gpu_blocks"]}
         for a, p in pods.items()

@@ -116,3 +116,49 @@ def test_the_engine_sums_and_counts_ttft_and_gaps_as_vllms_histograms_do(coalesc
     assert hist["ttft_sum"] == pytest.approx(hist["ttft_expected"], rel=1e-9)
     assert hist["itl_count"] == hist["gaps_expected"] > 24
     assert hist["itl_sum"] == pytest.approx(hist["itl_expected"], rel=1e-9)
+
+
+async def _next_request_ttft(coalesce: bool) -> float:
+    """A client's next request, sent the moment its last answer ends (no timer between), into
+    an engine that then decodes a long answer alone: its time to first token."""
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualLoop)
+    ends: dict[str, asyncio.Future[None]] = {}
+
+    def finished(req: SimRequest, stats: RequestStats) -> None:
+        ends[req.request_id].set_result(None)
+
+    engine = Engine(
+        CONFIG, on_finish=finished, clock=loop.time,
+        horizon=loop.next_event if coalesce else None,
+    )  # fmt: skip
+
+    async def send(rid: str, start: int, max_tokens: int) -> SimRequest:
+        req = engine.new_request(
+            list(range(start, start + 40)), output_vocab=range(5000, 5100),
+            max_tokens=max_tokens, ignore_eos=True, request_id=rid,
+        )  # fmt: skip
+        ends[rid] = loop.create_future()
+        await engine.submit(req)
+        return req
+
+    loop.start_background(engine.start)
+    await send("long", 100, 400)
+    await send("last", 200, 30)
+    await ends["last"]  # the client's answer has ended: it sends its next request at once
+    sent = loop.time()
+    nxt = await send("next", 300, 5)
+    await asyncio.gather(ends["next"], ends["long"])
+    await engine.stop()
+    assert nxt.first_token_wall is not None
+    return nxt.first_token_wall - sent
+
+
+def test_a_request_sent_as_an_answer_ends_joins_the_next_step_of_a_decode_run() -> None:
+    # The run that follows the last answer's end is planned before the client's next request
+    # exists (it comes by no timer): it must still join at the next step, as step by step,
+    # not when the long answer ends (370 steps later: 2.8 s where it waited before).
+    stepwise = run_virtual(_next_request_ttft(False))
+    coalesced = run_virtual(_next_request_ttft(True))
+    assert coalesced == pytest.approx(stepwise, rel=1e-6)
+    assert coalesced < 0.05

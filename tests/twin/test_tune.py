@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import main
+from extproc.twin import load_gateway_settings
 from extproc.twin.replay import PodProfile, TwinSetup, replay
 from extproc.twin.tune import Candidate, reuse_ceiling
 from tests.twin._traffic import sessions_traffic
@@ -64,6 +65,27 @@ def test_tune_prints_the_table_and_the_verdict_and_writes_json_and_a_plot(
     assert fid["ttft_p50_ms"] == pytest.approx(cap_stats["ttft_p50_ms"], rel=0.25)
     assert fid["hit_rate"] == pytest.approx(cap_stats["hit_rate"], abs=0.05)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_config_the_twin_runs_the_gateway_settings_the_capture_carries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cap, out = tmp_path / "cap.jsonl", tmp_path / "tune.json"
+    _capture(cap)
+    lines = cap.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["gateway"] = {"flow_control": {"enabled": False}, "metrics": {"poll_interval_s": 0.25}}
+    cap.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    assert load_gateway_settings(cap) == first["gateway"]
+    argv = ["tune", str(cap), "--rules", "kv-aware", "--seeds", "1", "--workers", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    said = capsys.readouterr().err
+    assert "runs the settings the capture carries (flow control off)" in said
+    # a config given wins over what the capture carries
+    config = tmp_path / "gateway.yaml"
+    config.write_text("flow_control: {enabled: true}\n")
+    assert main([*argv, "--config", str(config)]) == 0
+    assert "capture carries" not in capsys.readouterr().err
 
 
 def test_a_bad_capture_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
