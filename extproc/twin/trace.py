@@ -313,16 +313,22 @@ def load_requests(path: Path) -> list[TwinRequest]:
         return parse_requests(f, source=str(path))
 
 
-def load_pod_facts(path: Path) -> dict[str, dict[str, int]]:
-    """The pods' published cache config a capture's first line carries (`pods`): by address,
-    `block_size` and `num_gpu_blocks` where known; empty for a plain trace."""
+def _first_line_key(path: Path, key: str) -> object:
+    """`key` of a capture's first line (where it carries `pods` and `gateway`); None when the
+    line is not a JSON object or has no such key."""
     with path.open(encoding="utf-8") as f:
         first = next((line for line in f if line.strip()), "")
     try:
         row = json.loads(first) if first else {}
     except json.JSONDecodeError:
-        return {}
-    pods = row.get("pods") if isinstance(row, dict) else None
+        return None
+    return row.get(key) if isinstance(row, dict) else None
+
+
+def load_pod_facts(path: Path) -> dict[str, dict[str, int]]:
+    """The pods' published cache config a capture's first line carries (`pods`): by address,
+    `block_size` and `num_gpu_blocks` where known; empty for a plain trace."""
+    pods = _first_line_key(path, "pods")
     out: dict[str, dict[str, int]] = {}
     for address, fact in (pods or {}).items() if isinstance(pods, dict) else ():
         if not isinstance(address, str) or not isinstance(fact, dict):
@@ -339,13 +345,7 @@ def load_gateway_settings(path: Path) -> dict[str, Any]:
     """The gateway's settings a capture's first line carries (`gateway`: the config sections a
     replay runs the gateway under, as YAML data for `TwinSetup.base_config`); empty when it
     carries none (a plain trace, a capture from before they were recorded)."""
-    with path.open(encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "")
-    try:
-        row = json.loads(first) if first else {}
-    except json.JSONDecodeError:
-        return {}
-    settings = row.get("gateway") if isinstance(row, dict) else None
+    settings = _first_line_key(path, "gateway")
     return dict(settings) if isinstance(settings, dict) else {}
 
 

@@ -4,6 +4,7 @@ gRPC AccessLogService stream, as Envoy drives it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -231,21 +232,59 @@ async def _wait_for(predicate: Any) -> None:
     raise AssertionError("not delivered")
 
 
-@pytest.mark.parametrize("batch_while_closing", [False, True])
-async def test_shutdown_ends_an_access_log_stream_after_its_next_batch(
-    batch_while_closing: bool,
-) -> None:
+def _batch(entries: int = 1) -> als_pb2.StreamAccessLogsMessage:
+    msg = als_pb2.StreamAccessLogsMessage()
+    for _ in range(entries):
+        msg.http_logs.log_entry.append(entry(routed=ROUTED))
+    return msg
+
+
+async def _open_log_stream(channel: grpc.aio.Channel, handler: FakeHandler) -> Any:
+    """Envoy's access-log stream, its first batch (one record) accounted."""
+    call = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+    first = _batch()
+    first.identifier.log_name = ACCESS_LOG_NAME
+    await call.write(first)
+    await _wait_for(lambda: handler.records)
+    return call
+
+
+@contextlib.asynccontextmanager
+async def _log_server() -> AsyncIterator[tuple[ManualClock, FakeHandler, ExtProcServer, Any]]:
+    """A server on a hand-moved clock with one access-log stream open, its first record in."""
     clock = ManualClock()
     handler = FakeHandler()
     srv = ExtProcServer(handler, ServerOptions(port=0), timers=clock)
     await srv.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-        call = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
-        first = als_pb2.StreamAccessLogsMessage()
-        first.identifier.log_name = ACCESS_LOG_NAME
-        first.http_logs.log_entry.append(entry(routed=ROUTED))
-        await call.write(first)
-        await _wait_for(lambda: handler.records)
+        yield clock, handler, srv, await _open_log_stream(channel, handler)
+
+
+async def _close_after(
+    call: Any, clock: ManualClock, srv: ExtProcServer, stopping: Any, *, last_batch: bool
+) -> None:
+    """Envoy sends one more (small: its timer's) batch, or none within the wait; either way
+    the stopping server ends the stream."""
+    if last_batch:
+        await call.write(_batch())
+    else:
+        clock.advance(CLOSE_AFTER_BATCH_WAIT_S)
+    await asyncio.wait_for(stopping, timeout=5.0)
+    assert srv.access_log.streams == 0
+
+
+async def _ended_unavailable(call: Any) -> None:
+    """The server ended the stream as a stopping process does: Envoy reconnects elsewhere."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("batch_while_closing", [False, True])
+async def test_shutdown_ends_an_access_log_stream_after_its_next_batch(
+    batch_while_closing: bool,
+) -> None:
+    async with _log_server() as (clock, handler, srv, call):
         assert srv.access_log.streams == 1
         # Envoy never closes it: shutdown must, once the announce period is over (the leases
         # of what this process routed do not wait for records here: any process ends them).
@@ -258,18 +297,9 @@ async def test_shutdown_ends_an_access_log_stream_after_its_next_batch(
         # Asked to close, it waits for Envoy's next batch so that batch is not lost.
         await clock.until_sleeping(1)
         assert srv.access_log.streams == 1
-        if batch_while_closing:
-            more = als_pb2.StreamAccessLogsMessage()
-            more.http_logs.log_entry.append(entry(routed=ROUTED))
-            await call.write(more)
-        else:
-            clock.advance(CLOSE_AFTER_BATCH_WAIT_S)
-        await asyncio.wait_for(stopping, timeout=5.0)
-        assert srv.access_log.streams == 0
+        await _close_after(call, clock, srv, stopping, last_batch=batch_while_closing)
         assert len(handler.records) == (2 if batch_while_closing else 1)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await call
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # Envoy reconnects elsewhere
+        await _ended_unavailable(call)
 
 
 @pytest.mark.parametrize("timer_batch_follows", [True, False])
@@ -279,36 +309,17 @@ async def test_shutdown_after_a_size_flush_waits_for_the_timers_batch_behind_it(
     """Envoy flushes when its buffer reaches 16 KiB and on its timer, which a size flush does
     not reset: the timer's batch can come right behind. Ending the stream after the big batch
     would lose the small one (a record lost on a SIGTERM of the sink under load)."""
-    clock = ManualClock()
-    handler = FakeHandler()
-    srv = ExtProcServer(handler, ServerOptions(port=0), timers=clock)
-    await srv.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-        call = als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
-        first = als_pb2.StreamAccessLogsMessage()
-        first.identifier.log_name = ACCESS_LOG_NAME
-        first.http_logs.log_entry.append(entry(routed=ROUTED))
-        await call.write(first)
-        await _wait_for(lambda: handler.records)
+    async with _log_server() as (clock, handler, srv, call):
         stopping = asyncio.create_task(srv.stop(30.0, announce_s=0.0))
         await clock.until_sleeping(1)  # waiting for the next batch
-        big = als_pb2.StreamAccessLogsMessage()
+        big = _batch()
         while sum(e.ByteSize() for e in big.http_logs.log_entry) < ENVOY_BUFFER_BYTES:
             big.http_logs.log_entry.append(entry(routed=ROUTED))
         await call.write(big)
         await _wait_for(lambda: len(handler.records) == 1 + len(big.http_logs.log_entry))
         await clock.until_sleeping(1)
         assert srv.access_log.streams == 1  # a size flush: the timer's batch may be behind it
-        if timer_batch_follows:
-            small = als_pb2.StreamAccessLogsMessage()
-            small.http_logs.log_entry.append(entry(routed=ROUTED))
-            await call.write(small)
-        else:
-            clock.advance(CLOSE_AFTER_BATCH_WAIT_S)
-        await asyncio.wait_for(stopping, timeout=5.0)
-        assert srv.access_log.streams == 0
+        await _close_after(call, clock, srv, stopping, last_batch=timer_batch_follows)
         want = 1 + len(big.http_logs.log_entry) + (1 if timer_batch_follows else 0)
         assert len(handler.records) == want
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await call
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        await _ended_unavailable(call)
