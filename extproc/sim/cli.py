@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 from collections.abc import Coroutine
@@ -139,9 +138,8 @@ async def _serve(config: SimConfig) -> None:
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Unix only, as the server (app.py)
+        loop.add_signal_handler(sig, stop.set)
     kv = ""
     if server.publisher is not None:
         kv = f" kv-events={server.publisher.endpoint}"

@@ -122,9 +122,8 @@ async def serve_fleet(configs: Sequence[SimConfig]) -> None:
     fleet = SimFleet(configs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Unix only, as the server (app.py)
+        loop.add_signal_handler(sig, stop.set)
     await fleet.start()
     first = fleet.servers[0]
     print(f"fleet ready: {len(fleet.servers)} simulators from {first.url}", flush=True)
