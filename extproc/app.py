@@ -582,7 +582,14 @@ def build_steps(
             TagLatency(models=core.latency),
             *((core.decisions,) if config.server.status_page else ()),
             *(
-                (CaptureDecision(core.capture, replica=core.replica, wall_clock=core.wall_clock),)
+                (
+                    CaptureDecision(
+                        core.capture,
+                        replica=core.replica,
+                        session_header=cfg.session_header,
+                        wall_clock=core.wall_clock,
+                    ),
+                )
                 if core.capture is not None
                 else ()
             ),

@@ -233,6 +233,7 @@ def _line(
         "user": first.get("user"),
         "tenant": d.get("tenant") if d is not None else None,
         "session": d.get("session") if d is not None else None,
+        "session_answer": d.get("session_answer") if d is not None else None,
         "priority": d.get("priority") if d is not None else None,
         "max_tokens": d.get("max_tokens") if d is not None else None,
         "stream": first.get("stream"),

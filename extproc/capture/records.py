@@ -105,6 +105,9 @@ class DecisionHalf:
     user: str | None
     tenant: str | None  # its fairness id
     session: str | None  # its session header, as sent
+    # The session id the gateway answered with (the token naming the pick, keyed like every
+    # id): a client that echoes it (AIBrix's contract) sends it as its next turn's `session`.
+    session_answer: str | None
     priority: int
     prompt_tokens: int  # the gateway's count (tokenized, or estimated when `estimated`)
     estimated: bool
@@ -121,8 +124,9 @@ class DecisionHalf:
         out: dict[str, Any] = {
             "rid": self.rid, "at": self.at, "model": self.model, "route": self.route,
             "api": self.api, "user": self.user, "tenant": self.tenant, "session": self.session,
-            "priority": self.priority, "prompt_tokens": self.prompt_tokens,
-            "estimated": self.estimated, "max_tokens": self.max_tokens, "stream": self.stream,
+            "session_answer": self.session_answer, "priority": self.priority,
+            "prompt_tokens": self.prompt_tokens, "estimated": self.estimated,
+            "max_tokens": self.max_tokens, "stream": self.stream,
             "endpoint": self.endpoint, "strategy": self.strategy, "replica": self.replica,
         }  # fmt: skip
         blocks: list[str | None] | None = None

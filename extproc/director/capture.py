@@ -3,7 +3,7 @@ lists these only with `capture.enabled`):
 
 - `CaptureDecision`, a pre-request step: what the routing process knew (the prompt's length and
   the block hashes the rule already computed, never recomputed; `max_tokens`; the pick; the
-  user, tenant and session as keyed hashes; never text);
+  user, tenant and session (as sent, and as answered) as keyed hashes; never text);
 - `CaptureOutcome`, a response-complete step: what the request's access record said, on
   whatever process received it (status, usage, TTFT, TPOT, the host that served it).
 """
@@ -33,10 +33,16 @@ class CaptureDecision:
     here, the ids' keyed hashes only)."""
 
     def __init__(
-        self, store: CaptureStore, *, replica: str, wall_clock: Callable[[], float] = time.time
+        self,
+        store: CaptureStore,
+        *,
+        replica: str,
+        session_header: str,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._replica = replica
+        self._session_header = session_header  # set on `out` by the session step, run before
         self._wall = wall_clock
 
     async def pre_request(
@@ -58,6 +64,7 @@ class CaptureDecision:
                 user=keyed.id(attrs.user),
                 tenant=keyed.id(attrs.fairness_id),
                 session=keyed.id(attrs.session),
+                session_answer=keyed.id(out.set_headers.get(self._session_header)),
                 priority=attrs.priority,
                 prompt_tokens=prompt.tokens,
                 estimated=prompt.estimated,

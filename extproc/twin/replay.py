@@ -12,7 +12,8 @@ What stands in for the rest of the world:
   `metrics.poll_interval_s` (what a scrape of the simulator's /metrics would parse to);
 - KV events reach the exact prefix index the moment an engine step emits them;
 - Envoy is the request's arrival (a completions body of the prompt's token ids, with the
-  captured tenant, session and priority in the headers the config names), the pick as the
+  captured tenant, session and priority in the headers the config names; a client that echoed
+  the session id it was answered with sends the twin's answer), the pick as the
   upstream (no retries: a replayed pod does not fail) and the access-log record handed to the
   director `ACCESS_LOG_DELAY_S` after the last token.
 
@@ -180,6 +181,9 @@ class _World:
         self.engines: dict[str, Engine] = {}
         self.endpoints = {e.address: e for e in self.core.store.endpoints()}
         self._done: dict[str, asyncio.Future[RequestStats]] = {}
+        # The session id the twin's gateway answered each request with, by index: the next
+        # turn of a client that echoes it (`TwinRequest.echoes`) sends it back.
+        self._answers: dict[int, str] = {}
         for pod in setup.pods:
             exact = self.runtime.exact[pod.model]
 
@@ -259,8 +263,11 @@ class _World:
                 "content-type": "application/json",
             }
             routing = self.config.routing
-            if req.session:
-                headers[routing.session_header] = req.session
+            session = req.session
+            if req.echoes and req.parent is not None:
+                session = self._answers.get(req.parent, session)
+            if session:
+                headers[routing.session_header] = session
             if req.priority:
                 headers[routing.priority_header] = str(req.priority)
             if req.tenant:
@@ -286,6 +293,9 @@ class _World:
                 )  # fmt: skip
             result = answer
             pod = answer.destinations[0]
+            answered = answer.set_headers.get(routing.session_header)
+            if answered:
+                self._answers[req.index] = answered
         decided = loop.time()
         engine = self.engines.get(pod)
         if engine is None:

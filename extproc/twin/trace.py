@@ -81,6 +81,9 @@ class TwinRequest:
     user: str | None = None
     tenant: str | None = None
     session: str | None = None
+    # The session id the gateway answered with (keyed, as `session`): a client that echoes it
+    # sends it as its next turn's `session` (AIBrix's contract).
+    session_answer: str | None = None
     priority: int = 0
     stream: bool = False
     pod: str | None = None  # the pod that served it (else the pick)
@@ -98,6 +101,9 @@ class TwinRequest:
     # closed-loop client's last request: `link_clients`): the replay sends it when that one
     # has ended in the twin, after the pause its client took in the capture.
     after: int | None = None
+    # Its session is the answer its parent got (`parent`'s `session_answer`): the replay sends
+    # the twin's answer to the parent instead, as the client would have.
+    echoes: bool = False
 
     @property
     def measured(self) -> bool:
@@ -193,6 +199,7 @@ def parse_requests(lines: Iterable[str], *, source: str = "<capture>") -> list[T
                 user=_opt_str(row, "user"),
                 tenant=_opt_str(row, "tenant"),
                 session=_opt_str(row, "session"),
+                session_answer=_opt_str(row, "session_answer"),
                 priority=priority
                 if isinstance(priority, int) and not isinstance(priority, bool)
                 else 0,
@@ -223,7 +230,8 @@ def _chain(ids: Sequence[int]) -> list[int]:
 def link_continuations(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
     """Mark each request that continues an earlier one (a conversation's next turn): its
     windows start with every whole window of the earlier prompt, which it is at least as
-    long as, and either both name the same session, or the engine found more of it cached
+    long as, and either both name the same session (or it sends the session id the earlier
+    one was answered with: `echoes`), or the engine found more of it cached
     than those whole windows hold (the earlier prompt's tail and its answer: what a next turn
     resends). The latest such earlier request with the most whole windows is the parent; the
     replay then builds this prompt as the parent's prompt, the parent's answer, then its own
@@ -242,14 +250,17 @@ def link_continuations(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
             a = out[found]
             if a.input_length // a.unit != k or a.input_length > r.input_length:
                 continue
-            same_session = a.session is not None and a.session == r.session
+            same_session = r.session is not None and r.session in (a.session, a.session_answer)
             cached_beyond = r.cached_tokens is not None and r.cached_tokens > (k + 1) * r.unit
             if same_session or cached_beyond:
                 parent = a
             break
         if parent is not None:
             continues = min(parent.input_length + parent.output_length, r.input_length)
-            r = dataclasses.replace(r, parent=parent.index, continues=continues, after=parent.index)
+            echoes = r.session is not None and r.session == parent.session_answer
+            r = dataclasses.replace(
+                r, parent=parent.index, continues=continues, after=parent.index, echoes=echoes
+            )
         if whole:
             by_key[r.unit, keys[whole - 1]] = r.index
         out.append(r)

@@ -235,3 +235,40 @@ async def test_a_next_turn_shares_its_last_prompt_up_to_the_last_64_token_window
     # 512-token window boundary, which hash_ids cannot show.
     assert shared * 64 > 512 and shared >= len(one["fine_ids"]) - 2
     assert one["hash_ids"][0] == two["hash_ids"][0] and one["hash_ids"][1] != two["hash_ids"][1]
+
+
+async def test_the_session_id_as_answered_is_keyed_so_a_replay_can_echo_it(
+    processes: tuple[DirectorKit, DirectorKit],
+) -> None:
+    """AIBrix's contract: a conversation sends back the session id the gateway answered with
+    (the token naming the pod it went to). The capture keeps that answer, keyed, beside the id
+    as sent: the next turn's `session` is its last turn's `session_answer`, which is how the
+    twin knows to send its own answer instead (the token itself never appears)."""
+    a, b = processes
+    first = await route(a, "e1", "What is a pelican?")
+    token = first.set_headers["x-session-id"]
+    assert token != SESSION
+    echoed = head("e2")
+    echoed = dataclasses.replace(echoed, headers={**echoed.headers, "x-session-id": token})
+    # The same process: these two have no shared session secret (a gateway's replicas do).
+    second = await a.director.route(echoed, body("What is a pelican? A bird. And a swallow?"))
+    assert isinstance(second, RouteResult)
+    bare = head("e3")
+    bare = dataclasses.replace(
+        bare, headers={k: v for k, v in bare.headers.items() if k != "x-session-id"}
+    )
+    third = await b.director.route(bare, body("Something else entirely."))
+    assert isinstance(third, RouteResult) and "x-session-id" not in third.set_headers
+    for kit, res, rid in ((b, first, "e1"), (b, second, "e2"), (a, third, "e3")):
+        account(kit, res, rid, TokenUsage(900, 5, 0))
+    both = await exports(a, b)
+    one, two, three = merge(both).lines
+    assert one["session"] is not None and one["session_answer"] is not None
+    assert one["session"] != one["session_answer"]  # a made-up id, answered with a token
+    assert two["session"] == one["session_answer"]  # the client echoed it
+    # The same pod's token: the same keyed answer (the second turn stuck to its pod or not).
+    same_pod = second.destinations[0] == first.destinations[0]
+    assert (two["session_answer"] == one["session_answer"]) is same_pod
+    assert three["session"] is None and three["session_answer"] is None
+    said = orjson.dumps(both).decode() + json.dumps([one, two, three])
+    assert token not in said and SESSION not in said

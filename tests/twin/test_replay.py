@@ -122,3 +122,33 @@ def test_a_next_turn_is_sent_when_its_last_answer_has_come_plus_the_think_time()
     assert one.latency_s is not None and one.latency_s > 1.0
     assert two.sent_s == pytest.approx(one.sent_s + one.latency_s + 0.2, abs=0.01)
     assert two.cached_tokens >= 896  # the first prompt and its answer, resent, were cached
+
+
+def test_a_client_that_echoes_its_session_answer_gets_the_twins_answer_back() -> None:
+    """A conversation sends a made-up session id, then the token the gateway answered with
+    (AIBrix's contract). Live, the three pods' tokens named three pods; replayed as the
+    captured values, all conversations of one live pod would share one key, and session
+    affinity would pile them on whichever pod that key hashes to. The twin's client sends
+    its own answer back instead: every conversation stays on its first turn's pod."""
+    lines = []
+    for turn in range(3):
+        for c in range(12):
+            token = f"tok{c % 3}"  # the keyed token of the live pod that served it
+            lines.append(
+                json.dumps({
+                    "timestamp": turn * 2000 + c * 50, "input_length": 512 * (turn + 1) + 100,
+                    "output_length": 20, "hash_ids": [1000 * c + j for j in range(turn + 2)],
+                    "session": f"conv{c}" if turn == 0 else token, "session_answer": token,
+                    "latency_ms": 400.0,
+                })
+            )  # fmt: skip
+    traffic = parse_requests(lines)
+    assert [r.echoes for r in traffic] == [False] * 12 + [True] * 24
+    served = replay(SETUP, traffic, strategy="session-affinity", seed=1)
+    assert [s.status for s in served] == [200] * 36
+    pods: dict[int, set[str | None]] = {}
+    for r, s in zip(traffic, served, strict=True):
+        conv = r.hash_ids[0] // 1000
+        pods.setdefault(conv, set()).add(s.pod)
+    assert all(len(p) == 1 for p in pods.values()), pods
+    assert len({next(iter(p)) for p in pods.values()}) == 3  # rendezvous spreads the sessions
