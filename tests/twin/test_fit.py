@@ -13,8 +13,8 @@ import pytest
 
 from extproc.sim.config import StepTimeModel
 from extproc.twin.fit import fit_pods, pods_of
-from extproc.twin.replay import PodProfile, TwinSetup, replay
-from extproc.twin.trace import load_pod_facts, load_requests
+from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
+from extproc.twin.trace import TwinRequest, load_pod_facts, load_requests
 from tests.twin._traffic import sessions_traffic
 
 BASE = StepTimeModel()
@@ -35,9 +35,18 @@ TRUTH = (
 )  # fmt: skip
 
 
-def test_a_known_engine_profile_is_recovered() -> None:
+@pytest.fixture(scope="module")
+def truth() -> tuple[list[TwinRequest], list[Served]]:
+    """Multi-turn traffic as the engines of `TRUTH` served it under kv-aware (one replay, read
+    by two tests)."""
     traffic = sessions_traffic(240, rate=6.0)
-    served = replay(TwinSetup(pods=TRUTH, default_model="m"), traffic, strategy="kv-aware")
+    return traffic, replay(TwinSetup(pods=TRUTH, default_model="m"), traffic, strategy="kv-aware")
+
+
+def test_a_known_engine_profile_is_recovered(
+    truth: tuple[list[TwinRequest], list[Served]],
+) -> None:
+    traffic, served = truth
     capture = [
         dataclasses.replace(
             r, pod=s.pod, status=s.status, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
@@ -78,9 +87,10 @@ def test_a_pod_with_too_few_timed_requests_keeps_the_defaults() -> None:
     assert {p.address: p.step for p in report.pods}["10.0.0.2:8000"] == BASE
 
 
-def test_a_pod_a_rule_shunned_gets_one_speed_from_its_few_requests() -> None:
-    traffic = sessions_traffic(240, rate=6.0)
-    served = replay(TwinSetup(pods=TRUTH, default_model="m"), traffic, strategy="kv-aware")
+def test_a_pod_a_rule_shunned_gets_one_speed_from_its_few_requests(
+    truth: tuple[list[TwinRequest], list[Served]],
+) -> None:
+    traffic, served = truth
     slow = "10.0.0.3:8000"  # decode 2x: keep 5 of its timed requests only
     kept = 0
     capture = []
