@@ -238,6 +238,7 @@ def _line(
         "max_tokens": d.get("max_tokens") if d is not None else None,
         "stream": first.get("stream"),
         "input_estimated": bool(first.get("estimated")),
+        "tokenize_ms": _ms(_num(d, "tokenize_s")),
         "blocks": known,
         "endpoint": first.get("endpoint"),
         "served_by": o.get("served_by") if o is not None else None,

@@ -111,6 +111,9 @@ class DecisionHalf:
     priority: int
     prompt_tokens: int  # the gateway's count (tokenized, or estimated when `estimated`)
     estimated: bool
+    # What tokenizing the prompt took (0: the rule read no tokens): part of the request's time
+    # to first token that a rule which reads no prompt does not spend.
+    tokenize_s: float
     max_tokens: int | None
     stream: bool
     endpoint: str  # the pick
@@ -126,7 +129,7 @@ class DecisionHalf:
             "api": self.api, "user": self.user, "tenant": self.tenant, "session": self.session,
             "session_answer": self.session_answer, "priority": self.priority,
             "prompt_tokens": self.prompt_tokens, "estimated": self.estimated,
-            "max_tokens": self.max_tokens, "stream": self.stream,
+            "tokenize_s": self.tokenize_s, "max_tokens": self.max_tokens, "stream": self.stream,
             "endpoint": self.endpoint, "strategy": self.strategy, "replica": self.replica,
         }  # fmt: skip
         blocks: list[str | None] | None = None

@@ -68,6 +68,7 @@ class CaptureDecision:
                 priority=attrs.priority,
                 prompt_tokens=prompt.tokens,
                 estimated=prompt.estimated,
+                tokenize_s=prompt.tokenize_s,
                 max_tokens=req.parsed.max_tokens,
                 stream=req.parsed.stream,
                 endpoint=decision.endpoint.address,

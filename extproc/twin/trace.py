@@ -93,6 +93,9 @@ class TwinRequest:
     tpot_s: float | None = None
     latency_s: float | None = None
     cached_tokens: int | None = None
+    # What the gateway took to tokenize its prompt (0: the rule that ran read none), part of
+    # its captured TTFT: the twin charges it again only under a rule that tokenizes.
+    tokenize_s: float = 0.0
     # The earlier request this one continues (`link_continuations`): its prompt, then its
     # answer, are this prompt's first `continues` tokens.
     parent: int | None = None
@@ -213,6 +216,7 @@ def parse_requests(lines: Iterable[str], *, source: str = "<capture>") -> list[T
                 cached_tokens=cached
                 if isinstance(cached, int) and not isinstance(cached, bool)
                 else None,
+                tokenize_s=min(max(_opt_float(row, "tokenize_ms", 1e-3) or 0.0, 0.0), 10.0),
             )
         )
     return link_clients(link_continuations(out))

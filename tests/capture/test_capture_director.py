@@ -114,6 +114,7 @@ async def test_routed_on_one_process_accounted_on_another_is_one_line(
     assert line["blocks"] == "hashed" and line["halves"] == "both"
     assert line["endpoint"] == res.destinations[0] and line["served_by"] == res.destinations[0]
     assert line["max_tokens"] == 48 and line["priority"] == 0 and line["api"] == "chat"
+    assert line["tokenize_ms"] > 0  # prefix-cache reads the prompt: the gateway tokenized it
     assert line["status"] == 200 and line["outcome"] == "complete"
     assert line["ttft_ms"] == 100.0 and line["latency_ms"] == 400.0
     assert line["tpot_ms"] == pytest.approx(300.0 / 36, abs=1e-3)
@@ -187,6 +188,7 @@ async def test_a_rule_that_computes_no_hashes_records_none_and_says_so(
     first, second = (line["hash_ids"] for line in capture.lines)
     assert not set(first) & set(second)
     assert all(line["input_estimated"] for line in capture.lines)
+    assert [line["tokenize_ms"] for line in capture.lines] == [0.0, 0.0]  # nothing tokenized
     parse_trace(lines_text(capture).splitlines())
 
 

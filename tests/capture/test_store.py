@@ -34,7 +34,7 @@ def settings(**changes: object) -> CaptureConfig:
 def decision(rid: str, at: float, *, tokens: int = 1000, windows: int = 2) -> DecisionHalf:
     return DecisionHalf(
         rid=rid, at=at, model="qwen3", route="default", api="chat", user="u", tenant=None,
-        session=None, session_answer=None, priority=0, prompt_tokens=tokens, estimated=False, max_tokens=64,
+        session=None, session_answer=None, priority=0, prompt_tokens=tokens, estimated=False, tokenize_s=0.002, max_tokens=64,
         stream=True, endpoint="10.0.0.1:8000", strategy="kv-aware",
         windows=pack_windows(range(10**12, 10**12 + windows)), replica="test:1",
     )  # fmt: skip

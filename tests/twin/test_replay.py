@@ -152,3 +152,22 @@ def test_a_client_that_echoes_its_session_answer_gets_the_twins_answer_back() ->
         pods.setdefault(conv, set()).add(s.pod)
     assert all(len(p) == 1 for p in pods.values()), pods
     assert len({next(iter(p)) for p in pods.values()}) == 3  # rendezvous spreads the sessions
+
+
+def test_a_rule_that_reads_no_prompt_does_not_pay_the_captured_tokenizing() -> None:
+    """The capture says what tokenizing each prompt took. A rule that reads the prompt
+    (kv-aware) pays it again before the request reaches its pod, as a pinned replay of the
+    capture does; one that reads none (least-request) does not. One pod and sparse arrivals:
+    the same engine answers, only later."""
+    one = dataclasses.replace(SETUP, pods=PODS[:1])
+    traffic = [
+        dataclasses.replace(r, at_s=2.0 * r.index, tokenize_s=0.02, pod=PODS[0].address)
+        for r in sessions_traffic(12)
+    ]
+    reads = replay(one, traffic, strategy="kv-aware")
+    skips = replay(one, traffic, strategy="least-request")
+    pinned = replay(one, traffic, strategy="round-robin", pinned=True)
+    for r, s, p in zip(reads, skips, pinned, strict=True):
+        assert r.ttft_s is not None and s.ttft_s is not None and p.ttft_s is not None
+        assert r.ttft_s - s.ttft_s == pytest.approx(0.02, abs=1e-3)
+        assert p.ttft_s == pytest.approx(r.ttft_s, abs=1e-3)

@@ -27,11 +27,14 @@ def _line(**kw: object) -> str:
 def test_capture_fields_are_read_and_rows_sorted_by_arrival() -> None:
     lines = [
         _line(timestamp=2500, model="m", served_by="10.0.0.2:8000", status=200, ttft_ms=40.0,
-              tpot_ms=8.0, cached_tokens=512, session="ab12", priority=3, strategy="kv-aware"),
-        _line(timestamp=1000, hash_ids=[0, 2], endpoint="10.0.0.1:8000"),
+              tpot_ms=8.0, cached_tokens=512, session="ab12", priority=3, strategy="kv-aware",
+              session_answer="cd34", tokenize_ms=3.5),
+        _line(timestamp=1000, hash_ids=[0, 2], endpoint="10.0.0.1:8000", tokenize_ms=-1.0),
         "",
     ]  # fmt: skip
     first, second = parse_requests(lines)
+    assert (first.tokenize_s, second.tokenize_s) == pytest.approx((0.0, 0.0035))  # < 0: none
+    assert (first.session_answer, second.session_answer) == (None, "cd34")
     assert (first.at_s, first.hash_ids, first.pod, first.measured) == (
         0.0, (0, 2), "10.0.0.1:8000", False,
     )  # fmt: skip
