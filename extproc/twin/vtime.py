@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import heapq
 import math
 import selectors
 from collections.abc import Callable, Coroutine
@@ -62,7 +63,11 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start
-        self._timers: list[asyncio.TimerHandle] = []  # foreground timers, not yet fired
+        # Foreground timers as a heap of (when, order, handle): `next_event` is asked at every
+        # decode run and every arrival is a timer set at the start (an hour of traffic holds
+        # thousands), so a scan per question would make the replay quadratic.
+        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
+        self._order = 0
         self.jumps = 0  # times the clock moved (each one wait of the loop's)
         super().__init__(_JumpingSelector(self))
 
@@ -78,17 +83,20 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     ) -> asyncio.TimerHandle:
         handle = super().call_at(when, callback, *args, context=context)
         if not _BACKGROUND.get():
-            self._timers.append(handle)
-            if len(self._timers) > 4096:  # bounded even if nobody asks for `next_event`
-                self.next_event()
+            self._order += 1
+            heapq.heappush(self._timers, (handle.when(), self._order, handle))
+            if self._order % 4096 == 0:  # cancelled timers deep in the heap go too
+                now = self._now
+                self._timers = [t for t in self._timers if t[0] >= now and not t[2].cancelled()]
+                heapq.heapify(self._timers)
         return handle
 
     def next_event(self) -> float:
         """The earliest pending timer that is not background work's (inf: none)."""
-        now = self._now
-        live = [h for h in self._timers if not h.cancelled() and h.when() >= now]
-        self._timers = live
-        return min((h.when() for h in live), default=math.inf)
+        now, timers = self._now, self._timers
+        while timers and (timers[0][0] < now or timers[0][2].cancelled()):
+            heapq.heappop(timers)
+        return timers[0][0] if timers else math.inf
 
     def start_background(self, start: Callable[[], object]) -> None:
         """Call `start` (which creates the background task) in a context whose timers do not

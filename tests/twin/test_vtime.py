@@ -4,11 +4,12 @@ an executor call runs inline, and a loop that can never wake says so."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
 
-from extproc.twin.vtime import Stalled, run_virtual
+from extproc.twin.vtime import Stalled, VirtualLoop, run_virtual
 
 
 def test_sleeps_and_timeouts_run_in_virtual_time() -> None:
@@ -49,3 +50,28 @@ def test_a_run_that_cannot_advance_is_reported() -> None:
 
     with pytest.raises(Stalled):
         run_virtual(main())
+
+
+def test_the_next_event_is_the_earliest_live_foreground_timer_among_thousands() -> None:
+    """What an engine may run its decode steps up to: the earliest timer that is neither
+    cancelled, past nor background work's, with an hour's arrivals (thousands of timers) set."""
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualLoop)
+        seen = [loop.next_event()]
+        handles = [loop.call_later(1.0 + k, lambda: None) for k in range(9000)]
+        for h in handles[:10]:
+            h.cancel()
+        loop.start_background(lambda: loop.call_later(0.5, lambda: None))
+        seen.append(loop.next_event())  # the first 10 cancelled, the background one ignored
+        loop.advance(20.5)  # past timers no longer count
+        seen.append(loop.next_event())
+        for h in handles[:-1]:
+            h.cancel()
+        seen.append(loop.next_event())
+        handles[-1].cancel()
+        seen.append(loop.next_event())
+        return seen
+
+    assert run_virtual(main()) == [math.inf, 11.0, 21.0, 9000.0, math.inf]
