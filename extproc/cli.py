@@ -232,13 +232,14 @@ def _tune(args: argparse.Namespace) -> int:
     print(
         f"extproc tune: {len(requests)} requests; fitting the pods, then "
         f"{'the' if rules is None else len(rules)} rules x {args.seeds} seeds "
+        f"(up to {max(args.seeds, args.max_seeds)} where they disagree) "
         f"on {args.workers} processes ...",
         file=sys.stderr,
     )
     try:
         report = tune(
             requests, base_config=base, rules=rules, seeds=max(1, args.seeds),
-            workers=max(1, args.workers), slo_ttft_s=args.slo_ttft_ms / 1e3,
+            max_seeds=max(1, args.seeds, args.max_seeds), workers=max(1, args.workers), slo_ttft_s=args.slo_ttft_ms / 1e3,
             default_pods=max(0, args.pods), pod_facts=facts,
             slo_tpot_s=args.slo_tpot_ms / 1e3,
         )  # fmt: skip
@@ -528,6 +529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated strategy names to compare (default: the built-in candidates)",
     )  # fmt: skip
     u.add_argument("--seeds", type=int, default=3, help="replays per rule (default: 3)")
+    u.add_argument(
+        "--max-seeds", type=int, default=12,
+        help="replays of a rule whose seeds disagree (its TTFT p50's standard error above 5 %% "
+        "of its median), added --seeds at a time (default: 12; = --seeds: never more)",
+    )  # fmt: skip
     u.add_argument(
         "--pods", type=int, default=0,
         help="for a trace that names no pod (a plain Mooncake trace): this many default pods",

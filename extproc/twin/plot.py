@@ -43,7 +43,9 @@ def plot_report(report: TuneReport, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms (median of seeds; bars: the seeds' range)")
     ax.legend(loc="lower right")
-    ax.set_title(f"twin of {report.requests} requests, {report.seeds} seeds per rule")
+    most = max(len(r.seeds) for r in results)
+    more = f" ({most} where they disagreed)" if most > report.seeds else ""
+    ax.set_title(f"twin of {report.requests} requests, {report.seeds} seeds per rule{more}")
     hx.barh(list(ys), [r.median("hit_rate") for r in results], color="#55a868")
     hx.axvline(report.ceiling, color="k", linestyle="--", linewidth=1)
     hx.set_yticks(list(ys), [""] * len(names))

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import main
-from extproc.twin import load_gateway_settings
+from extproc.twin import load_gateway_settings, load_requests
 from extproc.twin.replay import PodProfile, TwinSetup, replay
-from extproc.twin.tune import Candidate, reuse_ceiling
+from extproc.twin.tune import SETTLED, Candidate, reuse_ceiling, tune, unsettled
 from tests.twin._traffic import sessions_traffic
 
 PODS = tuple(PodProfile(f"10.0.0.{k}:8000", "m", overhead_s=0.003) for k in (1, 2))
@@ -105,3 +105,44 @@ def test_a_candidate_says_how_to_apply_it() -> None:
     assert "lb.extproc.io/strategy: least-request" in Candidate("lr", "least-request").apply()
     weighted = Candidate("kv", "kv-aware", {"overlap_weight": 2.0}).apply()
     assert "strategy_params:\n    kv-aware:\n      overlap_weight: 2.0" in weighted
+
+
+@pytest.mark.parametrize(
+    ("p50s", "more"),
+    [
+        ([36.3, 35.7, 37.1], False),  # kv-aware on the bench's multiturn: 2 % apart
+        ([49.3, 55.4, 40.3], True),  # predicted-latency there: its online models steer it
+        ([48.4, 235.9, 62.7], True),  # prefix-cache on docqa's cache cliff
+        ([40.0, 45.0], True),  # two seeds 12 % apart: sd / sqrt(2) is 5.9 % of the median
+        ([40.0, 43.0], False),  # 7 % apart: 3.6 %
+        ([50.0], False),  # one seed cannot disagree
+        ([50.0, float("nan")], False),  # a seed with every request shed: no figure to weigh
+        ([], False),
+    ],
+)
+def test_a_rule_whose_seeds_disagree_is_unsettled(p50s: list[float], more: bool) -> None:
+    assert unsettled(p50s) is more
+
+
+def test_an_unsettled_rule_gets_more_seeds_the_same_as_a_longer_run(tmp_path: Path) -> None:
+    cap = tmp_path / "cap.jsonl"
+    _capture(cap, n=40)
+    requests = load_requests(cap)
+    rules = [Candidate("kv-aware", "kv-aware"), Candidate("round-robin", "round-robin")]
+
+    def p50s(seeds: int, max_seeds: int, settled: float = SETTLED) -> dict[str, list[float]]:
+        report = tune(
+            requests, default_model="m", rules=rules, workers=1, seeds=seeds,
+            max_seeds=max_seeds, settled=settled, base_config={"flow_control": {"enabled": False}},
+        )  # fmt: skip
+        return {r.candidate.name: [s.ttft_p50_ms for s in r.seeds] for r in report.results}
+
+    # The bench's bound: this small capture's seeds agree, nothing more runs.
+    calm = p50s(2, 5)
+    assert {k: len(v) for k, v in calm.items()} == {"kv-aware": 2, "round-robin": 2}
+    # A bound no two different seeds meet: every rule whose seeds differ is replayed again,
+    # `seeds` at a time, up to `max_seeds`; the extra seeds are the next seed numbers, so the
+    # figures are those of a run asked for five seeds from the start.
+    strict = p50s(2, 5, settled=1e-9)
+    assert strict == p50s(5, 5) and all(len(v) == 5 for v in strict.values())
+    assert strict["kv-aware"][:2] == calm["kv-aware"]
