@@ -27,6 +27,7 @@ prediction's error (`extproc_latency_prediction_error_seconds{pod,kind}`).
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import time
@@ -52,6 +53,7 @@ __all__ = [
     "DecisionTag",
     "LatencyMetrics",
     "LatencyModels",
+    "LearnedModels",
     "OnlineRidge",
     "PodLatencyModel",
 ]
@@ -391,6 +393,14 @@ def _clamped_columns(value: FloatArray, floor: FloatArray, cap: FloatArray) -> F
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class LearnedModels:
+    """What `LatencyModels` has learned, detached from it (`LatencyModels.learned`): every
+    pod's model, copied, picklable (the twin hands it to its worker processes)."""
+
+    pods: tuple[tuple[tuple[str, str], PodLatencyModel], ...]
+
+
 class LatencyModels:
     """Every pod's latency model, by (model name, pod address). Implements
     `extproc.routing.predicted.LatencyPredictor`. Bounded: past `max_pods` models, the one
@@ -431,6 +441,23 @@ class LatencyModels:
         when no pod of `model` has a model yet."""
         table = self._tables.get(model)
         return None if table is None else table.predict(addresses, features, self._clock())
+
+    def learned(self) -> LearnedModels:
+        """A copy of every pod's model as it stands."""
+        return LearnedModels(tuple((key, copy.deepcopy(pod)) for key, pod in self._pods.items()))
+
+    def start_from(self, learned: LearnedModels) -> None:
+        """Take `learned`'s models (a copy; replacing this one's for the same pods) as if each
+        had just learned and no request had been sent yet: the twin's gateway starts where the
+        running gateway is, whose models learn from every request whatever rule routes it."""
+        now = self._clock()
+        for (model, address), pod in learned.pods:
+            if (model, address) not in self._pods and len(self._pods) >= self._max:
+                continue  # bounded as learning is (a snapshot from a larger pool)
+            mine = copy.deepcopy(pod)
+            mine.updated_at, mine.routed_at = now, -math.inf
+            self._pods[(model, address)] = mine
+            self._tables.setdefault(model, CoefficientTable()).write(address, mine)
 
     def routed(self, model: str, address: str) -> None:
         """This process just sent the pod a request (a real one, not an explain): the

@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
+from extproc.accounting.latency_model import LearnedModels
 from extproc.app import Core, build_runtime
 from extproc.config import Config, load_config_text
 from extproc.director.api import AccessRecord, ImmediateReply, Outcome, RequestHead
@@ -50,7 +51,15 @@ from extproc.twin.trace import PromptIds, TwinRequest
 from extproc.twin.vtime import VirtualLoop, run_virtual
 from extproc.types import EngineMetrics, TokenUsage
 
-__all__ = ["ACCESS_LOG_DELAY_S", "DRAIN_S", "PodProfile", "Served", "TwinSetup", "replay"]
+__all__ = [
+    "ACCESS_LOG_DELAY_S",
+    "DRAIN_S",
+    "PodProfile",
+    "Served",
+    "TwinSetup",
+    "learned_latency",
+    "replay",
+]
 
 # Envoy's access-log flush interval in the shipped configs (`access_log_flush_interval_s`).
 ACCESS_LOG_DELAY_S = 0.1
@@ -384,10 +393,13 @@ async def _run(
     pinned: bool,
     jitter_s: float,
     drain_s: float,
-) -> list[Served]:
+    latency: LearnedModels | None,
+) -> tuple[list[Served], LearnedModels]:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
     world = _World(setup, config, loop, pinned=pinned)
+    if latency is not None:
+        world.core.latency.start_from(latency)
     poller = loop.create_task(world.poll())
     flow = world.core.flow
     if flow is not None:  # its dispatch loop, as the app starts it
@@ -431,7 +443,7 @@ async def _run(
                     Served(req.index, None, 504, None, None, None, req.input_length, 0, 0, 0.0)
                 )
         await asyncio.sleep(2 * ACCESS_LOG_DELAY_S)  # the last records accounted
-        return served
+        return served, world.core.latency.learned()
     finally:
         poller.cancel()
         for task in tasks.values():
@@ -452,13 +464,45 @@ def replay(
     jitter_s: float = 0.0,
     prompts: PromptIds | None = None,
     drain_s: float = DRAIN_S,
+    latency: LearnedModels | None = None,
 ) -> list[Served]:
     """Replay `requests` under `strategy` (with `params`, the strategy's config parameters) in
     virtual time and return what became of each, in the requests' order. `pinned`: every
     request goes to the pod the capture says served it (no routing: how the engines alone
     would answer, for fitting them). `seed` drives the routing's random choices and, with
     `jitter_s`, each arrival's shift in [0, jitter_s). A request not ended `drain_s` (virtual)
-    seconds after the last arrival is a 504."""
+    seconds after the last arrival is a 504. `latency`: the gateway's latency models start
+    from these (`learned_latency`), not cold."""
+    return _replay(setup, requests, strategy, params, seed, pinned, jitter_s, prompts, drain_s,
+                   latency)[0]  # fmt: skip
+
+
+def learned_latency(
+    setup: TwinSetup,
+    requests: Sequence[TwinRequest],
+    *,
+    strategy: str,
+    prompts: PromptIds | None = None,
+) -> LearnedModels:
+    """The latency models (`predicted-latency`'s) a gateway running `strategy` has learned
+    by the end of `requests` (seed 0, arrivals as captured): where the running gateway's
+    models stand, for a replay under another rule to start from, as switching to it live
+    would."""
+    return _replay(setup, requests, strategy, None, 0, False, 0.0, prompts, DRAIN_S, None)[1]
+
+
+def _replay(
+    setup: TwinSetup,
+    requests: Sequence[TwinRequest],
+    strategy: str,
+    params: Mapping[str, Any] | None,
+    seed: int,
+    pinned: bool,
+    jitter_s: float,
+    prompts: PromptIds | None,
+    drain_s: float,
+    latency: LearnedModels | None,
+) -> tuple[list[Served], LearnedModels]:
     config = setup.config(strategy, params, seed)
     return run_virtual(
         _run(
@@ -470,5 +514,6 @@ def replay(
             pinned=pinned,
             jitter_s=jitter_s,
             drain_s=drain_s,
+            latency=latency,
         )
     )

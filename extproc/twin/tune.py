@@ -2,7 +2,9 @@
 
 1. Fit each pod's engine to the capture (`fit.py`).
 2. Fidelity: replay the capture under the rule that ran and compare with what the capture
-   measured (TTFT p50 / p90, prefix hit rate).
+   measured (TTFT p50 / p90, prefix hit rate). Every replay's gateway starts with the latency
+   models a replay under the running rule learned (`learned_latency`), as the running
+   gateway's are: a switch to `predicted-latency` does not start cold.
 3. Replay it under every candidate (the built-in rules and a small search over kv-aware's
    weights), with several seeds (the routing's random draws and a jitter of the arrivals:
    the spread a live rerun would show), on `workers` processes. A rule whose seeds disagree
@@ -27,8 +29,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.accounting.latency_model import LearnedModels
 from extproc.twin.fit import FitReport, fit_pods, pods_of
-from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
+from extproc.twin.replay import PodProfile, Served, TwinSetup, learned_latency, replay
 from extproc.twin.trace import PromptIds, TwinRequest
 
 __all__ = [
@@ -384,14 +387,16 @@ class TuneReport:
         return "\n".join(lines)
 
 
-_JobArgs = tuple[TwinSetup, Sequence[TwinRequest], Candidate, int, float, float, float]
+_JobArgs = tuple[
+    TwinSetup, Sequence[TwinRequest], Candidate, int, float, float, float, LearnedModels
+]
 
 
 def _job(args: _JobArgs) -> Stats:
-    setup, requests, cand, seed, duration, slo_ttft, slo_tpot = args
+    setup, requests, cand, seed, duration, slo_ttft, slo_tpot, latency = args
     served = replay(
         setup, requests, strategy=cand.strategy, params=cand.params, seed=seed,
-        jitter_s=JITTER_S if seed else 0.0,
+        jitter_s=JITTER_S if seed else 0.0, latency=latency,
     )  # fmt: skip
     return stats_of(served, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
 
@@ -462,12 +467,15 @@ def tune(
     rules = list(rules or candidates(requests))
     if not any(c.name == running for c in rules):
         rules.insert(0, Candidate(running, running))
+    # Every replay starts with the latency models the running gateway has: they learn from
+    # every request whatever rule routes it, so a switch to `predicted-latency` starts warm.
+    latency = learned_latency(setup, requests, strategy=running, prompts=prompts)
     per_rule: list[list[Stats]] = [[] for _ in rules]
     pending = [(i, seed) for i in range(len(rules)) for seed in range(seeds)]
     with _pool(workers) as run:
         while pending:  # the first round: every rule `seeds` times; then the unsettled ones
             jobs = [
-                (setup, requests, rules[i], seed, duration, slo_ttft_s, slo_tpot_s)
+                (setup, requests, rules[i], seed, duration, slo_ttft_s, slo_tpot_s, latency)
                 for i, seed in pending
             ]
             for (i, _seed), stats in zip(pending, run(jobs), strict=True):

@@ -245,3 +245,37 @@ def test_prediction_errors_are_exported_per_pod_and_kind() -> None:
     name = "extproc_latency_prediction_error_seconds_count"
     assert sample(registry, name, pod="10.0.0.1:8000", kind="ttft") == 2
     assert sample(registry, name, pod="10.0.0.1:8000", kind="tpot") == 0
+
+
+def test_learned_models_start_another_gateway_where_this_one_is() -> None:
+    old_clock, new_clock = ManualClock(start=5000.0), ManualClock(start=0.0)
+    learned_here = LatencyModels(clock=old_clock.now)
+    train(learned_here, "fast", 60, speed=4.0)
+    train(learned_here, "slow", 60, speed=1.0, seed=2)
+    learned_here.routed(MODEL, "slow")
+    learned = learned_here.learned()
+    probe = LatencyFeatures(1500, 1, 0, 0.0, 1.0, 0.1)
+    before = learned_here.predict(MODEL, "slow", probe)
+    train(learned_here, "slow", 60, speed=0.25, seed=3)  # later learning: not in the copy
+
+    models = LatencyModels(clock=new_clock.now)
+    assert models.predict(MODEL, "slow", probe) is None  # cold
+    models.start_from(learned)
+    slow, fast = models.predict(MODEL, "slow", probe), models.predict(MODEL, "fast", probe)
+    assert slow is not None and fast is not None and before is not None
+    assert slow.ttft_s == pytest.approx(before.ttft_s) and slow.samples == 60
+    assert slow.ttft_s / fast.ttft_s == pytest.approx(4.0, rel=0.1)
+    # As if just learned, never routed to by this gateway: no probe is due, none was sent.
+    assert slow.age_s == 0.0 and slow.routed_s == math.inf
+    # The same answers through the column path the strategy reads.
+    cols = models.predict_columns(
+        MODEL, ["fast", "slow"], np.array([[v, v] for v in probe.vector()])
+    )
+    assert cols is not None and list(cols.ttft_s) == [fast.ttft_s, slow.ttft_s]
+    # It learns on from there, its own copy: the source is untouched.
+    train(models, "slow", 30, speed=0.25, seed=4)
+    assert dict(learned.pods)[(MODEL, "slow")].ttft.samples == 60
+    # Bounded as learning is.
+    small = LatencyModels(max_pods=1)
+    small.start_from(learned)
+    assert len(small.state()["models"][MODEL]) == 1

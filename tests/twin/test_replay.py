@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from extproc.twin.replay import PodProfile, TwinSetup, replay
+from extproc.twin.replay import PodProfile, TwinSetup, learned_latency, replay
 from extproc.twin.trace import parse_requests
 from tests.twin._traffic import sessions_traffic
 
@@ -171,3 +171,25 @@ def test_a_rule_that_reads_no_prompt_does_not_pay_the_captured_tokenizing() -> N
         assert r.ttft_s is not None and s.ttft_s is not None and p.ttft_s is not None
         assert r.ttft_s - s.ttft_s == pytest.approx(0.02, abs=1e-3)
         assert p.ttft_s == pytest.approx(r.ttft_s, abs=1e-3)
+
+
+def test_a_switch_to_predicted_latency_starts_from_what_the_running_gateway_learned() -> None:
+    # Pod 1 prefills 8x slower. A gateway running kv-aware has learned so (its latency models
+    # learn from every streamed request whose prompt it read, whatever rule routes it).
+    slow = dataclasses.replace(
+        PODS[0],
+        step=dataclasses.replace(
+            PODS[0].step, prefill_per_token_s=PODS[0].step.prefill_per_token_s * 8
+        ),
+    )
+    pool = dataclasses.replace(SETUP, pods=(slow, *PODS[1:]))
+    traffic = [dataclasses.replace(r, stream=True) for r in sessions_traffic(90)]
+    learned = learned_latency(pool, traffic, strategy="kv-aware")
+    assert {address for (_model, address), _pod in learned.pods} == {p.address for p in PODS}
+    # Switched to predicted-latency with those models, its first requests keep off the slow
+    # pod; started cold, they follow the cost rule, which sees three equal pods.
+    first = traffic[:12]
+    warm = replay(pool, first, strategy="predicted-latency", latency=learned)
+    cold = replay(pool, first, strategy="predicted-latency")
+    on_slow = [sum(s.pod == slow.address for s in served) for served in (warm, cold)]
+    assert on_slow[0] < on_slow[1] and on_slow[1] >= 3
