@@ -316,10 +316,7 @@ class Engine:
             ends = [dt]
             if prefill == 0 and self._horizon is not None:
                 ends = self._decode_run(scheduled, context, dt)
-            if len(ends) == 1:
-                await asyncio.sleep(self._pace(dt * self.step_model.time_scale))
-            else:
-                ends = await self._sleep_run(ends)
+            ends = await self._sleep_steps(ends)
             self._last_wake = self._clock()
             steps, dt = len(ends), ends[-1]
             self.stats.steps += steps
@@ -338,7 +335,7 @@ class Engine:
         first step takes `first_s`: as many identical steps as end before the horizon (no
         timer can look at the engine in between), until the first request finishes, with the
         blocks they need free. Each step adds one token to every request and `len(scheduled)`
-        to the context read. The steps then run as one sleep (`_sleep_run`) and are applied one
+        to the context read. The steps then run as one sleep (`_sleep_steps`) and are applied one
         after the other at its end: what any observer sees is what step-by-step would have
         shown it (only the times of the tokens in between, which nothing here records, are the
         end's)."""
@@ -362,14 +359,23 @@ class Engine:
             ends.append(ends[-1] + step)
         return ends
 
-    async def _sleep_run(self, ends: list[float]) -> list[float]:
-        """Sleep through a decode run (`ends`: each step's end), or, when a request arrives
+    async def _sleep_steps(self, ends: list[float]) -> list[float]:
+        """Sleep through the steps that end at `ends` (model seconds from now: one step, or a
+        decode run), paced: scaled by the step model's `time_scale`, less the host work done
+        since the previous step ended (`_pace`). A run stops early when a request arrives
         during it (not a timer: a client's next request sent as its last answer ended, at
-        once), only to the end of the step under way, as vLLM would take the newcomer at its
+        once): only to the end of the step under way, as vLLM would take the newcomer at its
         next step. The ends of the steps that ran."""
+        scale = self.step_model.time_scale
+        first = self._pace(ends[0] * scale)
+        taken = ends[0] * scale - first  # off the first step only: lateness is not carried
+        wall = [first, *(end * scale - taken for end in ends[1:])]
+        if len(ends) == 1:
+            await asyncio.sleep(wall[0])
+            return ends
         start = self._clock()
         self._wake.clear()
-        sleep = asyncio.ensure_future(asyncio.sleep(ends[-1]))
+        sleep = asyncio.ensure_future(asyncio.sleep(wall[-1]))
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait((sleep, woken), return_when=asyncio.FIRST_COMPLETED)
@@ -377,10 +383,10 @@ class Engine:
             sleep.cancel()
             woken.cancel()
         elapsed = self._clock() - start
-        if elapsed >= ends[-1]:
+        if elapsed >= wall[-1]:
             return ends
-        done = bisect.bisect_left(ends, elapsed)  # the step under way ends at ends[done]
-        await asyncio.sleep(ends[done] - elapsed)
+        done = bisect.bisect_left(wall, elapsed)  # the step under way ends at wall[done]
+        await asyncio.sleep(wall[done] - elapsed)
         return ends[: done + 1]
 
     def _pace(self, wait: float) -> float:
