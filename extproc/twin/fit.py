@@ -14,7 +14,11 @@ capture's, a few rounds:
   prefill costs, the queueing it causes included) scales the per-token prefill cost, or, when
   the uncached counts hardly vary, the spread between their first and third quartiles does;
   what is left at the median is the time the path adds to every first token (the gateway,
-  Envoy, the engine's HTTP handler, a busy host's own delays).
+  Envoy, the engine's HTTP handler, a busy host's own delays). Every first token pays it, so
+  it is at most what the pod's fastest tenth of requests took: a pod whose median request
+  waited behind long prefills live, a queue the pinned replay does not rebuild as deep, is not
+  given that wait as a path every cache hit then pays (docqa, 2026-12-07: a 142 ms path on a
+  pod whose fastest answers took 17-21 ms; now 21 ms).
 
 Every round's step is checked: if the pods' answers moved further from the capture's (TTFT p50
 and p90, TPOT p50 per pod: what the fidelity check compares), the pods go back to their last
@@ -54,6 +58,8 @@ _CONVERGED = 0.03
 # Uncached prompt tokens must vary by this much (standard deviation) across a pod's requests
 # for their TTFTs' slope to say what a token of prefill costs.
 _MIN_UNCACHED_SPREAD = 64.0
+# The path's cost is at most this quantile of a pod's captured TTFTs.
+_FASTEST = 0.1
 
 
 @dataclass
@@ -226,6 +232,9 @@ def fit_pods(
         return {r.index: s for r, s in zip(requests, out, strict=True)}
 
     aims = {a: _aims(timed[a]) for a in (*want, *few)}
+    fastest = {
+        a: _quantile([r.ttft_s for r in timed[a] if r.ttft_s is not None], _FASTEST) for a in want
+    }
     # The closest pods so far, as a whole (a closed-loop client's next request waits for its
     # last one, so one pod's speed moves the others' arrivals): the profiles, their answers,
     # their total misfit and each pod's own.
@@ -271,7 +280,7 @@ def fit_pods(
             # What the path adds: the capture's median TTFT over the twin's engine-only one,
             # as the twin will answer after this round's correction (to first order).
             ttft_after = f0[2] * (1.0 + (prefill - 1.0) * _share(f0, fp, nudge))
-            overhead = max(0.0, ttft - ttft_after)
+            overhead = max(0.0, min(ttft - ttft_after, fastest[address]))
             pods[address] = _scaled(pod, decode, prefill, overhead)
             worst = max(worst, abs(dp), abs(dd))
         path = statistics.median(pods[a].overhead_s for a in want) if want else 0.0
