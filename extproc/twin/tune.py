@@ -27,7 +27,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from extproc.accounting.latency_model import LearnedModels
 from extproc.twin.fit import FitReport, fit_pods, pods_of
@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 DEFAULT_RULE = "kv-aware"
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 # Arrivals move by up to this much per seed (a live rerun never repeats the exact timings).
 JITTER_S = 0.002
 # A rule's seeds agree when the standard error of their mean TTFT p50 is within this share of
@@ -419,15 +421,31 @@ def running_rule(requests: Sequence[TwinRequest]) -> str:
     return names.most_common(1)[0][0] if names else DEFAULT_RULE
 
 
+class _Runner:
+    """Runs jobs in order, here or on worker processes (forked once, for every round)."""
+
+    def __init__(self, pool: concurrent.futures.Executor | None) -> None:
+        self._pool = pool
+
+    def map(self, fn: Callable[[_A], _R], jobs: Sequence[_A]) -> list[_R]:
+        if self._pool is None:
+            return [fn(job) for job in jobs]
+        return list(self._pool.map(fn, jobs))
+
+
 @contextlib.contextmanager
-def _pool(workers: int) -> Iterator[Callable[[list[_JobArgs]], list[Stats]]]:
-    """Runs replays in order on `workers` processes (forked once for every round), or here."""
+def _runner(workers: int) -> Iterator[_Runner]:
     if workers <= 1:
-        yield lambda jobs: [_job(j) for j in jobs]
+        yield _Runner(None)
         return
     ctx = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        yield lambda jobs: list(pool.map(_job, jobs))
+        yield _Runner(pool)
+
+
+def _learn(args: tuple[TwinSetup, Sequence[TwinRequest], str]) -> LearnedModels:
+    setup, requests, strategy = args
+    return learned_latency(setup, requests, strategy=strategy)
 
 
 def tune(
@@ -467,18 +485,20 @@ def tune(
     rules = list(rules or candidates(requests))
     if not any(c.name == running for c in rules):
         rules.insert(0, Candidate(running, running))
-    # Every replay starts with the latency models the running gateway has: they learn from
-    # every request whatever rule routes it, so a switch to `predicted-latency` starts warm.
-    latency = learned_latency(setup, requests, strategy=running, prompts=prompts)
     per_rule: list[list[Stats]] = [[] for _ in rules]
     pending = [(i, seed) for i in range(len(rules)) for seed in range(seeds)]
-    with _pool(workers) as run:
+    with _runner(workers) as runner:
+        # Every replay starts with the latency models the running gateway has: they learn
+        # from every request whatever rule routes it, so a switch to `predicted-latency`
+        # starts warm. (On a worker: an hour's replay would stay in this process's memory,
+        # and the workers are forked from it.)
+        latency = runner.map(_learn, [(setup, requests, running)])[0]
         while pending:  # the first round: every rule `seeds` times; then the unsettled ones
             jobs = [
                 (setup, requests, rules[i], seed, duration, slo_ttft_s, slo_tpot_s, latency)
                 for i, seed in pending
             ]
-            for (i, _seed), stats in zip(pending, run(jobs), strict=True):
+            for (i, _seed), stats in zip(pending, runner.map(_job, jobs), strict=True):
                 per_rule[i].append(stats)
             pending = [
                 (i, len(done) + k)
