@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
-from extproc.accounting.latency_model import LearnedModels
+from extproc.accounting.latency_model import LatencyModels, LearnedModels
 from extproc.app import Core, build_runtime
 from extproc.config import Config, load_config_text
 from extproc.director.api import AccessRecord, ImmediateReply, Outcome, RequestHead
@@ -394,7 +394,7 @@ async def _run(
     jitter_s: float,
     drain_s: float,
     latency: LearnedModels | None,
-) -> tuple[list[Served], LearnedModels]:
+) -> tuple[list[Served], LatencyModels]:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
     world = _World(setup, config, loop, pinned=pinned)
@@ -443,7 +443,7 @@ async def _run(
                     Served(req.index, None, 504, None, None, None, req.input_length, 0, 0, 0.0)
                 )
         await asyncio.sleep(2 * ACCESS_LOG_DELAY_S)  # the last records accounted
-        return served, world.core.latency.learned()
+        return served, world.core.latency
     finally:
         poller.cancel()
         for task in tasks.values():
@@ -473,36 +473,38 @@ def replay(
     `jitter_s`, each arrival's shift in [0, jitter_s). A request not ended `drain_s` (virtual)
     seconds after the last arrival is a 504. `latency`: the gateway's latency models start
     from these (`learned_latency`), not cold."""
-    return _replay(setup, requests, strategy, params, seed, pinned, jitter_s, prompts, drain_s,
-                   latency)[0]  # fmt: skip
+    served, _models = _replay(
+        setup, requests, strategy=strategy, params=params, seed=seed, pinned=pinned,
+        jitter_s=jitter_s, prompts=prompts, drain_s=drain_s, latency=latency,
+    )  # fmt: skip
+    return served
 
 
 def learned_latency(
-    setup: TwinSetup,
-    requests: Sequence[TwinRequest],
-    *,
-    strategy: str,
-    prompts: PromptIds | None = None,
+    setup: TwinSetup, requests: Sequence[TwinRequest], *, strategy: str
 ) -> LearnedModels:
     """The latency models (`predicted-latency`'s) a gateway running `strategy` has learned
     by the end of `requests` (seed 0, arrivals as captured): where the running gateway's
     models stand, for a replay under another rule to start from, as switching to it live
     would."""
-    return _replay(setup, requests, strategy, None, 0, False, 0.0, prompts, DRAIN_S, None)[1]
+    _served, models = _replay(setup, requests, strategy=strategy)
+    return models.learned()
 
 
 def _replay(
     setup: TwinSetup,
     requests: Sequence[TwinRequest],
+    *,
     strategy: str,
-    params: Mapping[str, Any] | None,
-    seed: int,
-    pinned: bool,
-    jitter_s: float,
-    prompts: PromptIds | None,
-    drain_s: float,
-    latency: LearnedModels | None,
-) -> tuple[list[Served], LearnedModels]:
+    params: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    pinned: bool = False,
+    jitter_s: float = 0.0,
+    prompts: PromptIds | None = None,
+    drain_s: float = DRAIN_S,
+    latency: LearnedModels | None = None,
+) -> tuple[list[Served], LatencyModels]:
+    """`replay`, and the latency models its gateway ended with."""
     config = setup.config(strategy, params, seed)
     return run_virtual(
         _run(
