@@ -11,7 +11,9 @@ capture's, a few rounds:
   against capture, scales the fixed and per-context parts (a decode step is mostly those);
 - the prefill speed and the path's fixed cost: the pod's TTFTs, twin against capture: their
   slope over uncached prompt tokens (each side with its own cached counts: what a token of
-  prefill costs, the queueing it causes included) scales the per-token prefill cost, or, when
+  prefill costs, the queueing it causes included; the median of the slopes between pairs of
+  requests, so the few that waited on something else do not tilt it) scales the per-token
+  prefill cost, or, when
   the uncached counts hardly vary, the spread between their first and third quartiles does;
   what is left at the median is the time the path adds to every first token (the gateway,
   Envoy, the engine's HTTP handler, a busy host's own delays). Every first token pays it, so
@@ -42,6 +44,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
 from extproc.twin.trace import PromptIds, TwinRequest
 
@@ -63,6 +67,11 @@ _CONVERGED = 0.03
 _MIN_UNCACHED_SPREAD = 48.0
 # The path's cost is at most this quantile of a pod's captured TTFTs.
 _FASTEST = 0.1
+# The slope's pairs: requests whose uncached counts differ by at least a block; at most this
+# many requests a pod (a sample spread over its uncached counts) so a long capture costs
+# O(_MAX_PAIRED^2) a pod, not O(n^2).
+_PAIR_APART = 16.0
+_MAX_PAIRED = 600
 
 
 @dataclass
@@ -118,16 +127,26 @@ def _scaled(pod: PodProfile, decode: float, prefill: float, overhead_s: float) -
 
 
 def _slope(points: Sequence[tuple[float, float]]) -> float | None:
-    """Least-squares slope of TTFT over uncached prompt tokens; None when the uncached counts
-    hardly vary (nothing to read a per-token cost from) or the slope is not positive."""
+    """The Theil-Sen slope of TTFT over uncached prompt tokens (the median of the slopes
+    between pairs of requests at least a block apart); None when the uncached counts hardly
+    vary (nothing to read a per-token cost from) or the slope is not positive. A median, not
+    least squares: a few requests that waited behind a long prefill (or a busy host) would
+    pull a least-squares line up and read as a dear prefill (hetero, 2026-12-07: 98 and 83 us
+    a token on two pods of one speed whose pairs' median said 55 and 44)."""
     if len(points) < MIN_SAMPLES:
         return None
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    var = statistics.fmean((x - mx) ** 2 for x, _ in points)
-    if var < _MIN_UNCACHED_SPREAD**2:
+    x = np.fromiter((p[0] for p in points), float, len(points))
+    if float(x.std()) < _MIN_UNCACHED_SPREAD:
         return None
-    slope = statistics.fmean((x - mx) * (y - my) for x, y in points) / var
+    y = np.fromiter((p[1] for p in points), float, len(points))
+    if len(x) > _MAX_PAIRED:  # every k-th point by uncached count: the pairs stay spread
+        keep = np.argsort(x, kind="stable")[:: -(-len(x) // _MAX_PAIRED)]
+        x, y = x[keep], y[keep]
+    dx = x[None, :] - x[:, None]
+    apart = dx >= _PAIR_APART
+    if not apart.any():
+        return None
+    slope = float(np.median((y[None, :] - y[:, None])[apart] / dx[apart]))
     return slope if slope > 0 else None
 
 
