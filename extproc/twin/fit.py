@@ -13,9 +13,10 @@ capture's, a few rounds:
   slope over uncached prompt tokens (each side with its own cached counts: what a token of
   prefill costs, the queueing it causes included; the median of the slopes between pairs of
   requests, so the few that waited on something else do not tilt it) scales the per-token
-  prefill cost, or, when
-  the uncached counts hardly vary, the spread between their first and third quartiles does;
-  what is left at the median is the time the path adds to every first token (the gateway,
+  prefill cost; where the uncached counts hardly vary, nothing says what a token of prefill
+  costs and it moves with the decode cost (one speed for the pod: the spread of the TTFTs,
+  read instead until 2026-12-07, is queueing and a busy host's noise, and on higress's
+  capture priced a pod's prefill 2.8x its engine's); what is left at the median is the time the path adds to every first token (the gateway,
   Envoy, the engine's HTTP handler, a busy host's own delays). Every first token pays it, so
   it is at most what the pod's fastest tenth of requests took: a pod whose median request
   waited behind long prefills live, a queue the pinned replay does not rebuild as deep, is not
@@ -61,16 +62,16 @@ _MAX_LOG_STEP = math.log(3.0)
 _CONVERGED = 0.03
 # Uncached prompt tokens must vary by this much (standard deviation) across a pod's requests
 # for their TTFTs' slope to say what a token of prefill costs. (64, one window, until
-# 2026-12-07: a hetero capture at 60-61 fell back to the quartile spread, which its queueing
-# dominates, and fitted a pod 10x cheap to prefill with a 19 ms path; no other capture of the
-# bench's nine sits between 48 and 64.)
+# 2026-12-07: a hetero capture at 60-61 was fitted without its slope, a pod 10x cheap to
+# prefill with a 19 ms path; no other capture of the bench's nine sits between 48 and 64.)
 _MIN_UNCACHED_SPREAD = 48.0
 # The path's cost is at most this quantile of a pod's captured TTFTs.
 _FASTEST = 0.1
-# The slope's pairs: requests whose uncached counts differ by at least a block; at most this
-# many requests a pod (a sample spread over its uncached counts) so a long capture costs
-# O(_MAX_PAIRED^2) a pod, not O(n^2).
-_PAIR_APART = 16.0
+# The slope's pairs: requests whose uncached counts differ by at least _MIN_UNCACHED_SPREAD
+# (pairs a block apart read the TTFTs' noise as a slope: higress, whose prompts mostly sit
+# within a few tokens of one another, got 450-560 us a token from them, its engines' 130 from
+# pairs 48 apart); at most _MAX_PAIRED requests a pod (a sample spread over its uncached
+# counts), so a long capture costs O(_MAX_PAIRED^2) a pod, not O(n^2).
 _MAX_PAIRED = 600
 
 
@@ -128,7 +129,7 @@ def _scaled(pod: PodProfile, decode: float, prefill: float, overhead_s: float) -
 
 def _slope(points: Sequence[tuple[float, float]]) -> float | None:
     """The Theil-Sen slope of TTFT over uncached prompt tokens (the median of the slopes
-    between pairs of requests at least a block apart); None when the uncached counts hardly
+    between pairs of requests whose uncached counts differ by _MIN_UNCACHED_SPREAD); None when the uncached counts hardly
     vary (nothing to read a per-token cost from) or the slope is not positive. A median, not
     least squares: a few requests that waited behind a long prefill (or a busy host) would
     pull a least-squares line up and read as a dear prefill (hetero, 2026-12-07: 98 and 83 us
@@ -143,44 +144,34 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
         keep = np.argsort(x, kind="stable")[:: -(-len(x) // _MAX_PAIRED)]
         x, y = x[keep], y[keep]
     dx = x[None, :] - x[:, None]
-    apart = dx >= _PAIR_APART
+    apart = dx >= _MIN_UNCACHED_SPREAD
     if not apart.any():
         return None
     slope = float(np.median((y[None, :] - y[:, None])[apart] / dx[apart]))
     return slope if slope > 0 else None
 
 
-def _prefill_signal(points: Sequence[tuple[float, float]], by_slope: bool) -> float | None:
-    """What the prefill knob is fitted to: the TTFT's slope over uncached tokens (what a token
-    of prefill costs, queueing included), else the TTFT's interquartile range."""
-    if by_slope:
-        return _slope(points)
-    ttft = [y for _, y in points]
-    if len(ttft) < MIN_SAMPLES:
-        return None
-    return max(_quantile(ttft, 0.75) - _quantile(ttft, 0.25), 1e-5)
-
-
 def _targets(
     rows: Sequence[TwinRequest], served: Mapping[int, Served], overhead_s: float, by_slope: bool
-) -> tuple[float, float, float] | None:
-    """(TPOT p50, the prefill signal, TTFT p50) of the twin's answers to `rows`, the TTFT
-    without the path's cost; None when too few were timed."""
+) -> tuple[float, float | None, float] | None:
+    """(TPOT p50, the TTFTs' slope over uncached tokens, TTFT p50) of the twin's answers to
+    `rows`, the TTFT without the path's cost, the slope only `by_slope`; None when too few
+    were timed (or, `by_slope`, there is no slope to read)."""
     tpot = [t for r in rows if (t := served[r.index].tpot_s) is not None and t > 0]
     points = [
         (s.prompt_tokens - s.cached_tokens, s.ttft_s - overhead_s)
         for r in rows
         if (s := served[r.index]).ttft_s is not None
     ]
-    signal = _prefill_signal(points, by_slope)
-    if len(tpot) < MIN_SAMPLES or signal is None:
+    slope = _slope(points) if by_slope else None
+    if len(tpot) < MIN_SAMPLES or len(points) < MIN_SAMPLES or (by_slope and slope is None):
         return None
-    return statistics.median(tpot), signal, statistics.median(y for _, y in points)
+    return statistics.median(tpot), slope, statistics.median(y for _, y in points)
 
 
 def _solve(jac: list[list[float]], r: Sequence[float]) -> tuple[float, float]:
     """(prefill, decode) steps x with jac @ x = r; for a near-singular system, the TPOT by the
-    decode knob and the TTFT spread by the prefill knob, each alone."""
+    decode knob and the TTFTs' slope by the prefill knob, each alone."""
     (a, b), (c, d) = jac
     det = a * d - b * c
     if abs(det) > 0.05 * max(abs(a * d), abs(b * c), 1e-9):
@@ -203,14 +194,14 @@ def fit_pods(
     if window_s is not None:
         requests = [r for r in requests if r.at_s <= window_s]
     pods = {p.address: p for p in setup.pods}
+    start = dict(pods)
     timed: dict[str, list[TwinRequest]] = {}
     for r in requests:
         if r.measured and r.pod in pods:
             timed.setdefault(r.pod, []).append(r)
     report = FitReport(pods=setup.pods)
     report.unfitted = sorted(a for a in pods if len(timed.get(a, ())) < MIN_SAMPLES)
-    want: dict[str, tuple[float, float, float]] = {}
-    by_slope: dict[str, bool] = {}
+    want: dict[str, tuple[float, float | None, float]] = {}
     for address, rows in timed.items():
         tpots = [r.tpot_s for r in rows if r.tpot_s is not None and r.tpot_s > 0]
         ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
@@ -221,13 +212,8 @@ def fit_pods(
             for r in rows
             if r.ttft_s is not None and r.cached_tokens is not None
         ]
-        by_slope[address] = _slope(points) is not None
-        signal = _prefill_signal(
-            points if by_slope[address] else [(0.0, t) for t in ttfts], by_slope[address]
-        )
-        if signal is None:
-            continue
-        want[address] = (statistics.median(tpots), signal, statistics.median(ttfts))
+        if len(ttfts) >= MIN_SAMPLES:
+            want[address] = (statistics.median(tpots), _slope(points), statistics.median(ttfts))
     # A pod with a few timed requests only (a rule that avoided it): one speed for all its
     # costs, from the median time per token (else the median TTFT), and the path's cost of
     # the others: a pod a rule shunned is usually a slow one, and the defaults would say fast.
@@ -285,23 +271,36 @@ def fit_pods(
         base = settle(run(1.0, 1.0))
         by_prefill, by_decode = run(1.0, _NUDGE), run(_NUDGE, 1.0)
         worst = 0.0
-        for address, (tpot, signal, ttft) in want.items():
-            pod, rows, slope = pods[address], timed[address], by_slope[address]
-            f0 = _targets(rows, base, pod.overhead_s, slope)
-            fp = _targets(rows, by_prefill, pod.overhead_s, slope)
-            fd = _targets(rows, by_decode, pod.overhead_s, slope)
+        # Pods with a slope first: a pod without one takes their prefill cost against decode.
+        for address, (tpot, slope, ttft) in sorted(want.items(), key=lambda w: w[1][1] is None):
+            pod, rows = pods[address], timed[address]
+            f0 = _targets(rows, base, pod.overhead_s, slope is not None)
+            fp = _targets(rows, by_prefill, pod.overhead_s, slope is not None)
+            fd = _targets(rows, by_decode, pod.overhead_s, slope is not None)
             if f0 is None or fp is None or fd is None:
                 continue
-            # d log(target i) / d log(knob j): targets TPOT, TTFT spread; knobs prefill, decode.
-            jac = [[(math.log(f[i]) - math.log(f0[i])) / nudge for f in (fp, fd)] for i in (0, 1)]
-            residual = (math.log(tpot) - math.log(f0[0]), math.log(signal) - math.log(f0[1]))
-            dp, dd = _solve(jac, residual)
+            # d log(target i) / d log(knob j): targets TPOT, TTFT slope; knobs prefill, decode.
+            jac = [
+                [(math.log(f[i] or 1.0) - math.log(f0[i] or 1.0)) / nudge for f in (fp, fd)]
+                for i in (0, 1)
+            ]
+            tpot_off = math.log(tpot) - math.log(f0[0])
+            if slope is not None and f0[1] is not None:
+                dp, dd = _solve(jac, (tpot_off, math.log(slope) - math.log(f0[1])))
+            else:
+                # Nothing says what a token of prefill costs here: against the decode cost, what
+                # it costs on the pods whose slope says (their median), else what it did.
+                both = jac[0][0] + jac[0][1]
+                dd = tpot_off / both if abs(both) > 1e-3 else 0.0
+                said = [_prefill_for_decode(pods[a], start[a]) for a in want if want[a][1]]
+                aim = statistics.median(said) if said else 0.0
+                dp = dd + aim - _prefill_for_decode(pod, start[address])
             bound = radius[address]
             dp, dd = max(-bound, min(bound, dp)), max(-bound, min(bound, dd))
             prefill, decode = math.exp(dp), math.exp(dd)
             # What the path adds: the capture's median TTFT over the twin's engine-only one,
             # as the twin will answer after this round's correction (to first order).
-            ttft_after = f0[2] * (1.0 + (prefill - 1.0) * _share(f0, fp, nudge))
+            ttft_after = f0[2] * (1.0 + (prefill - 1.0) * _share(f0[2], fp[2], nudge))
             overhead = max(0.0, min(ttft - ttft_after, fastest[address]))
             pods[address] = _scaled(pod, decode, prefill, overhead)
             worst = max(worst, abs(dp), abs(dd))
@@ -324,8 +323,8 @@ def fit_pods(
             break
     final = settle(run(1.0, 1.0))  # the last round's step too
     report.pods = tuple(pods.values())
-    for address, (tpot, _signal, ttft) in want.items():
-        got = _targets(timed[address], final, 0.0, by_slope[address])
+    for address, (tpot, slope, ttft) in want.items():
+        got = _targets(timed[address], final, 0.0, slope is not None)
         report.check[address] = {
             "capture_ttft_p50_ms": 1e3 * ttft,
             "twin_ttft_p50_ms": 1e3 * got[2] if got else -1.0,
@@ -335,9 +334,18 @@ def fit_pods(
     return report
 
 
-def _share(f0: Sequence[float], fp: Sequence[float], nudge: float) -> float:
+def _share(ttft: float, nudged: float, nudge: float) -> float:
     """How much of the median TTFT scales with the prefill cost (its log-derivative)."""
-    return max(0.0, min(1.0, (math.log(fp[2]) - math.log(f0[2])) / nudge))
+    return max(0.0, min(1.0, (math.log(nudged) - math.log(ttft)) / nudge))
+
+
+def _prefill_for_decode(pod: PodProfile, start: PodProfile) -> float:
+    """How far a pod's prefill cost moved from where the fit started, against its decode cost
+    (log ratio: 0 when both moved alike)."""
+    now, then = pod.step, start.step
+    return math.log(now.prefill_per_token_s / then.prefill_per_token_s) - math.log(
+        now.weights_read_s / then.weights_read_s
+    )
 
 
 def _aims(rows: Sequence[TwinRequest]) -> tuple[float, float, float | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 from pathlib import Path
 
@@ -193,3 +194,43 @@ def test_a_few_answers_that_waited_on_a_busy_host_do_not_make_prefill_dear(
     report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
     fitted = {p.address: p.step for p in report.pods}[pod]
     assert fitted.prefill_per_token_s == pytest.approx(BASE.prefill_per_token_s, rel=0.15)
+
+
+def test_where_prompts_hardly_vary_prefill_moves_with_decode() -> None:
+    # Every prompt has about as many uncached tokens as the next: nothing says what a token of
+    # prefill costs, and the spread of the TTFTs (read instead until 2026-12-07) is queueing
+    # and noise: on higress's capture it priced a pod's prefill at 2.8x its engine's. A pod
+    # twice as slow at decode (an older GPU) is taken as twice as slow at prefill too.
+    rng = random.Random(3)
+    traffic = [
+        TwinRequest(
+            index=i, at_s=i / 6.0, input_length=1000 + rng.randrange(40),
+            output_length=rng.randrange(20, 120), hash_ids=(10 * i, 10 * i + 1), model="m",
+        )
+        for i in range(240)
+    ]  # fmt: skip
+    older = dataclasses.replace(
+        BASE, overhead_s=2 * BASE.overhead_s, weights_read_s=2 * BASE.weights_read_s,
+        kv_read_per_token_s=2 * BASE.kv_read_per_token_s,
+        prefill_per_token_s=2 * BASE.prefill_per_token_s,
+    )  # fmt: skip
+    truth = (
+        PodProfile("10.0.0.1:8000", "m", overhead_s=PATH_S),
+        PodProfile("10.0.0.2:8000", "m", overhead_s=PATH_S, step=older),
+    )
+    served = replay(TwinSetup(pods=truth, default_model="m"), traffic, strategy="round-robin")
+    capture = [
+        dataclasses.replace(
+            r, pod=s.pod, status=s.status, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
+            cached_tokens=s.cached_tokens, strategy="round-robin",
+        )
+        for r, s in zip(traffic, served, strict=True)
+    ]  # fmt: skip
+    report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
+    fitted = {p.address: p.step for p in report.pods}
+    assert fitted["10.0.0.2:8000"].prefill_per_token_s == pytest.approx(
+        2 * BASE.prefill_per_token_s, rel=0.2
+    )
+    assert fitted["10.0.0.1:8000"].prefill_per_token_s == pytest.approx(
+        BASE.prefill_per_token_s, rel=0.2
+    )
