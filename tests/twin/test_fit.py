@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,14 +48,7 @@ def truth() -> tuple[list[TwinRequest], list[Served]]:
 def test_a_known_engine_profile_is_recovered(
     truth: tuple[list[TwinRequest], list[Served]],
 ) -> None:
-    traffic, served = truth
-    capture = [
-        dataclasses.replace(
-            r, pod=s.pod, status=s.status, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
-            cached_tokens=s.cached_tokens, strategy="kv-aware",
-        )
-        for r, s in zip(traffic, served, strict=True)
-    ]  # fmt: skip
+    capture = _captured(*truth)
     start = TwinSetup(pods=pods_of(capture, "m"), default_model="m")
     assert all(p.step == BASE and p.overhead_s == 0.0 for p in start.pods)
     report = fit_pods(capture, start)
@@ -137,6 +131,43 @@ def test_a_fit_never_leaves_the_pods_further_from_the_capture_than_it_found_them
     assert misfit(fitted) <= misfit(start) + 1e-9
 
 
+def _waited(
+    truth: tuple[list[TwinRequest], list[Served]],
+    pod: str,
+    pick: Callable[[list[int]], list[int]],
+    wait_s: float,
+) -> list[TwinRequest]:
+    """`truth` as a kv-aware capture, the requests `pick` takes of `pod`'s (their indices,
+    fewest uncached tokens first) answered `wait_s` later than their engine explains."""
+    traffic, served = truth
+    mine = sorted(
+        (s.prompt_tokens - s.cached_tokens, r.index)
+        for r, s in zip(traffic, served, strict=True)
+        if s.pod == pod
+    )
+    waited = set(pick([i for _, i in mine]))
+    return _captured(traffic, served, waited=waited, wait_s=wait_s)
+
+
+def _captured(
+    traffic: list[TwinRequest],
+    served: list[Served],
+    strategy: str = "kv-aware",
+    waited: set[int] | frozenset[int] = frozenset(),
+    wait_s: float = 0.0,
+) -> list[TwinRequest]:
+    """`traffic` as a capture of `strategy` records it, the engines' answers `served`; the
+    requests `waited` answered `wait_s` later."""
+    return [
+        dataclasses.replace(
+            r, pod=s.pod, status=s.status, tpot_s=s.tpot_s, cached_tokens=s.cached_tokens,
+            ttft_s=None if s.ttft_s is None else s.ttft_s + (wait_s if r.index in waited else 0.0),
+            strategy=strategy,
+        )
+        for r, s in zip(traffic, served, strict=True)
+    ]  # fmt: skip
+
+
 def test_the_path_is_no_more_than_the_pods_fastest_answers_took(
     truth: tuple[list[TwinRequest], list[Served]],
 ) -> None:
@@ -145,21 +176,9 @@ def test_the_path_is_no_more_than_the_pods_fastest_answers_took(
     # The path is paid by every first token: it cannot be that wait, or every cache hit on the
     # pod would pay it in the twin (docqa 2026-12-07: a 142 ms path on a pod whose fastest
     # answers took 17-21 ms).
-    traffic, served = truth
     queued = "10.0.0.1:8000"
-    mine = sorted(
-        (s.prompt_tokens - s.cached_tokens, r.index)
-        for r, s in zip(traffic, served, strict=True)
-        if s.pod == queued
-    )
-    waited = {i for _, i in mine[len(mine) * 2 // 5 :]}  # the 60 % with the most to prefill
-    capture = [
-        dataclasses.replace(
-            r, pod=s.pod, status=s.status, tpot_s=s.tpot_s, cached_tokens=s.cached_tokens,
-            ttft_s=(s.ttft_s or 0.0) + (0.3 if r.index in waited else 0.0), strategy="kv-aware",
-        )
-        for r, s in zip(traffic, served, strict=True)
-    ]  # fmt: skip
+    # the 60 % with the most to prefill
+    capture = _waited(truth, queued, lambda mine: mine[len(mine) * 2 // 5 :], 0.3)
     ttfts = sorted(r.ttft_s for r in capture if r.pod == queued and r.ttft_s is not None)
     assert statistics.median(ttfts) > 0.3  # the median is the wait
     report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
@@ -175,22 +194,8 @@ def test_a_few_answers_that_waited_on_a_busy_host_do_not_make_prefill_dear(
     # line through its TTFTs over uncached tokens reads the waits as prefill (57 us a token, not
     # 40: the twin then prices every other rule's longer prefills dear); the pairs' median
     # does not.
-    traffic, served = truth
     pod = "10.0.0.1:8000"
-    mine = sorted(
-        (s.prompt_tokens - s.cached_tokens, r.index)
-        for r, s in zip(traffic, served, strict=True)
-        if s.pod == pod
-    )
-    longer = [i for _, i in mine[len(mine) // 2 :]]
-    waited = set(longer[::4])
-    capture = [
-        dataclasses.replace(
-            r, pod=s.pod, status=s.status, tpot_s=s.tpot_s, cached_tokens=s.cached_tokens,
-            ttft_s=(s.ttft_s or 0.0) + (0.15 if r.index in waited else 0.0), strategy="kv-aware",
-        )
-        for r, s in zip(traffic, served, strict=True)
-    ]  # fmt: skip
+    capture = _waited(truth, pod, lambda mine: mine[len(mine) // 2 :][::4], 0.15)
     report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
     fitted = {p.address: p.step for p in report.pods}[pod]
     assert fitted.prefill_per_token_s == pytest.approx(BASE.prefill_per_token_s, rel=0.15)
@@ -219,13 +224,7 @@ def test_where_prompts_hardly_vary_prefill_moves_with_decode() -> None:
         PodProfile("10.0.0.2:8000", "m", overhead_s=PATH_S, step=older),
     )
     served = replay(TwinSetup(pods=truth, default_model="m"), traffic, strategy="round-robin")
-    capture = [
-        dataclasses.replace(
-            r, pod=s.pod, status=s.status, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
-            cached_tokens=s.cached_tokens, strategy="round-robin",
-        )
-        for r, s in zip(traffic, served, strict=True)
-    ]  # fmt: skip
+    capture = _captured(traffic, served, "round-robin")
     report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
     fitted = {p.address: p.step for p in report.pods}
     assert fitted["10.0.0.2:8000"].prefill_per_token_s == pytest.approx(
