@@ -13,15 +13,17 @@ capture's, a few rounds:
   slope over uncached prompt tokens (each side with its own cached counts: what a token of
   prefill costs, the queueing it causes included; the median of the slopes between pairs of
   requests, so the few that waited on something else do not tilt it) scales the per-token
-  prefill cost; where the uncached counts hardly vary, nothing says what a token of prefill
-  costs and it moves with the decode cost (one speed for the pod: the spread of the TTFTs,
-  read instead until 2026-12-07, is queueing and a busy host's noise, and on higress's
-  capture priced a pod's prefill 2.8x its engine's); what is left at the median is the time the path adds to every first token (the gateway,
-  Envoy, the engine's HTTP handler, a busy host's own delays). Every first token pays it, so
-  it is at most what the pod's fastest tenth of requests took: a pod whose median request
-  waited behind long prefills live, a queue the pinned replay does not rebuild as deep, is not
-  given that wait as a path every cache hit then pays (docqa, 2026-12-07: a 142 ms path on a
-  pod whose fastest answers took 17-21 ms; now 21 ms).
+  prefill cost. Where the uncached counts hardly vary, nothing says what a token of prefill
+  costs: against the decode cost it costs what it does on the pods whose slope says (their
+  median), else it moves with the decode cost (the spread of the TTFTs, read instead until
+  2026-12-07, is queueing and a busy host's noise: on higress's capture it priced a pod's
+  prefill at 2.8x its engine's). What is left at the median is the time the path adds to
+  every first token (the gateway, Envoy, the engine's HTTP handler, a busy host's own
+  delays). Every first token pays it, so it is at most what the pod's fastest tenth of
+  requests took: a pod whose median request waited behind long prefills live, a queue the
+  pinned replay does not rebuild as deep, is not given that wait as a path every cache hit
+  then pays (docqa, 2026-12-07: a 142 ms path on a pod whose fastest answers took 17-21 ms;
+  now 21 ms).
 
 Every round's step is checked: if the pods' answers moved further from the capture's (TTFT p50
 and p90, TPOT p50 per pod: what the fidelity check compares), the pods go back to their last
@@ -129,8 +131,9 @@ def _scaled(pod: PodProfile, decode: float, prefill: float, overhead_s: float) -
 
 def _slope(points: Sequence[tuple[float, float]]) -> float | None:
     """The Theil-Sen slope of TTFT over uncached prompt tokens (the median of the slopes
-    between pairs of requests whose uncached counts differ by _MIN_UNCACHED_SPREAD); None when the uncached counts hardly
-    vary (nothing to read a per-token cost from) or the slope is not positive. A median, not
+    between pairs of requests whose uncached counts differ by _MIN_UNCACHED_SPREAD); None
+    when the uncached counts hardly vary (nothing to read a per-token cost from) or the slope
+    is not positive. A median, not
     least squares: a few requests that waited behind a long prefill (or a busy host) would
     pull a least-squares line up and read as a dear prefill (hetero, 2026-12-07: 98 and 83 us
     a token on two pods of one speed whose pairs' median said 55 and 44)."""
@@ -292,7 +295,11 @@ def fit_pods(
                 # it costs on the pods whose slope says (their median), else what it did.
                 both = jac[0][0] + jac[0][1]
                 dd = tpot_off / both if abs(both) > 1e-3 else 0.0
-                said = [_prefill_for_decode(pods[a], start[a]) for a in want if want[a][1]]
+                said = [
+                    _prefill_for_decode(pods[a], start[a])
+                    for a, w in want.items()
+                    if w[1] is not None
+                ]
                 aim = statistics.median(said) if said else 0.0
                 dp = dd + aim - _prefill_for_decode(pod, start[address])
             bound = radius[address]
