@@ -389,12 +389,13 @@ async def _run(
     prompts: PromptIds,
     config: Config,
     *,
-    seed: int,
-    pinned: bool,
-    jitter_s: float,
-    drain_s: float,
-    latency: LearnedModels | None,
+    seed: int = 0,
+    pinned: bool = False,
+    jitter_s: float = 0.0,
+    drain_s: float = DRAIN_S,
+    latency: LearnedModels | None = None,
 ) -> tuple[list[Served], LatencyModels]:
+    """One replay (see `replay`), and the latency models its gateway ended with."""
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
     world = _World(setup, config, loop, pinned=pinned)
@@ -473,9 +474,11 @@ def replay(
     `jitter_s`, each arrival's shift in [0, jitter_s). A request not ended `drain_s` (virtual)
     seconds after the last arrival is a 504. `latency`: the gateway's latency models start
     from these (`learned_latency`), not cold."""
-    served, _models = _replay(
-        setup, requests, strategy=strategy, params=params, seed=seed, pinned=pinned,
-        jitter_s=jitter_s, prompts=prompts, drain_s=drain_s, latency=latency,
+    served, _models = run_virtual(
+        _run(
+            setup, requests, prompts or PromptIds(requests), setup.config(strategy, params, seed),
+            seed=seed, pinned=pinned, jitter_s=jitter_s, drain_s=drain_s, latency=latency,
+        )
     )  # fmt: skip
     return served
 
@@ -487,35 +490,6 @@ def learned_latency(
     by the end of `requests` (seed 0, arrivals as captured): where the running gateway's
     models stand, for a replay under another rule to start from, as switching to it live
     would."""
-    _served, models = _replay(setup, requests, strategy=strategy)
+    config = setup.config(strategy, None, 0)
+    _served, models = run_virtual(_run(setup, requests, PromptIds(requests), config))
     return models.learned()
-
-
-def _replay(
-    setup: TwinSetup,
-    requests: Sequence[TwinRequest],
-    *,
-    strategy: str,
-    params: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    pinned: bool = False,
-    jitter_s: float = 0.0,
-    prompts: PromptIds | None = None,
-    drain_s: float = DRAIN_S,
-    latency: LearnedModels | None = None,
-) -> tuple[list[Served], LatencyModels]:
-    """`replay`, and the latency models its gateway ended with."""
-    config = setup.config(strategy, params, seed)
-    return run_virtual(
-        _run(
-            setup,
-            requests,
-            prompts or PromptIds(requests),
-            config,
-            seed=seed,
-            pinned=pinned,
-            jitter_s=jitter_s,
-            drain_s=drain_s,
-            latency=latency,
-        )
-    )
