@@ -25,6 +25,10 @@ capture's, a few rounds:
   then pays (docqa, 2026-12-07: a 142 ms path on a pod whose fastest answers took 17-21 ms;
   now 21 ms).
 
+Every replay of the fit jitters the arrivals as the tuning's replays will (`fit_jitter`: as
+much as spaces each pod's arrivals as the capture did; a closed loop replayed without noise
+locks into step, and its batched prefills would be read as a dear engine).
+
 Every round's step is checked: if the pods' answers moved further from the capture's (TTFT p50
 and p90, TPOT p50 per pod: what the fidelity check compares), the pods go back to their last
 profiles, and each pod that moved away takes half the step the next round. Where TTFTs are
@@ -52,7 +56,7 @@ import numpy as np
 from extproc.twin.replay import PodProfile, Served, TwinSetup, replay
 from extproc.twin.trace import PromptIds, TwinRequest
 
-__all__ = ["MIN_SAMPLES", "FitReport", "fit_pods", "pods_of"]
+__all__ = ["JITTER_GRID", "MIN_SAMPLES", "FitReport", "fit_jitter", "fit_pods", "pods_of"]
 
 MIN_SAMPLES = 8
 # Each round measures how a pod's answers move when its prefill or decode cost is nudged by
@@ -75,12 +79,21 @@ _FASTEST = 0.1
 # pairs 48 apart); at most _MAX_PAIRED requests a pod (a sample spread over its uncached
 # counts), so a long capture costs O(_MAX_PAIRED^2) a pod, not O(n^2).
 _MAX_PAIRED = 600
+# The arrivals' jitter a replay gives every request (uniform in [0, J)), the one of these
+# whose pinned replay spaces each pod's arrivals as the capture did (median gap): a
+# closed-loop client sends as its last answer ends, and without noise the twin's answers
+# that end at one step send their next requests at one instant, batch their prefills in one
+# step and end together again (multiturn, 2026-12-07: each pod's arrivals 1.4 ms apart at
+# the median where live had 12, the engine's TTFT p50 56 ms where live's was 33, and the fit
+# cut the prefill cost 9x to make up). The least is about a decode step (see `JITTER_S`).
+JITTER_GRID = (0.015, 0.03, 0.05, 0.08, 0.12)
 
 
 @dataclass
 class FitReport:
     pods: tuple[PodProfile, ...]
     rounds: int = 0
+    jitter_s: float = JITTER_GRID[0]  # every replay's arrival jitter (`fit_jitter`)
     unfitted: list[str] = field(default_factory=list)  # pods with no timed request
     speed_only: list[str] = field(default_factory=list)  # fewer than MIN_SAMPLES: one speed
     # Per pod: capture's and twin's TTFT p50 / TPOT p50 (ms) after the last round.
@@ -182,6 +195,43 @@ def _solve(jac: list[list[float]], r: Sequence[float]) -> tuple[float, float]:
     return (r[1] / c if abs(c) > 1e-3 else 0.0), (r[0] / b if abs(b) > 1e-3 else 0.0)
 
 
+def _median_gap(arrivals: Mapping[str, list[float]]) -> float:
+    """The median time between one request's arrival at its pod and the next's there."""
+    gaps = [float(g) for times in arrivals.values() for g in np.diff(np.sort(times))]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def fit_jitter(
+    requests: Sequence[TwinRequest], setup: TwinSetup, prompts: PromptIds | None = None
+) -> float:
+    """The arrivals' jitter (of `JITTER_GRID`) under which a pinned replay of `requests`
+    spaces each pod's arrivals as the capture did (their median gap; the least jitter of those
+    within 2 % of the closest). Open-loop traffic keeps its captured spacing under any of them
+    (the least is taken); a closed loop's depends on them."""
+    prompts = prompts or PromptIds(requests)
+    captured: dict[str, list[float]] = {}
+    for r in requests:
+        if r.pod is not None:
+            captured.setdefault(r.pod, []).append(r.at_s)
+    want = _median_gap(captured)
+    if want <= 0 or not any(r.after is not None for r in requests):
+        return JITTER_GRID[0]
+    misses = []
+    for jitter in JITTER_GRID:
+        out = replay(
+            setup, requests, strategy="round-robin", pinned=True, prompts=prompts, seed=1,
+            jitter_s=jitter,
+        )  # fmt: skip
+        sent: dict[str, list[float]] = {}
+        for s in out:
+            if s.pod is not None and s.sent_s >= 0:
+                sent.setdefault(s.pod, []).append(s.sent_s)
+        got = _median_gap(sent)
+        misses.append(abs(math.log(got / want)) if got > 0 else math.inf)
+    best = min(misses)
+    return next(j for j, m in zip(JITTER_GRID, misses, strict=True) if m <= best + 0.02)
+
+
 def fit_pods(
     requests: Sequence[TwinRequest],
     setup: TwinSetup,
@@ -196,13 +246,14 @@ def fit_pods(
     prompts = prompts or PromptIds(requests)
     if window_s is not None:
         requests = [r for r in requests if r.at_s <= window_s]
+    jitter = fit_jitter(requests, setup, prompts)
     pods = {p.address: p for p in setup.pods}
     start = dict(pods)
     timed: dict[str, list[TwinRequest]] = {}
     for r in requests:
         if r.measured and r.pod in pods:
             timed.setdefault(r.pod, []).append(r)
-    report = FitReport(pods=setup.pods)
+    report = FitReport(pods=setup.pods, jitter_s=jitter)
     report.unfitted = sorted(a for a in pods if len(timed.get(a, ())) < MIN_SAMPLES)
     want: dict[str, tuple[float, float | None, float]] = {}
     for address, rows in timed.items():
@@ -239,7 +290,10 @@ def fit_pods(
                 _scaled(p, scale_decode, scale_prefill, p.overhead_s) for p in pods.values()
             ),
         )
-        out = replay(trial, requests, strategy="round-robin", pinned=True, prompts=prompts)
+        out = replay(
+            trial, requests, strategy="round-robin", pinned=True, prompts=prompts, seed=1,
+            jitter_s=jitter,
+        )  # fmt: skip
         return {r.index: s for r, s in zip(requests, out, strict=True)}
 
     aims = {a: _aims(timed[a]) for a in (*want, *few)}

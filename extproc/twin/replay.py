@@ -484,12 +484,14 @@ def replay(
 
 
 def learned_latency(
-    setup: TwinSetup, requests: Sequence[TwinRequest], *, strategy: str
+    setup: TwinSetup, requests: Sequence[TwinRequest], *, strategy: str, jitter_s: float = 0.0
 ) -> LearnedModels:
     """The latency models (`predicted-latency`'s) a gateway running `strategy` has learned
-    by the end of `requests` (seed 0, arrivals as captured): where the running gateway's
-    models stand, for a replay under another rule to start from, as switching to it live
-    would."""
+    by the end of `requests` (seed 0, arrivals jittered by `jitter_s`): where the running
+    gateway's models stand, for a replay under another rule to start from, as switching to it
+    live would."""
     config = setup.config(strategy, None, 0)
-    _served, models = run_virtual(_run(setup, requests, PromptIds(requests), config))
+    _served, models = run_virtual(
+        _run(setup, requests, PromptIds(requests), config, jitter_s=jitter_s)
+    )
     return models.learned()

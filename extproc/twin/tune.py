@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from extproc.accounting.latency_model import LearnedModels
-from extproc.twin.fit import FitReport, fit_pods, pods_of
+from extproc.twin.fit import JITTER_GRID, FitReport, fit_pods, pods_of
 from extproc.twin.replay import PodProfile, Served, TwinSetup, learned_latency, replay
 from extproc.twin.trace import PromptIds, TwinRequest
 
@@ -49,14 +49,15 @@ __all__ = [
 DEFAULT_RULE = "kv-aware"
 _A = TypeVar("_A")
 _R = TypeVar("_R")
-# Arrivals move by up to this much per seed (a live rerun never repeats the exact timings):
-# about one decode step, so that a closed-loop client's next request, sent as its last answer
-# ended (at a step's end), reaches its engine at a random point of the step under way, as a
-# host's and a network's noise places it live. With 2 ms (until 2026-12-07) it came at the
-# same point every time and a saving before the engine shorter than the step's rest vanished
-# into the wait for the next (higress: session-affinity's skipped tokenizing, 3.7 ms, moved
-# the twin's TTFT p50 by 0.2 ms; 10 ms of jitter: 2 ms, 15 ms: 3 ms).
-JITTER_S = 0.015
+# Arrivals move by at least this much per seed (a live rerun never repeats the exact
+# timings), more where the fit says (`fit_jitter`: a closed loop's clients desynchronized as
+# live): about one decode step, so that a closed-loop client's next request, sent as its last
+# answer ended (at a step's end), reaches its engine at a random point of the step under way,
+# as a host's and a network's noise places it live. With 2 ms (until 2026-12-07) it came at
+# the same point every time and a saving before the engine shorter than the step's rest
+# vanished into the wait for the next (higress: session-affinity's skipped tokenizing, 3.7 ms,
+# moved the twin's TTFT p50 by 0.2 ms; 10 ms of jitter: 2 ms, 15 ms: 3 ms).
+JITTER_S = JITTER_GRID[0]
 # A rule's seeds agree when the standard error of their mean TTFT p50 is within this share of
 # their median: then a few seeds place it to a few percent; beyond, it gets more seeds.
 SETTLED = 0.05
@@ -286,6 +287,7 @@ class TuneReport:
             "reuse_ceiling": round(self.ceiling, 4),
             "fit": {
                 "rounds": self.fit.rounds,
+                "jitter_ms": round(self.fit.jitter_s * 1e3, 3),
                 "unfitted": self.fit.unfitted,
                 "speed_only": self.fit.speed_only,
                 "pods": [p.summary() for p in self.fit.pods],
@@ -326,7 +328,8 @@ class TuneReport:
             f"{self.running}; reuse ceiling {self.ceiling:.3f}; {self.seeds} seeds per rule"
             + self._more_seeds(),
             "",
-            f"pods fitted in {self.fit.rounds} rounds"
+            f"pods fitted in {self.fit.rounds} rounds, arrivals jittered by up to "
+            f"{self.fit.jitter_s * 1e3:.0f} ms"
             + (f" (no timed request, defaults kept: {', '.join(self.fit.unfitted)})"
                if self.fit.unfitted else "")
             + (f" (few timed requests, one speed: {', '.join(self.fit.speed_only)})"
@@ -396,15 +399,15 @@ class TuneReport:
 
 
 _JobArgs = tuple[
-    TwinSetup, Sequence[TwinRequest], Candidate, int, float, float, float, LearnedModels
+    TwinSetup, Sequence[TwinRequest], Candidate, int, float, float, float, LearnedModels, float
 ]
 
 
 def _job(args: _JobArgs) -> Stats:
-    setup, requests, cand, seed, duration, slo_ttft, slo_tpot, latency = args
+    setup, requests, cand, seed, duration, slo_ttft, slo_tpot, latency, jitter = args
     served = replay(
         setup, requests, strategy=cand.strategy, params=cand.params, seed=seed,
-        jitter_s=JITTER_S if seed else 0.0, latency=latency,
+        jitter_s=jitter, latency=latency,
     )  # fmt: skip
     return stats_of(served, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
 
@@ -449,9 +452,9 @@ def _runner(workers: int) -> Iterator[_Runner]:
         yield _Runner(pool)
 
 
-def _learn(args: tuple[TwinSetup, Sequence[TwinRequest], str]) -> LearnedModels:
-    setup, requests, strategy = args
-    return learned_latency(setup, requests, strategy=strategy)
+def _learn(args: tuple[TwinSetup, Sequence[TwinRequest], str, float]) -> LearnedModels:
+    setup, requests, strategy, jitter = args
+    return learned_latency(setup, requests, strategy=strategy, jitter_s=jitter)
 
 
 def tune(
@@ -498,12 +501,14 @@ def tune(
         # from every request whatever rule routes it, so a switch to `predicted-latency`
         # starts warm. (On a worker: an hour's replay would stay in this process's memory,
         # and the workers are forked from it.)
-        latency = runner.map(_learn, [(setup, requests, running)])[0]
+        jitter = max(JITTER_S, fit.jitter_s)
+        latency = runner.map(_learn, [(setup, requests, running, jitter)])[0]
         while pending:  # the first round: every rule `seeds` times; then the unsettled ones
             jobs = [
-                (setup, requests, rules[i], seed, duration, slo_ttft_s, slo_tpot_s, latency)
+                (setup, requests, rules[i], seed, duration, slo_ttft_s, slo_tpot_s, latency,
+                 jitter)
                 for i, seed in pending
-            ]
+            ]  # fmt: skip
             for (i, _seed), stats in zip(pending, runner.map(_job, jobs), strict=True):
                 per_rule[i].append(stats)
             pending = [
