@@ -532,7 +532,7 @@ def _one_run(
 
 def config_of_capture(capture: str) -> str:
     """The file name of the gateway config a capture ran under (written beside it)."""
-    return capture.removesuffix(".jsonl") + ".config.yaml"
+    return capture.removesuffix(".gz").removesuffix(".jsonl") + ".config.yaml"
 
 
 def _write_capture(

@@ -26,6 +26,11 @@ A Markdown table on stdout, the whole comparison in bench/data/twin-proof-SCENAR
 
     flock /tmp/bench.lock .venv/bin/python -m bench.twin_proof multiturn hetero --repetitions 2
     .venv/bin/python -m bench.twin_proof multiturn --skip-live bench/results/twin-proof   # (b), (c)
+    .venv/bin/python -m bench.twin_proof multiturn --skip-live bench/data/twin-captures  # any clone
+
+A live run keeps what (b) and (c) read in bench/data/twin-captures/SCENARIO/ (`--keep`; the
+capture gzipped, about 20 KB a scenario; not for a trace from elsewhere), so that the
+committed figures can be re-derived on a fresh clone without the live run.
 
 Without `extproc tune` (an older checkout) it says so and stops after (a). Only (a) loads the
 machine; (b) replays in virtual time (on `extproc tune`'s worker processes), stopped with its
@@ -36,9 +41,11 @@ not hold the bench lock.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -416,7 +423,34 @@ def run_tune(
 
 
 def read_capture(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def capture_in(out_dir: Path, rep: int) -> Path:
+    """The capture of `rep` in a scenario's results, as `bench run` wrote it or gzipped."""
+    plain = out_dir / f"capture-{CAPTURED}-rep{rep}.jsonl"
+    packed = plain.with_name(plain.name + ".gz")
+    return packed if not plain.exists() and packed.exists() else plain
+
+
+def keep_inputs(scenario: str, out_dir: Path, capture: Path, dest: Path) -> Path | None:
+    """What the tuning and the proof read (result.json, the capture gzipped, the config it
+    ran under) copied to dest/SCENARIO, so that `--skip-live dest` gives the same figures on
+    a fresh clone; None for a scenario that replays a trace from elsewhere
+    (bench/data/external/: data fetched from other repositories is not committed here)."""
+    if "data/external/" in (ROOT / "bench" / "scenarios" / f"{scenario}.yaml").read_text():
+        return None
+    into = dest / out_dir.name
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out_dir / "result.json", into / "result.json")
+    config = capture.with_name(config_of_capture(capture.name))
+    if config.exists():
+        shutil.copyfile(config, into / config.name)
+    packed = into / (capture.name.removesuffix(".gz") + ".gz")
+    data = capture.read_bytes()
+    packed.write_bytes(data if capture.suffix == ".gz" else gzip.compress(data, mtime=0))
+    return into
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,6 +479,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     p.add_argument("--tune-timeout", type=float, default=TUNE_TIMEOUT_S, help="s per extproc tune")
     p.add_argument("--data", type=Path, default=ROOT / "bench" / "data")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=ROOT / "bench" / "data" / "twin-captures",
+        help="after a live run, copy what the tuning reads here (result.json, the capture "
+        "gzipped, its config), so that --skip-live on it gives the same figures anywhere",
+    )
+    p.add_argument("--no-keep", dest="keep", action="store_const", const=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     results = args.skip_live or args.results
@@ -469,7 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"({out_dir}: result.json, capture-{CAPTURED}-repN.jsonl)"
             )
             continue
-        capture = out_dir / f"capture-{CAPTURED}-rep{args.rep}.jsonl"
+        capture = capture_in(out_dir, args.rep)
+        if args.skip_live is None and args.keep is not None:
+            kept = keep_inputs(scenario, out_dir, capture, args.keep)
+            log.info("%s: inputs kept in %s", name, kept or "(not: a trace from elsewhere)")
         tune_out = out_dir / f"tune-{CAPTURED}-rep{args.rep}.json"
         try:
             cmd, tune_s = run_tune(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gzip
 import json
 import math
 from collections import OrderedDict
@@ -323,15 +324,23 @@ def link_clients(requests: Sequence[TwinRequest]) -> list[TwinRequest]:
     ]
 
 
+def _open_text(path: Path) -> Any:
+    """A capture's lines, gunzipped where its name ends in `.gz`."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
 def load_requests(path: Path) -> list[TwinRequest]:
-    with path.open(encoding="utf-8") as f:
+    """The requests of a capture or trace file (gzipped too: `.gz`)."""
+    with _open_text(path) as f:
         return parse_requests(f, source=str(path))
 
 
 def _first_line_key(path: Path, key: str) -> object:
     """`key` of a capture's first line (where it carries `pods` and `gateway`); None when the
     line is not a JSON object or has no such key."""
-    with path.open(encoding="utf-8") as f:
+    with _open_text(path) as f:
         first = next((line for line in f if line.strip()), "")
     try:
         row = json.loads(first) if first else {}

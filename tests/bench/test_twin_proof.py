@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from bench.twin_proof import captured_ttft, markdown, prove
+from bench.twin_proof import (
+    capture_in,
+    captured_ttft,
+    keep_inputs,
+    markdown,
+    prove,
+    read_capture,
+)
 
 FIXTURE = Path(__file__).with_name("twin_tune_fixture.json")
 
@@ -163,3 +170,24 @@ def test_the_markdown_names_every_rule_and_the_three_verdicts() -> None:
     assert "rules within 15%: 3 of 4 at p50 and p90, 3 of 4 at p50" in text
     assert "the twin recommends `kv-aware`, live 50 ms; live best `kv-aware` 50 ms" in text
     assert "replay of `kv-aware` against the capture (10 TTFTs): p50 52 / 50 ms (1.04)" in text
+
+
+def test_a_live_runs_inputs_are_kept_so_a_fresh_clone_tunes_the_same(tmp_path: Path) -> None:
+    # What (b) and (c) read, kept beside the committed figures: the capture gzipped, its
+    # config and result.json; `--skip-live` on the kept directory finds the same capture.
+    run = tmp_path / "results" / "multiturn"
+    run.mkdir(parents=True)
+    capture = run / "capture-kv-aware-rep0.jsonl"
+    capture.write_text("".join(json.dumps(row) + "\n" for row in _capture([40.0, 55.5])))
+    (run / "capture-kv-aware-rep0.config.yaml").write_text("routing: {}\n")
+    (run / "result.json").write_text(json.dumps(_result(LIVE)))
+    kept = keep_inputs("multiturn", run, capture_in(run, 0), tmp_path / "kept")
+    assert kept is not None
+    again = capture_in(kept, 0)
+    assert again.name == "capture-kv-aware-rep0.jsonl.gz"
+    assert read_capture(again) == read_capture(capture)
+    assert (kept / "capture-kv-aware-rep0.config.yaml").read_text() == "routing: {}\n"
+    assert json.loads((kept / "result.json").read_text()) == _result(LIVE)
+    assert again.read_bytes()[:2] == b"\x1f\x8b"  # gzipped
+    # A trace from another repository (bench/data/external/) stays out of the commits.
+    assert keep_inputs("mooncake", run, capture, tmp_path / "kept") is None

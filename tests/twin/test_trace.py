@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -100,6 +101,10 @@ def test_the_pods_cache_config_on_the_first_line_sizes_their_engines(tmp_path: P
     plain = tmp_path / "plain.jsonl"
     plain.write_text(_line() + "\n")
     assert load_pod_facts(plain) == {}
+    packed = tmp_path / "cap.jsonl.gz"  # a gzipped capture reads the same
+    packed.write_bytes(gzip.compress(cap.read_bytes()))
+    assert load_pod_facts(packed) == facts
+    assert load_requests(packed) == load_requests(cap)
 
 
 def test_a_next_turn_continues_its_last_turn_prompt_and_answer() -> None:
