@@ -79,6 +79,13 @@ _FASTEST = 0.1
 # pairs 48 apart); at most _MAX_PAIRED requests a pod (a sample spread over its uncached
 # counts), so a long capture costs O(_MAX_PAIRED^2) a pod, not O(n^2).
 _MAX_PAIRED = 600
+# A pod's slope is read only where the capture pins it down: resampled `_RESAMPLES` times,
+# its log spreads by at most this much (a factor of 1.65 either way at one standard
+# deviation). On the bench's captures of 2026-12-07 (eight scenarios, 31 pods) the slopes
+# that spread by 0.01-0.26 read 0.97-1.5x their engines' prefill cost; of the five that
+# spread by 0.47-0.89, one read 3.9x (tenants), the others 0.72-1.27x on 60-75 requests.
+_RESAMPLES = 60
+_SLOPE_SPREAD = 0.45
 # The arrivals' jitter a replay gives every request (uniform in [0, J)), the one of these
 # whose pinned replay spaces each pod's arrivals as the capture did (median gap): a
 # closed-loop client sends as its last answer ends, and without noise the twin's answers
@@ -165,6 +172,23 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
         return None
     slope = float(np.median((y[None, :] - y[:, None])[apart] / dx[apart]))
     return slope if slope > 0 else None
+
+
+def _pinned_down(points: Sequence[tuple[float, float]]) -> bool:
+    """Whether the capture pins a pod's slope down: over `_RESAMPLES` resamples of its
+    requests (with replacement, seeded), the slope exists in most and its log spreads by at
+    most `_SLOPE_SPREAD` (standard deviation). Uncached counts that vary by 60 tokens leave
+    it to a handful of requests: hetero's fast pods (40 us a token) read 16-66 us and 9-66 us
+    between their resamples' tenth and ninetieth percentiles (2026-12-07), and the fit priced
+    them at 33 and 26. A slope not pinned down is not read: the pod's prefill then moves with
+    its decode as on the pods whose slope is."""
+    if _slope(points) is None:
+        return False
+    rng = np.random.default_rng(0)
+    n = len(points)
+    slopes = [_slope([points[i] for i in rng.integers(0, n, n)]) for _ in range(_RESAMPLES)]
+    read = [math.log(s) for s in slopes if s is not None]
+    return len(read) > _RESAMPLES // 2 and float(np.std(read)) <= _SLOPE_SPREAD
 
 
 def _targets(
@@ -267,7 +291,8 @@ def fit_pods(
             if r.ttft_s is not None and r.cached_tokens is not None
         ]
         if len(ttfts) >= MIN_SAMPLES:
-            want[address] = (statistics.median(tpots), _slope(points), statistics.median(ttfts))
+            slope = _slope(points) if _pinned_down(points) else None
+            want[address] = (statistics.median(tpots), slope, statistics.median(ttfts))
     # A pod with a few timed requests only (a rule that avoided it): one speed for all its
     # costs, from the median time per token (else the median TTFT), and the path's cost of
     # the others: a pod a rule shunned is usually a slow one, and the defaults would say fast.
