@@ -83,7 +83,7 @@ _MAX_PAIRED = 600
 # its log spreads by at most this much (a factor of 1.65 either way at one standard
 # deviation). On the bench's captures of 2026-12-07 (eight scenarios, 31 pods) the slopes
 # that spread by 0.01-0.26 read 0.97-1.5x their engines' prefill cost; of the five that
-# spread by 0.47-0.89, one read 3.9x (tenants), the others 0.72-1.27x on 60-75 requests.
+# spread by 0.47-0.89 (28-118 requests each), one read 3.9x (tenants), the others 0.72-1.27x.
 _RESAMPLES = 60
 _SLOPE_SPREAD = 0.45
 # The arrivals' jitter a replay gives every request (uniform in [0, J)), the one of these
