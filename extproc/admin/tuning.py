@@ -189,6 +189,7 @@ _REPORT = _record(
         "fit": _record(
             {
                 "rounds": _count,
+                "jitter_ms": _number,
                 "unfitted": _list(_text()),
                 "speed_only": _list(_text()),
                 "pods": _list(_mapping(_scalar, 64)),

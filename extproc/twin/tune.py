@@ -501,7 +501,7 @@ def tune(
         # from every request whatever rule routes it, so a switch to `predicted-latency`
         # starts warm. (On a worker: an hour's replay would stay in this process's memory,
         # and the workers are forked from it.)
-        jitter = max(JITTER_S, fit.jitter_s)
+        jitter = fit.jitter_s  # at least JITTER_S: the least of the grid
         latency = runner.map(_learn, [(setup, requests, running, jitter)])[0]
         while pending:  # the first round: every rule `seeds` times; then the unsettled ones
             jobs = [

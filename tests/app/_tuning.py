@@ -51,6 +51,7 @@ def tuning_report() -> dict[str, Any]:
         "reuse_ceiling": 0.8125,
         "fit": {
             "rounds": 3,
+            "jitter_ms": 15.0,
             "unfitted": [],
             "speed_only": [],
             "pods": [
