@@ -65,7 +65,9 @@ def test_a_withdrawn_process_gets_no_new_stream_and_a_readmitted_one_gets_them_a
             listed = json.loads(eds_path(stack.workdir / "eds", name).read_text())
             (assignment,) = listed["resources"]
             assert assignment["cluster_name"] == name
-        assert _hosts(stack) == {c: ports for c in clusters}
+        # Both, once Envoy's first health check of each has passed (a host EDS lists waits for
+        # it; read at once, one of the two was still pending in a fresh-clone CI, 2026-12-07).
+        assert wait_for(lambda: _hosts(stack) == {c: ports for c in clusters})
 
         stack.withdraw("extproc-0")
         assert wait_for(lambda: _hosts(stack) == {c: {opts.grpc_port + 1} for c in clusters})
