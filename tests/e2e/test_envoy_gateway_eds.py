@@ -65,9 +65,18 @@ def test_a_withdrawn_process_gets_no_new_stream_and_a_readmitted_one_gets_them_a
             listed = json.loads(eds_path(stack.workdir / "eds", name).read_text())
             (assignment,) = listed["resources"]
             assert assignment["cluster_name"] == name
-        # Both, once Envoy's first health check of each has passed (a host EDS lists waits for
-        # it; read at once, one of the two was still pending in a fresh-clone CI, 2026-12-07).
-        assert wait_for(lambda: _hosts(stack) == {c: ports for c in clusters})
+
+        # Both, once a health check of each has passed. A host EDS lists waits for its first;
+        # one that fails it (a process still starting, under a loaded CI) is checked again
+        # only after Envoy's no-traffic interval (60 s) while its cluster carries no traffic,
+        # so traffic is sent meanwhile (the 3 s interval then applies), as a cluster's would.
+        # (Read at once, and then after 10 s idle, one was not yet in: fresh-clone CI,
+        # 2026-12-07.)
+        def both() -> bool:
+            _send(stack, 1)
+            return _hosts(stack) == {c: ports for c in clusters}
+
+        assert wait_for(both, timeout=30, interval=0.5)
 
         stack.withdraw("extproc-0")
         assert wait_for(lambda: _hosts(stack) == {c: {opts.grpc_port + 1} for c in clusters})
