@@ -138,16 +138,26 @@ def test_a_fit_never_leaves_the_pods_further_from_the_capture_than_it_found_them
 def test_a_slope_the_capture_does_not_pin_down_is_not_read() -> None:
     # Uncached counts that vary by 60-odd tokens over 40 requests a pod, and every answer
     # waited up to 30 ms more than its engine explains (a busy host): the TTFTs' slope over
-    # uncached tokens is then a handful of requests' luck (hetero, 2026-12-07: two pods of one engine,
-    # 40 us a token, fitted at 33 and 26). Not read, each pod's prefill moves with its decode:
-    # one pod twice as slow at both is fitted at twice the prefill cost, the other at one.
-    rng = random.Random(5)
+    # uncached tokens is then a handful of requests' luck (hetero, 2026-12-07: two pods of
+    # one engine, 40 us a token, fitted at 33 and 26). Not read, each pod's prefill moves with
+    # its decode: one pod twice as slow at both is fitted at twice the prefill cost.
+    _assert_prefill_follows_decode(
+        _older_gpu_fitted(random.Random(5), 80, per_s=3.0, spread=200, noise_s=0.03)
+    )
+
+
+def _older_gpu_fitted(
+    rng: random.Random, n: int, *, per_s: float, spread: int, noise_s: float = 0.0
+) -> dict[str, StepTimeModel]:
+    """The fitted steps of two pods, one default and one twice as slow at everything (an
+    older GPU), from `n` requests sent round-robin, `per_s` a second, with prompts of
+    1000 tokens plus up to `spread`, each captured TTFT up to `noise_s` late."""
     traffic = [
         TwinRequest(
-            index=i, at_s=i / 3.0, input_length=1000 + rng.randrange(200),
+            index=i, at_s=i / per_s, input_length=1000 + rng.randrange(spread),
             output_length=rng.randrange(20, 120), hash_ids=(10 * i, 10 * i + 1), model="m",
         )
-        for i in range(80)
+        for i in range(n)
     ]  # fmt: skip
     older = dataclasses.replace(
         BASE, overhead_s=2 * BASE.overhead_s, weights_read_s=2 * BASE.weights_read_s,
@@ -159,12 +169,16 @@ def test_a_slope_the_capture_does_not_pin_down_is_not_read() -> None:
         PodProfile("10.0.0.2:8000", "m", overhead_s=PATH_S, step=older),
     )
     served = replay(TwinSetup(pods=truth, default_model="m"), traffic, strategy="round-robin")
-    capture = [
-        dataclasses.replace(r, ttft_s=r.ttft_s + rng.uniform(0.0, 0.03))
-        for r in _captured(traffic, served, "round-robin")
-    ]
+    capture = _captured(traffic, served, "round-robin")
+    if noise_s:
+        capture = [
+            dataclasses.replace(r, ttft_s=r.ttft_s + rng.uniform(0.0, noise_s)) for r in capture
+        ]
     report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
-    fitted = {p.address: p.step for p in report.pods}
+    return {p.address: p.step for p in report.pods}
+
+
+def _assert_prefill_follows_decode(fitted: dict[str, StepTimeModel]) -> None:
     assert fitted["10.0.0.2:8000"].prefill_per_token_s == pytest.approx(
         2 * BASE.prefill_per_token_s, rel=0.2
     )
@@ -301,30 +315,4 @@ def test_where_prompts_hardly_vary_prefill_moves_with_decode() -> None:
     # prefill costs, and the spread of the TTFTs (read instead until 2026-12-07) is queueing
     # and noise: on higress's capture it priced a pod's prefill at 2.8x its engine's. A pod
     # twice as slow at decode (an older GPU) is taken as twice as slow at prefill too.
-    rng = random.Random(3)
-    traffic = [
-        TwinRequest(
-            index=i, at_s=i / 6.0, input_length=1000 + rng.randrange(40),
-            output_length=rng.randrange(20, 120), hash_ids=(10 * i, 10 * i + 1), model="m",
-        )
-        for i in range(240)
-    ]  # fmt: skip
-    older = dataclasses.replace(
-        BASE, overhead_s=2 * BASE.overhead_s, weights_read_s=2 * BASE.weights_read_s,
-        kv_read_per_token_s=2 * BASE.kv_read_per_token_s,
-        prefill_per_token_s=2 * BASE.prefill_per_token_s,
-    )  # fmt: skip
-    truth = (
-        PodProfile("10.0.0.1:8000", "m", overhead_s=PATH_S),
-        PodProfile("10.0.0.2:8000", "m", overhead_s=PATH_S, step=older),
-    )
-    served = replay(TwinSetup(pods=truth, default_model="m"), traffic, strategy="round-robin")
-    capture = _captured(traffic, served, "round-robin")
-    report = fit_pods(capture, TwinSetup(pods=pods_of(capture, "m"), default_model="m"))
-    fitted = {p.address: p.step for p in report.pods}
-    assert fitted["10.0.0.2:8000"].prefill_per_token_s == pytest.approx(
-        2 * BASE.prefill_per_token_s, rel=0.2
-    )
-    assert fitted["10.0.0.1:8000"].prefill_per_token_s == pytest.approx(
-        BASE.prefill_per_token_s, rel=0.2
-    )
+    _assert_prefill_follows_decode(_older_gpu_fitted(random.Random(3), 240, per_s=6.0, spread=40))
