@@ -174,21 +174,23 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
     return slope if slope > 0 else None
 
 
-def _pinned_down(points: Sequence[tuple[float, float]]) -> bool:
-    """Whether the capture pins a pod's slope down: over `_RESAMPLES` resamples of its
+def _read_slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """A pod's slope (`_slope`) where the capture pins it down, else None: over `_RESAMPLES` resamples of its
     requests (with replacement, seeded), the slope exists in most and its log spreads by at
     most `_SLOPE_SPREAD` (standard deviation). Uncached counts that vary by 60 tokens leave
     it to a handful of requests: hetero's fast pods (40 us a token) read 16-66 us and 9-66 us
     between their resamples' tenth and ninetieth percentiles (2026-12-07), and the fit priced
     them at 33 and 26. A slope not pinned down is not read: the pod's prefill then moves with
     its decode as on the pods whose slope is."""
-    if _slope(points) is None:
-        return False
+    slope = _slope(points)
+    if slope is None:
+        return None
     rng = np.random.default_rng(0)
     n = len(points)
     slopes = [_slope([points[i] for i in rng.integers(0, n, n)]) for _ in range(_RESAMPLES)]
     read = [math.log(s) for s in slopes if s is not None]
-    return len(read) > _RESAMPLES // 2 and float(np.std(read)) <= _SLOPE_SPREAD
+    pinned = len(read) > _RESAMPLES // 2 and float(np.std(read)) <= _SLOPE_SPREAD
+    return slope if pinned else None
 
 
 def _targets(
@@ -291,8 +293,11 @@ def fit_pods(
             if r.ttft_s is not None and r.cached_tokens is not None
         ]
         if len(ttfts) >= MIN_SAMPLES:
-            slope = _slope(points) if _pinned_down(points) else None
-            want[address] = (statistics.median(tpots), slope, statistics.median(ttfts))
+            want[address] = (
+                statistics.median(tpots),
+                _read_slope(points),
+                statistics.median(ttfts),
+            )
     # A pod with a few timed requests only (a rule that avoided it): one speed for all its
     # costs, from the median time per token (else the median TTFT), and the path's cost of
     # the others: a pod a rule shunned is usually a slow one, and the defaults would say fast.
