@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench.twin_proof import (
+    add_repetitions,
     capture_in,
     captured_ttft,
     keep_inputs,
@@ -191,3 +192,35 @@ def test_a_live_runs_inputs_are_kept_so_a_fresh_clone_tunes_the_same(tmp_path: P
     assert again.read_bytes()[:2] == b"\x1f\x8b"  # gzipped
     # A trace from another repository (bench/data/external/) stays out of the commits.
     assert keep_inputs("mooncake", run, capture, tmp_path / "kept") is None
+
+
+def test_more_live_repetitions_join_the_matrix_the_twin_is_judged_against() -> None:
+    # A later run of the same rules (no capture) becomes repetitions 2 and 3: the live medians,
+    # ranges and the summary cover all four; the capture tuned is untouched.
+    def run(table: dict[str, dict[str, list[float]]], started: int) -> dict[str, Any]:
+        result = _result(table)
+        return result | {
+            "started_unix": started,
+            "runs": [r | {"errors": 0} for r in result["runs"]],
+        }
+
+    first = run(LIVE, 100)
+    later = {
+        "kv-aware": {"ttft_p50_ms": [70, 80], "ttft_p90_ms": [150, 160], "cache_hit_rate": [0.7, 0.7]},
+        "least-request": {"ttft_p50_ms": [77, 79], "ttft_p90_ms": [171, 175], "cache_hit_rate": [0.3, 0.3]},
+    }  # fmt: skip
+    merged = add_repetitions(first, run(later, 200))
+    reps = sorted(r["rep"] for r in merged["runs"] if r["variant"] == "kv-aware")
+    assert reps == [0, 1, 2, 3]
+    assert merged["merged_from"] == [100, 200]
+    summary = {row["variant"]: row for row in merged["summary"]}
+    assert summary["kv-aware"]["reps"] == 4 and summary["kv-aware"]["ttft_p50_ms"] == 61
+    assert summary["prefix-cache"]["reps"] == 2  # not run again
+    proof = prove(json.loads(FIXTURE.read_text()), merged, _capture([50.0] * 10))
+    rows = {r.name: r for r in proof.rules}
+    assert rows["kv-aware"].live["ttft_p50_ms"] == 61  # median of 48, 52, 70, 80
+    assert rows["kv-aware"].live_range["ttft_p50_ms"] == (48, 80)
+    assert first == run(LIVE, 100)  # the input is not changed
+    again = add_repetitions(merged, run(later, 300))
+    assert again["merged_from"] == [100, 200, 300]
+    assert max(r["rep"] for r in again["runs"]) == 5
