@@ -69,6 +69,7 @@ __all__ = [
     "captured_ttft",
     "main",
     "markdown",
+    "objective",
     "prove",
 ]
 
@@ -118,7 +119,7 @@ class Pick:
     best: str
     best_live: float
     ratio: float | None
-    noise_ms: float
+    noise_ms: float  # in the metric's unit (ms; the objective's: none)
     verdict: str  # yes | within noise | no | not run live
 
 
@@ -137,6 +138,9 @@ class Proof:
     running: str | None
     replay: dict[str, Any]  # the twin's running rule against the capture's own TTFTs
     fidelity: Any
+    # The pick judged by what the twin minimizes (`objective`): no single rule can be the
+    # live best at p50 and at p90 where two rules share those, and the twin picks by both.
+    objective: Pick | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,6 +176,61 @@ def captured_ttft(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | None]
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p90_ms": percentile(ttft, 90),
     }
+
+
+def objective(
+    runs: Sequence[Mapping[str, Any]], load: str, variant: str, running: str
+) -> list[float]:
+    """What the twin minimizes (`extproc.twin.tune`'s score), per live repetition of `variant`:
+    the mean of its TTFT p50 and p90, each relative to the running rule's live median."""
+    base = {m: _values(runs, load, running, m) for m in METRICS}
+    if not all(base.values()):
+        return []
+    median = {m: statistics.median(v) for m, v in base.items()}
+    return [
+        statistics.fmean(float(r[m]) / median[m] for m in METRICS)
+        for r in runs
+        if r.get("load") == load
+        and r.get("variant") == variant
+        and all(_num(r.get(m)) is not None for m in METRICS)
+    ]
+
+
+def _judge_objective(
+    runs: Sequence[Mapping[str, Any]],
+    load: str,
+    recommended: str,
+    rec_variant: str | None,
+    running_variant: str | None,
+    variants: Sequence[str],
+    best_tolerance: float,
+) -> Pick | None:
+    """The recommendation against the live best by the twin's objective: within
+    `best_tolerance`, else within the wider spread of the two rules' repetitions (unless
+    behind in every one), else no."""
+    if running_variant is None:
+        return None
+    scores = {v: s for v in variants if (s := objective(runs, load, v, running_variant))}
+    if not scores:
+        return None
+    medians = {v: statistics.median(s) for v, s in scores.items()}
+    top = min(medians, key=lambda v: medians[v])
+    if rec_variant is None or rec_variant not in scores:
+        return Pick("objective", recommended, None, top, medians[top], None, 0.0, "not run live")
+    mine, theirs = medians[rec_variant], medians[top]
+    spread = max(max(s) - min(s) for s in (scores[rec_variant], scores[top]))
+    if min(scores[rec_variant]) > max(scores[top]):
+        spread = 0.0
+    if mine <= (1 + best_tolerance) * theirs:
+        verdict = "yes"
+    elif mine - theirs <= spread:
+        verdict = "within noise"
+    else:
+        verdict = "no"
+    return Pick(
+        "objective", recommended, round(mine, 4), top, round(theirs, 4), _ratio(mine, theirs),
+        round(spread, 4), verdict,
+    )  # fmt: skip
 
 
 def _variant_of(rule: Mapping[str, Any], variants: Mapping[str, str | None]) -> str | None:
@@ -265,6 +324,12 @@ def prove(
     running = tune.get("running")
     running = str(running) if running is not None else None
     twin_running = next((r for r in rows if r.name == running), None)
+    by_objective = None
+    if recommended is not None:
+        by_objective = _judge_objective(
+            runs, load, recommended, rec_variant, twin_running.variant if twin_running else None,
+            sorted(matched), best_tolerance,
+        )  # fmt: skip
     captured = captured_ttft(capture)
     replay: dict[str, Any] = {"captured": captured}
     if twin_running is not None:
@@ -286,6 +351,7 @@ def prove(
         running=running,
         replay=replay,
         fidelity=tune.get("fidelity"),
+        objective=by_objective,
     )
 
 
@@ -334,6 +400,13 @@ def markdown(proof: Proof) -> str:
             f"- {p.metric}: the twin recommends `{p.recommended}`, live {_ms(p.recommended_live)} ms;"
             f" live best `{p.best}` {_ms(p.best_live)} ms (ratio {_r(p.ratio)}, noise "
             f"{p.noise_ms:.0f} ms): {p.verdict}"
+        )
+    if (o := proof.objective) is not None:
+        mine = "-" if o.recommended_live is None else f"{o.recommended_live:.2f}"
+        lines.append(
+            f"- by the twin's objective (the mean of p50 and p90, each against the running "
+            f"rule's live median): `{o.recommended}` live {mine}; live best `{o.best}` "
+            f"{o.best_live:.2f} (ratio {_r(o.ratio)}, spread {o.noise_ms:.2f}): {o.verdict}"
         )
     rp = proof.replay
     cap = rp["captured"]

@@ -134,6 +134,37 @@ def test_the_recommended_rule_is_within_5_percent_of_the_live_best_or_inside_the
     assert (pick.best, pick.verdict, pick.noise_ms) == ("b", want, noise)
 
 
+@pytest.mark.parametrize(
+    ("recommended", "a_p50", "b_p90", "want"),
+    [
+        # a (running) is behind b at p50 by 25 %, ahead at p90: b scores (0.8 + 1.3) / 2 =
+        # 1.05 against a's 1.0, so a, the best by the objective, is a "yes" there
+        ("a", [100, 100], [260, 260], ("a", "yes", 1.0)),
+        # b recommended: 1.05 of the best, within 5 %
+        ("b", [100, 100], [260, 260], ("a", "yes", 1.05)),
+        # b at (0.8 + 1.5) / 2 = 1.15, behind in every repetition
+        ("b", [100, 100], [300, 300], ("a", "no", 1.15)),
+        # b's repetitions spread (1.05 and 1.25, a's 0.95 and 1.05): 1.15 against 1.0 is inside
+        ("b", [90, 110], [260, 340], ("a", "within noise", 1.15)),
+        # the same spread, but b behind in every repetition (a's at 1.0): no
+        ("b", [100, 100], [260, 340], ("a", "no", 1.15)),
+    ],
+)
+def test_the_pick_is_also_judged_by_what_the_twin_minimizes(
+    recommended: str, a_p50: list[float], b_p90: list[float], want: tuple[str, str, float]
+) -> None:
+    table = {
+        "a": {"ttft_p50_ms": a_p50, "ttft_p90_ms": [200, 200]},
+        "b": {"ttft_p50_ms": [80, 80], "ttft_p90_ms": b_p90},
+    }
+    proof = prove(_pick_tune(recommended), _result(table), [])
+    by_metric = {p.metric: (p.best, p.verdict) for p in proof.picks}
+    assert by_metric["ttft_p50_ms"] == ("b", "yes" if recommended == "b" else "no")
+    o = proof.objective
+    assert o is not None and (o.best, o.verdict, o.ratio) == want
+    assert f"live best `a` 1.00 (ratio {want[2]:.2f}" in markdown(proof)
+
+
 def test_the_twins_own_word_on_its_margin_is_kept_and_shown() -> None:
     tune = _pick_tune("b")
     tune["best"] = {"name": "b", "beyond_noise": False}
