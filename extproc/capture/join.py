@@ -13,9 +13,10 @@ without a decision (that process was not reached, or its half aged out) has no b
 leading ids meaning a shared prefix. A block's id comes from the prompt's chained hash, so two
 requests share an id exactly when their prompts agree up to that block's last full routing
 block (a partial block of fewer tokens than the routing's block size is not hashed: it gets an
-id of its own). `fine_ids` say the same per `fine_tokens` (64) tokens, in an id space of their
-own: what `extproc tune` replays (a conversation's next turn shares its previous prompt up to
-the last 64-token boundary, where `hash_ids` would show only whole 512-token windows). The
+id of its own). `fine_ids` say the same per `fine_tokens` (16: a routing block) tokens, in an
+id space of their own: what `extproc tune` replays (a conversation's next turn shares its
+previous prompt up to the block where they part, where `hash_ids` would show only whole
+512-token windows). The
 first line also carries `pods`: each scraped pod's model, block size and number of KV blocks,
 as its engine publishes them; and `gateway`: the settings of the gateway's config that a replay
 runs it under (flow control, saturation, KV events, polling, the rules' parameters). Where the

@@ -3,8 +3,9 @@
 Each ring holds at most `max_records` halves and none older than `max_age_s`: appending past
 the size drops the oldest, and the old are dropped on every append and every export. Memory
 per record (ids distinct per record, as real ones are; tests/capture/test_store.py measures
-it): a `DecisionHalf` about 0.5 KB plus 8 bytes per 64 prompt tokens (its window hashes), an
-`OutcomeHalf` about 0.5 KB; the default 20,000 of each with 8k-token prompts is about 20 MB.
+it): a `DecisionHalf` about 0.5 KB plus 8 bytes per 16 prompt tokens (its window hashes), an
+`OutcomeHalf` about 0.5 KB; the default 20,000 of each with 8k-token prompts is about 100 MB
+(lower `max_records` for long prompts).
 Appends are O(1) and never block.
 """
 

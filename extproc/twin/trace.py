@@ -6,10 +6,11 @@ what the gateway saw of it (model, route, tenant / session / user hashes, priori
 that served it, its TTFT and TPOT, its cached tokens). A plain Mooncake line has only the four
 keys: its requests go to the twin's default model and nothing is known of how they fared.
 
-A capture's lines also carry `fine_ids`, the same per `fine_tokens` (64) tokens: the twin
-replays those when present (a conversation's next turn then shares its last prompt up to the
-last 64-token boundary; at 512 it would share only whole windows, and most of a multi-turn
-conversation's reuse would be lost).
+A capture's lines also carry `fine_ids`, the same per `fine_tokens` tokens (16, a routing
+block; 64 in captures before 2026-12-07): the twin replays those when present (a
+conversation's next turn then shares its last prompt up to the block where they part; at 512
+it would share only whole windows, and most of a multi-turn conversation's reuse would be
+lost).
 
 A replay needs token ids, never text: every window id becomes its window's token ids drawn by
 a generator seeded with the id, so equal ids give equal tokens and a prompt's ids are its

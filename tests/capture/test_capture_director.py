@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from bench.traces import parse_trace
-from extproc.capture import Capture, merge
+from extproc.capture import FINE_TOKENS, Capture, merge
 from extproc.director.api import RequestHead, RouteResult
 from extproc.types import TokenUsage
 from tests._director import DirectorKit, build_director, config_text
@@ -214,12 +214,12 @@ async def test_a_half_alone_is_still_a_line_and_since_cuts_by_arrival(
     assert merge([ea, eb], since=late).lines == []
 
 
-async def test_a_next_turn_shares_its_last_prompt_up_to_the_last_64_token_window(
+async def test_a_next_turn_shares_its_last_prompt_up_to_the_block_where_they_part(
     processes: tuple[DirectorKit, DirectorKit],
 ) -> None:
     """A conversation's second turn resends the first: the 512-token `hash_ids` share only
-    whole windows, the `fine_ids` (what the twin replays) share every 64-token window the two
-    prompts agree on."""
+    whole windows, the `fine_ids` (what the twin replays) share every `FINE_TOKENS`-token
+    window (a routing block) the two prompts agree on."""
     a, b = processes
     system = "Answer briefly and cite sources. " * 135  # about 800 tokens
     first = await route(a, "t1", "What is a pelican?", system=system)
@@ -227,15 +227,15 @@ async def test_a_next_turn_shares_its_last_prompt_up_to_the_last_64_token_window
     for kit, res, rid in ((b, first, "t1"), (a, second, "t2")):
         account(kit, res, rid, TokenUsage(800, 5, 0))
     one, two = merge(await exports(a, b)).lines
-    assert one["fine_tokens"] == two["fine_tokens"] == 64
-    assert len(one["fine_ids"]) == -(-one["input_length"] // 64)
-    assert len(two["fine_ids"]) == -(-two["input_length"] // 64)
+    assert one["fine_tokens"] == two["fine_tokens"] == FINE_TOKENS == 16
+    assert len(one["fine_ids"]) == -(-one["input_length"] // 16)
+    assert len(two["fine_ids"]) == -(-two["input_length"] // 16)
     shared = 0
     while one["fine_ids"][shared] == two["fine_ids"][shared]:
         shared += 1
-    # Every whole 64-token window before the first prompt's last one is shared: past the
-    # 512-token window boundary, which hash_ids cannot show.
-    assert shared * 64 > 512 and shared >= len(one["fine_ids"]) - 2
+    # Every window before the block where the two part is shared: past the 512-token window
+    # boundary, which hash_ids cannot show, to within a block of the first prompt's end.
+    assert shared * 16 > 512 and shared >= len(one["fine_ids"]) - 2
     assert one["hash_ids"][0] == two["hash_ids"][0] and one["hash_ids"][1] != two["hash_ids"][1]
 
 

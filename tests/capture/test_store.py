@@ -101,7 +101,7 @@ async def test_export_since_keeps_requests_that_arrived_then_or_later() -> None:
 
 def test_memory_per_record_is_what_the_docs_say() -> None:
     """extproc/capture/store.py and docs/operations.md: about 0.5 KB per decision plus 8 bytes
-    per 64 prompt tokens (FINE_TOKENS), about 0.5 KB per outcome (ids as 16-hex strings,
+    per 16 prompt tokens (FINE_TOKENS), about 0.5 KB per outcome (ids as 16-hex strings,
     distinct per record, as real ones are)."""
     clock = ManualClock()
     s = store(clock, max_records=2000)
@@ -138,7 +138,9 @@ def test_memory_per_record_is_what_the_docs_say() -> None:
         (1024, 16, (31, 63)),
         (520, 16, (31, NO_BLOCK)),  # the 8-token tail holds no full block
         (100, 16, (5,)),
-        (1000, 600, (NO_BLOCK, 0)),  # a block larger than a window ends in the second
+        # a block larger than a window: the first window's end is inside it, the second's
+        # tail is not a full block, and the block ends inside it
+        (1000, 600, (0, 0)),
     ],
 )
 def test_one_chained_hash_per_512_token_window(
@@ -148,6 +150,24 @@ def test_one_chained_hash_per_512_token_window(
     windows = prefix_windows(hashes, block, tokens)
     assert len(windows) == -(-tokens // WINDOW_TOKENS)
     assert windows == want
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block", "want"),
+    [
+        # the capture's own windows at the usual block size: one per block, then the tail
+        (40, 16, (0, 1, NO_BLOCK)),
+        # blocks of 64: each window names the block holding its end, so two prompts that share
+        # one block share its four windows, and no more
+        (128, 64, (0, 0, 0, 0, 1, 1, 1, 1)),
+        (100, 64, (0, 0, 0, 0, NO_BLOCK, NO_BLOCK, NO_BLOCK)),  # the tail (64-99): no block
+    ],
+)
+def test_the_captures_windows_follow_the_routing_blocks(
+    tokens: int, block: int, want: tuple[int, ...]
+) -> None:
+    hashes = list(range(tokens // block))
+    assert prefix_windows(hashes, block, tokens, FINE_TOKENS) == want
 
 
 def test_no_hashes_computed_means_no_windows() -> None:
