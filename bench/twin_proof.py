@@ -107,6 +107,11 @@ class RuleRow:
     ratio: dict[str, float | None]  # twin / live
     within: bool | None  # every metric within the tolerance (None: nothing to compare)
     p50_within: bool | None  # the p50 alone (issue 37's bar for other rules than the captured)
+    # The twin's p50 within the tolerance of the live repetitions' range (from the lowest
+    # less 15 % to the highest plus 15 %): a miss of the median that the live runs' own spread
+    # covers, where a rule's repetitions disagree by more than the bar (kvwins'
+    # `predicted-latency`, 2026-12-07: 122-344 ms in three runs). Context, not the bar.
+    p50_in_spread: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +159,11 @@ class Proof:
     def rules_within_p50(self) -> tuple[int, int]:
         judged = [r for r in self.rules if r.p50_within is not None]
         return sum(1 for r in judged if r.p50_within), len(judged)
+
+    @property
+    def rules_in_spread_p50(self) -> tuple[int, int]:
+        judged = [r for r in self.rules if r.p50_in_spread is not None]
+        return sum(1 for r in judged if r.p50_in_spread), len(judged)
 
 
 def _num(value: Any) -> float | None:
@@ -280,6 +290,10 @@ def prove(
         judged = [r for r in ratio.values() if r is not None]
         within = all(abs(r - 1) <= tolerance for r in judged) if judged else None
         p50 = ratio["ttft_p50_ms"]
+        span, mine = spans["ttft_p50_ms"], twin["ttft_p50_ms"]
+        in_spread = None
+        if span is not None and mine is not None:
+            in_spread = span[0] * (1 - tolerance) <= mine <= span[1] * (1 + tolerance)
         rows.append(
             RuleRow(
                 name=str(rule.get("name")),
@@ -290,6 +304,7 @@ def prove(
                 ratio=ratio,
                 within=within,
                 p50_within=None if p50 is None else abs(p50 - 1) <= tolerance,
+                p50_in_spread=in_spread,
             )
         )
 
@@ -389,7 +404,12 @@ def markdown(proof: Proof) -> str:
         )
     n, total = proof.rules_within
     n50, total50 = proof.rules_within_p50
-    lines += ["", f"- rules within {pct}: {n} of {total} at p50 and p90, {n50} of {total50} at p50"]
+    spread, judged = proof.rules_in_spread_p50
+    lines += [
+        "",
+        f"- rules within {pct}: {n} of {total} at p50 and p90, {n50} of {total50} at p50; "
+        f"{spread} of {judged} at p50 within {pct} of the live repetitions' range",
+    ]
     if proof.beyond_noise is False and proof.recommended != proof.running:
         lines.append(
             f"- the twin's best `{proof.recommended}` is within its seeds' spread of "

@@ -87,7 +87,28 @@ def test_a_rule_within_at_p50_but_not_at_p90_counts_at_p50_alone() -> None:
     assert row.p50_within is True and row.within is False
     assert proof.rules_within == (2, 4)
     assert proof.rules_within_p50 == (3, 4)  # least-request is out at p50 too
-    assert "rules within 15%: 2 of 4 at p50 and p90, 3 of 4 at p50" in markdown(proof)
+    text = markdown(proof)
+    assert "rules within 15%: 2 of 4 at p50 and p90, 3 of 4 at p50; " in text
+    assert "3 of 4 at p50 within 15% of the live repetitions' range" in text
+
+
+@pytest.mark.parametrize(
+    ("live_p50", "want_within", "want_in_spread"),
+    [
+        ([60, 80, 130], False, True),  # twin 95 against a median of 80 (1.19), range 60-130
+        ([40, 80, 82], False, False),  # the same median, a range of 40-82: 95 is past 94.3
+        ([85, 90, 95], True, True),
+    ],
+)
+def test_a_miss_of_the_live_median_inside_the_live_runs_spread_is_told_apart(
+    live_p50: list[float], want_within: bool, want_in_spread: bool
+) -> None:
+    # The twin's least-request (fixture: 95 ms at p50) against three live repetitions.
+    live = {**LIVE, "least-request": {**LIVE["least-request"], "ttft_p50_ms": live_p50}}
+    live = {k: {m: (v * 2)[:3] for m, v in t.items()} for k, t in live.items()}  # 3 reps
+    proof = prove(json.loads(FIXTURE.read_text()), _result(live), _capture([50.0]))
+    row = next(r for r in proof.rules if r.name == "least-request")
+    assert (row.p50_within, row.p50_in_spread) == (want_within, want_in_spread)
 
 
 def test_a_rule_the_twin_has_but_live_did_not_run_is_not_judged() -> None:
