@@ -229,18 +229,26 @@ def _judge_objective(
         return Pick("objective", recommended, None, top, medians[top], None, 0.0, "not run live")
     mine, theirs = medians[rec_variant], medians[top]
     spread = max(max(s) - min(s) for s in (scores[rec_variant], scores[top]))
-    if min(scores[rec_variant]) > max(scores[top]):
-        spread = 0.0
-    if mine <= (1 + best_tolerance) * theirs:
-        verdict = "yes"
-    elif mine - theirs <= spread:
-        verdict = "within noise"
-    else:
-        verdict = "no"
+    spread, verdict = _verdict(scores[rec_variant], scores[top], spread, best_tolerance)
     return Pick(
         "objective", recommended, round(mine, 4), top, round(theirs, 4), _ratio(mine, theirs),
         round(spread, 4), verdict,
     )  # fmt: skip
+
+
+def _verdict(
+    mine: Sequence[float], theirs: Sequence[float], floor: float, best_tolerance: float
+) -> tuple[float, str]:
+    """(the noise floor that applies, the verdict) of a recommended rule's live repetitions
+    against the live best's: "yes" within `best_tolerance` of it (medians), "within noise"
+    within `floor` of it unless behind in every repetition (then no noise excuses it, and the
+    floor is 0), else "no"."""
+    if min(mine) > max(theirs):
+        floor = 0.0
+    a, b = statistics.median(mine), statistics.median(theirs)
+    if a <= (1 + best_tolerance) * b:
+        return floor, "yes"
+    return floor, "within noise" if a - b <= floor else "no"
 
 
 def _variant_of(rule: Mapping[str, Any], variants: Mapping[str, str | None]) -> str | None:
@@ -324,16 +332,12 @@ def prove(
             picks.append(Pick(m, recommended, None, top, medians[top], None, 0.0, "not run live"))
             continue
         mine, theirs = medians[rec_variant], medians[top]
-        floor = noise_floor(runs, load, m, fallback=(rec_variant, top))
-        mine_vals, top_vals = _values(runs, load, rec_variant, m), _values(runs, load, top, m)
-        if min(mine_vals) > max(top_vals):  # behind in every repetition: no noise excuses it
-            floor = 0.0
-        if mine <= (1 + best_tolerance) * theirs:
-            verdict = "yes"
-        elif mine - theirs <= floor:
-            verdict = "within noise"
-        else:
-            verdict = "no"
+        floor, verdict = _verdict(
+            _values(runs, load, rec_variant, m),
+            _values(runs, load, top, m),
+            noise_floor(runs, load, m, fallback=(rec_variant, top)),
+            best_tolerance,
+        )
         picks.append(Pick(m, recommended, mine, top, theirs, _ratio(mine, theirs), floor, verdict))
 
     running = tune.get("running")
