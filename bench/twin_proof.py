@@ -61,6 +61,7 @@ from typing import Any
 from bench.compare import _values, noise_floor
 from bench.scenario import aggregate, config_of_capture, load_scenario
 from bench.stats import percentile
+from extproc.twin.tune import score
 
 __all__ = [
     "DEFAULT_RULES",
@@ -198,7 +199,9 @@ def objective(
         return []
     median = {m: statistics.median(v) for m, v in base.items()}
     return [
-        statistics.fmean(float(r[m]) / median[m] for m in METRICS)
+        score(
+            (float(r[METRICS[0]]), float(r[METRICS[1]])), (median[METRICS[0]], median[METRICS[1]])
+        )
         for r in runs
         if r.get("load") == load
         and r.get("variant") == variant

@@ -41,6 +41,7 @@ __all__ = [
     "TuneReport",
     "candidates",
     "reuse_ceiling",
+    "score",
     "stats_of",
     "tune",
     "unsettled",
@@ -164,6 +165,12 @@ def stats_of(
     )
 
 
+def score(ttft_ms: tuple[float, float], running_ms: tuple[float, float]) -> float:
+    """What the twin ranks rules by (lower is better): the mean of a rule's TTFT p50 and p90,
+    each relative to the running rule's. bench/twin_proof.py judges a pick live by it too."""
+    return 0.5 * (ttft_ms[0] / max(running_ms[0], 1e-9) + ttft_ms[1] / max(running_ms[1], 1e-9))
+
+
 def captured_stats(requests: Sequence[TwinRequest], duration_s: float) -> Stats | None:
     """What the capture itself measured (None without outcomes)."""
     timed = [r for r in requests if r.measured]
@@ -255,9 +262,9 @@ class TuneReport:
         cur = self.current() or self.results[0]
         if r.median("errors") > 0:
             return math.inf
-        return 0.5 * (
-            r.median("ttft_p50_ms") / max(cur.median("ttft_p50_ms"), 1e-9)
-            + r.median("ttft_p90_ms") / max(cur.median("ttft_p90_ms"), 1e-9)
+        return score(
+            (r.median("ttft_p50_ms"), r.median("ttft_p90_ms")),
+            (cur.median("ttft_p50_ms"), cur.median("ttft_p90_ms")),
         )
 
     def verdict(self) -> dict[str, Any]:
