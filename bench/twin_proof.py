@@ -151,20 +151,22 @@ class Proof:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def _tally(self, flag: str) -> tuple[int, int]:
+        """(rules whose `flag` is True, rules judged on it: not None)."""
+        judged = [v for r in self.rules if (v := getattr(r, flag)) is not None]
+        return sum(judged), len(judged)
+
     @property
     def rules_within(self) -> tuple[int, int]:
-        judged = [r for r in self.rules if r.within is not None]
-        return sum(1 for r in judged if r.within), len(judged)
+        return self._tally("within")
 
     @property
     def rules_within_p50(self) -> tuple[int, int]:
-        judged = [r for r in self.rules if r.p50_within is not None]
-        return sum(1 for r in judged if r.p50_within), len(judged)
+        return self._tally("p50_within")
 
     @property
     def rules_in_spread_p50(self) -> tuple[int, int]:
-        judged = [r for r in self.rules if r.p50_in_spread is not None]
-        return sum(1 for r in judged if r.p50_in_spread), len(judged)
+        return self._tally("p50_in_spread")
 
 
 def _num(value: Any) -> float | None:
@@ -190,23 +192,19 @@ def captured_ttft(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | None]
 
 
 def objective(
-    runs: Sequence[Mapping[str, Any]], load: str, variant: str, running: str
+    runs: Sequence[Mapping[str, Any]], load: str, variant: str, running: tuple[float, float]
 ) -> list[float]:
-    """What the twin minimizes (`extproc.twin.tune`'s score), per live repetition of `variant`:
-    the mean of its TTFT p50 and p90, each relative to the running rule's live median."""
-    base = {m: _values(runs, load, running, m) for m in METRICS}
-    if not all(base.values()):
-        return []
-    median = {m: statistics.median(v) for m, v in base.items()}
-    return [
-        score(
-            (float(r[METRICS[0]]), float(r[METRICS[1]])), (median[METRICS[0]], median[METRICS[1]])
-        )
-        for r in runs
-        if r.get("load") == load
-        and r.get("variant") == variant
-        and all(_num(r.get(m)) is not None for m in METRICS)
-    ]
+    """What the twin minimizes (`extproc.twin.tune.score`), per live repetition of `variant`:
+    the mean of its TTFT p50 and p90, each relative to `running` (the running rule's live
+    medians)."""
+    out = []
+    for r in runs:
+        if r.get("load") != load or r.get("variant") != variant:
+            continue
+        p50, p90 = (_num(r.get(m)) for m in METRICS)
+        if p50 is not None and p90 is not None:
+            out.append(score((p50, p90), running))
+    return out
 
 
 def _judge_objective(
@@ -223,7 +221,11 @@ def _judge_objective(
     behind in every one), else no."""
     if running_variant is None:
         return None
-    scores = {v: s for v in variants if (s := objective(runs, load, v, running_variant))}
+    base = [_values(runs, load, running_variant, m) for m in METRICS]
+    if not all(base):
+        return None
+    running = (statistics.median(base[0]), statistics.median(base[1]))
+    scores = {v: s for v in variants if (s := objective(runs, load, v, running))}
     if not scores:
         return None
     medians = {v: statistics.median(s) for v, s in scores.items()}
