@@ -245,6 +245,13 @@ class PredictedLatencyParams:
     # cannot tell apart share the traffic, a pod predicted many errors slower gets none.
     # At T = 1 a pod one error behind is picked 1/e as often as the best; 0 = lowest wins.
     temperature: float = 1.0
+    # The spread at most this share of the best prediction (0: no cap). Under overload the
+    # models' absolute error grows with the queues, mostly alike on every pod (all slow
+    # together), not in how pods compare; spread that wide, the softmax turned near-uniform
+    # and sent a customer's requests away from its cache, which slowed every pod further
+    # (`kvwins` in the twin: 5 of 12 seeds collapsed to p50 280-330 ms from 120; with the cap
+    # 0 of 12; docs/strategies.md, predicted-latency, "Rule").
+    spread_cap: float = 0.25
     overlap_weight: float = 1.0  # the cold-start cost rule's (kv-aware) prefill weight
     # A pod whose model has not learned for this long, and that this process has not sent a
     # request for as long, gets one (a probe), so a pod the rule stopped choosing is measured
@@ -252,8 +259,10 @@ class PredictedLatencyParams:
     probe_after_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.overlap_weight < 0 or self.probe_after_s < 0:
-            raise ValueError("temperature, overlap_weight and probe_after_s must be >= 0")
+        if min(self.temperature, self.spread_cap, self.overlap_weight, self.probe_after_s) < 0:
+            raise ValueError(
+                "temperature, spread_cap, overlap_weight and probe_after_s must be >= 0"
+            )
 
 
 def slo_ms(headers: Mapping[str, str], *names: str) -> float | None:
@@ -369,8 +378,13 @@ class PredictedLatencyStrategy(StrategyPlugin):
         ttft = preds.ttft_s
         best = float(ttft.min())
         error_sum = float(preds.error_s.cumsum()[-1])  # left to right
-        # How far apart predictions must be to mean something: the models' mean error.
-        spread = max(error_sum / n, 0.05 * best, 1e-3)
+        # How far apart predictions must be to mean something: the models' mean error, at
+        # most `spread_cap` of the best prediction, at least 5 % of it.
+        spread = error_sum / n
+        cap = self.params.spread_cap
+        if cap > 0 and spread > cap * best:
+            spread = cap * best
+        spread = max(spread, 0.05 * best, 1e-3)
         totals = (best - ttft) / spread  # <= 0: errors behind the best
         notes: list[str] = []
         head: IntArray | None = None  # None: every pod
