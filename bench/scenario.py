@@ -49,7 +49,7 @@ _TOP_KEYS = {
 }  # fmt: skip
 _VARIANT_KEYS = {
     "name", "kind", "body_mode", "accounting", "processes", "strategy", "policy", "held",
-    "tracing",
+    "tracing", "params",
 }  # fmt: skip
 
 
@@ -67,6 +67,9 @@ class Variant:
     held: bool = False
     # Tracing on at this sample ratio (a server process of its own exporting to a span sink).
     tracing: float | None = None
+    # The strategy's parameters (routing.strategy_params) on a server process of its own:
+    # one rule at other settings side by side with its defaults in one run (with `strategy`).
+    params: Mapping[str, Any] | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Variant:
@@ -82,6 +85,15 @@ class Variant:
         held = bool(raw.get("held", False)) or accounting is ResponseAccounting.NONE
         if held and int(raw.get("processes", 1)) != 1:
             raise ValueError(f"variant {raw['name']!r}: a held variant runs one server process")
+        params = raw.get("params")
+        if params is not None and (
+            kind != "extproc" or not raw.get("strategy") or not isinstance(params, Mapping)
+            or held or raw.get("tracing") is not None or int(raw.get("processes", 1)) != 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"variant {raw['name']!r}: params (a mapping) need an extproc variant with a "
+                "strategy, on one server process, not held or traced"
+            )
         return cls(
             name=str(raw["name"]),
             kind=kind,
@@ -92,6 +104,7 @@ class Variant:
             policy=raw.get("policy"),
             held=held and kind == "extproc",
             tracing=float(raw["tracing"]) if raw.get("tracing") is not None else None,
+            params=dict(params) if params is not None else None,
         )
 
 
@@ -218,6 +231,11 @@ def _door(cluster: Cluster, v: Variant) -> FrontDoor:
         )
     elif v.held:
         door = cluster.held_door(key, body_mode=v.body_mode, accounting=v.accounting)
+    elif v.params is not None:
+        assert v.strategy is not None
+        door = cluster.tuned_door(
+            f"{key}-{v.name}", v.strategy, v.params, body_mode=v.body_mode, accounting=v.accounting
+        )
     else:
         door = cluster.envoy(
             key, body_mode=v.body_mode, accounting=v.accounting, processes=v.processes
@@ -239,10 +257,10 @@ def capture_variant(sc: Scenario) -> Variant | None:
     found = {v.name: v for v in sc.variants}.get(sc.capture)
     if found is None:
         raise ValueError(f"capture: no variant {sc.capture!r} in {sc.name}")
-    if found.kind != "extproc" or found.held or found.tracing is not None:
+    if found.kind != "extproc" or found.held or found.tracing is not None or found.params:
         raise ValueError(
             f"capture: {sc.capture!r} must be an extproc variant on the stack's servers "
-            "(not envoy, a peer, held or traced)"
+            "(not envoy, a peer, held, traced or with params)"
         )
     return found
 

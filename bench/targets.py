@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -443,6 +443,30 @@ class Cluster:
             "sample_ratio": sample_ratio,
         }  # fmt: skip
         server = self._server(name, {"tracing": tracing})
+        door = self._door_to(name, server, body_mode=body_mode, accounting=accounting)
+        self._doors[key] = door
+        return door
+
+    def tuned_door(
+        self,
+        name: str,
+        strategy: str,
+        params: Mapping[str, Any],
+        *,
+        body_mode: RequestBodyMode = RequestBodyMode.BUFFERED,
+        accounting: ResponseAccounting = ResponseAccounting.ACCESS_LOG,
+    ) -> FrontDoor:
+        """An Envoy in front of one more server process whose `strategy` runs with `params`
+        (routing.strategy_params over the stack's): a rule at other settings side by side with
+        the stack's in one run."""
+        key = f"tuned|{name}"
+        if key in self._doors:
+            return self._doors[key]
+        routing = dict(self.stack.server_config().get("routing", {}))
+        routing["strategy_params"] = {
+            **routing.get("strategy_params", {}), strategy: dict(params)
+        }  # fmt: skip
+        server = self._server(name, {"routing": routing})
         door = self._door_to(name, server, body_mode=body_mode, accounting=accounting)
         self._doors[key] = door
         return door

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.scenario import _engine_ttft_ms, load_scenario
+from bench.scenario import Variant, _engine_ttft_ms, load_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
 
@@ -52,3 +52,21 @@ def test_engine_ttft_counts_only_requests_finished_during_the_run() -> None:
     assert _engine_ttft_ms(before, after, 50) == 20.0
     assert _engine_ttft_ms(before, after, 100) == 30.0
     assert _engine_ttft_ms(after, after, 50) is None
+
+
+def test_a_variant_may_run_its_rule_with_params_on_a_server_of_its_own() -> None:
+    v = Variant.parse(
+        {"name": "pl-uncapped", "kind": "extproc", "strategy": "predicted-latency",
+         "params": {"spread_cap": 0.0}}
+    )  # fmt: skip
+    assert v.params == {"spread_cap": 0.0} and v.strategy == "predicted-latency"
+    assert Variant.parse({"name": "pl", "kind": "extproc", "strategy": "kv-aware"}).params is None
+    for bad in (
+        {"name": "x", "kind": "extproc", "params": {"a": 1}},  # no strategy to give them to
+        {"name": "x", "kind": "peer", "policy": "random", "strategy": "s", "params": {}},
+        {"name": "x", "kind": "extproc", "strategy": "s", "params": [1]},
+        {"name": "x", "kind": "extproc", "strategy": "s", "params": {}, "held": True},
+        {"name": "x", "kind": "extproc", "strategy": "s", "params": {}, "processes": 2},
+    ):
+        with pytest.raises(ValueError, match="params"):
+            Variant.parse(bad)
