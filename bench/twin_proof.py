@@ -491,6 +491,23 @@ def add_repetitions(result: Mapping[str, Any], more: Mapping[str, Any]) -> dict[
     runs = [dict(r) for r in result["runs"]]
     base = max((int(r["rep"]) + 1 for r in runs), default=0)
     runs += [{**r, "rep": base + int(r["rep"])} for r in more["runs"]]
+    return _merged(result, runs, more)
+
+
+def replace_runs(result: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+    """`result` with the runs of every variant `more` ran replaced by `more`'s, the medians
+    recomputed: a rule changed since the live matrix was run is run again, the other rules'
+    runs and the capture the twin is tuned on stay. Pure."""
+    again = {str(r["variant"]) for r in more["runs"]}
+    runs = [dict(r) for r in result["runs"] if str(r["variant"]) not in again]
+    runs += [dict(r) for r in more["runs"]]
+    rerun = {**result.get("rerun", {}), **{v: more.get("started_unix") for v in sorted(again)}}
+    return {**_merged(result, runs, more), "rerun": rerun}
+
+
+def _merged(
+    result: Mapping[str, Any], runs: list[dict[str, Any]], more: Mapping[str, Any]
+) -> dict[str, Any]:
     sc = load_scenario(SCENARIOS / f"{result['scenario']}.yaml")
     ran = {str(r["variant"]) for r in runs}
     sc = dataclasses.replace(sc, variants=tuple(v for v in sc.variants if v.name in ran))
@@ -498,9 +515,12 @@ def add_repetitions(result: Mapping[str, Any], more: Mapping[str, Any]) -> dict[
     return {**result, "summary": aggregate(sc, runs), "runs": runs, "merged_from": started}
 
 
-def run_more(scenario: str, rules: Sequence[str], *, repetitions: int, into: Path) -> float:
+def run_more(
+    scenario: str, rules: Sequence[str], *, repetitions: int, into: Path, replace: bool = False
+) -> float:
     """`repetitions` more live runs of the rules (no capture), appended to into/result.json
-    (`add_repetitions`); their wall time (s)."""
+    (`add_repetitions`), or in place of those rules' runs there (`replace`: `replace_runs`);
+    their wall time (s)."""
     with tempfile.TemporaryDirectory(prefix="twin-proof-more-") as tmp:
         cmd = [
             str(PYTHON), "-m", "bench", "run", scenario, "--variants", ",".join(rules),
@@ -511,7 +531,7 @@ def run_more(scenario: str, rules: Sequence[str], *, repetitions: int, into: Pat
         subprocess.run(cmd, check=True, cwd=ROOT)
         more = json.loads((Path(tmp) / scenario / "result.json").read_text())
     path = into / "result.json"
-    merged = add_repetitions(json.loads(path.read_text()), more)
+    merged = (replace_runs if replace else add_repetitions)(json.loads(path.read_text()), more)
     path.write_text(json.dumps(merged, indent=1, default=str) + "\n")
     return round(time.monotonic() - t0, 1)
 
@@ -633,11 +653,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --skip-live: run the rules live N more times (no capture) and append them "
         "to RESULTS_DIR/SCENARIO/result.json before judging (the capture tuned stays)",
     )
+    p.add_argument(
+        "--rerun",
+        default=None,
+        metavar="RULES",
+        help="with --skip-live: run these rules (comma-separated) live --repetitions times "
+        "(no capture) in place of their runs in RESULTS_DIR/SCENARIO/result.json (a rule "
+        "changed since; the other rules' runs and the capture tuned stay)",
+    )
     args = p.parse_args(argv)
+    if (args.add_repetitions or args.rerun) and args.quick:
+        p.error("--add-repetitions and --rerun run the scenarios' full sizes: not with --quick")
+    if args.rerun and (args.skip_live is None or args.add_repetitions):
+        p.error(
+            "--rerun replaces runs of an earlier run: give its --skip-live RESULTS_DIR "
+            "(and not --add-repetitions)"
+        )
     if args.add_repetitions and args.skip_live is None:
         p.error("--add-repetitions appends to an earlier run: give its --skip-live RESULTS_DIR")
-    if args.add_repetitions and args.quick:
-        p.error("--add-repetitions runs the scenarios' full sizes: not with --quick")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     results = args.skip_live or args.results
     given = args.rules.split(",") if args.rules else None
@@ -653,6 +686,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 scenario, rules, repetitions=args.repetitions, results=results, quick=args.quick
             )
             log.info("%s live: %.0f s -> %s", name, live_s, out_dir)
+        elif args.rerun:
+            again = [r for r in args.rerun.split(",") if r in rules]
+            live_s = run_more(
+                scenario, again, repetitions=args.repetitions, into=out_dir, replace=True
+            )
+            log.info("%s live, %s again: %.0f s -> %s", name, ",".join(again), live_s, out_dir)
         elif args.add_repetitions:
             live_s = run_more(scenario, rules, repetitions=args.add_repetitions, into=out_dir)
             log.info("%s live, %d more: %.0f s -> %s", name, args.add_repetitions, live_s, out_dir)

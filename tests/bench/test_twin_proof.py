@@ -19,6 +19,7 @@ from bench.twin_proof import (
     markdown,
     prove,
     read_capture,
+    replace_runs,
 )
 
 FIXTURE = Path(__file__).with_name("twin_tune_fixture.json")
@@ -276,3 +277,27 @@ def test_more_live_repetitions_join_the_matrix_the_twin_is_judged_against() -> N
     again = add_repetitions(merged, run(later, 300))
     assert again["merged_from"] == [100, 200, 300]
     assert max(r["rep"] for r in again["runs"]) == 5
+
+
+def test_a_rule_run_again_replaces_its_live_runs_and_only_its() -> None:
+    # A rule changed since the live matrix ran (a default of its moved): its runs are replaced
+    # by a later run of it alone; the other rules' runs, and so their medians, stay.
+    first = _result(LIVE) | {"started_unix": 100}
+    first["runs"] = [r | {"errors": 0} for r in first["runs"]]
+    later = _result(
+        {"prefix-cache": {"ttft_p50_ms": [90, 94, 98], "ttft_p90_ms": [190, 200, 210],
+                          "cache_hit_rate": [0.6, 0.6, 0.6]}}
+    ) | {"started_unix": 200}  # fmt: skip
+    later["runs"] = [r | {"errors": 0} for r in later["runs"]]
+    merged = replace_runs(first, later)
+    summary = {row["variant"]: row for row in merged["summary"]}
+    assert summary["prefix-cache"]["reps"] == 3 and summary["prefix-cache"]["ttft_p50_ms"] == 94
+    assert summary["kv-aware"]["reps"] == 2 and summary["kv-aware"]["ttft_p50_ms"] == 50
+    assert sorted(r["rep"] for r in merged["runs"] if r["variant"] == "prefix-cache") == [0, 1, 2]
+    assert merged["rerun"] == {"prefix-cache": 200} and merged["merged_from"] == [100, 200]
+    rows = {
+        r.name: r
+        for r in prove(json.loads(FIXTURE.read_text()), merged, _capture([50.0] * 10)).rules
+    }
+    assert rows["prefix-cache"].live_range["ttft_p50_ms"] == (90, 98)
+    assert first["started_unix"] == 100 and len(first["runs"]) == len(_result(LIVE)["runs"])
