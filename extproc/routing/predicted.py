@@ -249,8 +249,8 @@ class PredictedLatencyParams:
     # models' absolute error grows with the queues, mostly alike on every pod (all slow
     # together), not in how pods compare; spread that wide, the softmax turned near-uniform
     # and sent a customer's requests away from its cache, which slowed every pod further
-    # (`kvwins` in the twin: 5 of 12 seeds collapsed to p50 280-330 ms from 120; with the cap
-    # 0 of 12; docs/strategies.md, predicted-latency, "Rule").
+    # (`kvwins` in the twin: 5 of 12 seeds collapsed to p50 227-332 ms from 116-175; with the
+    # cap 0 of 12; live 144 ms against 352; docs/strategies.md, predicted-latency).
     spread_cap: float = 0.25
     overlap_weight: float = 1.0  # the cold-start cost rule's (kv-aware) prefill weight
     # A pod whose model has not learned for this long, and that this process has not sent a
