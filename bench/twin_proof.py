@@ -113,6 +113,12 @@ class RuleRow:
     # covers, where a rule's repetitions disagree by more than the bar (kvwins'
     # `predicted-latency`, 2026-12-07: 122-344 ms in three runs). Context, not the bar.
     p50_in_spread: bool | None = None
+    # The twin's seeds' p50s, lowest to highest (the tuning's `ttft_p50_ms_seeds`), and whether
+    # that range meets the live runs' (each widened by the tolerance): where a rule has two
+    # modes, live and in the twin (kvwins' `predicted-latency`), a median on each side is one of
+    # them and the ranges are what can be compared. Context, not the bar.
+    twin_range: tuple[float, float] | None = None
+    ranges_meet: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +173,10 @@ class Proof:
     @property
     def rules_in_spread_p50(self) -> tuple[int, int]:
         return self._tally("p50_in_spread")
+
+    @property
+    def rules_ranges_meet(self) -> tuple[int, int]:
+        return self._tally("ranges_meet")
 
 
 def _num(value: Any) -> float | None:
@@ -304,9 +314,13 @@ def prove(
         within = all(abs(r - 1) <= tolerance for r in judged) if judged else None
         p50 = ratio["ttft_p50_ms"]
         span, mine = spans["ttft_p50_ms"], twin["ttft_p50_ms"]
-        in_spread = None
+        in_spread = meet = None
+        seeds = [v for x in rule.get("ttft_p50_ms_seeds") or () if (v := _num(x)) is not None]
+        mine_span = (min(seeds), max(seeds)) if seeds else None
         if span is not None and mine is not None:
-            in_spread = span[0] * (1 - tolerance) <= mine <= span[1] * (1 + tolerance)
+            in_spread = _meets((mine, mine), span, tolerance)
+        if span is not None and mine_span is not None:
+            meet = _meets(mine_span, span, tolerance)
         rows.append(
             RuleRow(
                 name=str(rule.get("name")),
@@ -318,6 +332,8 @@ def prove(
                 within=within,
                 p50_within=None if p50 is None else abs(p50 - 1) <= tolerance,
                 p50_in_spread=in_spread,
+                twin_range=mine_span,
+                ranges_meet=meet,
             )
         )
 
@@ -379,6 +395,12 @@ def prove(
     )
 
 
+def _meets(a: tuple[float, float], b: tuple[float, float], tolerance: float) -> bool:
+    """Whether range `a` meets range `b` widened by `tolerance` (from its lowest less the
+    share to its highest plus it)."""
+    return a[0] <= b[1] * (1 + tolerance) and a[1] >= b[0] * (1 - tolerance)
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
@@ -405,7 +427,8 @@ def markdown(proof: Proof) -> str:
     for r in proof.rules:
         within = "-" if r.within is None else ("yes" if r.within else "no")
         lines.append(
-            f"| {r.name} | {_ms(r.twin['ttft_p50_ms'])} | {_ms(r.live['ttft_p50_ms'])}"
+            f"| {r.name} | {_ms(r.twin['ttft_p50_ms'])}{_span(r.twin_range)} "
+            f"| {_ms(r.live['ttft_p50_ms'])}"
             f"{_span(r.live_range['ttft_p50_ms'])} | {_r(r.ratio['ttft_p50_ms'])} "
             f"| {_ms(r.twin['ttft_p90_ms'])} | {_ms(r.live['ttft_p90_ms'])}"
             f"{_span(r.live_range['ttft_p90_ms'])} | {_r(r.ratio['ttft_p90_ms'])} | {within} "
@@ -414,10 +437,13 @@ def markdown(proof: Proof) -> str:
     n, total = proof.rules_within
     n50, total50 = proof.rules_within_p50
     spread, judged = proof.rules_in_spread_p50
+    meet, compared = proof.rules_ranges_meet
     lines += [
         "",
         f"- rules within {pct}: {n} of {total} at p50 and p90, {n50} of {total50} at p50; "
-        f"{spread} of {judged} at p50 within {pct} of the live repetitions' range",
+        f"{spread} of {judged} at p50 within {pct} of the live repetitions' range; "
+        f"the twin's seeds' p50 range meets the live runs' (within {pct}) for {meet} of "
+        f"{compared}",
     ]
     if proof.beyond_noise is False and proof.recommended != proof.running:
         lines.append(

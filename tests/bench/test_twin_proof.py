@@ -112,6 +112,35 @@ def test_a_miss_of_the_live_median_inside_the_live_runs_spread_is_told_apart(
     assert (row.p50_within, row.p50_in_spread) == (want_within, want_in_spread)
 
 
+@pytest.mark.parametrize(
+    ("seeds", "live_p50", "want"),
+    [
+        ([60, 62, 130, 133], [58, 128, 131], True),  # two modes in both: the ranges meet
+        ([60, 61, 62], [128, 130, 131], False),  # the twin's one mode is not live's
+        ([110, 112], [128, 130, 131], True),  # 112 is within 15 % of live's lowest
+        (None, [128, 130, 131], None),  # a tuning without its seeds: nothing to say
+    ],
+)
+def test_the_twins_seeds_range_is_set_beside_the_live_runs_range(
+    seeds: list[float] | None, live_p50: list[float], want: bool | None
+) -> None:
+    # A rule with two modes (kvwins' predicted-latency: live 122, 343, 344 ms) has medians that
+    # fall on either; the twin's seeds show its modes as the live runs show theirs.
+    tune = json.loads(FIXTURE.read_text())
+    for rule in tune["rules"]:
+        if rule["name"] == "least-request" and seeds is not None:
+            rule["ttft_p50_ms_seeds"] = seeds
+    live = {**LIVE, "least-request": {**LIVE["least-request"], "ttft_p50_ms": live_p50}}
+    live = {k: {m: (v * 2)[:3] for m, v in t.items()} for k, t in live.items()}  # 3 reps
+    proof = prove(tune, _result(live), _capture([50.0]))
+    row = next(r for r in proof.rules if r.name == "least-request")
+    assert row.ranges_meet is want
+    assert row.twin_range == (None if seeds is None else (min(seeds), max(seeds)))
+    assert proof.rules_ranges_meet == (int(bool(want)), 0 if want is None else 1)
+    if seeds is not None:
+        assert f"| least-request | 95 ({min(seeds):.0f}-{max(seeds):.0f}) |" in markdown(proof)
+
+
 def test_a_rule_the_twin_has_but_live_did_not_run_is_not_judged() -> None:
     tune = json.loads(FIXTURE.read_text())
     live = {k: v for k, v in LIVE.items() if k != "least-request"}
