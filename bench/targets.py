@@ -442,10 +442,7 @@ class Cluster:
             "enabled": True, "endpoint": f"http://{HOST}:{self._otlp}",
             "sample_ratio": sample_ratio,
         }  # fmt: skip
-        server = self._server(name, {"tracing": tracing})
-        door = self._door_to(name, server, body_mode=body_mode, accounting=accounting)
-        self._doors[key] = door
-        return door
+        return self._own_door(key, name, {"tracing": tracing}, body_mode, accounting)
 
     def tuned_door(
         self,
@@ -459,17 +456,28 @@ class Cluster:
         """An Envoy in front of one more server process whose `strategy` runs with `params`
         (routing.strategy_params over the stack's): a rule at other settings side by side with
         the stack's in one run."""
-        key = f"tuned|{name}"
-        if key in self._doors:
-            return self._doors[key]
         routing = dict(self.stack.server_config().get("routing", {}))
         routing["strategy_params"] = {
             **routing.get("strategy_params", {}), strategy: dict(params)
         }  # fmt: skip
-        server = self._server(name, {"routing": routing})
-        door = self._door_to(name, server, body_mode=body_mode, accounting=accounting)
-        self._doors[key] = door
-        return door
+        return self._own_door(f"tuned|{name}", name, {"routing": routing}, body_mode, accounting)
+
+    def _own_door(
+        self,
+        key: str,
+        name: str,
+        changes: dict[str, Any],
+        body_mode: RequestBodyMode,
+        accounting: ResponseAccounting,
+    ) -> FrontDoor:
+        """The door under `key`, made once: an Envoy in front of one more server process with
+        `changes` over the stack's config (`_server`)."""
+        if key not in self._doors:
+            server = self._server(name, changes)
+            self._doors[key] = self._door_to(
+                name, server, body_mode=body_mode, accounting=accounting
+            )
+        return self._doors[key]
 
     def with_strategy(self, door: FrontDoor, name: str, strategy: str) -> FrontDoor:
         return replace(door, name=name, headers=(("routing-strategy", strategy),))

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -268,12 +268,13 @@ def _verdict(
 
 def _variant_of(rule: Mapping[str, Any], variants: Mapping[str, str | None]) -> str | None:
     """The live variant a twin rule stands for: the same name, else the same strategy with its
-    default parameters (a twin candidate with weights of its own never ran live)."""
+    default parameters (a twin candidate with weights of its own, or replayed from a cold
+    start, never ran live)."""
     name = str(rule.get("name"))
     if name in variants:
         return name
     strategy = rule.get("strategy")
-    if not strategy or rule.get("params"):
+    if not strategy or rule.get("params") or rule.get("cold"):  # a cold start never ran live
         return None
     return next((v for v, s in variants.items() if s == strategy), None)
 
@@ -520,13 +521,18 @@ def add_repetitions(result: Mapping[str, Any], more: Mapping[str, Any]) -> dict[
     return _merged(result, runs, more)
 
 
-def replace_runs(result: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
-    """`result` with the runs of every variant `more` ran replaced by `more`'s, the medians
-    recomputed: a rule changed since the live matrix was run is run again, the other rules'
-    runs and the capture the twin is tuned on stay. Pure."""
+def replace_runs(
+    result: Mapping[str, Any], more: Mapping[str, Any], only: Collection[str] | None = None
+) -> dict[str, Any]:
+    """`result` with the runs of every variant `more` ran (of `only`, when given: the others
+    ran beside them and are not kept) replaced by `more`'s, the medians recomputed: a rule
+    changed since the live matrix was run is run again, the other rules' runs and the capture
+    the twin is tuned on stay. Pure."""
     again = {str(r["variant"]) for r in more["runs"]}
+    if only is not None:
+        again &= set(only)
     runs = [dict(r) for r in result["runs"] if str(r["variant"]) not in again]
-    runs += [dict(r) for r in more["runs"]]
+    runs += [dict(r) for r in more["runs"] if str(r["variant"]) in again]
     rerun = {**result.get("rerun", {}), **{v: more.get("started_unix") for v in sorted(again)}}
     return {**_merged(result, runs, more), "rerun": rerun}
 
@@ -542,14 +548,21 @@ def _merged(
 
 
 def run_more(
-    scenario: str, rules: Sequence[str], *, repetitions: int, into: Path, replace: bool = False
+    scenario: str,
+    rules: Sequence[str],
+    *,
+    repetitions: int,
+    into: Path,
+    replace: bool = False,
+    beside: Sequence[str] = (),
 ) -> float:
     """`repetitions` more live runs of the rules (no capture), appended to into/result.json
     (`add_repetitions`), or in place of those rules' runs there (`replace`: `replace_runs`);
-    their wall time (s)."""
+    `beside`: rules run in the same repetitions whose runs are not kept; their wall time (s)."""
     with tempfile.TemporaryDirectory(prefix="twin-proof-more-") as tmp:
+        ran = [*beside, *(r for r in rules if r not in beside)]
         cmd = [
-            str(PYTHON), "-m", "bench", "run", scenario, "--variants", ",".join(rules),
+            str(PYTHON), "-m", "bench", "run", scenario, "--variants", ",".join(ran),
             "--repetitions", str(repetitions), "--results", tmp, "--no-docs",
         ]  # fmt: skip
         log.info("live, %d more: %s", repetitions, " ".join(cmd))
@@ -557,7 +570,8 @@ def run_more(
         subprocess.run(cmd, check=True, cwd=ROOT)
         more = json.loads((Path(tmp) / scenario / "result.json").read_text())
     path = into / "result.json"
-    merged = (replace_runs if replace else add_repetitions)(json.loads(path.read_text()), more)
+    old = json.loads(path.read_text())
+    merged = replace_runs(old, more, rules) if replace else add_repetitions(old, more)
     path.write_text(json.dumps(merged, indent=1, default=str) + "\n")
     return round(time.monotonic() - t0, 1)
 
@@ -687,7 +701,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(no capture) in place of their runs in RESULTS_DIR/SCENARIO/result.json (a rule "
         "changed since; the other rules' runs and the capture tuned stay)",
     )
+    p.add_argument(
+        "--beside",
+        default=None,
+        metavar="RULES",
+        help="with --rerun: run these rules too, in the same repetitions, without keeping "
+        "their runs (predicted-latency learns from every rule's requests on the stack's "
+        "server: beside kv-aware it starts warm, as in the matrix and as the twin starts it)",
+    )
     args = p.parse_args(argv)
+    if args.beside and not args.rerun:
+        p.error("--beside goes with --rerun")
     if (args.add_repetitions or args.rerun) and args.quick:
         p.error("--add-repetitions and --rerun run the scenarios' full sizes: not with --quick")
     if args.rerun and (args.skip_live is None or args.add_repetitions):
@@ -715,8 +739,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.rerun:
             again = [r for r in args.rerun.split(",") if r in rules]
             live_s = run_more(
-                scenario, again, repetitions=args.repetitions, into=out_dir, replace=True
-            )
+                scenario, again, repetitions=args.repetitions, into=out_dir, replace=True,
+                beside=args.beside.split(",") if args.beside else (),
+            )  # fmt: skip
             log.info("%s live, %s again: %.0f s -> %s", name, ",".join(again), live_s, out_dir)
         elif args.add_repetitions:
             live_s = run_more(scenario, rules, repetitions=args.add_repetitions, into=out_dir)

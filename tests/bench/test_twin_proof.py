@@ -330,3 +330,15 @@ def test_a_rule_run_again_replaces_its_live_runs_and_only_its() -> None:
     }
     assert rows["prefix-cache"].live_range["ttft_p50_ms"] == (90, 98)
     assert first["started_unix"] == 100 and len(first["runs"]) == len(_result(LIVE)["runs"])
+    # A rule run beside the one run again (to warm what it learns) is not kept.
+    beside = _result(
+        {"prefix-cache": {"ttft_p50_ms": [90, 94, 98], "ttft_p90_ms": [190, 200, 210],
+                          "cache_hit_rate": [0.6, 0.6, 0.6]},
+         "kv-aware": {"ttft_p50_ms": [10, 10, 10], "ttft_p90_ms": [20, 20, 20],
+                      "cache_hit_rate": [0.9, 0.9, 0.9]}}
+    ) | {"started_unix": 300}  # fmt: skip
+    beside["runs"] = [r | {"errors": 0} for r in beside["runs"]]
+    kept = replace_runs(first, beside, only=["prefix-cache"])
+    summary = {row["variant"]: row for row in kept["summary"]}
+    assert summary["kv-aware"]["ttft_p50_ms"] == 50 and summary["prefix-cache"]["ttft_p50_ms"] == 94
+    assert kept["rerun"] == {"prefix-cache": 300}

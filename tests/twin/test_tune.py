@@ -3,6 +3,7 @@ verdict out (printed, JSON, PNG); a bad capture is named and nothing runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from extproc.cli import main
 from extproc.twin import load_gateway_settings, load_requests
 from extproc.twin.replay import PodProfile, TwinSetup, replay
-from extproc.twin.tune import SETTLED, Candidate, reuse_ceiling, tune, unsettled
+from extproc.twin.tune import SETTLED, Candidate, candidates, reuse_ceiling, tune, unsettled
 from tests.twin._traffic import sessions_traffic
 
 PODS = tuple(PodProfile(f"10.0.0.{k}:8000", "m", overhead_s=0.003) for k in (1, 2))
@@ -146,3 +147,30 @@ def test_an_unsettled_rule_gets_more_seeds_the_same_as_a_longer_run(tmp_path: Pa
     strict = p50s(2, 5, settled=1e-9)
     assert strict == p50s(5, 5) and all(len(v) == 5 for v in strict.values())
     assert strict["kv-aware"][:2] == calm["kv-aware"]
+
+
+def test_a_cold_start_is_replayed_cold_and_shown_never_recommended(tmp_path: Path) -> None:
+    # predicted-latency's models learn online: the same rule replayed from the running
+    # gateway's models and from none (a restarted process) are two rows; the cold one routes
+    # by the cost rule until its pods have answered, so its figures differ, and however it
+    # scores it is never the rule to run (a restart is not a choice).
+    cap = tmp_path / "cap.jsonl"
+    _capture(cap, n=60)
+    requests = load_requests(cap)
+    warm = Candidate("predicted-latency", "predicted-latency")
+    cold = Candidate("predicted-latency, cold start", "predicted-latency", cold=True)
+    assert cold in candidates(requests) and warm in candidates(requests)
+    report = tune(
+        requests, default_model="m", rules=[cold, warm], workers=1, seeds=2, max_seeds=2,
+        base_config={"flow_control": {"enabled": False}},
+    )  # fmt: skip
+    rows = {r.candidate.name: r for r in report.results}
+    p50 = {name: [s.ttft_p50_ms for s in r.seeds] for name, r in rows.items()}
+    assert p50[cold.name] != p50[warm.name]
+    assert report.best().candidate.name != cold.name
+    report.results[:] = [rows[cold.name], *[r for r in report.results if not r.candidate.cold]]
+    rows[cold.name].seeds[:] = [dataclasses.replace(s, ttft_p50_ms=0.0, ttft_p90_ms=0.0)
+                                for s in rows[cold.name].seeds]  # fmt: skip
+    assert report.best().candidate.name != cold.name  # even when it would score best
+    listed = {r["name"]: r for r in report.to_json()["rules"]}
+    assert listed[cold.name]["cold"] is True and "cold" not in listed["kv-aware"]
