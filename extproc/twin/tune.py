@@ -395,8 +395,9 @@ class TuneReport:
         return f" (more where they disagreed: {', '.join(more)})"
 
     def table(self) -> str:
+        w = max([22, *(len(r.candidate.name) for r in self.results)])
         head = (
-            f"{'rule':<22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} "
+            f"{'rule':<{w}} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} "
             f"{'hit rate':>9} {'goodput/s':>10} {'spread':>7} {'errors':>7} {'seeds':>6}"
         )
         lines = [head, "-" * len(head)]
@@ -406,7 +407,7 @@ class TuneReport:
                 " *" if r is best else ("  (running)" if r.candidate.name == self.running else "")
             )
             lines.append(
-                f"{r.candidate.name:<22} {r.median('ttft_p50_ms'):>7.1f}ms "
+                f"{r.candidate.name:<{w}} {r.median('ttft_p50_ms'):>7.1f}ms "
                 f"{r.median('ttft_p90_ms'):>6.1f}ms {r.median('ttft_p99_ms'):>6.1f}ms "
                 f"{r.median('tpot_p50_ms'):>7.2f}ms {r.median('hit_rate'):>9.3f} "
                 f"{r.median('goodput_rps'):>10.2f} {r.median('spread'):>7.2f} "

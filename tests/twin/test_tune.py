@@ -174,3 +174,5 @@ def test_a_cold_start_is_replayed_cold_and_shown_never_recommended(tmp_path: Pat
     assert report.best().candidate.name != cold.name  # even when it would score best
     listed = {r["name"]: r for r in report.to_json()["rules"]}
     assert listed[cold.name]["cold"] is True and "cold" not in listed["kv-aware"]
+    rows = report.table().splitlines()[2:]  # the columns line up past the longest name
+    assert len({row.index("ms ") for row in rows}) == 1 and any(cold.name in r for r in rows)
