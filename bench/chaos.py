@@ -558,6 +558,7 @@ class Fault:
     # Filled at the cycle's quiesce:
     token_gap: dict[str, float] = field(default_factory=dict)  # gateway - engines, this cycle
     records_lost: float | None = None  # records Envoy wrote that no process counted, this cycle
+    quiesced_s: float | None = None  # the clients paused until none had a request out
     settled_s: float | None = None  # quiesce until every in-flight view = engines' load
     queue_zero_s: float | None = None  # heal until the queues were first 0 (under load)
     queue_at_quiesce: float | None = None
@@ -954,7 +955,7 @@ def run_chaos(
                 if time.monotonic() >= cycle_end - 1.0:
                     break
                 time.sleep(0.25)
-            traffic.quiesce()
+            f.quiesced_s = traffic.quiesce()
             f.settled_s = _settle(stack, probe, LEASE_BOUND_S + 10.0)
             f.queue_at_quiesce = probe.queues()
             gap = _gap(probe)
@@ -972,14 +973,16 @@ def run_chaos(
                 memo.baseline(time.monotonic() - t0)  # quiesced: no request waits on the snapshot
                 log(f"{time.monotonic() - t0:7.1f}s   memory baseline taken")
             log(
-                f"{time.monotonic() - t0:7.1f}s   healed after {f.healed - f.at:.1f}s, settled "
-                f"{f.settled_s}s, token gap {sum(f.token_gap.values()):+.0f}, "
+                f"{time.monotonic() - t0:7.1f}s   healed after {f.healed - f.at:.1f}s, quiesced "
+                f"{f.quiesced_s}s, settled {f.settled_s}s, token gap {sum(f.token_gap.values()):+.0f}, "
                 f"records lost {f.records_lost}, "
                 f"queue 0 after {f.queue_zero_s}s; {f.detail}"
             )
             traffic.resume()
         traffic.stop()
+    log(f"{time.monotonic() - t0:7.1f}s traffic stopped")
     final_settled = _settle(stack, probe, LEASE_BOUND_S + 10.0)
+    log(f"{time.monotonic() - t0:7.1f}s final settle {final_settled}s")
     final_gap = _gap(probe)
     mem = memo.end(time.monotonic() - t0) if memo is not None else {}
     return ChaosReport(
