@@ -806,6 +806,8 @@ class App:
             models=lambda: list(self._rt.approx),
             on_metrics=self._peer_scrape,
             on_latency=self.latency.observe_tagged,
+            latency_rows=self.latency.rows,
+            on_latency_rows=self._adopt_models,
             on_release=self.leases.release,
             on_adopt=self._adopt,
             queues=self.flow.depths if self.flow is not None else None,
@@ -822,6 +824,11 @@ class App:
             ep.model, ep.address, metrics
         )
         return sync
+
+    def _adopt_models(self, rows: list[Any]) -> None:
+        n = self.latency.adopt(rows)
+        if n:
+            log.info("started %d latency models from a peer's (predicted-latency)", n)
 
     def _adopt(self, rows: list[Any]) -> None:
         n = self.leases.adopt(rows)

@@ -32,7 +32,7 @@ import math
 import operator
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -100,6 +100,32 @@ class OnlineRidge:
         c = self.coef
         return sum(c[i] * x[i] for i in range(self.dim))
 
+    def sums(self) -> list[float]:
+        """What it has learned as plain numbers (`restore`): the effective samples, X'WX's
+        lower triangle row by row, X'Wy."""
+        triangle = [self._a[i][j] for i in range(self.dim) for j in range(i + 1)]
+        return [self.weight, *triangle, *self._b]
+
+    def restore(self, sums: Sequence[float]) -> bool:
+        """Take `sums` (from `sums`, of a regression of this dimension) and solve; False, and
+        nothing changed, when they are not a positive definite system's."""
+        n = self.dim
+        if len(sums) != 1 + n * (n + 1) // 2 + n:
+            return False
+        triangle = iter(sums[1 : 1 + n * (n + 1) // 2])
+        a = [[0.0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(i + 1):
+                a[i][j] = next(triangle)
+        kept = (self._a, self._b, self.coef, self.weight)
+        self._a, self._b, self.weight = a, list(sums[1 + n * (n + 1) // 2 :]), sums[0]
+        self.coef = [math.nan] * n
+        self._solve()
+        if not all(math.isfinite(c) for c in self.coef):
+            self._a, self._b, self.coef, self.weight = kept
+            return False
+        return True
+
     def _solve(self) -> None:
         """Cholesky on (A + ridge I); the intercept gets a token ridge only. Keeps the last
         good coefficients when the system is not positive definite (cannot happen with
@@ -156,6 +182,29 @@ class _Target:
         self.max_seen = max(self.max_seen * 0.999, y)
         self.min_seen = min(self.min_seen * 1.001, y)
 
+    def values(self) -> list[float]:
+        """What it has learned as plain numbers (`restore`)."""
+        return [self.samples, self.scale, self.max_seen, self.min_seen, *self.reg.sums()]
+
+    def restore(self, values: Sequence[Any]) -> bool:
+        """Take `values` (from `values`); False, and nothing changed, for anything that is not
+        a learned target's: a count, a residual scale and sample bounds within what a sample
+        may be, finite sums of a positive definite system."""
+        if not isinstance(values, list | tuple) or len(values) < 5:
+            return False
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            return False
+        samples, scale, max_seen, min_seen = values[:4]
+        if not (samples == int(samples) >= 1 and _ok(scale) and _ok(max_seen)):
+            return False
+        if not (_ok(min_seen) and min_seen <= max_seen):
+            return False
+        if not all(math.isfinite(v) for v in values[4:]) or not self.reg.restore(values[4:]):
+            return False
+        self.samples, self.scale = int(samples), float(scale)
+        self.max_seen, self.min_seen = float(max_seen), float(min_seen)
+        return True
+
     @property
     def cap(self) -> float:
         """The largest prediction: a few times the largest sample seen (extrapolation bound)."""
@@ -197,12 +246,14 @@ class _Fit(NamedTuple):
 class PodLatencyModel:
     """TTFT and TPOT of one pod."""
 
-    __slots__ = ("_huber", "_min", "checked", "fit", "routed_at", "tpot", "ttft", "updated_at")
+    __slots__ = ("_forgetting", "_huber", "_min", "_ridge", "checked", "fit", "routed_at", "tpot",
+                 "ttft", "updated_at")  # fmt: skip
 
     def __init__(
         self, *, forgetting: float, ridge: float, min_samples: int, huber_k: float
     ) -> None:
         dim = len(FEATURE_NAMES)
+        self._forgetting, self._ridge = forgetting, ridge
         self.ttft = _Target(dim, forgetting, ridge)
         self.tpot = _Target(dim, forgetting, ridge)
         self._min = min_samples
@@ -221,11 +272,36 @@ class PodLatencyModel:
             self.ttft.observe(x, ttft_s, self._min, self._huber)
         if tpot_s is not None:
             self.tpot.observe(x, tpot_s, self._min, self._huber)
+        self._refit()
+
+    def _refit(self) -> None:
         ttft, tpot = self.ttft, self.tpot
         if ttft.samples >= self._min:
             tpot_coef = tuple(tpot.reg.coef) if tpot.samples >= self._min else None
             self.fit = _Fit(tuple(ttft.reg.coef), ttft.floor, ttft.cap, tpot_coef, tpot.floor,
                             tpot.cap, ttft.samples, ttft.scale)  # fmt: skip
+
+    def values(self) -> list[Any]:
+        """What it has learned as plain numbers (`restore`): the TTFT's, the TPOT's (None
+        while it has no sample)."""
+        return [self.ttft.values(), self.tpot.values() if self.tpot.samples else None]
+
+    def restore(self, values: Any) -> bool:
+        """Take a warm model's `values` (another replica's, `values`); False, and nothing
+        changed, for anything else."""
+        if not isinstance(values, list | tuple) or len(values) != 2:
+            return False
+        ttft, tpot = values
+        dim = len(FEATURE_NAMES)
+        new_ttft = _Target(dim, self._forgetting, self._ridge)
+        new_tpot = _Target(dim, self._forgetting, self._ridge)
+        if not new_ttft.restore(ttft) or new_ttft.samples < self._min:
+            return False
+        if tpot is not None and not new_tpot.restore(tpot):
+            return False
+        self.ttft, self.tpot = new_ttft, new_tpot
+        self._refit()
+        return True
 
     def predict(self, x: tuple[float, ...], now: float) -> LatencyPrediction | None:
         fit = self.fit
@@ -426,7 +502,8 @@ class LatencyModels:
         self._clock = clock
         self._pods: dict[tuple[str, str], PodLatencyModel] = {}
         self._tables: dict[str, CoefficientTable] = {}  # by served model: the pods as arrays
-        self.ignored = 0  # records with an unusable value
+        self.ignored = 0  # records (and peers' models) with an unusable value
+        self.adopted = 0  # models taken from a peer's (`adopt`)
 
     def predict(
         self, model: str, address: str, features: LatencyFeatures
@@ -458,6 +535,54 @@ class LatencyModels:
             mine.updated_at, mine.routed_at = now, -math.inf
             self._pods[(model, address)] = mine
             self._tables.setdefault(model, CoefficientTable()).write(address, mine)
+
+    def rows(self) -> list[list[Any]]:
+        """Every warm pod's model as plain values, `[model, address, values]`: what a
+        replica that just started takes from its peers (`adopt`, over the sync bus)."""
+        return [
+            [model, address, pod.values()]
+            for (model, address), pod in self._pods.items()
+            if pod.fit is not None
+        ]
+
+    def adopt(self, rows: Iterable[Any]) -> int:
+        """Take the models in `rows` (another replica's `rows`) for the pods whose own model
+        learned fewer samples: a replica that just started (or restarted) routes by what its
+        peers learned rather than by a few early samples of its own (which the peer learned
+        too: the samples it shares reach this replica before its models). A model that learned
+        as many is kept. A malformed row is skipped and counted (`ignored`); never raises.
+        Returns how many models were taken."""
+        taken = 0
+        for row in rows:
+            if not isinstance(row, list | tuple) or len(row) != 3:
+                self.ignored += 1
+                continue
+            model, address, values = row
+            if not isinstance(model, str) or not isinstance(address, str):
+                self.ignored += 1
+                continue
+            key = (model, address)
+            mine = self._pods.get(key)
+            if mine is None and len(self._pods) >= self._max:
+                continue  # bounded as learning is
+            pod = self._new_pod()
+            if not pod.restore(values):
+                self.ignored += 1
+                continue
+            if mine is not None and mine.ttft.samples >= pod.ttft.samples:
+                continue
+            pod.updated_at = self._clock()
+            self._pods[key] = pod
+            self._tables.setdefault(model, CoefficientTable()).write(address, pod)
+            taken += 1
+        self.adopted += taken
+        return taken
+
+    def _new_pod(self) -> PodLatencyModel:
+        return PodLatencyModel(
+            forgetting=self._forgetting, ridge=self._ridge,
+            min_samples=self.min_samples, huber_k=self._huber,
+        )  # fmt: skip
 
     def routed(self, model: str, address: str) -> None:
         """This process just sent the pod a request (a real one, not an explain): the
@@ -494,10 +619,7 @@ class LatencyModels:
                 oldest = min(self._pods, key=lambda k: self._pods[k].updated_at)
                 del self._pods[oldest]
                 self._tables[oldest[0]].drop(oldest[1])
-            pod = self._pods[key] = PodLatencyModel(
-                forgetting=self._forgetting, ridge=self._ridge,
-                min_samples=self.min_samples, huber_k=self._huber,
-            )  # fmt: skip
+            pod = self._pods[key] = self._new_pod()
         pod.observe(x, ttft_s, tpot_s)
         pod.updated_at = self._clock()
         table = self._tables.get(model)
@@ -536,6 +658,7 @@ class LatencyModels:
             "forgetting": self._forgetting,
             "features": list(FEATURE_NAMES),
             "ignored_records": self.ignored,
+            "adopted_from_peers": self.adopted,
             "models": {},
         }
         for (model, address), pod in sorted(self._pods.items()):

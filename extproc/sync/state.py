@@ -8,7 +8,17 @@ decision path, and publishes one combined message per tick (~10 ms):
   (the exact index stays local: every replica reads every pod's KV events itself);
 - VTC fairness charges per user (weighted tokens), kept until a publish succeeds;
 - once, for a replica that just joined (its first message says hello), a snapshot of the
-  approximate index (the most recent blocks per pod), so it does not start cold;
+  approximate index (the most recent blocks per pod) and of the predicted-latency models (each
+  warm pod's sums, `MAX_MODELS_PER_MESSAGE` a message), so it does not start cold: a process
+  that restarts routes by what its peers learned, not by its first few samples (on kvwins'
+  capture, replayed from no models, predicted-latency collapsed in 10 of 16 seeds, from the
+  running gateway's in 0 of 12; docs/strategies.md). The models go after the samples that
+  were in the outbox when they were taken (learned by them: the joiner replaces the model it
+  learned from those with the peer's, so none counts twice). A sample noted after they were
+  taken, of a pod whose model goes in a later message of a large snapshot (50 models a
+  message, one message a tick), reaches the joiner first and is then replaced with a model
+  that had not learned it: lost there. The joiner keeps a model that learned as many
+  samples as the peer's;
 - the latency samples this replica learnt from its access-log records (features, TTFT, TPOT),
   since Envoy sends each worker's records to one process: every replica's predicted-latency
   models learn from every record. Like fairness charges they stay in the outbox until a publish
@@ -72,6 +82,8 @@ from extproc.types import EngineMetrics
 __all__ = [
     "PROTOCOL_VERSION",
     "AdoptSink",
+    "LatencyRows",
+    "LatencyRowsSink",
     "LatencySink",
     "MetricsSink",
     "QueueDepths",
@@ -86,6 +98,9 @@ __all__ = [
 MetricsSink = Callable[[str, str, EngineMetrics], None]
 # (model, pod, decision tag, ttft_s, tpot_s): a latency sample a peer learnt from a record.
 LatencySink = Callable[[str, str, str, float | None, float | None], object]
+# Every warm latency model as `[model, pod, values]` rows; and what takes a peer's rows.
+LatencyRows = Callable[[], list[list[Any]]]
+LatencyRowsSink = Callable[[list[Any]], object]
 # (replica, lease number): a peer got the record of this lease.
 ReleaseSink = Callable[[str, int], object]
 # Lease rows a replica that shut down handed to this one (director.leases.HandoffRow).
@@ -123,6 +138,9 @@ MAX_PENDING_RELEASES = 100_000  # lease releases kept while the bus is down (the
 MAX_RELEASES_PER_MESSAGE = 2_000  # ~50 kB: no backlog makes a message the bus cannot carry
 RELEASE_REPLAY_S = 900.0  # releases sent are kept this long to send again (the longest lease)
 SNAPSHOT_BLOCKS_PER_POD = 20_000  # what a peer sends a replica that just joined
+# Latency models of a snapshot a message: ~0.75 kB each, and ~130 us each for the joiner to
+# take (a Cholesky solve per target, in Python): 50 keep a message's work on its loop ~7 ms.
+MAX_MODELS_PER_MESSAGE = 50
 DEFAULT_SETTINGS = SyncConfig()
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -177,6 +195,8 @@ class StateSync:
         models: Callable[[], Iterable[str]] = tuple,
         on_metrics: MetricsSink | None = None,
         on_latency: LatencySink | None = None,
+        latency_rows: LatencyRows | None = None,
+        on_latency_rows: LatencyRowsSink | None = None,
         on_release: ReleaseSink | None = None,
         on_adopt: AdoptSink | None = None,
         queues: Callable[[], QueueDepths] | None = None,
@@ -196,6 +216,12 @@ class StateSync:
         self._snapshot: deque[tuple[str, str, list[int]]] = deque()  # its rows still to send
         self._on_metrics = on_metrics
         self._on_latency = on_latency
+        self._latency_rows = latency_rows
+        self._on_latency_rows = on_latency_rows
+        # A snapshot's latency models: due once a peer joined, taken when the samples noted
+        # before them leave in the same message, then sent MAX_MODELS_PER_MESSAGE a message.
+        self._models_due = False
+        self._model_rows: deque[list[Any]] = deque()
         self._on_release = on_release
         self._on_adopt = on_adopt
         self._queues = queues
@@ -337,7 +363,7 @@ class StateSync:
         samples = bool(self._samples) and bool(self._peers)
         pending = (
             self._blocks or self._charges or self._scrapes or samples or self._snapshot_due
-            or self._snapshot or self._releases
+            or self._snapshot or self._models_due or self._model_rows or self._releases
         )  # fmt: skip
         if changed_inflight or changed_queues or pending or due:
             message = self._next_message(inflight)
@@ -369,6 +395,15 @@ class StateSync:
                 take = min(len(self._samples), MAX_SAMPLES_PER_MESSAGE)
                 batch = [self._samples.popleft() for _ in range(take)]
                 message["l"] = batch
+            if self._models_due and not self._samples:
+                # Every sample the models learned before now has gone out before them or goes
+                # in this message, which the peer applies first: none is learned twice there.
+                self._models_due = False
+                self._model_rows = deque(self._latency_rows() if self._latency_rows else ())
+            rows = [self._model_rows.popleft()
+                    for _ in range(min(len(self._model_rows), MAX_MODELS_PER_MESSAGE))]  # fmt: skip
+            if rows:
+                message["lm"] = rows
             data = msgpack.packb(message)
             if len(data) > MAX_MESSAGE_BYTES and "b" in message:
                 del message["b"]
@@ -387,6 +422,9 @@ class StateSync:
                 for user, tokens in charges:  # kept for the next publish
                     self._charges[user] = self._charges.get(user, 0.0) + tokens
                 self._samples.extendleft(reversed(batch))  # kept for the next publish
+                if rows:  # taken again after those samples, as the models will be then
+                    self._model_rows.clear()
+                    self._models_due = True
                 while len(self._samples) > MAX_PENDING_SAMPLES:
                     self._samples.popleft()
             # Blocks and scrapes are not kept for a retry: newer ones replace them anyway.
@@ -395,10 +433,12 @@ class StateSync:
         self._expire(now)
 
     def _add_snapshot(self) -> None:
-        """Our approximate index (the most recent blocks per pod) for a replica that just
-        joined, so it does not start cold; applying blocks twice is harmless. It goes out over
-        the next messages, MAX_PENDING_BLOCKS a message (`_take_blocks`)."""
+        """Our approximate index (the most recent blocks per pod) and latency models for a
+        replica that just joined, so it does not start cold; applying blocks twice is harmless,
+        a model is taken only where the joiner's own is cold. They go out over the next
+        messages, MAX_PENDING_BLOCKS and MAX_MODELS_PER_MESSAGE a message (`_take_blocks`)."""
         self._snapshot.clear()
+        self._models_due = self._latency_rows is not None
         for model in self._models():
             index = self._approx(model)
             if index is None:
@@ -541,6 +581,9 @@ class StateSync:
         if self._on_latency is not None:
             for model, pod, tag, ttft, tpot in message.get("l", ()):
                 self._on_latency(str(model), str(pod), str(tag), _seconds(ttft), _seconds(tpot))
+        rows = message.get("lm")
+        if self._on_latency_rows is not None and isinstance(rows, list) and rows:
+            self._on_latency_rows(rows)
         if self._on_metrics is not None:
             counts = message.get("n")
             for i, row in enumerate(message.get("m", ())):

@@ -3,8 +3,10 @@ outliers, forget a pod that changed, ignore broken records, and travel as a comp
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -279,3 +281,85 @@ def test_learned_models_start_another_gateway_where_this_one_is() -> None:
     small = LatencyModels(max_pods=1)
     small.start_from(learned)
     assert len(small.state()["models"][MODEL]) == 1
+
+
+def test_a_peers_models_as_rows_predict_here_as_there_and_learn_on() -> None:
+    there, here = LatencyModels(), LatencyModels()
+    train(there, "fast", 40, speed=4.0, noise=0.05)
+    train(there, "slow", 40, speed=1.0, noise=0.05, seed=2)
+    train(there, "cold", 3)  # not warm: not shared
+    rows = there.rows()
+    assert sorted(r[1] for r in rows) == ["fast", "slow"]
+    assert here.adopt(rows) == 2 and here.adopted == 2 and here.ignored == 0
+    rng = random.Random(7)
+    for _ in range(20):
+        f = features(rng)
+        a, b = there.predict(MODEL, "slow", f), here.predict(MODEL, "slow", f)
+        assert a is not None and b is not None
+        assert (b.ttft_s, b.tpot_s, b.samples, b.error_s) == (
+            a.ttft_s, a.tpot_s, a.samples, a.error_s,
+        )  # fmt: skip
+    # Both learn the next samples alike: the sums travelled, not only the coefficients.
+    train(there, "slow", 10, speed=0.5, seed=3)
+    train(here, "slow", 10, speed=0.5, seed=3)
+    assert coefficients(here, "slow") == coefficients(there, "slow")
+    assert here.state()["models"][MODEL]["slow"] == there.state()["models"][MODEL]["slow"]
+
+
+def test_a_model_that_learned_as_many_samples_is_kept_one_that_learned_fewer_gives_way() -> None:
+    there, here = LatencyModels(), LatencyModels()
+    train(there, "a", 30)
+    train(there, "b", 30)
+    train(here, "a", 30, speed=10.0, seed=5)  # as many samples, its own
+    train(here, "b", 9, speed=10.0, seed=5)  # warm, but fewer: a process that just started
+    probe = LatencyFeatures(1500, 1, 0, 0.0, 1.0, 0.1)
+    own_a = here.predict(MODEL, "a", probe)
+    assert here.adopt(there.rows()) == 1
+    kept = here.predict(MODEL, "a", probe)
+    assert own_a is not None and kept is not None
+    assert (kept.ttft_s, kept.samples) == (own_a.ttft_s, 30)
+    b, theirs = here.predict(MODEL, "b", probe), there.predict(MODEL, "b", probe)
+    assert b is not None and theirs is not None and b.ttft_s == theirs.ttft_s and b.samples == 30
+    # Bounded as learning is: a full table takes no new pod.
+    small = LatencyModels(max_pods=1)
+    train(small, "a", 2)
+    assert small.adopt(there.rows()) == 1 and set(small.state()["models"][MODEL]) == {"a"}
+
+
+def _broken(row: list[Any], where: tuple[int, ...], to: object) -> list[Any]:
+    out = copy.deepcopy(row)
+    target = out
+    for i in where[:-1]:
+        target = target[i]
+    target[where[-1]] = to
+    return out
+
+
+@pytest.mark.parametrize(
+    ("where", "to"),
+    [
+        ((), "not a row"),
+        ((0,), 7),  # the model's name
+        ((2,), "values"),
+        ((2, 0), [1.0, 2.0]),  # the TTFT's values, cut short
+        ((2, 0, 0), 0),  # no sample
+        ((2, 0, 0), 2),  # fewer samples than a warm model has
+        ((2, 0, 0), 30.5),
+        ((2, 0, 0), True),
+        ((2, 0, 1), -0.1),  # a negative residual scale
+        ((2, 0, 2), math.inf),
+        ((2, 0, 3), 9.0),  # the fastest sample above the slowest
+        ((2, 0, 8), math.nan),
+        ((2, 0, 8), "1.0"),
+        ((2, 0, 5), -1e9),  # X'WX not positive definite
+        ((2, 1), [1]),  # the TPOT's values
+    ],
+)
+def test_a_malformed_model_row_is_refused_and_counted(where: tuple[int, ...], to: object) -> None:
+    there, here = LatencyModels(), LatencyModels()
+    train(there, "a", 30)
+    (row,) = there.rows()
+    bad = to if where == () else _broken(row, where, to)
+    assert here.adopt([bad]) == 0
+    assert here.ignored == 1 and here.state()["models"] == {}
+    assert here.adopt([row]) == 1  # the row itself is fine

@@ -1,8 +1,9 @@
 """predicted-latency end to end: real Envoy, real simulators of different speeds, the models
 learned from Envoy's access-log records. Once warm, the fast pod gets most of the traffic,
 explain shows each candidate's predicted TTFT, the prediction error is exported, a sheddable
-request no pod can serve within its SLO is a 429 counted as shed; with two processes, the
-samples of a NATS outage reach the other process once NATS is back."""
+request no pod can serve within its SLO is a 429 counted as shed, a restarted process starts
+from its peer's models; with two processes, the samples of a NATS outage reach the other
+process once NATS is back."""
 
 from __future__ import annotations
 
@@ -138,6 +139,34 @@ def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path) -> No
         name = "extproc_shed_requests_total"
         assert sum(metric_sum(m, name, model="qwen3", reason="slo") for m in shed) == 1
         assert sum(metric_sum(m, name) for m in shed) == 1
+
+        # A process that restarts starts from its peer's models (the sync bus's snapshot for
+        # a replica that joins), not cold: before any request reaches it, it predicts as the
+        # process that kept running does.
+        stack.restart("extproc-0")
+
+        def restarted_took_the_models() -> bool:
+            try:
+                restarted, kept = models_state(client, admin)
+            except (httpx.HTTPError, ValueError):
+                return False  # not serving yet
+            return (
+                restarted["adopted_from_peers"] == 2
+                and warm_pods(restarted) == {fast, slow}
+                and all(
+                    restarted["models"]["qwen3"][pod]["ttft"]
+                    == kept["models"]["qwen3"][pod]["ttft"]  # type: ignore[index]
+                    for pod in (fast, slow)
+                )
+            )
+
+        assert wait_for(restarted_took_the_models, timeout=20), models_state(client, admin)
+        explained = client.post(
+            f"{admin[0]}/debug/explain", content=json.dumps(chat(1001)).encode()
+        ).json()
+        assert "cold start" not in explained["reason"], explained
+        predicted = {c["address"]: c["scores"]["pred_ttft_ms"] for c in explained["candidates"]}
+        assert predicted[slow] > predicted[fast] > 0, explained
 
 
 def learned_samples(state: dict[str, object]) -> int:

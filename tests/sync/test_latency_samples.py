@@ -33,7 +33,8 @@ async def replica(name: str, net: MemoryNetwork, clock: Clock) -> tuple[StateSyn
     sync = StateSync(
         replica=name, bus=net.bus(), inflight=InflightTracker(clock=clock),
         fairness=FairnessCounters(), approx=lambda _model: None,
-        on_latency=models.observe_tagged, settings=SETTINGS,
+        on_latency=models.observe_tagged, latency_rows=models.rows,
+        on_latency_rows=models.adopt, settings=SETTINGS,
         metrics=SyncMetrics(CollectorRegistry()), clock=clock,
     )  # fmt: skip
     await sync._bus.start(sync.receive)
@@ -151,3 +152,70 @@ async def test_a_sample_value_that_is_not_a_number_teaches_nothing(value: object
     row = ["qwen3", POD, tag, value, value]
     sync.receive(msgpack.packb({"v": 1, "r": "r9", "s": 1, "t": 0.0, "i": [], "l": [row]}))
     assert models.state()["models"] == {} and models.ignored == 1
+
+
+async def test_a_replica_that_joins_starts_from_its_peers_models_in_parts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(state, "MAX_MODELS_PER_MESSAGE", 2)  # five models: three messages
+    pods = [f"10.0.0.{i}:8000" for i in range(1, 6)]
+    clock, net = Clock(), MemoryNetwork()
+    a, models_a = await replica("r0", net, clock)
+    for n, pod in enumerate(pods):
+        for tag, ttft in tags(4 + n):
+            models_a.observe_tagged("qwen3", pod, tag, ttft * (1 + n), 0.01)
+    await tick([a], clock)
+    # A process that (re)started: nothing learned, it says hello.
+    b, models_b = await replica("r1", net, clock)
+    carried: list[int] = []
+    b_receive = b.receive
+
+    def count(data: bytes) -> None:
+        carried.append(len(msgpack.unpackb(data).get("lm", ())))
+        b_receive(data)
+
+    net._handlers[-1] = count
+    probe = LatencyFeatures(250, 1, 0, 0.0, 1.0, 0.1)
+    assert models_b.predict("qwen3", pods[0], probe) is None
+    for _ in range(6):
+        await tick([a, b], clock)
+    assert [c for c in carried if c] == [2, 2, 1]
+    assert models_b.adopted == 5 and models_b.state()["models"] == models_a.state()["models"]
+    # From there both learn every record alike: one sample r0's access log taught it.
+    tag, ttft = tags(9)[8]
+    models_a.observe_tagged("qwen3", pods[0], tag, ttft, 0.01)
+    a.note_latency("qwen3", pods[0], tag, ttft, 0.01)
+    await tick([a, b], clock)
+    assert models_b.state()["models"] == models_a.state()["models"]
+    pa, pb = models_a.predict("qwen3", pods[0], probe), models_b.predict("qwen3", pods[0], probe)
+    assert pa is not None and pb is not None and (pa.ttft_s, pa.samples) == (pb.ttft_s, pb.samples)
+
+
+async def test_the_samples_a_joiner_is_sent_are_not_learned_twice_with_the_models() -> None:
+    """Samples r0 learned while nobody listened wait in its outbox; its models (which learned
+    them) go out with or after them, and the joiner replaces what it learned from them."""
+    clock, net = Clock(), MemoryNetwork()
+    a, models_a = await replica("r0", net, clock)
+    for tag, ttft in tags(5):
+        models_a.observe_tagged("qwen3", POD, tag, ttft, 0.01)
+        a.note_latency("qwen3", POD, tag, ttft, 0.01)
+    await tick([a], clock)  # alone: they wait
+    b, models_b = await replica("r1", net, clock)
+    for _ in range(4):
+        await tick([a, b], clock)
+    assert samples_of(models_b) == 5
+    assert models_b.state()["models"] == models_a.state()["models"]
+
+
+def test_malformed_model_rows_are_dropped_never_raising() -> None:
+    clock, net = Clock(), MemoryNetwork()
+    models_b = LatencyModels()
+    b = StateSync(
+        replica="r1", bus=net.bus(), inflight=InflightTracker(clock=clock),
+        fairness=FairnessCounters(), approx=lambda _model: None,
+        on_latency_rows=models_b.adopt, settings=SETTINGS, clock=clock,
+    )  # fmt: skip
+    for seq, rows in enumerate(([["qwen3", POD, "junk"], [1, 2, 3], "x"], {"no": 1}, "x"), 1):
+        b.receive(msgpack.packb({"v": 1, "r": "r9", "s": seq, "t": 0.0, "i": [], "lm": rows}))
+    assert models_b.state()["models"] == {} and models_b.adopted == 0
+    assert models_b.ignored == 3  # the rows of the list; the others are not lists of rows
