@@ -253,15 +253,25 @@ class PredictedLatencyParams:
     # cap 0 of 12; live 144 ms against 352; docs/strategies.md, predicted-latency).
     spread_cap: float = 0.25
     overlap_weight: float = 1.0  # the cold-start cost rule's (kv-aware) prefill weight
+    # The models decide once every candidate's has learned this many samples (until then the
+    # cost rule does): as many as a model remembers (forgetting 0.98: ~50). Fitted on fewer,
+    # early ones (7 coefficients from 8 samples at a low load, 8 until 2026-12-07) a cold
+    # start took the wrong turn under a rising load: on kvwins' capture replayed from no
+    # models, p50 above 250 ms in 10 of 16 seeds at 8, 7 at 16, 2 at 32, none at 50 or 64
+    # (118-159 ms; docs/strategies.md, predicted-latency).
+    min_samples: int = 50
     # A pod whose model has not learned for this long, and that this process has not sent a
     # request for as long, gets one (a probe), so a pod the rule stopped choosing is measured
     # again (it may have got faster); 0 = never.
     probe_after_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if min(self.temperature, self.spread_cap, self.overlap_weight, self.probe_after_s) < 0:
+        values = (self.temperature, self.spread_cap, self.overlap_weight, self.probe_after_s,
+                  self.min_samples)  # fmt: skip
+        if min(values) < 0:
             raise ValueError(
-                "temperature, spread_cap, overlap_weight and probe_after_s must be >= 0"
+                "temperature, spread_cap, overlap_weight, probe_after_s and min_samples must "
+                "be >= 0"
             )
 
 
@@ -370,8 +380,11 @@ class PredictedLatencyStrategy(StrategyPlugin):
         x = _feature_columns(req, cols, uncached)
         addresses = cols.addresses
         preds = self._predictor.predict_columns(req.model, addresses, x)
-        if preds is None or np.count_nonzero(preds.warm) < cols.n:
-            cold_at = np.arange(cols.n) if preds is None else (~preds.warm).nonzero()[0]
+        if preds is None:
+            cold_at = np.arange(cols.n)
+        else:
+            cold_at = (~(preds.warm & (preds.samples >= self.params.min_samples))).nonzero()[0]
+        if preds is None or len(cold_at):
             cold = [addresses[i] for i in cold_at[:5].tolist()]
             return self._cold_start(t0, req, snap, rng, cold, slo, len(cold_at))
         n = cols.n

@@ -72,7 +72,7 @@ def learn(models: LatencyModels, clock: ManualClock) -> None:
     rng = random.Random(3)
     for address, speed, after in ((SLOW, 1.0, 0.0), (OTHER, 1.0, 50.0), (FAST, 3.0, 0.0)):
         clock.advance(after)
-        for _ in range(20):
+        for _ in range(60):  # past the rule's min_samples (50)
             f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 10), 0, 0.0, 1.0, 0.2)
             ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
             models.observe("qwen3", address, f, ttft_s=ttft, tpot_s=0.01 / speed)

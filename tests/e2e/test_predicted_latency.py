@@ -27,6 +27,9 @@ pytestmark = pytest.mark.e2e
 
 # Every simulated step takes 5x longer on sim 1 (sim 0 keeps the harness's 0.2 time scale).
 SLOW_SIM = ("--time-scale", "1.0")
+# The rule decides by its models once each has learned this many samples (the default, 50,
+# would take 76 more requests of CI time; tests/routing/test_predicted.py has the default).
+RULE = {"routing": {"strategy_params": {"predicted-latency": {"min_samples": 8}}}}
 WARMUP = 24
 MEASURED = 30
 
@@ -70,6 +73,7 @@ def test_predicted_latency_learns_to_prefer_the_faster_pod(tmp_path: Path) -> No
         strategy="predicted-latency",
         extproc_processes=processes,
         sim_args_each=((), SLOW_SIM),
+        server_config=RULE,
     )
     fast, slow = opts.sim_address(0), opts.sim_address(1)
     admin = [f"http://{opts.host}:{opts.metrics_port + i}" for i in range(processes)]

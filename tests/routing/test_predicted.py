@@ -137,6 +137,8 @@ def test_a_cached_prefix_counts_as_less_prefill() -> None:
         pytest.param(None, "cold start (2 of 2 pods", id="no-model"),
         pytest.param(learned({FAST: 3.0}), "cold start (1 of 2 pods", id="one-pod-cold"),
         pytest.param(learned({FAST: 3.0, SLOW: 1.0}, samples=7), "cold start (2 of 2", id="few"),
+        # Warm models (8 samples) but fewer than the rule's min_samples (50).
+        pytest.param(learned({FAST: 3.0, SLOW: 1.0}, samples=49), "cold start (2 of 2", id="49"),
     ],
 )
 def test_cold_start_is_the_cost_rule(models: LatencyModels | None, why: str) -> None:
@@ -151,6 +153,24 @@ def test_cold_start_is_the_cost_rule(models: LatencyModels | None, why: str) -> 
         assert got.strategy == "predicted-latency"
         assert got.reason.startswith(why)
         assert "SLO headers not applied" in got.reason  # and nothing is shed without a model
+
+
+@pytest.mark.parametrize(("samples", "min_samples", "by_models"), [
+    (49, None, False), (50, None, True), (8, 8, True), (7, 8, False), (0, 0, False),
+])  # fmt: skip
+def test_the_models_decide_once_each_learned_min_samples(
+    samples: int, min_samples: int | None, by_models: bool
+) -> None:
+    models = learned({FAST: 3.0, SLOW: 1.0}, samples=samples) if samples else None
+    params = (
+        PredictedLatencyParams()
+        if min_samples is None
+        else PredictedLatencyParams(min_samples=min_samples)
+    )
+    s = PredictedLatencyStrategy("predicted-latency", params, predictor=models)
+    got = s.route(request(), Snapshot(0.0, (pod(FAST), pod(SLOW))), random.Random(0))
+    assert got.reason.startswith("min predicted ttft") is by_models, got.reason
+    assert got.reason.startswith("cold start") is not by_models
 
 
 def test_slo_keeps_only_pods_predicted_to_meet_it() -> None:
@@ -207,7 +227,7 @@ def test_a_pod_whose_model_stopped_learning_is_probed_once_per_period() -> None:
     rng = random.Random(2)
     for address, speed, at in ((SLOW, 1.0, 0.0), (FAST, 3.0, 50.0)):
         clock.advance(at)  # the slow pod learned last 50 s ago, the fast one just now
-        for _ in range(20):
+        for _ in range(60):  # past the rule's min_samples (50)
             f = LatencyFeatures(rng.randrange(0, 3000), rng.randrange(0, 10), 0, 0.0, 1.0, 0.2)
             ttft = (0.03 + 0.04 * f.uncached_tokens / 1000 + 0.015 * f.in_flight) / speed
             models.observe(MODEL, address, f, ttft_s=ttft, tpot_s=0.01 / speed)
@@ -285,3 +305,5 @@ def test_an_error_shared_by_every_pod_does_not_spread_a_prompt_from_its_cache(
     assert least <= counts[pods[2]] <= most, counts
     with pytest.raises(ValueError, match="spread_cap"):
         PredictedLatencyParams(spread_cap=-0.1)
+    with pytest.raises(ValueError, match="min_samples"):
+        PredictedLatencyParams(min_samples=-1)

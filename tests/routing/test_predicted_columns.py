@@ -90,7 +90,8 @@ def test_argmin_ranks_by_prediction_slo_meeting_pods_first(n: int) -> None:
     models = _models(pods, ManualClock(), cold=0, tpot_cold=n // 4)
     strategy = PredictedLatencyStrategy(
         "predicted-latency",
-        PredictedLatencyParams(temperature=0.0, probe_after_s=0.0),
+        # The rule decides once the models are warm (min_samples 4, as `learned_models`').
+        PredictedLatencyParams(temperature=0.0, probe_after_s=0.0, min_samples=4),
         predictor=models,
     )
     snap = Snapshot(now=1.0, pods=tuple(pods))

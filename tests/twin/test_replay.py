@@ -190,9 +190,11 @@ def test_a_switch_to_predicted_latency_starts_from_what_the_running_gateway_lear
     assert {address for (_model, address), _pod in learned.pods} == {p.address for p in PODS}
     # Switched to predicted-latency with those models, its first requests keep off the slow
     # pod; started cold, they follow the cost rule, which sees three equal pods.
-    first = traffic[:12]
-    warm = replay(pool, first, strategy="predicted-latency", latency=learned)
-    cold = replay(pool, first, strategy="predicted-latency")
+    # (The rule decides by its models once each learned `min_samples`: 30 requests a pod
+    # here, so 8.)
+    first, params = traffic[:12], {"min_samples": 8}
+    warm = replay(pool, first, strategy="predicted-latency", params=params, latency=learned)
+    cold = replay(pool, first, strategy="predicted-latency", params=params)
     on_slow = [sum(s.pod == slow.address for s in served) for served in (warm, cold)]
     assert on_slow[0] < on_slow[1] and on_slow[1] >= 3
 

@@ -162,7 +162,11 @@ def test_a_cold_start_is_replayed_cold_and_shown_never_recommended(tmp_path: Pat
     assert cold in candidates(requests) and warm in candidates(requests)
     report = tune(
         requests, default_model="m", rules=[cold, warm], workers=1, seeds=2, max_seeds=2,
-        base_config={"flow_control": {"enabled": False}},
+        base_config={
+            "flow_control": {"enabled": False},
+            # A short capture (20 requests a pod): the models decide from 8 samples.
+            "routing": {"strategy_params": {"predicted-latency": {"min_samples": 8}}},
+        },
     )  # fmt: skip
     rows = {r.candidate.name: r for r in report.results}
     p50 = {name: [s.ttft_p50_ms for s in r.seeds] for name, r in rows.items()}
