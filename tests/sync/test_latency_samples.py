@@ -48,6 +48,19 @@ async def tick(syncs: list[StateSync], clock: Clock) -> None:
     await asyncio.sleep(0.003)
 
 
+def carried(sync: StateSync, net: MemoryNetwork, key: str) -> list[int]:
+    """How many rows under `key` each message the replica last joined to `net` gets."""
+    counts: list[int] = []
+    receive = sync.receive
+
+    def count(data: bytes) -> None:
+        counts.append(len(msgpack.unpackb(data).get(key, ())))
+        receive(data)
+
+    net._handlers[-1] = count
+    return counts
+
+
 def tags(n: int) -> list[tuple[str, float]]:
     return [
         (DecisionTag(LatencyFeatures(100 * i, i % 3, 0, 0.0, 1.0, 0.1)).encode(), 0.05 + 0.01 * i)
@@ -111,14 +124,7 @@ async def test_samples_wait_for_a_peer_and_the_newest_are_kept(
         a.note_latency("qwen3", "old:8000" if i < 10 else f"10.0.0.{i % 5}:8000", tag, ttft, None)
     await tick([a], clock)  # alone: nobody to send them to
     b, models_b = await replica("r1", net, clock)
-    sent: list[int] = []
-    b_receive = b.receive
-
-    def count(data: bytes) -> None:
-        sent.append(len(msgpack.unpackb(data).get("l", ())))
-        b_receive(data)
-
-    net._handlers[-1] = count
+    sent = carried(b, net, "l")
     for _ in range(10):
         await tick([a, b], clock)
     assert max(sent) == 8 and sum(sent) == 50
@@ -167,19 +173,12 @@ async def test_a_replica_that_joins_starts_from_its_peers_models_in_parts(
     await tick([a], clock)
     # A process that (re)started: nothing learned, it says hello.
     b, models_b = await replica("r1", net, clock)
-    carried: list[int] = []
-    b_receive = b.receive
-
-    def count(data: bytes) -> None:
-        carried.append(len(msgpack.unpackb(data).get("lm", ())))
-        b_receive(data)
-
-    net._handlers[-1] = count
+    sent = carried(b, net, "lm")
     probe = LatencyFeatures(250, 1, 0, 0.0, 1.0, 0.1)
     assert models_b.predict("qwen3", pods[0], probe) is None
     for _ in range(6):
         await tick([a, b], clock)
-    assert [c for c in carried if c] == [2, 2, 1]
+    assert [c for c in sent if c] == [2, 2, 1]
     assert models_b.adopted == 5 and models_b.state()["models"] == models_a.state()["models"]
     # From there both learn every record alike: one sample r0's access log taught it.
     tag, ttft = tags(9)[8]
