@@ -219,6 +219,19 @@ class _Target:
         return _clamped(self.reg.predict(x), self.floor, self.cap)
 
 
+def _claimed_samples(values: Any) -> float:
+    """The TTFT sample count a peer's model values say they hold (`PodLatencyModel.values`),
+    unchecked (`restore` checks); infinity when they do not say, so no model is kept for
+    them and `restore` refuses them."""
+    try:
+        count = values[0][0]
+    except (TypeError, IndexError, KeyError):
+        return math.inf
+    return (
+        float(count) if isinstance(count, int | float) and not isinstance(count, bool) else math.inf
+    )
+
+
 def _ms3(seconds: float | None) -> Any:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
@@ -565,11 +578,11 @@ class LatencyModels:
             mine = self._pods.get(key)
             if mine is None and len(self._pods) >= self._max:
                 continue  # bounded as learning is
+            if mine is not None and mine.ttft.samples >= _claimed_samples(values):
+                continue  # the common case (every live peer hears a joiner's snapshot): no solve
             pod = self._new_pod()
             if not pod.restore(values):
                 self.ignored += 1
-                continue
-            if mine is not None and mine.ttft.samples >= pod.ttft.samples:
                 continue
             pod.updated_at = self._clock()
             self._pods[key] = pod

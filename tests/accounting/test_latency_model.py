@@ -17,6 +17,7 @@ from extproc.accounting.latency_model import (
     LatencyMetrics,
     LatencyModels,
     OnlineRidge,
+    PodLatencyModel,
 )
 from extproc.routing.predicted import FEATURE_NAMES, LatencyFeatures
 from tests._clock import ManualClock
@@ -306,7 +307,17 @@ def test_a_peers_models_as_rows_predict_here_as_there_and_learn_on() -> None:
     assert here.state()["models"][MODEL]["slow"] == there.state()["models"][MODEL]["slow"]
 
 
-def test_a_model_that_learned_as_many_samples_is_kept_one_that_learned_fewer_gives_way() -> None:
+def test_a_model_that_learned_as_many_samples_is_kept_one_that_learned_fewer_gives_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    restored: list[object] = []
+    restore = PodLatencyModel.restore
+
+    def counted(pod: PodLatencyModel, values: object) -> bool:
+        restored.append(values)
+        return restore(pod, values)
+
+    monkeypatch.setattr(PodLatencyModel, "restore", counted)
     there, here = LatencyModels(), LatencyModels()
     train(there, "a", 30)
     train(there, "b", 30)
@@ -315,6 +326,7 @@ def test_a_model_that_learned_as_many_samples_is_kept_one_that_learned_fewer_giv
     probe = LatencyFeatures(1500, 1, 0, 0.0, 1.0, 0.1)
     own_a = here.predict(MODEL, "a", probe)
     assert here.adopt(there.rows()) == 1
+    assert len(restored) == 1  # the kept model's row is not even solved
     kept = here.predict(MODEL, "a", probe)
     assert own_a is not None and kept is not None
     assert (kept.ttft_s, kept.samples) == (own_a.ttft_s, 30)
