@@ -27,7 +27,6 @@ prediction's error (`extproc_latency_prediction_error_seconds{pod,kind}`).
 
 from __future__ import annotations
 
-import copy
 import math
 import operator
 import time
@@ -300,15 +299,15 @@ class PodLatencyModel:
         return [self.ttft.values(), self.tpot.values() if self.tpot.samples else None]
 
     def restore(self, values: Any) -> bool:
-        """Take a warm model's `values` (another replica's, `values`); False, and nothing
-        changed, for anything else."""
+        """Take a model's `values` (another replica's, `values`); False, and nothing changed,
+        for anything else."""
         if not isinstance(values, list | tuple) or len(values) != 2:
             return False
         ttft, tpot = values
         dim = len(FEATURE_NAMES)
         new_ttft = _Target(dim, self._forgetting, self._ridge)
         new_tpot = _Target(dim, self._forgetting, self._ridge)
-        if not new_ttft.restore(ttft) or new_ttft.samples < self._min:
+        if not new_ttft.restore(ttft):
             return False
         if tpot is not None and not new_tpot.restore(tpot):
             return False
@@ -485,9 +484,10 @@ def _clamped_columns(value: FloatArray, floor: FloatArray, cap: FloatArray) -> F
 @dataclass(frozen=True, slots=True)
 class LearnedModels:
     """What `LatencyModels` has learned, detached from it (`LatencyModels.learned`): every
-    pod's model, copied, picklable (the twin hands it to its worker processes)."""
+    pod's model as plain values (`LatencyModels.rows`, what a joining replica is sent too),
+    picklable (the twin hands it to its worker processes)."""
 
-    pods: tuple[tuple[tuple[str, str], PodLatencyModel], ...]
+    rows: tuple[list[Any], ...]
 
 
 class LatencyModels:
@@ -533,29 +533,23 @@ class LatencyModels:
         return None if table is None else table.predict(addresses, features, self._clock())
 
     def learned(self) -> LearnedModels:
-        """A copy of every pod's model as it stands."""
-        return LearnedModels(tuple((key, copy.deepcopy(pod)) for key, pod in self._pods.items()))
+        """Every pod's model as it stands, detached."""
+        return LearnedModels(tuple(self.rows()))
 
     def start_from(self, learned: LearnedModels) -> None:
-        """Take `learned`'s models (a copy; replacing this one's for the same pods) as if each
-        had just learned and no request had been sent yet: the twin's gateway starts where the
-        running gateway is, whose models learn from every request whatever rule routes it."""
-        now = self._clock()
-        for (model, address), pod in learned.pods:
-            if (model, address) not in self._pods and len(self._pods) >= self._max:
-                continue  # bounded as learning is (a snapshot from a larger pool)
-            mine = copy.deepcopy(pod)
-            mine.updated_at, mine.routed_at = now, -math.inf
-            self._pods[(model, address)] = mine
-            self._tables.setdefault(model, CoefficientTable()).write(address, mine)
+        """Take `learned`'s models (`adopt`: as if each had just learned and no request had
+        been sent yet): the twin's gateway starts where the running gateway is, whose models
+        learn from every request whatever rule routes it."""
+        self.adopt(learned.rows)
 
     def rows(self) -> list[list[Any]]:
-        """Every warm pod's model as plain values, `[model, address, values]`: what a
-        replica that just started takes from its peers (`adopt`, over the sync bus)."""
+        """Every pod's model that has learned a TTFT, as plain values `[model, address,
+        values]`: what a replica that just started takes from its peers (`adopt`, over the
+        sync bus), and what the twin starts from (`learned`)."""
         return [
             [model, address, pod.values()]
             for (model, address), pod in self._pods.items()
-            if pod.fit is not None
+            if pod.ttft.samples
         ]
 
     def adopt(self, rows: Iterable[Any]) -> int:

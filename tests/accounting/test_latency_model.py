@@ -277,7 +277,7 @@ def test_learned_models_start_another_gateway_where_this_one_is() -> None:
     assert cols is not None and list(cols.ttft_s) == [fast.ttft_s, slow.ttft_s]
     # It learns on from there, its own copy: the source is untouched.
     train(models, "slow", 30, speed=0.25, seed=4)
-    assert dict(learned.pods)[(MODEL, "slow")].ttft.samples == 60
+    assert {(r[0], r[1]): r[2] for r in learned.rows}[(MODEL, "slow")][0][0] == 60
     # Bounded as learning is.
     small = LatencyModels(max_pods=1)
     small.start_from(learned)
@@ -288,10 +288,11 @@ def test_a_peers_models_as_rows_predict_here_as_there_and_learn_on() -> None:
     there, here = LatencyModels(), LatencyModels()
     train(there, "fast", 40, speed=4.0, noise=0.05)
     train(there, "slow", 40, speed=1.0, noise=0.05, seed=2)
-    train(there, "cold", 3)  # not warm: not shared
+    train(there, "cold", 3)  # not warm: shared, and cold here too
     rows = there.rows()
-    assert sorted(r[1] for r in rows) == ["fast", "slow"]
-    assert here.adopt(rows) == 2 and here.adopted == 2 and here.ignored == 0
+    assert sorted(r[1] for r in rows) == ["cold", "fast", "slow"]
+    assert here.adopt(rows) == 3 and here.adopted == 3 and here.ignored == 0
+    assert here.predict(MODEL, "cold", features(random.Random(1))) is None
     rng = random.Random(7)
     for _ in range(20):
         f = features(rng)
@@ -355,7 +356,6 @@ def _broken(row: list[Any], where: tuple[int, ...], to: object) -> list[Any]:
         ((2,), "values"),
         ((2, 0), [1.0, 2.0]),  # the TTFT's values, cut short
         ((2, 0, 0), 0),  # no sample
-        ((2, 0, 0), 2),  # fewer samples than a warm model has
         ((2, 0, 0), 30.5),
         ((2, 0, 0), True),
         ((2, 0, 1), -0.1),  # a negative residual scale

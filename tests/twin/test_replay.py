@@ -187,7 +187,7 @@ def test_a_switch_to_predicted_latency_starts_from_what_the_running_gateway_lear
     pool = dataclasses.replace(SETUP, pods=(slow, *PODS[1:]))
     traffic = [dataclasses.replace(r, stream=True) for r in sessions_traffic(90)]
     learned = learned_latency(pool, traffic, strategy="kv-aware")
-    assert {address for (_model, address), _pod in learned.pods} == {p.address for p in PODS}
+    assert {row[1] for row in learned.rows} == {p.address for p in PODS}
     # Switched to predicted-latency with those models, its first requests keep off the slow
     # pod; started cold, they follow the cost rule, which sees three equal pods.
     # (The rule decides by its models once each learned `min_samples`: 30 requests a pod
