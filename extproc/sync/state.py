@@ -9,7 +9,7 @@ decision path, and publishes one combined message per tick (~10 ms):
 - VTC fairness charges per user (weighted tokens), kept until a publish succeeds;
 - once, for a replica that just joined (its first message says hello), a snapshot of the
   approximate index (the most recent blocks per pod) and of the predicted-latency models (each
-  warm pod's sums, `MAX_MODELS_PER_MESSAGE` a message), so it does not start cold: a process
+  pod's sums, `MAX_MODELS_PER_MESSAGE` a message), so it does not start cold: a process
   that restarts routes by what its peers learned, not by its first few samples (on kvwins'
   capture, replayed from no models, predicted-latency collapsed in 10 of 16 seeds, from the
   running gateway's in 0 of 12; docs/strategies.md). The models go after the samples that
@@ -98,7 +98,7 @@ __all__ = [
 MetricsSink = Callable[[str, str, EngineMetrics], None]
 # (model, pod, decision tag, ttft_s, tpot_s): a latency sample a peer learnt from a record.
 LatencySink = Callable[[str, str, str, float | None, float | None], object]
-# Every warm latency model as `[model, pod, values]` rows; and what takes a peer's rows.
+# Every latency model (that learned a TTFT) as `[model, pod, values]` rows; and what takes a peer's rows.
 LatencyRows = Callable[[], list[list[Any]]]
 LatencyRowsSink = Callable[[list[Any]], object]
 # (replica, lease number): a peer got the record of this lease.
