@@ -98,7 +98,7 @@ __all__ = [
 MetricsSink = Callable[[str, str, EngineMetrics], None]
 # (model, pod, decision tag, ttft_s, tpot_s): a latency sample a peer learnt from a record.
 LatencySink = Callable[[str, str, str, float | None, float | None], object]
-# Every latency model (that learned a TTFT) as `[model, pod, values]` rows; and what takes a peer's rows.
+# Every latency model that learned a TTFT as `[model, pod, values]` rows; what takes a peer's.
 LatencyRows = Callable[[], list[list[Any]]]
 LatencyRowsSink = Callable[[list[Any]], object]
 # (replica, lease number): a peer got the record of this lease.
