@@ -274,7 +274,7 @@ def _variant_of(rule: Mapping[str, Any], variants: Mapping[str, str | None]) -> 
     if name in variants:
         return name
     strategy = rule.get("strategy")
-    if not strategy or rule.get("params") or rule.get("cold"):  # a cold start never ran live
+    if not strategy or rule.get("params") or rule.get("cold"):
         return None
     return next((v for v, s in variants.items() if s == strategy), None)
 

@@ -195,7 +195,7 @@ class StateSync:
         models: Callable[[], Iterable[str]] = tuple,
         on_metrics: MetricsSink | None = None,
         on_latency: LatencySink | None = None,
-        latency_rows: LatencyRows | None = None,
+        latency_rows: LatencyRows = list,  # none by default
         on_latency_rows: LatencyRowsSink | None = None,
         on_release: ReleaseSink | None = None,
         on_adopt: AdoptSink | None = None,
@@ -399,7 +399,7 @@ class StateSync:
                 # Every sample the models learned before now has gone out before them or goes
                 # in this message, which the peer applies first: none is learned twice there.
                 self._models_due = False
-                self._model_rows = deque(self._latency_rows() if self._latency_rows else ())
+                self._model_rows = deque(self._latency_rows())
             rows = [self._model_rows.popleft()
                     for _ in range(min(len(self._model_rows), MAX_MODELS_PER_MESSAGE))]  # fmt: skip
             if rows:
@@ -438,7 +438,7 @@ class StateSync:
         a model is taken only where the joiner's own is cold. They go out over the next
         messages, MAX_PENDING_BLOCKS and MAX_MODELS_PER_MESSAGE a message (`_take_blocks`)."""
         self._snapshot.clear()
-        self._models_due = self._latency_rows is not None
+        self._models_due = True
         for model in self._models():
             index = self._approx(model)
             if index is None:
