@@ -120,7 +120,8 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
                 own = (await client.get(f"{admin_url(stack, 0)}/status.json")).json()
             if own["decisions"]["total"] > 0:
                 break
-
+        # Which of two ways it failed, if it does (a CI run of 2026-12-07 timed out below).
+        assert own["decisions"]["total"] > 0, f"process 0 made no decision in {sent} requests"
         rows = await page.wait_for(
             "document.querySelectorAll('tr.decision').length > 0 && "
             "document.querySelectorAll('tr.decision').length"
