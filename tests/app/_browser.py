@@ -71,15 +71,21 @@ class Page:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    async def wait_for(self, expression: str, within_s: float = 20.0) -> Any:
-        """Poll until the expression is truthy; returns its value."""
+    async def wait_for(
+        self, expression: str, within_s: float = 20.0, *, shown: str | None = None
+    ) -> Any:
+        """Poll until the expression is truthy; returns its value. On a timeout the error
+        carries `shown`'s value: what the page showed instead."""
         deadline = asyncio.get_running_loop().time() + within_s
         while True:
             value = await self.evaluate(expression)
             if value:
                 return value
             if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"timed out waiting for: {expression}")
+                instead = (
+                    "" if shown is None else f"; the page shows {await self.evaluate(shown)!r}"
+                )
+                raise AssertionError(f"timed out waiting for: {expression}{instead}")
             await asyncio.sleep(0.1)
 
     async def screenshot(
@@ -113,6 +119,10 @@ async def chromium_page(headers: dict[str, str] | None = None) -> AsyncIterator[
         CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
         "--no-first-run", "--no-default-browser-check", "--disable-extensions",
         "--disable-background-networking", "--disable-sync", "--metrics-recording-only",
+        # Timers run at full rate whatever the browser thinks of the tab's visibility: the
+        # pages poll on a timer, and a throttled one would look like a page that is not live.
+        "--disable-background-timer-throttling", "--disable-renderer-backgrounding",
+        "--disable-backgrounding-occluded-windows",
         "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
         f"--user-data-dir={profile}", "about:blank",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,

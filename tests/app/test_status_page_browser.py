@@ -124,7 +124,10 @@ async def test_the_page_shows_the_pods_and_updates_with_traffic(stack: LocalStac
         assert own["decisions"]["total"] > 0, f"process 0 made no decision in {sent} requests"
         rows = await page.wait_for(
             "document.querySelectorAll('tr.decision').length > 0 && "
-            "document.querySelectorAll('tr.decision').length"
+            "document.querySelectorAll('tr.decision').length",
+            shown="[document.getElementById('conn').textContent, "
+            "document.getElementById('updated').textContent, "
+            "document.getElementById('decisions-count').textContent]",
         )
         count_after = await page.evaluate("document.getElementById('decisions-count').textContent")
         assert count_after != count_before

@@ -54,17 +54,22 @@ def test_abandoned_flows_are_forgotten_and_a_second_round_costs_no_memory(expire
         await settle()
         tracemalloc.start()
         try:
-            await flood(k, "one", expire=expire)
-            assert empty(k.flow), k.flow.footprint()
-            await settle()
-            first = tracemalloc.take_snapshot()
-            await flood(k, "two", expire=expire)
-            assert empty(k.flow), k.flow.footprint()
-            await settle()
-            second = tracemalloc.take_snapshot()
+            snapshots = []
+            for tag in ("one", "two", "three"):
+                await flood(k, tag, expire=expire)
+                assert empty(k.flow), k.flow.footprint()
+                await settle()
+                snapshots.append(tracemalloc.take_snapshot())
         finally:
             tracemalloc.stop()
-        grown = sum(d.size_diff for d in second.compare_to(first, "filename"))
+        # tracemalloc sees the whole worker process: another thread allocating during one
+        # round (a leftover of an earlier test) is not the controller keeping anything. What
+        # the controller kept grows with every round, so the smaller of two rounds' growth
+        # is the one that tells.
+        grown = min(
+            sum(d.size_diff for d in after.compare_to(before, "filename"))
+            for before, after in zip(snapshots, snapshots[1:], strict=False)
+        )
         assert grown < 16 * 1024, f"{grown} bytes kept after {ROUND} abandoned requests"
         # And the pool still works: a request arriving now waits alone and goes first.
         task = asyncio.create_task(k.flow.admit(req("late")))
