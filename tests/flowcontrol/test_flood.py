@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import tracemalloc
 
 import pytest
@@ -68,7 +69,7 @@ def test_abandoned_flows_are_forgotten_and_a_second_round_costs_no_memory(expire
         # is the one that tells.
         grown = min(
             sum(d.size_diff for d in after.compare_to(before, "filename"))
-            for before, after in zip(snapshots, snapshots[1:], strict=False)
+            for before, after in itertools.pairwise(snapshots)
         )
         assert grown < 16 * 1024, f"{grown} bytes kept after {ROUND} abandoned requests"
         # And the pool still works: a request arriving now waits alone and goes first.
