@@ -191,6 +191,7 @@ def _tune(args: argparse.Namespace) -> int:
         Candidate,
         CaptureError,
         load_gateway_settings,
+        load_latency_models,
         load_pod_facts,
         load_requests,
         tune,
@@ -200,6 +201,7 @@ def _tune(args: argparse.Namespace) -> int:
         requests = load_requests(Path(args.capture))
         facts = load_pod_facts(Path(args.capture))
         carried = load_gateway_settings(Path(args.capture))
+        models = load_latency_models(Path(args.capture))
     except (OSError, CaptureError) as exc:
         print(f"extproc tune: {exc}", file=sys.stderr)
         return 1
@@ -240,7 +242,7 @@ def _tune(args: argparse.Namespace) -> int:
         report = tune(
             requests, base_config=base, rules=rules, seeds=max(1, args.seeds),
             max_seeds=max(1, args.seeds, args.max_seeds), workers=max(1, args.workers), slo_ttft_s=args.slo_ttft_ms / 1e3,
-            default_pods=max(0, args.pods), pod_facts=facts,
+            default_pods=max(0, args.pods), pod_facts=facts, gateway_models=models,
             slo_tpot_s=args.slo_tpot_ms / 1e3,
         )  # fmt: skip
     except ValueError as exc:

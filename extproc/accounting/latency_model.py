@@ -55,6 +55,7 @@ __all__ = [
     "LearnedModels",
     "OnlineRidge",
     "PodLatencyModel",
+    "fullest_rows",
 ]
 
 MAX_LATENCY_S = 600.0  # a TTFT or TPOT sample above this is a broken record, not a sample
@@ -229,6 +230,26 @@ def _claimed_samples(values: Any) -> float:
     return (
         float(count) if isinstance(count, int | float) and not isinstance(count, bool) else math.inf
     )
+
+
+def fullest_rows(rows: Iterable[Any]) -> list[list[Any]]:
+    """Of several replicas' `LatencyModels.rows`, each pod's that learned the most samples (the
+    one `adopt` would keep), in first-seen order; a row not shaped `[model, address, values]`
+    is left out (`adopt` would refuse it). One capture's line from every process's export."""
+    best: dict[tuple[str, str], list[Any]] = {}
+    for row in rows:
+        if not (isinstance(row, list | tuple) and len(row) == 3):
+            continue
+        model, address, values = row
+        if not (isinstance(model, str) and isinstance(address, str)):
+            continue
+        claimed = _claimed_samples(values)
+        if not math.isfinite(claimed):
+            continue
+        kept = best.get((model, address))
+        if kept is None or claimed > _claimed_samples(kept[2]):
+            best[(model, address)] = [model, address, values]
+    return list(best.values())
 
 
 def _ms3(seconds: float | None) -> Any:

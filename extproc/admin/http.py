@@ -392,6 +392,8 @@ class AdminServer:
         export = await capture.export(since)
         export["pods"] = _pod_facts(self._src.store)  # what a twin sizes each pod's engine by
         export["gateway"] = _gateway_settings(self._src.config)  # and runs the gateway under
+        # and where its latency models stand: a twin's predicted-latency starts from them
+        export["latency_models"] = self._src.latency.rows()
         body = orjson.dumps(export)
         return web.Response(
             body=body, content_type="application/json", headers={"Cache-Control": "no-store"}

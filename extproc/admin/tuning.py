@@ -142,19 +142,23 @@ def _mapping(item: Check, limit: int = MAX_LIST) -> Check:
     return check
 
 
-def _record(fields: Mapping[str, Check]) -> Check:
-    """An object with exactly these keys (a missing or an unknown one is named)."""
+def _record(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+    """An object with exactly these keys, and maybe the `optional` ones (a missing or an
+    unknown one is named)."""
+    maybe = dict(optional or {})
 
     def check(value: Any, path: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise _fail(path, f"must be an object, not {_kind(value)}")
-        unknown = sorted(set(value) - set(fields))
+        unknown = sorted(set(value) - set(fields) - set(maybe))
         if unknown:
             raise _fail(f"{path}.{unknown[0]}", "unknown key")
         missing = [k for k in fields if k not in value]
         if missing:
             raise _fail(f"{path}.{missing[0]}", "missing")
-        return {k: c(value[k], f"{path}.{k}") for k, c in fields.items()}
+        out = {k: c(value[k], f"{path}.{k}") for k, c in fields.items()}
+        out.update({k: c(value[k], f"{path}.{k}") for k, c in maybe.items() if k in value})
+        return out
 
     return check
 
@@ -177,7 +181,8 @@ _RULE = _record(
         **_STATS,
         "ttft_p50_ms_seeds": _list(_optional(_number)),
         "ttft_p90_ms_seeds": _list(_optional(_number)),
-    }
+    },
+    {"cold": _flag},  # replayed from cold latency models (`Candidate.cold`): shown, not a choice
 )
 _REPORT = _record(
     {
@@ -207,7 +212,8 @@ _REPORT = _record(
                 "beyond_noise": _flag,
             }
         ),
-    }
+    },
+    {"models_from": _text()},  # where the replays' latency models started (from 2026-12-08)
 )
 
 

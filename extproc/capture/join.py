@@ -19,7 +19,10 @@ previous prompt up to the block where they part, where `hash_ids` would show onl
 512-token windows). The
 first line also carries `pods`: each scraped pod's model, block size and number of KV blocks,
 as its engine publishes them; and `gateway`: the settings of the gateway's config that a replay
-runs it under (flow control, saturation, KV events, polling, the rules' parameters). Where the
+runs it under (flow control, saturation, KV events, polling, the rules' parameters); and
+`latency_models`: where the gateway's per-pod latency models stood when the capture was taken
+(`LatencyModels.rows`, each pod's from the process whose model learned the most), so that a
+replay's `predicted-latency` starts where a switch to it would. Where the
 routing rule computed no hashes (`"blocks": "none"`), every block gets an id of its own: the
 replay then shares nothing it cannot prove.
 """
@@ -34,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from extproc.accounting.latency_model import fullest_rows
 from extproc.capture.records import FINE_TOKENS, WINDOW_TOKENS
 
 __all__ = ["Capture", "CaptureFormatError", "merge", "parse_since", "write_capture"]
@@ -143,12 +147,15 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
     outcomes: dict[str, Mapping[str, Any]] = {}
     pods: dict[str, Any] = {}
     gateway: Mapping[str, Any] | None = None
+    models: list[Any] = []
     for export in exports:
         if not isinstance(export, Mapping) or export.get("format") != 1:
             raise CaptureFormatError("not a capture export (format 1)")
         out.processes.append(str(export.get("replica", "")))
         if gateway is None and isinstance(settings := export.get("gateway"), Mapping):
             gateway = settings
+        if isinstance(rows := export.get("latency_models"), list):
+            models += rows
         facts = export.get("pods")
         if isinstance(facts, Mapping):
             for address, fact in facts.items():
@@ -184,6 +191,8 @@ def merge(exports: Iterable[Mapping[str, Any]], *, since: float | None = None) -
         # The gateway's settings a replay runs it under (one process's: every process of a
         # deployment runs the same config), once, on the first line.
         out.lines[0]["gateway"] = dict(gateway)
+    if out.lines and (fullest := fullest_rows(models)):
+        out.lines[0]["latency_models"] = fullest
     return out
 
 

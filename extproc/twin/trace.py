@@ -42,6 +42,7 @@ __all__ = [
     "link_clients",
     "link_continuations",
     "load_gateway_settings",
+    "load_latency_models",
     "load_pod_facts",
     "load_requests",
     "parse_requests",
@@ -372,6 +373,14 @@ def load_gateway_settings(path: Path) -> dict[str, Any]:
     carries none (a plain trace, a capture from before they were recorded)."""
     settings = _first_line_key(path, "gateway")
     return dict(settings) if isinstance(settings, dict) else {}
+
+
+def load_latency_models(path: Path) -> list[Any]:
+    """Where the gateway's latency models stood when the capture was taken (its first line's
+    `latency_models`: `LatencyModels.rows`, adopted as a replica adopts its peers', a malformed
+    row refused there); empty when it carries none (a plain trace, an older capture)."""
+    rows = _first_line_key(path, "latency_models")
+    return list(rows) if isinstance(rows, list) else []
 
 
 def _window(unit: int, hash_id: int) -> list[int]:

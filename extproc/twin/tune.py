@@ -2,9 +2,10 @@
 
 1. Fit each pod's engine to the capture (`fit.py`).
 2. Fidelity: replay the capture under the rule that ran and compare with what the capture
-   measured (TTFT p50 / p90, prefix hit rate). Every replay's gateway starts with the latency
-   models a replay under the running rule learned (`learned_latency`), as the running
-   gateway's are: a switch to `predicted-latency` does not start cold.
+   measured (TTFT p50 / p90, prefix hit rate). Every replay's gateway starts with the running
+   gateway's latency models, as a switch to `predicted-latency` would: those the capture
+   carries (where they stood when it was taken), else those a replay under the running rule
+   learned (`learned_latency`).
 3. Replay it under every candidate (the built-in rules and a small search over kv-aware's
    weights), with several seeds (the routing's random draws and a jitter of the arrivals:
    the spread a live rerun would show), on `workers` processes. A rule whose seeds disagree
@@ -25,7 +26,7 @@ import math
 import multiprocessing
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -142,12 +143,24 @@ def _pct(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+def _spread(served_by: Iterable[str | None], pods: Iterable[str]) -> float:
+    """The busiest pod's requests over the mean pod's, every pod of `pods` counted (one that
+    served nothing too: a rule that sends everything to one pod of two spreads it 2.0, not
+    1.0)."""
+    per_pod = Counter(served_by)
+    for pod in pods:
+        per_pod.setdefault(pod, 0)
+    mean = statistics.fmean(per_pod.values()) if per_pod else 0.0
+    return max(per_pod.values()) / mean if mean else 0.0
+
+
 def stats_of(
     served: Sequence[Served],
     duration_s: float,
     *,
     slo_ttft_s: float,
     slo_tpot_s: float,
+    pods: Iterable[str] = (),
 ) -> Stats:
     ok = [s for s in served if s.status == 200 and s.ttft_s is not None]
     ttft = sorted(s.ttft_s for s in ok if s.ttft_s is not None)
@@ -158,8 +171,6 @@ def stats_of(
         for s in ok
         if s.ttft_s is not None and s.ttft_s <= slo_ttft_s and (s.tpot_s or 0.0) <= slo_tpot_s
     )
-    per_pod = Counter(s.pod for s in ok)
-    mean = statistics.fmean(per_pod.values()) if per_pod else 0.0
     return Stats(
         requests=len(served),
         errors=len(served) - len(ok),
@@ -169,7 +180,7 @@ def stats_of(
         tpot_p50_ms=1e3 * _pct(tpot, 0.5),
         hit_rate=sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
         goodput_rps=good / duration_s if duration_s > 0 else 0.0,
-        spread=max(per_pod.values()) / mean if mean else 0.0,
+        spread=_spread((s.pod for s in ok), pods),
     )
 
 
@@ -179,8 +190,10 @@ def score(ttft_ms: tuple[float, float], running_ms: tuple[float, float]) -> floa
     return 0.5 * (ttft_ms[0] / max(running_ms[0], 1e-9) + ttft_ms[1] / max(running_ms[1], 1e-9))
 
 
-def captured_stats(requests: Sequence[TwinRequest], duration_s: float) -> Stats | None:
-    """What the capture itself measured (None without outcomes)."""
+def captured_stats(
+    requests: Sequence[TwinRequest], duration_s: float, pods: Iterable[str] = ()
+) -> Stats | None:
+    """What the capture itself measured (None without outcomes); `spread` over `pods`."""
     timed = [r for r in requests if r.measured]
     if not timed:
         return None
@@ -188,8 +201,6 @@ def captured_stats(requests: Sequence[TwinRequest], duration_s: float) -> Stats 
     tpot = sorted(r.tpot_s for r in timed if r.tpot_s is not None)
     cached = [r for r in timed if r.cached_tokens is not None]
     prompt = sum(r.input_length for r in cached)
-    per_pod = Counter(r.pod for r in timed)
-    mean = statistics.fmean(per_pod.values())
     return Stats(
         requests=len(requests),
         errors=sum(1 for r in requests if r.status is not None and r.status >= 400),
@@ -199,7 +210,7 @@ def captured_stats(requests: Sequence[TwinRequest], duration_s: float) -> Stats 
         tpot_p50_ms=1e3 * _pct(tpot, 0.5),
         hit_rate=sum(r.cached_tokens or 0 for r in cached) / prompt if prompt else math.nan,
         goodput_rps=math.nan,
-        spread=max(per_pod.values()) / mean,
+        spread=_spread((r.pod for r in timed), pods),
     )
 
 
@@ -254,6 +265,9 @@ class TuneReport:
     ceiling: float
     results: list[RuleResult]
     seeds: int  # per rule; a rule whose seeds disagreed has more (`unsettled`)
+    # Where every replay's latency models started: "capture" (the gateway's, as the capture
+    # carries them), "replay" (learned by replaying the capture under the running rule).
+    models_from: str = "replay"
 
     def best(self) -> RuleResult:
         """The rule to run: the lowest score of those that are a choice (not a cold start)."""
@@ -301,6 +315,7 @@ class TuneReport:
             "running": self.running,
             "seeds": self.seeds,
             "reuse_ceiling": round(self.ceiling, 4),
+            "models_from": self.models_from,
             "fit": {
                 "rounds": self.fit.rounds,
                 "jitter_ms": round(self.fit.jitter_s * 1e3, 3),
@@ -344,6 +359,12 @@ class TuneReport:
             f"{self.requests} requests over {self.duration_s:.0f} s; running rule: "
             f"{self.running}; reuse ceiling {self.ceiling:.3f}; {self.seeds} seeds per rule"
             + self._more_seeds(),
+            "latency models (predicted-latency's) start "
+            + (
+                "where the gateway's stood when the capture was taken"
+                if self.models_from == "capture"
+                else f"from a replay under {self.running} (the capture carries none)"
+            ),
             "",
             f"pods fitted in {self.fit.rounds} rounds, arrivals jittered by up to "
             f"{self.fit.jitter_s * 1e3:.0f} ms"
@@ -428,7 +449,8 @@ def _job(args: _JobArgs) -> Stats:
         setup, requests, strategy=cand.strategy, params=cand.params, seed=seed,
         jitter_s=jitter, latency=latency,
     )  # fmt: skip
-    return stats_of(served, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+    pods = [p.address for p in setup.pods]
+    return stats_of(served, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, pods=pods)
 
 
 def unsettled(p50s: Sequence[float], *, within: float = SETTLED) -> bool:
@@ -491,6 +513,7 @@ def tune(
     fit_window_s: float | None = 600.0,
     default_pods: int = 0,
     pod_facts: Mapping[str, Mapping[str, int]] | None = None,
+    gateway_models: Sequence[Any] = (),
 ) -> TuneReport:
     if not requests:
         raise ValueError("the capture holds no request")
@@ -518,10 +541,15 @@ def tune(
     with _runner(workers) as runner:
         # Every replay starts with the latency models the running gateway has: they learn
         # from every request whatever rule routes it, so a switch to `predicted-latency`
-        # starts warm. (On a worker: an hour's replay would stay in this process's memory,
-        # and the workers are forked from it.)
+        # starts warm. The capture's (`gateway_models`: the gateway's own, learned from all
+        # it has served, not only the capture's window), else a replay's under the running
+        # rule (on a worker: an hour's replay would stay in this process's memory, and the
+        # workers are forked from it).
         jitter = fit.jitter_s  # at least JITTER_S: the least of the grid
-        latency = runner.map(_learn, [(setup, requests, running, jitter)])[0]
+        if gateway_models:
+            latency = LearnedModels(tuple(list(row) for row in gateway_models))
+        else:
+            latency = runner.map(_learn, [(setup, requests, running, jitter)])[0]
         while pending:  # the first round: every rule `seeds` times; then the unsettled ones
             jobs = [
                 (setup, requests, rules[i], seed, duration, slo_ttft_s, slo_tpot_s,
@@ -543,9 +571,10 @@ def tune(
         duration_s=duration,
         running=running,
         fit=fit,
-        captured=captured_stats(requests, duration),
+        captured=captured_stats(requests, duration, [p.address for p in setup.pods]),
         fidelity=fidelity,
         ceiling=reuse_ceiling(requests),
         results=results,
         seeds=seeds,
+        models_from="capture" if gateway_models else "replay",
     )

@@ -18,6 +18,7 @@ from extproc.accounting.latency_model import (
     LatencyModels,
     OnlineRidge,
     PodLatencyModel,
+    fullest_rows,
 )
 from extproc.routing.predicted import FEATURE_NAMES, LatencyFeatures
 from tests._clock import ManualClock
@@ -375,3 +376,21 @@ def test_a_malformed_model_row_is_refused_and_counted(where: tuple[int, ...], to
     assert here.adopt([bad]) == 0
     assert here.ignored == 1 and here.state()["models"] == {}
     assert here.adopt([row]) == 1  # the row itself is fine
+
+
+def test_of_several_replicas_rows_each_pods_fullest_is_kept_as_adopt_would() -> None:
+    # A capture joins every process's export: one row a pod, the one adopt would keep.
+    one, two = LatencyModels(), LatencyModels()
+    train(one, "a", 30)
+    train(two, "a", 12, seed=2)
+    train(one, "b", 9, seed=3)
+    train(two, "b", 20, seed=4)
+    train(two, "c", 5, seed=5)
+    rows = [*one.rows(), *two.rows(), "not a row", [MODEL, 7, []], [MODEL, "d", "values"]]
+    kept = fullest_rows(rows)
+    assert [(r[1], r[2][0][0]) for r in kept] == [("a", 30), ("b", 20), ("c", 5)]
+    every = LatencyModels()
+    every.adopt(rows)
+    joined = LatencyModels()
+    assert joined.adopt(kept) == 3 and joined.ignored == 0
+    assert joined.state()["models"] == every.state()["models"]

@@ -256,16 +256,22 @@ def test_the_twins_own_report_passes_the_check() -> None:
         Candidate("kv-aware overlap 2", "kv-aware", {"overlap_weight": 2.0}),
         [stats(50.0), stats(52.0)],
     )
+    cold = RuleResult(  # `extproc tune`'s own candidates have one (a restart: shown, not chosen)
+        Candidate("predicted-latency, cold start", "predicted-latency", cold=True),
+        [stats(40.0), stats(41.0)],
+    )
     report = TuneReport(
         requests=10, duration_s=5.0, running="least-request",
         fit=FitReport(pods=(PodProfile("10.0.0.1:8000", "m"),), rounds=1,
                       check={"10.0.0.1:8000": {"ttft_p50_ms": 1.0}}),
-        captured=stats(91.0), fidelity=stats(93.0), ceiling=0.6, results=[running, best], seeds=2,
+        captured=stats(91.0), fidelity=stats(93.0), ceiling=0.6, results=[running, best, cold],
+        seeds=2, models_from="capture",
     )  # fmt: skip
     doc = report.to_json()
     parsed = parse_tuning(json.dumps(doc).encode())  # as `--json FILE` writes it, NaN and all
     assert parsed["best"]["name"] == "kv-aware overlap 2" and parsed["best"]["beyond_noise"]
     assert parsed == json.loads(json.dumps(finite(doc)))  # nothing but NaN -> null changed
+    assert parsed["rules"][2]["cold"] is True and parsed["models_from"] == "capture"
 
 
 def _write_stack(workdir: Path, servers: list[Running]) -> None:

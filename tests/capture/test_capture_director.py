@@ -58,7 +58,7 @@ def head(rid: str) -> RequestHead:
     )
 
 
-def body(question: str, system: str = SYSTEM) -> bytes:
+def body(question: str, system: str = SYSTEM, *, stream: bool = False) -> bytes:
     return orjson.dumps(
         {
             "model": "qwen3",
@@ -67,12 +67,15 @@ def body(question: str, system: str = SYSTEM) -> bytes:
                 {"role": "user", "content": question},
             ],
             "max_tokens": 48,
+            **({"stream": True} if stream else {}),
         }
     )
 
 
-async def route(kit: DirectorKit, rid: str, question: str, system: str = SYSTEM) -> RouteResult:
-    res = await kit.director.route(head(rid), body(question, system))
+async def route(
+    kit: DirectorKit, rid: str, question: str, system: str = SYSTEM, *, stream: bool = False
+) -> RouteResult:
+    res = await kit.director.route(head(rid), body(question, system, stream=stream))
     assert isinstance(res, RouteResult), res
     return res
 
@@ -85,8 +88,9 @@ async def exports(*kits: DirectorKit) -> list[dict[str, Any]]:
     out = []
     for kit in kits:
         assert kit.core.capture is not None
-        # As /debug/capture sends it: through JSON.
-        out.append(json.loads(orjson.dumps(await kit.core.capture.export())))
+        export = await kit.core.capture.export()
+        export["latency_models"] = kit.core.latency.rows()  # as /debug/capture adds them
+        out.append(json.loads(orjson.dumps(export)))  # and sends it: through JSON
     return out
 
 
@@ -120,6 +124,28 @@ async def test_routed_on_one_process_accounted_on_another_is_one_line(
     assert line["tpot_ms"] == pytest.approx(300.0 / 36, abs=1e-3)
     rows = parse_trace(lines_text(capture).splitlines())  # the bench's trace replay reads it
     assert [(r.input_length, r.output_length) for r in rows] == [(prompt, 37)]
+
+
+async def test_the_first_line_carries_each_pods_latency_model_from_the_process_that_learned_most(
+    processes: tuple[DirectorKit, DirectorKit],
+) -> None:
+    a, b = processes
+    assert merge(await exports(a, b)).lines == []  # no request: no line to carry them
+    # Streamed: the access record of a whole answer has no TTFT to learn.
+    first = await route(a, "r1", "What is a pelican?", stream=True)
+    account(b, first, "r1", TokenUsage(1300, 37, 512))  # b learns the pod's first sample
+    ea, eb = await exports(a, b)
+    assert ea["latency_models"] == [] and len(eb["latency_models"]) == 1
+    (line,) = merge([ea, eb]).lines
+    assert line["latency_models"] == eb["latency_models"]
+    pod = first.destinations[0]
+    assert [r[1] for r in line["latency_models"]] == [pod]
+    for rid in ("r2", "r3"):  # a learns two of the pod's: its model is the fuller one now
+        account(a, first, rid, TokenUsage(1300, 37, 512))
+    ea, eb = await exports(a, b)
+    lines = merge([eb, ea]).lines
+    assert lines[0]["latency_models"] == ea["latency_models"] != eb["latency_models"]
+    assert all("latency_models" not in line for line in lines[1:])
 
 
 async def test_shared_prefixes_share_leading_hash_ids_across_processes(

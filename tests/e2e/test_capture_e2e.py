@@ -20,7 +20,7 @@ from bench.traces import load_trace
 from extproc.cli import main as cli_main
 from extproc.kubectl import main as kubectl_main
 from extproc.stack.local import LocalStack
-from extproc.twin import load_gateway_settings, load_pod_facts
+from extproc.twin import load_gateway_settings, load_latency_models, load_pod_facts
 from tests.e2e.harness import running_stack, stack_options, wait_for
 from tests.k8s.fake_apiserver import PODS, SECRETS, FakeApiServer
 from tests.k8s.helpers import make_pod, write_kubeconfig
@@ -154,6 +154,16 @@ def test_the_capture_is_one_line_per_request_with_the_usage_the_client_got(
     assert all("gateway" not in line for line in lines[1:])
     assert load_gateway_settings(out) == gateway
     assert "session_secret" not in json.dumps(gateway) and "/" not in json.dumps(gateway)
+    # Where the gateway's latency models stood, once, on the first line: a model for each pod
+    # that served a streamed request (a whole answer's record has no TTFT to learn), from the
+    # process that learned the most of it (each shares its samples with the other).
+    models = lines[0]["latency_models"]
+    timed = [line["served_by"] for line in streamed]
+    assert sorted(row[1] for row in models) == sorted(set(timed))
+    assert all(row[0] == "qwen3" for row in models)
+    assert 1 <= sum(row[2][0][0] for row in models) <= len(timed)
+    assert all("latency_models" not in line for line in lines[1:])
+    assert load_latency_models(out) == models
     assert load_pod_facts(out) == {
         a: {"block_size": p["block_size"], "num_gpu_blocks": p["num_gpu_blocks"]}
         for a, p in pods.items()

@@ -10,9 +10,18 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import main
-from extproc.twin import load_gateway_settings, load_requests
-from extproc.twin.replay import PodProfile, TwinSetup, replay
-from extproc.twin.tune import SETTLED, Candidate, candidates, reuse_ceiling, tune, unsettled
+from extproc.routing.predicted import FEATURE_NAMES
+from extproc.twin import load_gateway_settings, load_latency_models, load_requests
+from extproc.twin.replay import PodProfile, Served, TwinSetup, learned_latency, replay
+from extproc.twin.tune import (
+    SETTLED,
+    Candidate,
+    candidates,
+    reuse_ceiling,
+    stats_of,
+    tune,
+    unsettled,
+)
 from tests.twin._traffic import sessions_traffic
 
 PODS = tuple(PodProfile(f"10.0.0.{k}:8000", "m", overhead_s=0.003) for k in (1, 2))
@@ -180,3 +189,71 @@ def test_a_cold_start_is_replayed_cold_and_shown_never_recommended(tmp_path: Pat
     assert listed[cold.name]["cold"] is True and "cold" not in listed["kv-aware"]
     rows = report.table().splitlines()[2:]  # the columns line up past the longest name
     assert len({row.index("ms ") for row in rows}) == 1 and any(cold.name in r for r in rows)
+
+
+def test_the_replays_start_from_the_latency_models_the_capture_carries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A gateway that has served far more than its capture holds: its models have learned
+    # past `min_samples` (50), where the capture's 30 requests a pod alone would leave
+    # predicted-latency routing by the cost rule; and they say 10.0.0.1 is twenty times
+    # slower than 10.0.0.2. The capture carries them; every replay starts from them (the rule
+    # sends 10.0.0.2 what the cost rule would have spread), and says so.
+    cap, out = tmp_path / "cap.jsonl", tmp_path / "tune.json"
+    _capture(cap, n=60)
+    requests = load_requests(cap)
+    setup = TwinSetup(pods=PODS, default_model="m")
+    # streamed, as the capture's are: the access record of a whole answer has no TTFT to learn
+    earlier = [dataclasses.replace(r, stream=True) for r in sessions_traffic(240, seed=2)]
+    rows = list(learned_latency(setup, earlier, strategy="kv-aware").rows)
+    assert len(rows) == 2 and all(row[2][0][0] >= 50 for row in rows)  # TTFT samples: warm
+    slow = next(row for row in rows if row[1] == PODS[0].address)
+    ttft = slow[2][0]  # samples, residual scale, largest and least sample, ridge sums
+    dim = len(FEATURE_NAMES)
+    ttft[1:4] = [20 * v for v in ttft[1:4]]
+    ttft[-dim:] = [20 * v for v in ttft[-dim:]]  # X'Wy: every prediction twenty times
+    pl = Candidate("predicted-latency", "predicted-latency")
+    common = dict(
+        default_model="m", rules=[pl], workers=1, seeds=2, max_seeds=2,
+        base_config={"flow_control": {"enabled": False}},
+    )  # fmt: skip
+    carried = tune(requests, gateway_models=rows, **common)  # type: ignore[arg-type]
+    replayed = tune(requests, **common)  # type: ignore[arg-type]
+    assert (carried.models_from, replayed.models_from) == ("capture", "replay")
+    spread = [
+        next(x for x in r.results if x.candidate == pl).median("spread")
+        for r in (carried, replayed)
+    ]
+    assert spread[0] > spread[1] + 0.3, spread
+    # Through the command: the capture's first line carries them as `extproc capture` writes.
+    lines = cap.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["latency_models"] = rows
+    cap.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    assert load_latency_models(cap) == rows
+    argv = ["tune", str(cap), "--rules", "predicted-latency", "--seeds", "2", "--workers", "1"]
+    assert main([*argv, "--max-seeds", "2", "--json", str(out)]) == 0
+    assert "start where the gateway's stood when the capture was taken" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["models_from"] == "capture"
+    rules = {r["name"]: r for r in report["rules"]}
+    assert rules["predicted-latency"]["spread"] > spread[1] + 0.3
+
+
+@pytest.mark.parametrize(
+    ("served_by", "spread"),
+    [
+        (["a", "a", "b", "b"], 1.0),
+        (["a", "a", "a", "a"], 2.0),  # b served nothing: counted, not left out
+        (["a", "a", "a", "b"], 1.5),
+        ([], 0.0),
+    ],
+)
+def test_the_load_spread_counts_every_pod_one_that_served_nothing_too(
+    served_by: list[str], spread: float
+) -> None:
+    served = [
+        Served(i, pod, 200, 0.05, 0.01, 0.5, 100, 0, 10, 0.0) for i, pod in enumerate(served_by)
+    ]
+    got = stats_of(served, 10.0, slo_ttft_s=1.0, slo_tpot_s=1.0, pods=["a", "b"])
+    assert got.spread == spread
