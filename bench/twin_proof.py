@@ -28,6 +28,11 @@ A Markdown table on stdout, the whole comparison in bench/data/twin-proof-SCENAR
     .venv/bin/python -m bench.twin_proof multiturn --skip-live bench/results/twin-proof   # (b), (c)
     .venv/bin/python -m bench.twin_proof multiturn --skip-live bench/data/twin-captures  # any clone
 
+`--rep N` tunes the capture of repetition N instead (its proof in
+bench/data/twin-proof-SCENARIO-repN.json): a later repetition's capture is of a gateway that has
+served the earlier runs, whose latency models (which the capture carries) are warm, as an
+operator's running gateway's are; the first's is of a gateway's first minutes.
+
 A live run keeps what (b) and (c) read in bench/data/twin-captures/SCENARIO/ (`--keep`; the
 capture gzipped, about 20 KB a scenario; not for a trace from elsewhere), so that the
 committed figures can be re-derived on a fresh clone without the live run.
@@ -673,7 +678,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="let the twin choose among all its candidates, not only the rules run live",
     )
-    p.add_argument("--rep", type=int, default=0, help="the repetition whose capture is tuned")
+    p.add_argument(
+        "--rep",
+        type=int,
+        default=0,
+        help="the repetition whose capture is tuned (its proof: twin-proof-SCENARIO-repN.json "
+        "where N > 0)",
+    )
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     p.add_argument("--tune-timeout", type=float, default=TUNE_TIMEOUT_S, help="s per extproc tune")
     p.add_argument("--data", type=Path, default=ROOT / "bench" / "data")
@@ -794,7 +805,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "twin_captured": tuned.get("captured"),  # the twin's reading of the capture
             **proof.as_dict(),
         }
-        path = args.data / f"twin-proof-{name}.json"
+        # One file a capture tuned: the first repetition's keeps the name it always had.
+        path = args.data / f"twin-proof-{name}{f'-rep{args.rep}' if args.rep else ''}.json"
         path.write_text(json.dumps(out, indent=1, default=str) + "\n")
         log.info("%s -> %s", name, path)
     return 1 if failed else 0
