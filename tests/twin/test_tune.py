@@ -212,23 +212,19 @@ def test_the_replays_start_from_the_latency_models_the_capture_carries(
     dim = len(FEATURE_NAMES)
     ttft[1:4] = [20 * v for v in ttft[1:4]]
     ttft[-dim:] = [20 * v for v in ttft[-dim:]]  # X'Wy: every prediction twenty times
+    # Without them, the replays' models are learned from the capture under the running rule.
     pl = Candidate("predicted-latency", "predicted-latency")
-    common = dict(
-        default_model="m", rules=[pl], workers=1, seeds=2, max_seeds=2,
+    replayed = tune(
+        requests, default_model="m", rules=[pl], workers=1, seeds=2, max_seeds=2,
         base_config={"flow_control": {"enabled": False}},
     )  # fmt: skip
-    carried = tune(requests, gateway_models=rows, **common)  # type: ignore[arg-type]
-    replayed = tune(requests, **common)  # type: ignore[arg-type]
-    assert (carried.models_from, replayed.models_from) == ("capture", "replay")
-    spread = [
-        next(x for x in r.results if x.candidate == pl).median("spread")
-        for r in (carried, replayed)
-    ]
-    assert spread[0] > spread[1] + 0.3, spread
-    # Through the command: the capture's first line carries them as `extproc capture` writes.
+    assert replayed.models_from == "replay"
+    unwarned = next(x for x in replayed.results if x.candidate == pl).median("spread")
+    # With them, as `extproc capture` writes them on the first line: through the command.
     lines = cap.read_text().splitlines()
     first = json.loads(lines[0])
     first["latency_models"] = rows
+    first["gateway"] = {"flow_control": {"enabled": False}}
     cap.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
     assert load_latency_models(cap) == rows
     argv = ["tune", str(cap), "--rules", "predicted-latency", "--seeds", "2", "--workers", "1"]
@@ -237,7 +233,8 @@ def test_the_replays_start_from_the_latency_models_the_capture_carries(
     report = json.loads(out.read_text())
     assert report["models_from"] == "capture"
     rules = {r["name"]: r for r in report["rules"]}
-    assert rules["predicted-latency"]["spread"] > spread[1] + 0.3
+    # 10.0.0.2 gets nearly all (2.0: all of it); the models learned from the capture spread
+    assert rules["predicted-latency"]["spread"] > 1.8 > unwarned + 0.3, unwarned
 
 
 @pytest.mark.parametrize(
