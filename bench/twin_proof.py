@@ -76,6 +76,7 @@ __all__ = [
     "main",
     "markdown",
     "objective",
+    "proof_path",
     "prove",
 ]
 
@@ -637,6 +638,12 @@ def capture_in(out_dir: Path, rep: int) -> Path:
     return packed if not plain.exists() and packed.exists() else plain
 
 
+def proof_path(data: Path, scenario: str, rep: int) -> Path:
+    """Where the proof of `rep`'s capture goes: one file a capture tuned, the first
+    repetition's under the name it always had."""
+    return data / f"twin-proof-{scenario}{f'-rep{rep}' if rep else ''}.json"
+
+
 def keep_inputs(scenario: str, out_dir: Path, capture: Path, dest: Path) -> Path | None:
     """What the tuning and the proof read (result.json, the capture gzipped, the config it
     ran under) copied to dest/SCENARIO, so that `--skip-live dest` gives the same figures on
@@ -805,8 +812,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "twin_captured": tuned.get("captured"),  # the twin's reading of the capture
             **proof.as_dict(),
         }
-        # One file a capture tuned: the first repetition's keeps the name it always had.
-        path = args.data / f"twin-proof-{name}{f'-rep{args.rep}' if args.rep else ''}.json"
+        path = proof_path(args.data, name, args.rep)
         path.write_text(json.dumps(out, indent=1, default=str) + "\n")
         log.info("%s -> %s", name, path)
     return 1 if failed else 0

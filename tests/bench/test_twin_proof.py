@@ -17,6 +17,7 @@ from bench.twin_proof import (
     captured_ttft,
     keep_inputs,
     markdown,
+    proof_path,
     prove,
     read_capture,
     replace_runs,
@@ -342,3 +343,16 @@ def test_a_rule_run_again_replaces_its_live_runs_and_only_its() -> None:
     summary = {row["variant"]: row for row in kept["summary"]}
     assert summary["kv-aware"]["ttft_p50_ms"] == 50 and summary["prefix-cache"]["ttft_p50_ms"] == 94
     assert kept["rerun"] == {"prefix-cache": 300}
+
+
+@pytest.mark.parametrize(
+    ("rep", "name"),
+    [
+        (0, "twin-proof-docqa.json"),
+        (1, "twin-proof-docqa-rep1.json"),
+        (2, "twin-proof-docqa-rep2.json"),
+    ],
+)
+def test_each_repetitions_capture_has_a_proof_file_of_its_own(rep: int, name: str) -> None:
+    # the first repetition's keeps the name earlier proofs were committed under
+    assert proof_path(Path("data"), "docqa", rep) == Path("data") / name
