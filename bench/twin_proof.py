@@ -33,6 +33,12 @@ bench/data/twin-proof-SCENARIO-repN.json): a later repetition's capture is of a 
 served the earlier runs, whose latency models (which the capture carries) are warm, as an
 operator's running gateway's are; the first's is of a gateway's first minutes.
 
+`--pool 0,1,2` (with `--skip-live`, after each capture's proof) judges the twin over those
+repetitions' captures, pooled (`pooled_tune`: per rule the median of the captures' twins),
+against the live repetitions: each repetition is a draw of the workload, live and captured
+alike, and one capture's twin is one draw set against three (bench/data/twin-proof-SCENARIO-
+pooled.json).
+
 A live run keeps what (b) and (c) read in bench/data/twin-captures/SCENARIO/ (`--keep`; the
 capture gzipped, about 20 KB a scenario; not for a trace from elsewhere), so that the
 committed figures can be re-derived on a fresh clone without the live run.
@@ -50,6 +56,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -76,6 +83,7 @@ __all__ = [
     "main",
     "markdown",
     "objective",
+    "pooled_tune",
     "proof_path",
     "prove",
 ]
@@ -638,6 +646,42 @@ def capture_in(out_dir: Path, rep: int) -> Path:
     return packed if not plain.exists() and packed.exists() else plain
 
 
+def pooled_tune(proofs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several captures' twins of one scenario (one capture per repetition, each a draw of
+    the workload, as each live repetition is) as one tuning for `prove`: per rule, the median
+    of the captures' twin figures and its seeds' range over all of them; the pick, the rule
+    the twin's own score (`score`: p50 and p90 against the running rule's) puts lowest. Set
+    beside the live repetitions' medians it compares like with like, where one capture's twin
+    is one draw against three. Built from each capture's proof (`twin-proof-*.json`)."""
+    if not proofs:
+        raise ValueError("no proof to pool")
+    running = proofs[0].get("running")
+    rules: list[dict[str, Any]] = []
+    for first in proofs[0]["rules"]:
+        same = [r for p in proofs for r in p["rules"] if r["name"] == first["name"]]
+        rule: dict[str, Any] = {"name": first["name"], "strategy": first.get("variant")}
+        for m in (*METRICS, "hit_rate"):
+            vals = [v for r in same if (v := _num(r["twin"].get(m))) is not None]
+            rule[m] = statistics.median(vals) if vals else None
+        ends = [v for r in same for v in r.get("twin_range") or () if v is not None]
+        rule["ttft_p50_ms_seeds"] = [min(ends), max(ends)] if ends else []
+        rules.append(rule)
+    cur = next((r for r in rules if r["name"] == running), None)
+
+    def scored(r: Mapping[str, Any]) -> float:
+        if cur is None or any(r[m] is None or cur[m] is None for m in METRICS):
+            return math.inf
+        return score((r[METRICS[0]], r[METRICS[1]]), (cur[METRICS[0]], cur[METRICS[1]]))
+
+    best = min(rules, key=scored) if rules else None
+    return {
+        "running": running,
+        "rules": rules,
+        "best": {"name": best["name"]} if best is not None else {},
+        "fidelity": None,
+    }
+
+
 def proof_path(data: Path, scenario: str, rep: int) -> Path:
     """Where the proof of `rep`'s capture goes: one file a capture tuned, the first
     repetition's under the name it always had."""
@@ -692,6 +736,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the repetition whose capture is tuned (its proof: twin-proof-SCENARIO-repN.json "
         "where N > 0)",
     )
+    p.add_argument(
+        "--pool",
+        default=None,
+        metavar="REPS",
+        help="with --skip-live: no tuning; judge the twin over these repetitions' captures "
+        "(comma-separated; each tuned before, its twin-proof-SCENARIO[-repN].json in --data) "
+        "against the live repetitions: twin-proof-SCENARIO-pooled.json",
+    )
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     p.add_argument("--tune-timeout", type=float, default=TUNE_TIMEOUT_S, help="s per extproc tune")
     p.add_argument("--data", type=Path, default=ROOT / "bench" / "data")
@@ -737,6 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--rerun replaces runs of an earlier run: give its --skip-live RESULTS_DIR "
             "(and not --add-repetitions)"
         )
+    if args.pool and (args.skip_live is None or args.rerun or args.add_repetitions):
+        p.error("--pool judges earlier tunings: give --skip-live RESULTS_DIR, nothing to run")
     if args.add_repetitions and args.skip_live is None:
         p.error("--add-repetitions appends to an earlier run: give its --skip-live RESULTS_DIR")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -764,6 +818,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.add_repetitions:
             live_s = run_more(scenario, rules, repetitions=args.add_repetitions, into=out_dir)
             log.info("%s live, %d more: %.0f s -> %s", name, args.add_repetitions, live_s, out_dir)
+        if args.pool:
+            reps = [int(r) for r in args.pool.split(",")]
+            proofs = [json.loads(proof_path(args.data, name, r).read_text()) for r in reps]
+            result = json.loads((out_dir / "result.json").read_text())
+            lines = [line for r in reps for line in read_capture(capture_in(out_dir, r))]
+            proof = prove(pooled_tune(proofs), result, lines, tolerance=args.tolerance)
+            print(markdown(proof))
+            path = args.data / f"twin-proof-{name}-pooled.json"
+            pooled = {"scenario": name, "results": str(out_dir), "pooled_reps": reps}
+            path.write_text(json.dumps({**pooled, **proof.as_dict()}, indent=1, default=str) + "\n")
+            log.info("%s -> %s", name, path)
+            continue
         if has_tune is None:
             has_tune = tune_available()
         if not has_tune:

@@ -17,6 +17,7 @@ from bench.twin_proof import (
     captured_ttft,
     keep_inputs,
     markdown,
+    pooled_tune,
     proof_path,
     prove,
     read_capture,
@@ -356,3 +357,47 @@ def test_a_rule_run_again_replaces_its_live_runs_and_only_its() -> None:
 def test_each_repetitions_capture_has_a_proof_file_of_its_own(rep: int, name: str) -> None:
     # the first repetition's keeps the name earlier proofs were committed under
     assert proof_path(Path("data"), "docqa", rep) == Path("data") / name
+
+
+def _proof_rule(name: str, p50: float, p90: float, seeds: tuple[float, float]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "variant": name,
+        "twin": {"ttft_p50_ms": p50, "ttft_p90_ms": p90, "hit_rate": 0.5},
+        "twin_range": list(seeds),
+    }
+
+
+def test_several_captures_twins_pool_into_one_tuning_the_live_medians_are_judged_against() -> None:
+    # Three captures of one scenario, one per repetition (each a draw of the workload): a
+    # rule's twin figure is the median of the three, its seeds' range spans them all, and the
+    # pick is the lowest by the twin's own score against the running rule's pooled figures.
+    draws = [
+        [("kv-aware", 40, 100, (38, 42)), ("least-request", 90, 300, (85, 99))],
+        [("kv-aware", 50, 120, (47, 55)), ("least-request", 45, 110, (44, 46))],
+        [("kv-aware", 44, 90, (40, 49)), ("least-request", 80, 250, (70, 90))],
+    ]
+    proofs = [{"running": "kv-aware", "rules": [_proof_rule(*r) for r in rules]} for rules in draws]
+    tune = pooled_tune(proofs)
+    rules = {r["name"]: r for r in tune["rules"]}
+    assert (rules["kv-aware"]["ttft_p50_ms"], rules["kv-aware"]["ttft_p90_ms"]) == (44, 100)
+    assert (rules["least-request"]["ttft_p50_ms"], rules["least-request"]["ttft_p90_ms"]) == (
+        80,
+        250,
+    )
+    assert rules["kv-aware"]["ttft_p50_ms_seeds"] == [38, 55]
+    assert tune["running"] == "kv-aware" and tune["best"] == {"name": "kv-aware"}
+    # One draw alone would have picked least-request (the second's 45 / 110 ms).
+    assert pooled_tune(proofs[1:2])["best"] == {"name": "least-request"}
+    result = {
+        "scenario": "s",
+        "runs": [
+            {"variant": v, "load": "c", "rep": k, "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50}
+            for k in range(3)
+            for v, p50 in (("kv-aware", 45 + k), ("least-request", 78 + k))
+        ],
+    }
+    proof = prove(tune, result, [])
+    assert [r.p50_within for r in proof.rules] == [True, True]  # 44 / 46, 80 / 79
+    with pytest.raises(ValueError, match="no proof"):
+        pooled_tune([])
