@@ -49,6 +49,7 @@ def tuning_report() -> dict[str, Any]:
         "running": RUNNING,
         "seeds": 3,
         "reuse_ceiling": 0.8125,
+        "models_from": "capture",
         "fit": {
             "rounds": 3,
             "jitter_ms": 15.0,

@@ -91,6 +91,7 @@ async def test_the_page_shows_the_last_tuning_and_nothing_is_cut_at_1400_px(admi
         summary = await page.evaluate(text("#tuning p"))
         assert "4812 captured requests" in summary and f"running rule: {RUNNING}" in summary
         assert "reuse ceiling 81%" in summary
+        assert "Latency models started where the gateway's stood" in summary
         assert "with 3 seeds each (more where they disagreed: prefix-cache 9);" in summary
 
         rows = await page.evaluate(
