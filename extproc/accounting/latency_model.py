@@ -232,17 +232,26 @@ def _claimed_samples(values: Any) -> float:
     )
 
 
+def _row(row: Any) -> tuple[str, str, Any] | None:
+    """A peer's row (`LatencyModels.rows`) as (model, address, values); None when it is not
+    shaped so (its values are `restore`'s to check)."""
+    if not isinstance(row, list | tuple) or len(row) != 3:
+        return None
+    model, address, values = row
+    if not isinstance(model, str) or not isinstance(address, str):
+        return None
+    return model, address, values
+
+
 def fullest_rows(rows: Iterable[Any]) -> list[list[Any]]:
     """Of several replicas' `LatencyModels.rows`, each pod's that learned the most samples (the
     one `adopt` would keep), in first-seen order; a row not shaped `[model, address, values]`
     is left out (`adopt` would refuse it). One capture's line from every process's export."""
     best: dict[tuple[str, str], list[Any]] = {}
     for row in rows:
-        if not (isinstance(row, list | tuple) and len(row) == 3):
+        if (parts := _row(row)) is None:
             continue
-        model, address, values = row
-        if not (isinstance(model, str) and isinstance(address, str)):
-            continue
+        model, address, values = parts
         claimed = _claimed_samples(values)
         if not math.isfinite(claimed):
             continue
@@ -582,13 +591,10 @@ class LatencyModels:
         Returns how many models were taken."""
         taken = 0
         for row in rows:
-            if not isinstance(row, list | tuple) or len(row) != 3:
+            if (parts := _row(row)) is None:
                 self.ignored += 1
                 continue
-            model, address, values = row
-            if not isinstance(model, str) or not isinstance(address, str):
-                self.ignored += 1
-                continue
+            model, address, values = parts
             key = (model, address)
             mine = self._pods.get(key)
             if mine is None and len(self._pods) >= self._max:
